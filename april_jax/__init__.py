@@ -1,0 +1,1 @@
+"""RL training of Qwen3 LLMs in JAX."""

@@ -1,0 +1,289 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> Qwen3 params.
+
+`load_pretrained` reads tensors one at a time from memory-mapped safetensors (one file,
+or shards listed in `model.safetensors.index.json`), converts each to the layout of
+`qwen3.py` and puts it straight into its sharding, so host memory peaks near one
+(layer-stacked) tensor rather than at a copy of the model. `save_pretrained` writes
+config.json and size-capped safetensors shards that transformers loads as
+`Qwen3ForCausalLM`. Weights are never read from pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from april_jax.models import qwen3
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+
+
+# ------------------------------------------------------------------------------ config
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwen3Config:
+  """A Qwen3Config from a transformers config dict; rejects what the model cannot run."""
+  model_type = hf.get("model_type")
+  if model_type == "qwen3_moe" or "num_experts" in hf:
+    raise ValueError(f"{source}: Qwen3-MoE (model_type {model_type!r}) is not supported; "
+                     "april_jax runs dense Qwen3 models (model_type 'qwen3')")
+  if model_type != "qwen3":
+    raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
+                     "april_jax runs dense Qwen3 models (model_type 'qwen3')")
+  missing = [k for k in _REQUIRED_KEYS if k not in hf]
+  if missing:
+    raise ValueError(f"{source}: missing required field(s) {missing}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+  if hf.get("attention_bias", False):
+    raise ValueError(f"{source}: attention_bias=true is not supported by Qwen3")
+  if hf.get("use_sliding_window", False):
+    raise ValueError(f"{source}: use_sliding_window=true is not supported")
+  rope_params = hf.get("rope_parameters") or {}
+  rope_scaling = hf.get("rope_scaling") or {}
+  for name, rope in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"{source}: {name} type {rope_type!r} is not supported "
+                       "(only default RoPE)")
+  rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
+  num_heads = hf["num_attention_heads"]
+  return qwen3.Qwen3Config(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"],
+      num_layers=hf["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      rope_theta=float(rope_theta),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+  )
+
+
+def config_to_hf(cfg: qwen3.Qwen3Config, dtype: str = "float32",
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The transformers config.json for `cfg` (extra keys, e.g. token ids, merged in)."""
+  hf = {
+      "architectures": ["Qwen3ForCausalLM"],
+      "model_type": "qwen3",
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "hidden_act": "silu",
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "tie_word_embeddings": cfg.tie_word_embeddings,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "use_sliding_window": False,
+      "torch_dtype": dtype,
+  }
+  hf.update(extra or {})
+  return hf
+
+
+def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
+  config_path = Path(path) / CONFIG_NAME
+  if not config_path.is_file():
+    raise FileNotFoundError(f"no {CONFIG_NAME} in model folder {path} (looked for "
+                            f"{config_path})")
+  with open(config_path, encoding="utf-8") as f:
+    return config_from_hf(json.load(f), source=str(config_path))
+
+
+# ------------------------------------------------------------------------- name mapping
+
+# Our layer param -> (HF name template, HF shape fn, HF->ours fn, ours->HF fn).
+def _layer_table(cfg: qwen3.Qwen3Config):
+  D, F, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  N, K = cfg.num_heads, cfg.num_kv_heads
+  p = "model.layers.{i}."
+  ident = lambda w: w
+  qkv_in = lambda n: (lambda w: w.reshape(n, H, D).transpose(2, 0, 1))  # [n*H, D] -> [D, n, H]
+  qkv_out = lambda w: w.transpose(1, 2, 0).reshape(-1, D)  # [D, n, H] -> [n*H, D]
+  return {
+      "attn_norm": (p + "input_layernorm.weight", (D,), ident, ident),
+      "q": (p + "self_attn.q_proj.weight", (N * H, D), qkv_in(N), qkv_out),
+      "k": (p + "self_attn.k_proj.weight", (K * H, D), qkv_in(K), qkv_out),
+      "v": (p + "self_attn.v_proj.weight", (K * H, D), qkv_in(K), qkv_out),
+      "o": (p + "self_attn.o_proj.weight", (D, N * H),
+            lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
+            lambda w: w.transpose(2, 0, 1).reshape(D, N * H)),
+      "q_norm": (p + "self_attn.q_norm.weight", (H,), ident, ident),
+      "k_norm": (p + "self_attn.k_norm.weight", (H,), ident, ident),
+      "mlp_norm": (p + "post_attention_layernorm.weight", (D,), ident, ident),
+      "gate": (p + "mlp.gate_proj.weight", (F, D), np.transpose, np.transpose),
+      "up": (p + "mlp.up_proj.weight", (F, D), np.transpose, np.transpose),
+      "down": (p + "mlp.down_proj.weight", (D, F), np.transpose, np.transpose),
+  }
+
+
+def _top_table(cfg: qwen3.Qwen3Config):
+  D, V = cfg.hidden_size, cfg.vocab_size
+  ident = lambda w: w
+  table = {
+      "embed": ("model.embed_tokens.weight", (V, D), ident, ident),
+      "final_norm": ("model.norm.weight", (D,), ident, ident),
+  }
+  if not cfg.tie_word_embeddings:
+    table["lm_head"] = ("lm_head.weight", (V, D), np.transpose, np.transpose)
+  return table
+
+
+# ---------------------------------------------------------------------------- reading
+
+class _TensorReader:
+  """Looks tensors up by name across the safetensors files of one folder."""
+
+  def __init__(self, path: Path):
+    index = path / INDEX_NAME
+    if index.is_file():
+      with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(p.name for p in path.glob("*.safetensors"))
+      if not files:
+        raise FileNotFoundError(f"no *.safetensors files (nor {INDEX_NAME}) in model "
+                                f"folder {path}")
+      weight_map = {}
+    self._handles = {}
+    for name in files:
+      file = path / name
+      if not file.is_file():
+        raise FileNotFoundError(f"{INDEX_NAME} lists {name}, which is missing from {path}")
+      self._handles[name] = safe_open(str(file), framework="numpy")
+      if not index.is_file():
+        weight_map.update({key: name for key in self._handles[name].keys()})
+    self._weight_map = weight_map
+    self._path = path
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in self._weight_map:
+      raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
+    tensor = self._handles[self._weight_map[name]].get_tensor(name)
+    if tuple(tensor.shape) != tuple(shape):
+      raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config "
+                       f"implies {tuple(shape)}")
+    return tensor
+
+
+def _np_dtype(dtype) -> np.dtype:
+  return np.dtype(ml_dtypes.bfloat16) if str(jnp.dtype(dtype)) == "bfloat16" else np.dtype(
+      jnp.dtype(dtype))
+
+
+def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
+                    rules=None) -> tuple[qwen3.Qwen3Config, qwen3.Params]:
+  """Reads an HF Qwen3 folder into params of `dtype`, sharded over `mesh` if given."""
+  from april_jax import sharding  # pylint: disable=g-import-not-at-top
+  path = Path(path)
+  if not path.is_dir():
+    raise FileNotFoundError(f"model folder {path} does not exist")
+  cfg = load_config(path)
+  reader = _TensorReader(path)
+  np_dtype = _np_dtype(dtype)
+  if mesh is not None:
+    shardings = sharding.param_shardings(cfg, mesh, rules or sharding.DEFAULT_RULES, dtype)
+  else:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, qwen3.param_logical_axes(cfg),
+                             is_leaf=lambda x: isinstance(x, tuple))
+
+  def place(host: np.ndarray, target) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
+
+  params: dict[str, Any] = {"layers": {}}
+  for ours, (name, shape, to_ours, _) in _top_table(cfg).items():
+    params[ours] = place(to_ours(reader.get(name, shape)).astype(np_dtype), shardings[ours])
+  for ours, (template, shape, to_ours, _) in _layer_table(cfg).items():
+    stacked = None
+    for i in range(cfg.num_layers):
+      layer = to_ours(reader.get(template.format(i=i), shape)).astype(np_dtype)
+      if stacked is None:
+        stacked = np.empty((cfg.num_layers,) + layer.shape, np_dtype)
+      stacked[i] = layer
+    params["layers"][ours] = place(stacked, shardings["layers"][ours])
+    del stacked
+  return cfg, params
+
+
+# ---------------------------------------------------------------------------- writing
+
+def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
+  """Yields (HF name, numpy array) one tensor at a time."""
+  host = lambda a: np.asarray(jax.device_get(a))
+  for ours, (name, _, _, to_hf) in _top_table(cfg).items():
+    if ours == "final_norm":
+      continue
+    yield name, np.ascontiguousarray(to_hf(host(params[ours])))
+  for i in range(cfg.num_layers):
+    for ours, (template, _, _, to_hf) in _layer_table(cfg).items():
+      yield template.format(i=i), np.ascontiguousarray(to_hf(host(params["layers"][ours][i])))
+  yield "model.norm.weight", host(params["final_norm"])
+
+
+def save_pretrained(path: str | os.PathLike, cfg: qwen3.Qwen3Config, params: qwen3.Params,
+                    max_shard_bytes: int = 2 << 30,
+                    extra_config: dict[str, Any] | None = None) -> None:
+  """Writes config.json and safetensors (sharded past `max_shard_bytes`) for transformers."""
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  dtype = str(params["embed"].dtype)
+  with open(path / CONFIG_NAME, "w", encoding="utf-8") as f:
+    json.dump(config_to_hf(cfg, dtype, extra_config), f, indent=2)
+
+  shards: list[tuple[str, list[str]]] = []
+  pending: dict[str, np.ndarray] = {}
+  pending_bytes = total_bytes = 0
+
+  def flush():
+    nonlocal pending, pending_bytes
+    tmp_name = f"shard-{len(shards):05d}.tmp"
+    save_file(pending, str(path / tmp_name), metadata={"format": "pt"})
+    shards.append((tmp_name, list(pending)))
+    pending, pending_bytes = {}, 0
+
+  for name, tensor in _hf_tensors(cfg, params):
+    if pending and pending_bytes + tensor.nbytes > max_shard_bytes:
+      flush()
+    pending[name] = tensor
+    pending_bytes += tensor.nbytes
+    total_bytes += tensor.nbytes
+  flush()
+
+  for stale in [*path.glob("*.safetensors"), path / INDEX_NAME]:
+    stale.unlink(missing_ok=True)
+  if len(shards) == 1:
+    os.replace(path / shards[0][0], path / SINGLE_NAME)
+    return
+  weight_map = {}
+  for i, (tmp_name, names) in enumerate(shards):
+    final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    os.replace(path / tmp_name, path / final)
+    weight_map.update({n: final for n in names})
+  with open(path / INDEX_NAME, "w", encoding="utf-8") as f:
+    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f,
+              indent=2)

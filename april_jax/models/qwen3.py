@@ -1,0 +1,308 @@
+"""Qwen3 (dense, every size) as pure JAX functions over a params pytree.
+
+One model, four uses:
+  forward(cfg, params, tokens)          -> float32 logits [B, T, V], causal, positions 0..T-1
+  prefill(cfg, params, tokens, lengths) -> last-token logits and the prompt's KV
+  decode_step(cfg, params, tok, pos, kv) -> next-token logits, KV with the token written
+  token_logprobs(cfg, params, ...)      -> per-token logprobs (+ entropy) computed in chunks
+                                           over the sequence, so [B, T, V] never exists.
+
+Params (layers are stacked on a leading axis L and run with `lax.scan`):
+  embed         [V, D]
+  layers        attn_norm [L, D]; q [L, D, N, H]; k, v [L, D, K, H]; o [L, N, H, D];
+                q_norm, k_norm [L, H]; mlp_norm [L, D]; gate, up [L, D, F]; down [L, F, D]
+  final_norm    [D]
+  lm_head       [D, V]  (absent when tie_word_embeddings: the head is embed^T)
+Shapes: B batch, T query length, S key length, D hidden, N query heads, K kv heads,
+H head_dim (independent of D / N), G = N // K, F intermediate, V vocab.
+
+Numerics follow transformers' Qwen3ForCausalLM: RMSNorm in float32, RoPE on the
+rotate-half layout, attention scores, softmax and logits in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+  """The shape of a dense Qwen3 model; hashable, so it can be a static jit argument."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 40960
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+          f"({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+  @property
+  def num_groups(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  def num_params(self) -> int:
+    d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_word_embeddings else d * self.vocab_size
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+class KVCache(NamedTuple):
+  """Keys and values for every layer: k, v [L, B, S, K, H]."""
+  k: jax.Array
+  v: jax.Array
+
+
+# ----------------------------------------------------------------------------- init
+
+def init_params(cfg: Qwen3Config, rng: jax.Array, dtype=jnp.float32,
+                std: float = 0.02) -> Params:
+  """Random params: normal(0, std) matrices, ones for norms (transformers' init)."""
+  L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+  N, K, H, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+  shapes = {
+      "q": (L, D, N, H), "k": (L, D, K, H), "v": (L, D, K, H), "o": (L, N, H, D),
+      "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+  }
+  keys = jax.random.split(rng, len(shapes) + 2)
+  normal = lambda key, shape: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  layers = {name: normal(key, shape) for key, (name, shape) in zip(keys, shapes.items())}
+  ones = lambda *shape: jnp.ones(shape, dtype)
+  layers.update(attn_norm=ones(L, D), mlp_norm=ones(L, D), q_norm=ones(L, H),
+                k_norm=ones(L, H))
+  params = {"embed": normal(keys[-2], (V, D)), "layers": layers, "final_norm": ones(D)}
+  if not cfg.tie_word_embeddings:
+    params["lm_head"] = normal(keys[-1], (D, V))
+  return params
+
+
+def param_logical_axes(cfg: Qwen3Config) -> Params:
+  """Logical axis names for every param; `sharding.py` maps them onto the mesh."""
+  layers = {
+      "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
+      "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
+      "q": ("layers", "embed", "heads", "head_dim"),
+      "k": ("layers", "embed", "kv_heads", "head_dim"),
+      "v": ("layers", "embed", "kv_heads", "head_dim"),
+      "o": ("layers", "heads", "head_dim", "embed"),
+      "gate": ("layers", "embed", "mlp"), "up": ("layers", "embed", "mlp"),
+      "down": ("layers", "mlp", "embed"),
+  }
+  axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+  if not cfg.tie_word_embeddings:
+    axes["lm_head"] = ("embed", "vocab")
+  return axes
+
+
+KV_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+# ------------------------------------------------------------------------ building blocks
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * x32.astype(x.dtype)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, rotate-half layout (first half of head_dim pairs with second)."""
+  H = x_BxTxNxH.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+  freqs_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([freqs_BxTxH2, freqs_BxTxH2], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x_BxTxNxH.dtype), jnp.sin(angles).astype(x_BxTxNxH.dtype)
+  x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxNxH * cos + rotated * sin
+
+
+def _attention_scores(q_BxTxNxH, k_BxSxKxH, num_kv_heads: int):
+  B, T, N, H = q_BxTxNxH.shape
+  q = q_BxTxNxH.reshape(B, T, num_kv_heads, N // num_kv_heads, H)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH,
+                      preferred_element_type=jnp.float32)
+  return scores * (H ** -0.5)  # [B, K, G, T, S]
+
+
+def _attention_output(probs_BxKxGxTxS, v_BxSxKxH):
+  B, K, G, T, _ = probs_BxKxGxTxS.shape
+  out = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH)
+  return out.reshape(B, T, K * G, -1)
+
+
+def _masked_softmax(scores, mask):
+  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(scores, axis=-1)
+
+
+def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
+  h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dnh->btnh", h, lp["q"])
+  k = jnp.einsum("btd,dkh->btkh", h, lp["k"])
+  v = jnp.einsum("btd,dkh->btkh", h, lp["v"])
+  q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
+  k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
+  return q, k, v
+
+
+def _attn_out_and_mlp(cfg: Qwen3Config, lp: Params, x_BxTxD, attn_BxTxNxH):
+  x = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn_BxTxNxH, lp["o"])
+  h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, lp["gate"])
+  up = jnp.einsum("btd,df->btf", h, lp["up"])
+  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"])
+
+
+def _causal_layer(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
+  """One decoder layer over a whole sequence; also returns its k, v for a cache."""
+  q, k, v = _qkv(cfg, lp, x_BxTxD, positions_BxT)
+  T = x_BxTxD.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
+  probs = _masked_softmax(_attention_scores(q, k, cfg.num_kv_heads), causal_TxT)
+  return _attn_out_and_mlp(cfg, lp, x_BxTxD, _attention_output(probs, v)), (k, v)
+
+
+def _head_weight_DxV(cfg: Qwen3Config, params: Params) -> jax.Array:
+  return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
+  """The output head, in float32."""
+  return jnp.einsum("btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params),
+                    preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------- the four uses
+
+def hidden_states(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
+                  remat: bool = False, return_kv: bool = False):
+  """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H])."""
+  B, T = tokens_BxT.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  x = params["embed"][tokens_BxT]
+
+  def body(x, lp):
+    x, kv = _causal_layer(cfg, lp, x, positions_BxT)
+    return x, (kv if return_kv else None)
+
+  if remat:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  x, kv = jax.lax.scan(body, x, params["layers"])
+  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return (h, KVCache(*kv)) if return_kv else h
+
+
+def forward(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
+            remat: bool = False) -> jax.Array:
+  """Causal LM logits, float32 [B, T, V], positions 0..T-1."""
+  return logits_from_hidden(cfg, params, hidden_states(cfg, params, tokens_BxT, remat=remat))
+
+
+def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
+            lengths_B: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Runs right-padded prompts; returns logits at position length-1 and the KV.
+
+  Padding sits after each prompt, so causality keeps it out of the valid positions;
+  the KV beyond `length` is garbage that decode masks out and later overwrites.
+  Returns (logits [B, V] float32, KVCache with k, v [L, B, T, K, H]).
+  """
+  h, kv = hidden_states(cfg, params, tokens_BxT, return_kv=True)
+  last_BxD = jnp.take_along_axis(h, (lengths_B - 1)[:, None, None], axis=1)
+  return logits_from_hidden(cfg, params, last_BxD)[:, 0], kv
+
+
+def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
+                positions_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """One token per row at its own position; returns logits [B, V] and the updated cache.
+
+  Row b attends to cache entries 0..positions_B[b]-1 and to itself; its k, v are
+  written at index positions_B[b] after all layers ran (one scatter, in place when
+  the cache is donated).
+  """
+  B = tokens_B.shape[0]
+  S = cache.k.shape[2]
+  x = params["embed"][tokens_B][:, None, :]  # [B, 1, D]
+  pos_Bx1 = positions_B[:, None]
+  past_BxS = jnp.arange(S, dtype=jnp.int32)[None, :] < pos_Bx1
+
+  def body(x, layer):
+    lp, k_cache_BxSxKxH, v_cache_BxSxKxH = layer
+    q, k, v = _qkv(cfg, lp, x, pos_Bx1)
+    scores_past = _attention_scores(q, k_cache_BxSxKxH, cfg.num_kv_heads)  # [B,K,G,1,S]
+    scores_self = _attention_scores(q, k, cfg.num_kv_heads)  # [B,K,G,1,1]
+    scores = jnp.concatenate([scores_past, scores_self], axis=-1)
+    mask = jnp.concatenate([past_BxS, jnp.ones((B, 1), bool)], axis=-1)
+    probs = _masked_softmax(scores, mask[:, None, None, None, :])
+    attn = (_attention_output(probs[..., :S], v_cache_BxSxKxH)
+            + _attention_output(probs[..., S:], v))
+    return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
+
+  x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
+      body, x, (params["layers"], cache.k, cache.v))
+  rows = jnp.arange(B)
+  cache = KVCache(cache.k.at[:, rows, positions_B].set(k_new_LxBxKxH),
+                  cache.v.at[:, rows, positions_B].set(v_new_LxBxKxH))
+  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return logits_from_hidden(cfg, params, h)[:, 0], cache
+
+
+def token_logprobs(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
+                   targets_BxT: jax.Array, *, chunk_size: int = 512,
+                   temperature: float = 1.0, remat: bool = False):
+  """log p(targets[:, t] | tokens[:, :t+1]) and the entropy at t, both float32 [B, T].
+
+  Logits exist for `chunk_size` positions at a time (forward and backward: each
+  chunk is rematerialized), never as [B, T, V]. Logits are divided by
+  `temperature`, as the sampler's behavior logprobs are.
+  """
+  h = hidden_states(cfg, params, tokens_BxT, remat=remat)
+  B, T, D = h.shape
+  chunk = min(chunk_size, T)
+  pad = -T % chunk
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+  targets = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  num_chunks = (T + pad) // chunk
+  h_CxBxTcxD = h.reshape(B, num_chunks, chunk, D).transpose(1, 0, 2, 3)
+  t_CxBxTc = targets.reshape(B, num_chunks, chunk).transpose(1, 0, 2)
+  head_DxV = _head_weight_DxV(cfg, params)
+
+  @jax.checkpoint
+  def one_chunk(h_BxTcxD, t_BxTc):
+    logits = jnp.einsum("btd,dv->btv", h_BxTcxD, head_DxV,
+                        preferred_element_type=jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, t_BxTc[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+  logp, entropy = jax.lax.map(lambda xs: one_chunk(*xs), (h_CxBxTcxD, t_CxBxTc))
+  unchunk = lambda a: a.transpose(1, 0, 2).reshape(B, -1)[:, :T]
+  return unchunk(logp), unchunk(entropy)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_jit(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array) -> jax.Array:
+  """`forward`, jitted (cfg static)."""
+  return forward(cfg, params, tokens_BxT)

@@ -1,0 +1,122 @@
+"""One device mesh and the rules that place every array on it.
+
+The mesh has three axes, `data`, `fsdp` and `tensor` (sizes from the config; -1 takes
+the devices left). Arrays name their dimensions with logical axes (`embed`, `heads`,
+`batch`, ...); an ordered list of rules maps each logical axis to mesh axes:
+
+    ("embed", "fsdp")            # shard the hidden dim of weights over fsdp
+    ("heads", "tensor")          # attention heads over tensor (Megatron style)
+    ("batch", ("data", "fsdp"))  # batch-like dims over data and fsdp
+
+A mesh axis is used once per array (later dims skip axes already taken), and a dim
+whose size does not divide by its mesh axes stays replicated (logged once), so one
+rule set serves every model size. The sampler and the learner use the same
+shardings for params: nothing is resharded between rollout and update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("cache_seq", None),
+    ("seq", None),
+)
+
+_warned: set[tuple] = set()
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """Replaces a single -1 by the devices left; checks the product."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries {MESH_AXES}")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape}: at most one entry may be -1")
+  if any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh shape {shape}: entries must be positive or -1")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ValueError(
+        f"mesh shape {shape} uses {math.prod(shape)} devices but {num_devices} exist")
+  return shape
+
+
+def make_mesh(shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all devices)."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = resolve_mesh_shape(shape, len(devices))
+  try:
+    grid = mesh_utils.create_device_mesh(shape, devices)
+  except (AssertionError, NotImplementedError, ValueError):
+    grid = np.asarray(devices).reshape(shape)
+  return Mesh(grid, MESH_AXES)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules=DEFAULT_RULES) -> PartitionSpec:
+  """The PartitionSpec for an array with these logical axes and this shape."""
+  rule_map = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name, size in zip(logical_axes, shape):
+    target = rule_map.get(name) if name is not None else None
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    span = math.prod(mesh.shape[a] for a in axes)
+    if axes and size % span:
+      key = (name, size, axes)
+      if key not in _warned:
+        _warned.add(key)
+        logging.warning("logical axis %r of size %d does not divide mesh axes %s (%d); "
+                        "replicating it", name, size, axes, span)
+      axes = ()
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*spec)
+
+
+def named_shardings(logical_tree, shape_tree, mesh: Mesh, rules=DEFAULT_RULES):
+  """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given logical axes."""
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+  return jax.tree.map(
+      lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules)),
+      logical_tree, shape_tree, is_leaf=is_axes)
+
+
+def param_shardings(cfg, mesh: Mesh, rules=DEFAULT_RULES, dtype="float32"):
+  """NamedShardings of a Qwen3 params pytree."""
+  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
+  return named_shardings(qwen3.param_logical_axes(cfg), shapes, mesh, rules)
+
+
+def init_params_sharded(cfg, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES,
+                        dtype="float32"):
+  """Random Qwen3 params created directly in their shardings (never whole on one device)."""
+  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
+  shardings = param_shardings(cfg, mesh, rules, dtype)
+  init = jax.jit(lambda key: qwen3.init_params(cfg, key, dtype), out_shardings=shardings)
+  return init(rng)

@@ -1,0 +1,58 @@
+"""Shared test set-up: 8 CPU devices for sharding tests, tiny random HF Qwen3 models."""
+
+import os
+
+# Must happen before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # pylint: disable=g-import-not-at-top
+
+import pytest  # pylint: disable=g-import-not-at-top
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Small Qwen3 shapes covering the cases the model must get right.
+TINY_HF_CONFIGS = {
+    # head_dim (32) independent of hidden_size / num_heads (64 / 4 = 16), as in Qwen3-4B.
+    "head_dim_decoupled": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, tie_word_embeddings=False, rope_theta=1e6),
+    "untied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                   tie_word_embeddings=False, rope_theta=10_000.0),
+    "tied": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                 tie_word_embeddings=True, rope_theta=1e6),
+}
+
+
+def save_random_hf_qwen3(path: Path, seed: int = 0, vocab_size: int = 256,
+                         num_layers: int = 2, **overrides) -> Path:
+  """Saves a random Qwen3ForCausalLM with transformers, weights at realistic magnitudes.
+
+  The default init (std 0.02) makes every layer nearly the identity, which would hide
+  mistakes; here matrices get std 1/sqrt(fan_in) and norm weights vary around 1.
+  """
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  kwargs = dict(vocab_size=vocab_size, intermediate_size=96, num_hidden_layers=num_layers,
+                rms_norm_eps=1e-6, max_position_embeddings=512)
+  kwargs.update(overrides)
+  config = transformers.Qwen3Config(**kwargs)
+  torch.manual_seed(seed)
+  model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+      elif "embed_tokens" in name:
+        p.normal_(0.0, 1.0)
+      else:
+        p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+  model.save_pretrained(path, safe_serialization=True)
+  return path
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_HF_CONFIGS))
+def hf_model_dir(request, tmp_path_factory):
+  """A folder with a tiny random transformers-saved Qwen3, one per TINY_HF_CONFIGS entry."""
+  path = tmp_path_factory.mktemp(f"hf_{request.param}")
+  return save_random_hf_qwen3(path, **TINY_HF_CONFIGS[request.param])

@@ -1,0 +1,109 @@
+"""HF checkpoints in and out: transformers reads what we write; bad folders fail clearly."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax.models import hf_io, qwen3
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _tokens(vocab, shape=(2, 24), seed=0):
+  return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+def test_saved_checkpoint_loads_in_transformers_with_same_logits(hf_model_dir, tmp_path):
+  cfg, params = hf_io.load_pretrained(hf_model_dir)
+  hf_io.save_pretrained(tmp_path, cfg, params)
+  model = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+  tokens = _tokens(cfg.vocab_size)
+  with torch.no_grad():
+    theirs = model(torch.as_tensor(tokens)).logits.numpy()
+  ours = np.asarray(qwen3.forward_jit(cfg, params, jnp.asarray(tokens)))
+  np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4)
+  assert model.config.tie_word_embeddings == cfg.tie_word_embeddings
+
+
+def test_load_save_load_is_identical_including_sharded_files(hf_model_dir, tmp_path):
+  cfg, params = hf_io.load_pretrained(hf_model_dir)
+  # A small shard cap forces several files and an index.
+  hf_io.save_pretrained(tmp_path, cfg, params, max_shard_bytes=20_000)
+  assert (tmp_path / hf_io.INDEX_NAME).is_file()
+  assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+  cfg2, params2 = hf_io.load_pretrained(tmp_path)
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params, params2)
+
+
+def test_bfloat16_round_trip_keeps_dtype_and_values(tmp_path):
+  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                          num_heads=2, num_kv_heads=1, head_dim=16)
+  params = qwen3.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+  hf_io.save_pretrained(tmp_path, cfg, params)
+  assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  _, params2 = hf_io.load_pretrained(tmp_path, dtype="bfloat16")
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                          np.asarray(b, np.float32)),
+               params, params2)
+
+
+def test_config_reads_rope_theta_top_level_or_in_rope_parameters():
+  base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+  assert hf_io.config_from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
+  nested = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 456.0}}
+  assert hf_io.config_from_hf(nested).rope_theta == 456.0
+
+
+def test_shared_qwen3_configs_parse_to_their_published_shapes():
+  from conftest import SHARED_DATA  # pylint: disable=g-import-not-at-top
+  folder = SHARED_DATA / "model_configs"
+  if not folder.is_dir():
+    pytest.skip("shared model configs are absent")
+  c4 = hf_io.config_from_hf(json.loads((folder / "qwen3-4b.config.json").read_text()))
+  c8 = hf_io.config_from_hf(json.loads((folder / "qwen3-8b.config.json").read_text()))
+  assert (c4.hidden_size, c4.num_heads, c4.head_dim, c4.tie_word_embeddings) == (
+      2560, 32, 128, True)
+  assert (c8.hidden_size, c8.num_layers, c8.tie_word_embeddings) == (4096, 36, False)
+  assert 4.0e9 < c4.num_params() < 4.1e9 and 8.1e9 < c8.num_params() < 8.3e9
+
+
+def test_missing_config_json_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    hf_io.load_pretrained(tmp_path)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    hf_io.load_pretrained(tmp_path / "nope")
+
+
+def test_missing_weights_is_a_clear_error(hf_model_dir, tmp_path):
+  shutil.copy(hf_model_dir / "config.json", tmp_path / "config.json")
+  with pytest.raises(FileNotFoundError, match="safetensors"):
+    hf_io.load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("model_type,message", [
+    ("llama", "unsupported model_type 'llama'"),
+    ("qwen3_moe", "Qwen3-MoE"),
+])
+def test_unsupported_architecture_is_named(hf_model_dir, tmp_path, model_type, message):
+  shutil.copytree(hf_model_dir, tmp_path, dirs_exist_ok=True)
+  config = json.loads((tmp_path / "config.json").read_text())
+  config["model_type"] = model_type
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=message):
+    hf_io.load_pretrained(tmp_path)
+
+
+def test_wrong_tensor_shape_names_the_tensor(hf_model_dir, tmp_path):
+  shutil.copytree(hf_model_dir, tmp_path, dirs_exist_ok=True)
+  config = json.loads((tmp_path / "config.json").read_text())
+  config["intermediate_size"] += 8  # now every MLP tensor disagrees with the config
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*shape"):
+    hf_io.load_pretrained(tmp_path)
