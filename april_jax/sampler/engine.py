@@ -1,0 +1,207 @@
+"""The host side of the slot sampler: admit, step, harvest, snapshot, restore.
+
+    engine = SlotEngine(cfg, params, EngineConfig(num_slots=64, max_len=4096))
+    engine.add_group(records)          # one prefill, KV copied into len(records) slots
+    engine.add(record, mode="kv")      # continue a snapshotted partial sample
+    finished = engine.step()           # up to sync_every tokens per live slot
+    partials = engine.snapshot()       # every unfinished slot -> host records, slots freed
+
+The engine owns the device `SlotState` and knows which record each slot holds.
+Sequence lengths for prefill and KV copies are bucketed (powers of two from
+`min_bucket`, capped at `max_len`), so a long run compiles a fixed, small set of
+programs. Assign `engine.params` and `engine.version` after each update: the next
+tokens are drawn under the new params and tagged with the new version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from april_jax import sharding
+from april_jax.models import qwen3
+from april_jax.sampler import slot_ops
+from april_jax.sampler.records import PromptError, SampleRecord
+
+RESUME_MODES = ("kv", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  num_slots: int
+  max_len: int                     # tokens a slot holds: prompt + response
+  sync_every: int = 16             # decode steps per host round trip (at most)
+  min_bucket: int = 16
+  stop_ids: tuple[int, ...] = ()
+  kv_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("num_slots", "max_len", "sync_every", "min_bucket"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def buckets(min_bucket: int, max_len: int) -> list[int]:
+  """Padded lengths used for prefill and KV copies: min_bucket * 2^i, then max_len."""
+  out, b = [], min_bucket
+  while b < max_len:
+    out.append(b)
+    b *= 2
+  return out + [max_len]
+
+
+class SlotEngine:
+  """A static array of decode slots over one set of (sharded) params."""
+
+  def __init__(self, cfg: qwen3.Qwen3Config, params, config: EngineConfig, mesh=None,
+               rules=sharding.DEFAULT_RULES, version: int = 0):
+    self.cfg, self.params, self.config, self.version = cfg, params, config, version
+    self.fns = slot_ops.device_fns(cfg, config.num_slots, config.max_len, config.sync_every,
+                                   config.kv_dtype, mesh, tuple(rules))
+    self.state = self.fns.init()
+    self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
+    self._buckets = buckets(config.min_bucket, config.max_len)
+    self._owner: list[SampleRecord | None] = [None] * config.num_slots
+    self.decode_steps = 0        # decode steps run (every slot advances at most 1 each)
+    self.tokens_generated = 0    # tokens kept, summed over slots
+
+  # ------------------------------------------------------------------ bookkeeping
+  def free_slots(self) -> list[int]:
+    return [s for s, r in enumerate(self._owner) if r is None]
+
+  @property
+  def num_live(self) -> int:
+    return self.config.num_slots - len(self.free_slots())
+
+  def live_records(self) -> list[SampleRecord]:
+    return [r for r in self._owner if r is not None]
+
+  def bucket(self, n: int) -> int:
+    for b in self._buckets:
+      if b >= n:
+        return b
+    raise PromptError(f"{n} tokens exceed the slot capacity max_len={self.config.max_len}")
+
+  def check(self, record: SampleRecord) -> None:
+    """Raises PromptError if the record cannot run in a slot."""
+    P, M = len(record.prompt), self.config.max_len
+    if P == 0:
+      raise PromptError("empty prompt: a sample needs at least one prompt token")
+    if record.max_new_tokens < 1:
+      raise PromptError(f"max_new_tokens must be >= 1, got {record.max_new_tokens}")
+    if P + record.max_new_tokens > M:
+      raise PromptError(
+          f"prompt of {P} tokens + response budget {record.max_new_tokens} exceeds the "
+          f"slot capacity max_len={M}")
+    if record.finished or record.budget_left < 1:
+      raise PromptError("the sample is already finished")
+    if not (record.top_k >= 0 and 0 < record.top_p <= 1 and record.temperature >= 0):
+      raise PromptError(f"bad sampling params temperature={record.temperature} "
+                        f"top_k={record.top_k} top_p={record.top_p}")
+
+  # ---------------------------------------------------------------------- admit
+  def _insert(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
+    first = records[0]
+    M = self.config.max_len
+    tokens = np.zeros(M, np.int32)
+    tokens[:first.length] = np.concatenate([first.prompt, first.response])
+    logprobs = np.zeros(M, np.float32)
+    versions = np.full(M, -1, np.int32)
+    P = len(first.prompt)
+    logprobs[P:first.length] = first.logprobs
+    versions[P:first.length] = first.versions
+    self.state = self.fns.insert(
+        self.state, kv, jnp.asarray(slots, jnp.int32), tokens, logprobs, versions,
+        np.int32(first.length), np.int32(P), np.int32(P + first.max_new_tokens),
+        np.asarray([r.temperature for r in records], np.float32),
+        np.asarray([r.top_k for r in records], np.int32),
+        np.asarray([r.top_p for r in records], np.float32),
+        np.stack([r.rng for r in records]))
+    for slot, record in zip(slots, records):
+      record.drop_kv()
+      self._owner[slot] = record
+
+  def _take_slots(self, n: int) -> list[int]:
+    free = self.free_slots()
+    if len(free) < n:
+      raise RuntimeError(f"{n} slots requested, {len(free)} free")
+    return free[:n]
+
+  def _prefill(self, tokens: np.ndarray) -> qwen3.KVCache:
+    padded = np.zeros((1, self.bucket(len(tokens))), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return self.fns.prefill_kv(self.params, padded)
+
+  def add_group(self, records: list[SampleRecord]) -> list[int]:
+    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots."""
+    for r in records:
+      self.check(r)
+      if r.started or not np.array_equal(r.prompt, records[0].prompt):
+        raise ValueError("add_group takes fresh samples of one and the same prompt")
+      if r.max_new_tokens != records[0].max_new_tokens:
+        raise ValueError("add_group takes samples with one response budget")
+    slots = self._take_slots(len(records))
+    self._insert(self._prefill(records[0].prompt), slots, records)
+    return slots
+
+  def add(self, record: SampleRecord, mode: str = "kv") -> int:
+    """Continues one sample: fresh, or partial (its KV put back, or recomputed)."""
+    if mode not in RESUME_MODES:
+      raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
+    self.check(record)
+    slot = self._take_slots(1)
+    if mode == "kv" and record.has_kv:
+      used = record.length - 1
+      kv_len = self.bucket(max(used, 1))
+      pad = ((0, 0), (0, kv_len - used), (0, 0), (0, 0))
+      kv = qwen3.KVCache(np.pad(record.kv_k, pad), np.pad(record.kv_v, pad))
+    else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
+      kv = self._prefill(np.concatenate([record.prompt, record.response]))
+    self._insert(kv, slot, [record])
+    return slot[0]
+
+  # ------------------------------------------------------------------ decode, harvest
+  def step(self) -> list[SampleRecord]:
+    """Runs up to sync_every decode steps; returns the samples that finished."""
+    self.state, steps, kept = self.fns.decode(self.params, self.state,
+                                              np.int32(self.version), self._stop_ids)
+    done, lengths = jax.device_get((self.state.done, self.state.length))
+    self.decode_steps += int(steps)
+    self.tokens_generated += int(kept)
+    finished = []
+    for slot, record in enumerate(self._owner):
+      if record is not None and done[slot]:
+        self._read_back(slot, record, int(lengths[slot]), with_kv=False)
+        last = record.response[-1]
+        record.finish_reason = "stop" if last in self.config.stop_ids else "length"
+        self._owner[slot] = None
+        finished.append(record)
+    return finished
+
+  def snapshot(self, with_kv: bool = True) -> list[SampleRecord]:
+    """Every unfinished sample back to the host (with its KV if asked); slots freed."""
+    out = []
+    lengths = jax.device_get(self.state.length)
+    for slot, record in enumerate(self._owner):
+      if record is not None:
+        self._read_back(slot, record, int(lengths[slot]), with_kv)
+        self._owner[slot] = None
+        out.append(record)
+    mask = np.array([r is None for r in self._owner])
+    self.state = self.fns.mark_done(self.state, mask)
+    return out
+
+  def _read_back(self, slot: int, record: SampleRecord, length: int,
+                 with_kv: bool) -> None:
+    kv_len = self.bucket(max(length - 1, 1)) if with_kv else None
+    rows = jax.device_get(self.fns.extract(self.state, np.int32(slot), kv_len))
+    P, L = int(rows["prompt_len"]), int(rows["length"])
+    record.response = rows["tokens"][P:L].copy()
+    record.logprobs = rows["logprobs"][P:L].copy()
+    record.versions = rows["versions"][P:L].copy()
+    if with_kv:
+      record.kv_k = np.asarray(rows["kv_k"][:, :L - 1])
+      record.kv_v = np.asarray(rows["kv_v"][:, :L - 1])

@@ -1,0 +1,78 @@
+"""`generate`: batch generation on the slot engine, for evaluation and for users.
+
+More prompts than slots is the normal case: finished slots are refilled from the queue
+at once, so every sequence decodes exactly as it would alone (greedy, same params).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from april_jax import sharding
+from april_jax.models import qwen3
+from april_jax.sampler.engine import EngineConfig, SlotEngine
+from april_jax.sampler.records import PromptError, SampleRecord
+
+
+def sample_keys(seed: int, n: int) -> np.ndarray:
+  """n independent per-sample keys (raw uint32 [n, 2]) from one seed."""
+  return np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), n)))
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int = 64, num_slots: int = 8, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+             seed: int = 0, sync_every: int = 16, max_len: int | None = None, mesh=None,
+             rules=sharding.DEFAULT_RULES, return_records: bool = False,
+             on_invalid: str = "raise"):
+  """Generates a response for every prompt; returns them in prompt order.
+
+  Each response is a list of token ids, ending with the stop token when one of
+  `eos_ids` was produced. With return_records=True, returns the SampleRecords instead
+  (behavior logprobs, versions, finish reasons). A prompt that is empty or leaves no
+  room for max_new_tokens in a slot of `max_len` tokens raises PromptError naming it;
+  with on_invalid="skip" it is rejected instead: an empty response, finish_reason
+  "rejected" and the reason in meta["error"].
+  """
+  if on_invalid not in ("raise", "skip"):
+    raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
+  if not prompts:
+    return []
+  longest = max(len(p) for p in prompts)
+  max_len = max_len or _round_up(longest + max_new_tokens, 16)
+  config = EngineConfig(num_slots=num_slots, max_len=max_len, sync_every=sync_every,
+                        stop_ids=tuple(int(e) for e in eos_ids))
+  engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
+  keys = sample_keys(seed, len(prompts))
+  queue = collections.deque()
+  results: list[SampleRecord | None] = [None] * len(prompts)
+  for i, prompt in enumerate(prompts):
+    record = SampleRecord(prompt=np.asarray(prompt, np.int32), max_new_tokens=max_new_tokens,
+                          rng=keys[i], temperature=temperature, top_k=top_k, top_p=top_p,
+                          meta={"index": i})
+    try:
+      engine.check(record)
+    except PromptError as e:
+      if on_invalid == "raise":
+        raise PromptError(f"prompt {i}: {e}") from None
+      record.finish_reason, record.meta["error"] = "rejected", str(e)
+      results[i] = record
+      continue
+    queue.append(record)
+
+  while queue or engine.num_live:
+    while queue and engine.free_slots():
+      engine.add_group([queue.popleft()])
+    for record in engine.step():
+      results[record.meta["index"]] = record
+  if return_records:
+    return results
+  return [r.response.tolist() for r in results]

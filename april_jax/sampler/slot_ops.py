@@ -1,0 +1,149 @@
+"""The sampler's device functions: prefill, insert, decode, extract (all pure).
+
+  prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, T, K, H]
+  insert(state, kv, slots[n], rows...)      -> state with one sequence copied into n slots
+  decode(params, state, version, stop_ids)  -> state advanced by up to `sync_every` tokens
+  extract(state, slot)                      -> one slot's rows (and its KV up to T)
+  mark_done(state, mask)                    -> state with those slots stopped
+
+`DeviceFns` jits them once per (model config, slot shapes, mesh): T is bucketed by
+the caller, so steady state compiles nothing new. The state is donated everywhere
+and, on a mesh, pinned to its shardings on the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from april_jax import sharding
+from april_jax.models import qwen3
+from april_jax.sampler.sampling import sample_tokens
+from april_jax.sampler.state import SlotState, state_logical_axes
+
+
+def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.KVCache:
+  """The KV of one (right-padded) sequence: k, v [L, T, K, H]."""
+  _, kv = qwen3.hidden_states(cfg, params, tokens_1xT, return_kv=True)
+  return qwen3.KVCache(kv.k[:, 0], kv.v[:, 0])
+
+
+def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_n: jax.Array,
+           tokens_M: jax.Array, logprobs_M: jax.Array, versions_M: jax.Array,
+           length: jax.Array, prompt_len: jax.Array, limit: jax.Array,
+           temperature_n: jax.Array, top_k_n: jax.Array, top_p_n: jax.Array,
+           rng_nx2: jax.Array) -> SlotState:
+  """Copies one sequence (its KV for positions < T, its rows) into slots `slots_n`."""
+  T = kv_LxTxKxH.k.shape[1]
+  n = slots_n.shape[0]
+  put_kv = lambda cache, new: cache.at[:, slots_n, :T].set(
+      jnp.broadcast_to(new[:, None], (new.shape[0], n) + new.shape[1:]).astype(cache.dtype))
+  put_row = lambda a, row: a.at[slots_n].set(jnp.broadcast_to(row, (n,) + row.shape))
+  put_val = lambda a, v: a.at[slots_n].set(v)
+  return state.replace(
+      tokens=put_row(state.tokens, tokens_M), logprobs=put_row(state.logprobs, logprobs_M),
+      versions=put_row(state.versions, versions_M),
+      kv=qwen3.KVCache(put_kv(state.kv.k, kv_LxTxKxH.k), put_kv(state.kv.v, kv_LxTxKxH.v)),
+      length=put_val(state.length, length), prompt_len=put_val(state.prompt_len, prompt_len),
+      limit=put_val(state.limit, limit), temperature=put_val(state.temperature, temperature_n),
+      top_k=put_val(state.top_k, top_k_n), top_p=put_val(state.top_p, top_p_n),
+      rng=put_val(state.rng, rng_nx2), done=put_val(state.done, False))
+
+
+def decode(cfg: qwen3.Qwen3Config, sync_every: int, params, state: SlotState,
+           version: jax.Array, stop_ids_E: jax.Array):
+  """Up to `sync_every` decode steps; leaves early once any slot finishes.
+
+  Returns (state, steps run, tokens kept). A slot finishes on a stop token or when its
+  length reaches its limit; both are checked here, on device.
+  """
+  S, M = state.tokens.shape
+  rows = jnp.arange(S)
+
+  def step(carry):
+    state, i, kept, _ = carry
+    live = ~state.done
+    pos = jnp.maximum(state.length - 1, 0)
+    logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv)
+    keys = jax.vmap(lambda d, t: jax.random.fold_in(jax.random.wrap_key_data(d), t))(
+        state.rng, state.length)
+    new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k,
+                                    state.top_p)
+    at = jnp.minimum(state.length, M - 1)
+    write = lambda a, v: a.at[rows, at].set(jnp.where(live, v, a[rows, at]))
+    length = state.length + live
+    finished = live & (jnp.isin(new_tok, stop_ids_E) | (length >= state.limit))
+    state = state.replace(
+        tokens=write(state.tokens, new_tok), logprobs=write(state.logprobs, new_lp),
+        versions=write(state.versions, jnp.broadcast_to(version, (S,))), kv=kv,
+        length=length, done=state.done | finished)
+    return state, i + 1, kept + jnp.sum(live), jnp.any(finished)
+
+  def keep_going(carry):
+    state, i, _, any_finished = carry
+    return (i < sync_every) & ~any_finished & jnp.any(~state.done)
+
+  zero = jnp.zeros((), jnp.int32)
+  state, steps, kept, _ = jax.lax.while_loop(keep_going, step,
+                                             (state, zero, zero, jnp.zeros((), bool)))
+  return state, steps, kept
+
+
+def extract(state: SlotState, slot: jax.Array, kv_len: int | None):
+  """One slot's rows and scalars, plus its KV for positions < kv_len (if given)."""
+  out = dict(tokens=state.tokens[slot], logprobs=state.logprobs[slot],
+             versions=state.versions[slot], length=state.length[slot],
+             prompt_len=state.prompt_len[slot], limit=state.limit[slot],
+             rng=state.rng[slot], done=state.done[slot])
+  if kv_len is not None:
+    out["kv_k"] = jax.lax.dynamic_index_in_dim(state.kv.k, slot, 1, False)[:, :kv_len]
+    out["kv_v"] = jax.lax.dynamic_index_in_dim(state.kv.v, slot, 1, False)[:, :kv_len]
+  return out
+
+
+def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:
+  return state.replace(done=state.done | mask_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFns:
+  """The jitted device functions for one model config, slot shape and mesh."""
+  init: Any
+  prefill_kv: Any
+  insert: Any
+  decode: Any
+  extract: Any
+  mark_done: Any
+
+  def cache_sizes(self) -> dict[str, int]:
+    """Compiled variants per function (to check that steady state compiles nothing)."""
+    return {f.name: getattr(self, f.name)._cache_size() for f in dataclasses.fields(self)}
+
+
+@functools.lru_cache(maxsize=32)
+def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every: int,
+               kv_dtype: str = "float32", mesh=None,
+               rules=sharding.DEFAULT_RULES) -> DeviceFns:
+  """Builds (once, then cached) the jitted functions for these static settings."""
+  from april_jax.sampler.state import init_state  # pylint: disable=g-import-not-at-top
+  init = lambda: init_state(cfg, num_slots, max_len, jnp.dtype(kv_dtype))
+  if mesh is None:
+    state_sh = None
+  else:
+    shapes = jax.eval_shape(init)
+    state_sh = sharding.named_shardings(state_logical_axes(), shapes, mesh, rules)
+  pin = {} if state_sh is None else {"out_shardings": state_sh}
+  pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
+  return DeviceFns(
+      init=jax.jit(init, **pin),
+      prefill_kv=jax.jit(functools.partial(prefill_kv, cfg)),
+      insert=jax.jit(insert, donate_argnums=0, **pin),
+      decode=jax.jit(functools.partial(decode, cfg, sync_every), donate_argnums=1,
+                     **pin_first),
+      extract=jax.jit(extract, static_argnums=2),
+      mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
+  )

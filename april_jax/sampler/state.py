@@ -1,0 +1,75 @@
+"""The slot state: a fixed-shape pytree holding every sequence the sampler decodes.
+
+S slots, each able to hold M tokens (prompt + response). A slot holding a sample keeps
+  tokens[s, :length]             prompt then response so far
+  kv.k/kv.v[:, s, :length-1]     the KV of all but the last token; the last token is
+                                 "pending": the next decode step feeds it at position
+                                 length-1, writes its KV and samples token `length`
+  logprobs/versions[s, t]        for each response token t: its behavior logprob and the
+                                 policy version that drew it (-1 for prompt tokens)
+  limit[s]                       the length at which the sample stops (prompt + budget)
+  rng[s]                         the sample's own key; the token at position t is drawn
+                                 with fold_in(rng, t), so a sample's draws do not depend
+                                 on its slot, its neighbours or on interruptions
+  done[s]                        no decoding: finished, or the slot is free
+Slots are sharded over the batch axes of the mesh, KV heads over tensor.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from april_jax.models import qwen3
+
+
+@flax.struct.dataclass
+class SlotState:
+  tokens: jax.Array       # int32 [S, M]
+  logprobs: jax.Array     # float32 [S, M]
+  versions: jax.Array     # int32 [S, M]
+  kv: qwen3.KVCache       # k, v [L, S, M, K, H]
+  length: jax.Array       # int32 [S]
+  prompt_len: jax.Array   # int32 [S]
+  limit: jax.Array        # int32 [S]
+  temperature: jax.Array  # float32 [S]; 0 = greedy
+  top_k: jax.Array        # int32 [S]; 0 = off
+  top_p: jax.Array        # float32 [S]; 1 = off
+  rng: jax.Array          # uint32 [S, 2], raw threefry key data
+  done: jax.Array         # bool [S]
+
+  @property
+  def num_slots(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.tokens.shape[1]
+
+
+def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
+               kv_dtype=jnp.float32) -> SlotState:
+  """All slots free (done), KV zeroed."""
+  S, M = num_slots, max_len
+  kv_shape = (cfg.num_layers, S, M, cfg.num_kv_heads, cfg.head_dim)
+  zeros_i = lambda *shape: jnp.zeros(shape, jnp.int32)
+  return SlotState(
+      tokens=zeros_i(S, M), logprobs=jnp.zeros((S, M), jnp.float32),
+      versions=jnp.full((S, M), -1, jnp.int32),
+      kv=qwen3.KVCache(jnp.zeros(kv_shape, kv_dtype), jnp.zeros(kv_shape, kv_dtype)),
+      length=zeros_i(S), prompt_len=zeros_i(S), limit=zeros_i(S),
+      temperature=jnp.zeros((S,), jnp.float32), top_k=zeros_i(S),
+      top_p=jnp.ones((S,), jnp.float32), rng=jnp.zeros((S, 2), jnp.uint32),
+      done=jnp.ones((S,), bool))
+
+
+def state_logical_axes() -> SlotState:
+  """Logical axis names of every SlotState field (see sharding.py)."""
+  row = ("batch", "seq")
+  vec = ("batch",)
+  return SlotState(
+      tokens=row, logprobs=row, versions=row,
+      kv=qwen3.KVCache(qwen3.KV_LOGICAL_AXES, qwen3.KV_LOGICAL_AXES),
+      length=vec, prompt_len=vec, limit=vec, temperature=vec, top_k=vec, top_p=vec,
+      rng=("batch", None), done=vec)

@@ -1,0 +1,228 @@
+"""The slot sampler: parity with transformers, refills, snapshot/restore, budgets, compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax import sampler, sharding
+from april_jax.models import hf_io, qwen3
+from april_jax.sampler import EngineConfig, PromptError, SampleRecord, SlotEngine
+
+CFG = qwen3.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return qwen3.init_params(CFG, jax.random.key(0), std=0.35)
+
+
+def _prompts(seed, lengths, vocab=CFG.vocab_size):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+
+def _records(prompts, max_new_tokens, temperature=0.8, seed=0, **kw):
+  keys = sampler.sample_keys(seed, len(prompts))
+  return [SampleRecord(prompt=p, max_new_tokens=max_new_tokens, rng=keys[i],
+                       temperature=temperature, meta={"index": i}, **kw)
+          for i, p in enumerate(prompts)]
+
+
+def _run_to_end(engine, records):
+  """Admits records as slots free up; returns finished records by index."""
+  queue, out = list(records), {}
+  while queue or engine.num_live:
+    while queue and engine.free_slots():
+      engine.add_group([queue.pop(0)])
+    for r in engine.step():
+      out[r.meta["index"]] = r
+  return out
+
+
+def test_greedy_generate_matches_transformers_token_for_token(hf_model_dir):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg, params = hf_io.load_pretrained(hf_model_dir)
+  model = transformers.Qwen3ForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
+  prompts = [p.tolist() for p in _prompts(1, [3, 9, 5, 14, 1, 7], cfg.vocab_size)]
+  max_new = 12
+
+  def hf_generate(prompt, eos):
+    with torch.no_grad():
+      out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                           eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+  # A stop token that the first prompt really produces (its 4th token), so stops are hit.
+  unstopped = hf_generate(prompts[0], None)
+  eos = unstopped[3]
+  expected = [hf_generate(p, eos) for p in prompts]
+  ours = sampler.generate(cfg, params, prompts, max_new_tokens=max_new, num_slots=2,
+                          eos_ids=(eos,), sync_every=5)
+  assert ours == expected
+  assert ours[0][-1] == eos and len(ours[0]) == unstopped.index(eos) + 1
+
+
+def test_refilled_slot_decodes_like_alone(params):
+  prompts = _prompts(2, [4, 11, 6, 17, 3, 9, 5])
+  together = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=48,
+                                                              sync_every=4)),
+                         _records(prompts, 20))
+  for i, record in enumerate(_records(prompts, 20)):
+    alone = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48)),
+                        [record])[i]
+    np.testing.assert_array_equal(together[i].response, alone.response)
+    np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
+
+
+def _interrupted(params, record, mode, cut_steps, sync_every=3):
+  """Decodes `record`, snapshots it after `cut_steps` rounds, restores it elsewhere."""
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64,
+                                                sync_every=sync_every))
+  engine.add_group([record])
+  for _ in range(cut_steps):
+    assert not engine.step()
+  (partial,) = engine.snapshot(with_kv=(mode == "kv"))
+  assert not partial.finished and 0 < len(partial.response) < partial.max_new_tokens
+  kv_shape = None if partial.kv_k is None else partial.kv_k.shape
+  used = partial.length - 1
+  # Occupy the old slot so the sample resumes in another one.
+  blocker = _records(_prompts(9, [5]), 30, seed=7)[0]
+  blocker.meta["index"] = "blocker"
+  engine.add_group([blocker])
+  slot = engine.add(partial, mode=mode)
+  assert slot != 0
+  assert partial.kv_k is None  # the host copy is released once back in a slot
+  return {r.meta["index"]: r for r in _drain(engine)}[0], kv_shape, used
+
+
+def _drain(engine):
+  out = []
+  while engine.num_live:
+    out += engine.step()
+  return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_snapshot_then_restore_continues_exactly(params, temperature):
+  record = lambda: _records(_prompts(3, [7]), 25, temperature=temperature)[0]
+  (straight,) = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64,
+                                                                 sync_every=3)),
+                            [record()]).values()
+  kv, kv_shape, used = _interrupted(params, record(), "kv", cut_steps=2)
+  assert kv_shape == (CFG.num_layers, used, CFG.num_kv_heads, CFG.head_dim)  # used length
+  np.testing.assert_array_equal(kv.response, straight.response)
+  np.testing.assert_allclose(kv.logprobs, straight.logprobs, atol=1e-5)
+  recompute, kv_shape, _ = _interrupted(params, record(), "recompute", cut_steps=2)
+  assert kv_shape is None
+  np.testing.assert_array_equal(recompute.response, straight.response)
+  np.testing.assert_allclose(recompute.logprobs, straight.logprobs, atol=1e-5)
+  assert len(straight.response) == 25 and straight.finish_reason == "length"
+
+
+def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
+  temperature = 0.7
+  records = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48,
+                                                             sync_every=4)),
+                        _records(_prompts(4, [5, 8, 2, 12]), 15, temperature=temperature))
+  for r in records.values():
+    tokens = np.concatenate([r.prompt, r.response])
+    logits = qwen3.forward(CFG, params, jnp.asarray(tokens[None, :-1]))[0]
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+    P = len(r.prompt)
+    expected = np.asarray(logp)[np.arange(P - 1, len(tokens) - 1), r.response]
+    np.testing.assert_allclose(r.logprobs, expected, atol=1e-4)
+    np.testing.assert_array_equal(r.versions, 0)
+
+
+def test_versions_record_the_policy_that_drew_each_token(params):
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=64, sync_every=4))
+  engine.add_group(_records(_prompts(5, [6]), 30)[:1])
+  engine.step()
+  engine.version = 1
+  engine.step()
+  (partial,) = engine.snapshot()
+  engine.version = 2
+  engine.add(partial)
+  (done,) = _drain(engine)
+  np.testing.assert_array_equal(done.versions, [0] * 4 + [1] * 4 + [2] * 22)
+
+
+def test_token_budget_holds_across_snapshots_and_restores(params):
+  record = _records(_prompts(6, [9]), 13)[0]
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=32, sync_every=2))
+  engine.add_group([record])
+  for mode in ("kv", "recompute", "kv", "recompute"):
+    engine.step()
+    (record,) = engine.snapshot(with_kv=(mode == "kv"))
+    engine.add(record, mode=mode)
+  (done,) = _drain(engine)
+  assert len(done.response) == 13 and done.finish_reason == "length"
+  assert len(done.logprobs) == len(done.versions) == 13
+
+
+def test_group_prefills_once_and_siblings_differ_by_rng(params):
+  records = _records([_prompts(7, [6])[0]] * 4, 10, temperature=1.0)
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=32))
+  assert engine.add_group(records) == [0, 1, 2, 3]
+  responses = {tuple(r.response) for r in _drain(engine)}
+  assert len(responses) == 4  # same prompt and KV, different draws
+
+
+def test_no_compilation_after_warm_up(params):
+  compiles = []
+  listener = lambda name, *_, **__: (
+      compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
+
+  def workload(seed):
+    records = _records(_prompts(seed, [5, 20, 9, 33, 14, 2]), 18, temperature=1.0,
+                       seed=seed)
+    for r in records[:3]:
+      engine.add_group([r])
+    engine.step()
+    for mode in ("kv", "recompute"):
+      for partial in engine.snapshot(with_kv=(mode == "kv")):
+        engine.add(partial, mode=mode)
+      engine.step()
+    return _run_to_end(engine, records[3:])
+
+  try:
+    workload(0)  # warm-up: every bucket and resume path once
+    before, sizes = len(compiles), engine.fns.cache_sizes()
+    assert before > 0  # the listener sees compiles
+    for seed in (1, 2, 3):
+      workload(seed)
+    assert len(compiles) == before, compiles[before:]
+    assert engine.fns.cache_sizes() == sizes
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_bad_prompts_raise_naming_the_prompt_or_are_counted_when_skipped(params):
+  with pytest.raises(PromptError, match="prompt 1: empty prompt"):
+    sampler.generate(CFG, params, [[1, 2], []], max_new_tokens=4)
+  with pytest.raises(PromptError, match="prompt 0: prompt of 40 tokens.*max_len=32"):
+    sampler.generate(CFG, params, [[1] * 40, [3]], max_new_tokens=4, max_len=32)
+  records = sampler.generate(CFG, params, [[1] * 40, [], [5, 6]], max_new_tokens=4,
+                             max_len=32, on_invalid="skip", return_records=True)
+  assert [r.finish_reason for r in records] == ["rejected", "rejected", "length"]
+  assert len(records[2].response) == 4
+
+
+def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_over_tensor(params):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (CPU) devices")
+  mesh = sharding.make_mesh((2, 2, 2))
+  sharded_params = jax.device_put(params, sharding.param_shardings(CFG, mesh))
+  prompts = [p.tolist() for p in _prompts(8, [3, 7, 12, 5, 9, 4])]
+  plain = sampler.generate(CFG, params, prompts, max_new_tokens=10, num_slots=4)
+  ours = sampler.generate(CFG, sharded_params, prompts, max_new_tokens=10, num_slots=4,
+                          mesh=mesh)
+  assert ours == plain
+  engine = SlotEngine(CFG, sharded_params, EngineConfig(num_slots=4, max_len=32), mesh=mesh)
+  spec = engine.state.kv.k.sharding.spec
+  assert spec[1] == ("data", "fsdp") and spec[3] == "tensor"
