@@ -146,6 +146,19 @@ def _attention_scores(q_BxTxNxH, k_BxSxKxH, num_kv_heads: int):
   return scores * (H ** -0.5)  # [B, K, G, T, S]
 
 
+def _decode_scores(q_Bx1xNxH, k_BxSxKxH, num_kv_heads: int):
+  """`_attention_scores` for one query token, as a fused multiply-reduce.
+
+  Same values; avoids the transpose of the whole cache that a batched matmul over
+  (b, k) needs with the [B, S, K, H] cache layout (measured 3x faster on CPU).
+  """
+  B, _, N, H = q_Bx1xNxH.shape
+  q_BxKxGxH = q_Bx1xNxH.reshape(B, num_kv_heads, N // num_kv_heads, H).astype(jnp.float32)
+  prod = q_BxKxGxH[:, None] * k_BxSxKxH.astype(jnp.float32)[:, :, :, None, :]
+  scores_BxSxKxG = jnp.sum(prod, axis=-1) * (H ** -0.5)
+  return scores_BxSxKxG.transpose(0, 2, 3, 1)[:, :, :, None, :]
+
+
 def _attention_output(probs_BxKxGxTxS, v_BxSxKxH):
   B, K, G, T, _ = probs_BxKxGxTxS.shape
   out = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH)
@@ -234,15 +247,17 @@ def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
 
 
 def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
-                positions_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+                positions_B: jax.Array, cache: KVCache,
+                window: int | None = None) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
   Row b attends to cache entries 0..positions_B[b]-1 and to itself; its k, v are
   written at index positions_B[b] after all layers ran (one scatter, in place when
-  the cache is donated).
+  the cache is donated). With a static `window`, attention reads only the first
+  `window` cache entries; the caller guarantees every position is below it.
   """
   B = tokens_B.shape[0]
-  S = cache.k.shape[2]
+  S = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
   x = params["embed"][tokens_B][:, None, :]  # [B, 1, D]
   pos_Bx1 = positions_B[:, None]
   past_BxS = jnp.arange(S, dtype=jnp.int32)[None, :] < pos_Bx1
@@ -250,7 +265,7 @@ def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
   def body(x, layer):
     lp, k_cache_BxSxKxH, v_cache_BxSxKxH = layer
     q, k, v = _qkv(cfg, lp, x, pos_Bx1)
-    scores_past = _attention_scores(q, k_cache_BxSxKxH, cfg.num_kv_heads)  # [B,K,G,1,S]
+    scores_past = _decode_scores(q, k_cache_BxSxKxH, cfg.num_kv_heads)  # [B,K,G,1,S]
     scores_self = _attention_scores(q, k, cfg.num_kv_heads)  # [B,K,G,1,1]
     scores = jnp.concatenate([scores_past, scores_self], axis=-1)
     mask = jnp.concatenate([past_BxS, jnp.ones((B, 1), bool)], axis=-1)
@@ -260,7 +275,7 @@ def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
   x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
-      body, x, (params["layers"], cache.k, cache.v))
+      body, x, (params["layers"], cache.k[:, :, :S], cache.v[:, :, :S]))
   rows = jnp.arange(B)
   cache = KVCache(cache.k.at[:, rows, positions_B].set(k_new_LxBxKxH),
                   cache.v.at[:, rows, positions_B].set(v_new_LxBxKxH))

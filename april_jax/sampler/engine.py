@@ -65,6 +65,7 @@ class SlotEngine:
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._buckets = buckets(config.min_bucket, config.max_len)
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
+    self._lengths = np.zeros(config.num_slots, np.int64)  # host copy, as of the last sync
     self.decode_steps = 0        # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0    # tokens kept, summed over slots
 
@@ -123,6 +124,7 @@ class SlotEngine:
     for slot, record in zip(slots, records):
       record.drop_kv()
       self._owner[slot] = record
+      self._lengths[slot] = record.length
 
   def _take_slots(self, n: int) -> list[int]:
     free = self.free_slots()
@@ -166,9 +168,13 @@ class SlotEngine:
   # ------------------------------------------------------------------ decode, harvest
   def step(self) -> list[SampleRecord]:
     """Runs up to sync_every decode steps; returns the samples that finished."""
-    self.state, steps, kept = self.fns.decode(self.params, self.state,
+    owned = [s for s, r in enumerate(self._owner) if r is not None]
+    longest = int(self._lengths[owned].max()) if owned else 0
+    window = self.bucket(max(min(longest + self.config.sync_every, self.config.max_len), 1))
+    self.state, steps, kept = self.fns.decode(window, self.params, self.state,
                                               np.int32(self.version), self._stop_ids)
     done, lengths = jax.device_get((self.state.done, self.state.length))
+    self._lengths = np.array(lengths)
     self.decode_steps += int(steps)
     self.tokens_generated += int(kept)
     finished = []

@@ -2,7 +2,8 @@
 
   prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, T, K, H]
   insert(state, kv, slots[n], rows...)      -> state with one sequence copied into n slots
-  decode(params, state, version, stop_ids)  -> state advanced by up to `sync_every` tokens
+  decode(window, params, state, version, stop_ids)
+                                            -> state advanced by up to `sync_every` tokens
   extract(state, slot)                      -> one slot's rows (and its KV up to T)
   mark_done(state, mask)                    -> state with those slots stopped
 
@@ -54,12 +55,14 @@ def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_n: jax.Array,
       rng=put_val(state.rng, rng_nx2), done=put_val(state.done, False))
 
 
-def decode(cfg: qwen3.Qwen3Config, sync_every: int, params, state: SlotState,
+def decode(cfg: qwen3.Qwen3Config, sync_every: int, window: int, params, state: SlotState,
            version: jax.Array, stop_ids_E: jax.Array):
   """Up to `sync_every` decode steps; leaves early once any slot finishes.
 
   Returns (state, steps run, tokens kept). A slot finishes on a stop token or when its
-  length reaches its limit; both are checked here, on device.
+  length reaches its limit; both are checked here, on device. Attention reads the
+  first `window` cache entries only (static; the host picks a bucket above every live
+  slot's length + sync_every), so short sequences do not pay for max_len.
   """
   S, M = state.tokens.shape
   rows = jnp.arange(S)
@@ -68,7 +71,8 @@ def decode(cfg: qwen3.Qwen3Config, sync_every: int, params, state: SlotState,
     state, i, kept, _ = carry
     live = ~state.done
     pos = jnp.maximum(state.length - 1, 0)
-    logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv)
+    logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv,
+                                   window)
     keys = jax.vmap(lambda d, t: jax.random.fold_in(jax.random.wrap_key_data(d), t))(
         state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k,
@@ -142,8 +146,8 @@ def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every:
       init=jax.jit(init, **pin),
       prefill_kv=jax.jit(functools.partial(prefill_kv, cfg)),
       insert=jax.jit(insert, donate_argnums=0, **pin),
-      decode=jax.jit(functools.partial(decode, cfg, sync_every), donate_argnums=1,
-                     **pin_first),
+      decode=jax.jit(functools.partial(decode, cfg, sync_every), static_argnums=0,
+                     donate_argnums=2, **pin_first),
       extract=jax.jit(extract, static_argnums=2),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
   )

@@ -1,0 +1,123 @@
+"""Mode `sampler`: april_jax decode vs transformers' generate, and snapshot/restore cost.
+
+Same random tiny Qwen3 (saved by april_jax, loaded by transformers), same prompts, same
+batch, greedy, every sequence forced to the same number of new tokens. Both sides are
+warmed up once (JAX compiles; torch allocates), then timed best-of-N. Also measures what
+it costs to park unfinished samples on the host and bring them back: mode `kv` (copy the
+KV cache out and in) against mode `recompute` (keep tokens, re-prefill on resume).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from april_jax import sampler
+from april_jax.benchmarks import common
+from april_jax.models import hf_io, qwen3
+
+BENCH_MODELS = {
+    # The size of the CPU RL default: per-step framework overhead dominates.
+    "tiny": qwen3.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                              tie_word_embeddings=True),
+    # 4M params (16 MB in float32): reading the weights bounds a decode step on a CPU.
+    "small": qwen3.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768,
+                               num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                               tie_word_embeddings=True),
+}
+
+
+def _transformers_side(model_dir, prompts, new_tokens, repeats):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  model.eval()
+  batch = torch.as_tensor(np.stack(prompts))
+  def run():
+    with torch.no_grad():
+      return model.generate(batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=0)[:, batch.shape[1]:].numpy()
+  run()  # warm-up
+  return common.best_of(repeats, run)
+
+
+def _resume_costs(cfg, params, prompts, new_tokens, sync_every):
+  """Seconds per held token to snapshot + restore unfinished samples, kv vs recompute."""
+  out = {}
+  for mode in ("kv", "recompute"):
+    config = sampler.EngineConfig(num_slots=len(prompts), max_len=len(prompts[0]) + new_tokens,
+                                  sync_every=sync_every)
+    engine = sampler.SlotEngine(cfg, params, config)
+    keys = sampler.sample_keys(0, len(prompts))
+    timings = []
+    for trial in range(3):  # trial 0 warms up (compiles) the snapshot/restore path
+      for i, p in enumerate(prompts):
+        engine.add_group([sampler.SampleRecord(prompt=p, max_new_tokens=new_tokens,
+                                               rng=keys[i], temperature=0.0)])
+      for _ in range(new_tokens // (2 * sync_every)):
+        engine.step()  # about half the budget
+      jax.block_until_ready(engine.state)
+      start = time.perf_counter()
+      partials = engine.snapshot(with_kv=(mode == "kv"))
+      held_tokens = sum(r.length for r in partials)
+      host_bytes = sum(r.host_bytes() for r in partials)
+      for r in partials:
+        engine.add(r, mode=mode)
+      jax.block_until_ready(engine.state)
+      if trial:
+        timings.append(time.perf_counter() - start)
+      engine.snapshot(with_kv=False)  # clear the slots for the next trial
+    best = min(timings)
+    out[mode] = {"seconds": best, "us_per_token": 1e6 * best / held_tokens,
+                 "held_tokens": held_tokens, "host_bytes": host_bytes}
+  return out
+
+
+def run_one(cfg: qwen3.Qwen3Config, batch: int, prompt_len: int, new_tokens: int,
+            repeats: int, sync_every: int, seed: int) -> dict:
+  params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1)
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, cfg.vocab_size, prompt_len).astype(np.int32)
+             for _ in range(batch)]
+
+  def ours():
+    return sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, num_slots=batch,
+                            sync_every=sync_every)
+  ours()  # warm-up: compiles
+  ours_s, ours_out = common.best_of(repeats, ours)
+  with tempfile.TemporaryDirectory() as model_dir:
+    hf_io.save_pretrained(model_dir, cfg, params)
+    hf_s, hf_out = _transformers_side(model_dir, prompts, new_tokens, repeats)
+  tokens = batch * new_tokens
+  resume = _resume_costs(cfg, params, prompts, new_tokens, sync_every)
+  return {
+      "model_params": cfg.num_params(),
+      "april_jax_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,
+      "speedup_vs_transformers": hf_s / ours_s,
+      "greedy_outputs_equal_frac": float(np.mean([np.array_equal(a, b)
+                                                  for a, b in zip(ours_out, hf_out)])),
+      "resume_kv_us_per_token": resume["kv"]["us_per_token"],
+      "resume_recompute_us_per_token": resume["recompute"]["us_per_token"],
+      "resume_kv_host_bytes": resume["kv"]["host_bytes"],
+      "resume_recompute_host_bytes": resume["recompute"]["host_bytes"],
+  }
+
+
+def run(models=("tiny", "small"), batch: int = 16, prompt_len: int = 32,
+        new_tokens: int = 128, repeats: int = 3, sync_every: int = 32, seed: int = 0) -> dict:
+  result = {"mode": "sampler", "batch": batch, "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "machine": common.machine()}
+  print(f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'transformers tok/s':>19} "
+        f"{'ratio':>6} {'equal':>6} {'kv us/tok':>10} {'recompute us/tok':>17}")
+  for name in models:
+    r = run_one(BENCH_MODELS[name], batch, prompt_len, new_tokens, repeats, sync_every, seed)
+    result.update({f"{name}_{k}": v for k, v in r.items()})
+    print(f"{name:>6} {r['model_params']:>10,} {r['april_jax_tokens_per_s']:>16.1f} "
+          f"{r['transformers_tokens_per_s']:>19.1f} {r['speedup_vs_transformers']:>5.2f}x "
+          f"{r['greedy_outputs_equal_frac']:>6.0%} {r['resume_kv_us_per_token']:>10.2f} "
+          f"{r['resume_recompute_us_per_token']:>17.2f}", flush=True)
+  return result
