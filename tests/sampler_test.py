@@ -202,6 +202,30 @@ def test_no_compilation_after_warm_up(params):
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def test_warm_up_compiles_everything_a_run_needs(params):
+  compiles = []
+  listener = lambda name, *_, **__: (
+      compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  # A slot shape no other test uses, so nothing is cached before warm_up.
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5))
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    assert engine.warm_up() == len(sampler.buckets(16, 80))
+    before = len(compiles)
+    assert before > 0
+    records = _records(_prompts(11, [3, 30, 12, 61, 7, 20, 45]), 19, temperature=1.0)
+    engine.add_group(records[:1] * 1)
+    for mode in ("kv", "recompute"):
+      engine.step()
+      for partial in engine.snapshot(with_kv=(mode == "kv")):
+        engine.add(partial, mode=mode)
+    _drain(engine)
+    _run_to_end(engine, records[1:])
+    assert compiles[before:] == []
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_bad_prompts_raise_naming_the_prompt_or_are_counted_when_skipped(params):
   with pytest.raises(PromptError, match="prompt 1: empty prompt"):
     sampler.generate(CFG, params, [[1, 2], []], max_new_tokens=4)

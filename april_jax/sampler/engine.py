@@ -37,9 +37,10 @@ class EngineConfig:
   min_bucket: int = 16
   stop_ids: tuple[int, ...] = ()
   kv_dtype: str = "float32"
+  insert_width: int = 8            # slots filled per insert call (fixed: one compile)
 
   def __post_init__(self):
-    for name in ("num_slots", "max_len", "sync_every", "min_bucket"):
+    for name in ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -103,8 +104,42 @@ class SlotEngine:
       raise PromptError(f"bad sampling params temperature={record.temperature} "
                         f"top_k={record.top_k} top_p={record.top_p}")
 
+  def warm_up(self) -> int:
+    """Compiles every program a run can use: per length bucket, prefill, insert, KV
+    extract and a decode window. Runs on the engine's own state, as no-ops (no memory
+    for a second state), so the engine must be empty. Returns the number of buckets."""
+    if self.num_live:
+      raise RuntimeError("warm_up needs an empty engine")
+    W, M = self.config.insert_width, self.config.max_len
+    no_slots = np.full(W, -1, np.int32)
+    for b in self._buckets:
+      kv = self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32))
+      self.state = self.fns.insert(
+          self.state, kv, no_slots, np.zeros(M, np.int32), np.zeros(M, np.float32),
+          np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.zeros(W, np.int32),
+          np.zeros(W, np.float32), np.zeros(W, np.int32), np.ones(W, np.float32),
+          np.zeros((W, 2), np.uint32))
+      jax.block_until_ready(self.fns.extract(self.state, np.int32(0), b))
+      if b == self._buckets[0]:
+        jax.block_until_ready(self.fns.extract(self.state, np.int32(0), None))
+      self.state, _, _ = self.fns.decode(b, self.params, self.state, np.int32(self.version),
+                                         self._stop_ids)
+    self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
+    jax.block_until_ready(self.state)
+    return len(self._buckets)
+
   # ---------------------------------------------------------------------- admit
   def _insert(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
+    """Copies one sequence into slots, `insert_width` slots per device call."""
+    W = self.config.insert_width
+    for i in range(0, len(slots), W):
+      self._insert_chunk(kv, slots[i:i + W], records[i:i + W])
+    for slot, record in zip(slots, records):
+      record.drop_kv()
+      self._owner[slot] = record
+      self._lengths[slot] = record.length
+
+  def _insert_chunk(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
     first = records[0]
     M = self.config.max_len
     tokens = np.zeros(M, np.int32)
@@ -114,17 +149,16 @@ class SlotEngine:
     P = len(first.prompt)
     logprobs[P:first.length] = first.logprobs
     versions[P:first.length] = first.versions
+    pad = self.config.insert_width - len(slots)
+    padded = lambda values, dtype, fill=0: np.asarray(list(values) + [fill] * pad, dtype)
     self.state = self.fns.insert(
-        self.state, kv, jnp.asarray(slots, jnp.int32), tokens, logprobs, versions,
-        np.int32(first.length), np.int32(P), np.int32(P + first.max_new_tokens),
-        np.asarray([r.temperature for r in records], np.float32),
-        np.asarray([r.top_k for r in records], np.int32),
-        np.asarray([r.top_p for r in records], np.float32),
-        np.stack([r.rng for r in records]))
-    for slot, record in zip(slots, records):
-      record.drop_kv()
-      self._owner[slot] = record
-      self._lengths[slot] = record.length
+        self.state, kv, padded(slots, np.int32, -1), tokens, logprobs, versions,
+        np.int32(first.length), np.int32(P),
+        padded([P + r.max_new_tokens for r in records], np.int32),
+        padded([r.temperature for r in records], np.float32),
+        padded([r.top_k for r in records], np.int32),
+        padded([r.top_p for r in records], np.float32, 1.0),
+        np.concatenate([np.stack([r.rng for r in records]), np.zeros((pad, 2), np.uint32)]))
 
   def _take_slots(self, n: int) -> list[int]:
     free = self.free_slots()
@@ -138,13 +172,14 @@ class SlotEngine:
     return self.fns.prefill_kv(self.params, padded)
 
   def add_group(self, records: list[SampleRecord]) -> list[int]:
-    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots."""
+    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots.
+
+    Each sample keeps its own response budget, rng and sampling params.
+    """
     for r in records:
       self.check(r)
       if r.started or not np.array_equal(r.prompt, records[0].prompt):
         raise ValueError("add_group takes fresh samples of one and the same prompt")
-      if r.max_new_tokens != records[0].max_new_tokens:
-        raise ValueError("add_group takes samples with one response budget")
     slots = self._take_slots(len(records))
     self._insert(self._prefill(records[0].prompt), slots, records)
     return slots

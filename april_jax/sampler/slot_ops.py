@@ -1,7 +1,7 @@
 """The sampler's device functions: prefill, insert, decode, extract (all pure).
 
   prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, T, K, H]
-  insert(state, kv, slots[n], rows...)      -> state with one sequence copied into n slots
+  insert(state, kv, slots[W], rows...)      -> state with one sequence copied into slots
   decode(window, params, state, version, stop_ids)
                                             -> state advanced by up to `sync_every` tokens
   extract(state, slot)                      -> one slot's rows (and its KV up to T)
@@ -33,26 +33,41 @@ def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.K
   return qwen3.KVCache(kv.k[:, 0], kv.v[:, 0])
 
 
-def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_n: jax.Array,
+def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_W: jax.Array,
            tokens_M: jax.Array, logprobs_M: jax.Array, versions_M: jax.Array,
-           length: jax.Array, prompt_len: jax.Array, limit: jax.Array,
-           temperature_n: jax.Array, top_k_n: jax.Array, top_p_n: jax.Array,
-           rng_nx2: jax.Array) -> SlotState:
-  """Copies one sequence (its KV for positions < T, its rows) into slots `slots_n`."""
-  T = kv_LxTxKxH.k.shape[1]
-  n = slots_n.shape[0]
-  put_kv = lambda cache, new: cache.at[:, slots_n, :T].set(
-      jnp.broadcast_to(new[:, None], (new.shape[0], n) + new.shape[1:]).astype(cache.dtype))
-  put_row = lambda a, row: a.at[slots_n].set(jnp.broadcast_to(row, (n,) + row.shape))
-  put_val = lambda a, v: a.at[slots_n].set(v)
+           length: jax.Array, prompt_len: jax.Array, limit_W: jax.Array,
+           temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
+           rng_Wx2: jax.Array) -> SlotState:
+  """Copies one sequence (its KV for positions < T, its rows) into the slots `slots_W`.
+
+  slots_W has a fixed width W (one compile per T bucket, whatever the group size);
+  entries < 0 are padding and change nothing. The KV goes in one slot at a time with
+  dynamic_update_slice, in place, so no [L, W, T, K, H] copy is ever built.
+  """
+  S = state.tokens.shape[0]
+  valid_W = slots_W >= 0
+  rows_W = jnp.where(valid_W, slots_W, S)  # out of range: dropped by the scatters below
+
+  def put_kv(i, caches):
+    slot = jnp.maximum(slots_W[i], 0)
+    out = []
+    for cache, new in zip(caches, kv_LxTxKxH):
+      new = new[:, None].astype(cache.dtype)  # [L, 1, T, K, H]
+      old = jax.lax.dynamic_slice(cache, (0, slot, 0, 0, 0), new.shape)
+      out.append(jax.lax.dynamic_update_slice(cache, jnp.where(valid_W[i], new, old),
+                                              (0, slot, 0, 0, 0)))
+    return tuple(out)
+
+  k, v = jax.lax.fori_loop(0, slots_W.shape[0], put_kv, (state.kv.k, state.kv.v))
+  put = lambda a, v: a.at[rows_W].set(v, mode="drop")
+  put_row = lambda a, row: put(a, jnp.broadcast_to(row, (slots_W.shape[0],) + row.shape))
   return state.replace(
       tokens=put_row(state.tokens, tokens_M), logprobs=put_row(state.logprobs, logprobs_M),
-      versions=put_row(state.versions, versions_M),
-      kv=qwen3.KVCache(put_kv(state.kv.k, kv_LxTxKxH.k), put_kv(state.kv.v, kv_LxTxKxH.v)),
-      length=put_val(state.length, length), prompt_len=put_val(state.prompt_len, prompt_len),
-      limit=put_val(state.limit, limit), temperature=put_val(state.temperature, temperature_n),
-      top_k=put_val(state.top_k, top_k_n), top_p=put_val(state.top_p, top_p_n),
-      rng=put_val(state.rng, rng_nx2), done=put_val(state.done, False))
+      versions=put_row(state.versions, versions_M), kv=qwen3.KVCache(k, v),
+      length=put(state.length, length), prompt_len=put(state.prompt_len, prompt_len),
+      limit=put(state.limit, limit_W), temperature=put(state.temperature, temperature_W),
+      top_k=put(state.top_k, top_k_W), top_p=put(state.top_p, top_p_W),
+      rng=put(state.rng, rng_Wx2), done=put(state.done, False))
 
 
 def decode(cfg: qwen3.Qwen3Config, sync_every: int, window: int, params, state: SlotState,

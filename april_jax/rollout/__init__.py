@@ -1,0 +1,11 @@
+"""APRIL rollouts: the scheduler, the partial buffer, reward threads, step metrics."""
+
+from april_jax.rollout.buffer import PartialBuffer
+from april_jax.rollout.group import Group
+from april_jax.rollout.metrics import rollout_metrics
+from april_jax.rollout.reward_runner import RewardRunner
+from april_jax.rollout.scheduler import (AprilScheduler, PromptItem, RolloutResult,
+                                         RolloutSettings)
+
+__all__ = ["AprilScheduler", "Group", "PartialBuffer", "PromptItem", "RewardRunner",
+           "RolloutResult", "RolloutSettings", "rollout_metrics"]

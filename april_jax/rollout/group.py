@@ -1,0 +1,64 @@
+"""A prompt group: one prompt, its n samples, their rewards, and where it stands.
+
+A group is the unit APRIL admits, buffers and trains. Its samples are SampleRecords
+(april_jax.sampler) in one of four states:
+  never started     no response yet, not in a slot
+  in a slot         owned by the engine while the step runs
+  partial           snapshotted unfinished: tokens, logprobs, versions (+ KV)
+  finished          stop token or budget reached
+The group is complete when all n samples are finished; its rewards are computed once,
+as soon as it completes. Nothing in a group is ever dropped except by an explicit,
+counted decision (the DAPO filter, a staleness restart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from april_jax.sampler import SampleRecord
+
+
+@dataclasses.dataclass
+class Group:
+  group_id: int                       # order of first admission: the buffer is FIFO by it
+  prompt_id: Any                      # the dataset's id of the prompt
+  prompt: np.ndarray                  # int32 [P]
+  answer: str                         # gold answer, handed to the reward function
+  samples: list[SampleRecord]
+  first_step: int                     # the step that first admitted the group
+  rewards: list[float] | None = None  # set once, when the group completes
+  reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def n(self) -> int:
+    return len(self.samples)
+
+  @property
+  def complete(self) -> bool:
+    return all(s.finished for s in self.samples)
+
+  @property
+  def scored(self) -> bool:
+    return self.rewards is not None
+
+  def rewards_all_equal(self) -> bool:
+    return self.scored and len(set(self.rewards)) <= 1
+
+  def host_bytes(self) -> int:
+    return self.prompt.nbytes + sum(s.host_bytes() for s in self.samples)
+
+  def oldest_version(self) -> int | None:
+    versions = [int(s.versions.min()) for s in self.samples if len(s.versions)]
+    return min(versions) if versions else None
+
+  def restart_sample(self, index: int) -> None:
+    """Discards a sample's tokens so it starts again from the prompt (same rng)."""
+    old = self.samples[index]
+    self.samples[index] = SampleRecord(
+        prompt=old.prompt, max_new_tokens=old.max_new_tokens, rng=old.rng,
+        temperature=old.temperature, top_k=old.top_k, top_p=old.top_p, meta=old.meta)
+    self.rewards = None
+    self.reward_info = {}

@@ -1,0 +1,59 @@
+"""The rollout metrics of DESIGN.md, computed from one step's result.
+
+Definitions (exact; tests check them against hand counts):
+  tokens_per_s           new tokens generated this step by all slots (including tokens
+                         of samples that finish in a later step) / rollout wall time
+  trained_tokens_per_s   response tokens in the training batch / rollout wall time
+  slot_occupancy         kept tokens / (num_slots x decode steps)
+  off_policy_token_frac  batch response tokens drawn under a version older than the
+                         current one / all batch response tokens
+  staleness_{max,mean}   per trained sample: current version - its oldest token's version
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from april_jax.rollout.scheduler import RolloutResult
+
+
+def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
+  st = result.stats
+  samples = [s for g in result.groups for s in g.samples]
+  lengths = np.array([len(s.response) for s in samples], np.float64)
+  versions = (np.concatenate([s.versions for s in samples]) if samples
+              else np.zeros((0,), np.int32))
+  staleness = np.array([version - int(s.versions.min()) if len(s.versions) else 0
+                        for s in samples], np.float64)
+  rewards = np.array([r for g in result.groups for r in (g.rewards or [])], np.float64)
+  in_group_std = [np.std([len(s.response) for s in g.samples]) for g in result.groups]
+  wall = max(st.get("rollout_s", 0.0), 1e-9)
+  slot_steps = st.get("num_slots", 0) * st.get("decode_steps", 0)
+  stat = lambda fn, a: float(fn(a)) if len(a) else 0.0
+  return {
+      "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
+      "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
+      "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
+      "rollout/off_policy_token_frac": stat(np.mean, versions < version),
+      "rollout/staleness_max": stat(np.max, staleness),
+      "rollout/staleness_mean": stat(np.mean, staleness),
+      "rollout/partial_samples": float(st.get("partial_samples", 0)),
+      "rollout/buffer_groups": float(st.get("buffer_groups", 0)),
+      "rollout/buffer_bytes": float(st.get("buffer_bytes", 0)),
+      "rollout/response_len_mean": stat(np.mean, lengths),
+      "rollout/response_len_std": stat(np.std, lengths),
+      "rollout/response_len_p50": stat(np.median, lengths),
+      "rollout/response_len_max": stat(np.max, lengths),
+      "rollout/response_len_std_in_group": stat(np.mean, np.array(in_group_std)),
+      "rollout/reward_mean": stat(np.mean, rewards),
+      "rollout/reward_std": stat(np.std, rewards),
+      "rollout/zero_std_groups_dropped": float(st.get("zero_std_groups_dropped", 0)),
+      "rollout/truncated_frac": stat(np.mean, np.array(
+          [s.finish_reason == "length" for s in samples])),
+      "rollout/stale_restarts": float(st.get("stale_restarts", 0)),
+      "rollout/prompts_skipped": float(st.get("prompts_skipped", 0)),
+      "rollout/reward_errors": float(st.get("reward_errors", 0)),
+      "rollout/reward_timeouts": float(st.get("reward_timeouts", 0)),
+      "time/rollout_s": float(st.get("rollout_s", 0.0)),
+      "time/reward_s": float(st.get("reward_s", 0.0)),
+  }

@@ -1,0 +1,120 @@
+"""Scores complete groups on worker threads, while the sampler keeps decoding.
+
+`submit(group)` queues one job per sample (the decoded response text and the group's
+gold answer go to the reward function); `poll()` returns the groups whose samples are
+all scored. A reward function that raises gives that sample `fallback` and counts an
+error; one that runs past `timeout_s` gives `fallback` and counts a timeout: its
+thread is abandoned (Python cannot kill it), the pool is replaced, and the jobs still
+queued behind it are resubmitted, so one pathological answer never stalls a step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+from april_jax.rollout.group import Group
+
+
+@dataclasses.dataclass
+class _Job:
+  group: Group
+  index: int
+  text: str
+  future: cf.Future | None = None
+  started_at: float | None = None
+  result: float | None = None
+  status: str = "pending"   # pending | ok | error | timeout
+
+
+class RewardRunner:
+  def __init__(self, reward_fn: Callable[[str, str], float], decode: Callable[[list[int]], str],
+               num_workers: int = 4, timeout_s: float = 10.0, fallback: float = 0.0):
+    self._reward_fn, self._decode = reward_fn, decode
+    self._num_workers, self.timeout_s, self.fallback = num_workers, timeout_s, fallback
+    self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
+    self._jobs: dict[int, list[_Job]] = {}
+    self._lock = threading.Lock()
+    self.errors = 0
+    self.timeouts = 0
+    self.seconds = 0.0       # reward compute time, summed over samples
+
+  def pending(self) -> int:
+    return len(self._jobs)
+
+  def submit(self, group: Group) -> None:
+    if group.group_id in self._jobs:
+      return
+    jobs = [_Job(group, i, self._decode(s.response.tolist()))
+            for i, s in enumerate(group.samples)]
+    self._jobs[group.group_id] = jobs
+    for job in jobs:
+      self._start(job)
+
+  def _start(self, job: _Job) -> None:
+    def run():
+      with self._lock:
+        job.started_at = time.monotonic()
+      return float(self._reward_fn(job.text, job.group.answer))
+    job.future = self._pool.submit(run)
+
+  def _settle(self, job: _Job, now: float) -> bool:
+    """Moves a job to a final status if it has one; True when settled."""
+    if job.status != "pending":
+      return True
+    if job.future.done() and not job.future.cancelled():
+      try:
+        job.result, job.status = job.future.result(), "ok"
+      except Exception:  # pylint: disable=broad-except
+        job.result, job.status = self.fallback, "error"
+        self.errors += 1
+      self.seconds += now - (job.started_at or now)
+      return True
+    with self._lock:
+      started = job.started_at
+    if started is not None and now - started > self.timeout_s:
+      job.result, job.status = self.fallback, "timeout"
+      self.timeouts += 1
+      self.seconds += now - started
+      self._replace_pool()
+      return True
+    return False
+
+  def _replace_pool(self) -> None:
+    """Abandons the pool holding a hung job; resubmits what had not started."""
+    old = self._pool
+    self._pool = cf.ThreadPoolExecutor(self._num_workers, thread_name_prefix="reward")
+    old.shutdown(wait=False, cancel_futures=True)
+    for jobs in self._jobs.values():
+      for job in jobs:
+        if job.status == "pending" and job.future.cancelled():
+          self._start(job)
+
+  def poll(self) -> list[Group]:
+    """Groups whose every sample is scored (rewards and reward_info set), in submit order."""
+    now = time.monotonic()
+    done = []
+    for group_id, jobs in list(self._jobs.items()):
+      if all([self._settle(job, now) for job in jobs]):
+        group = jobs[0].group
+        group.rewards = [job.result for job in jobs]
+        group.reward_info = {"errors": sum(j.status == "error" for j in jobs),
+                             "timeouts": sum(j.status == "timeout" for j in jobs)}
+        del self._jobs[group_id]
+        done.append(group)
+    return done
+
+  def wait_any(self, poll_s: float = 0.005) -> list[Group]:
+    """Blocks until at least one submitted group is scored (or none is pending)."""
+    while self._jobs:
+      done = self.poll()
+      if done:
+        return done
+      time.sleep(poll_s)
+    return []
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)

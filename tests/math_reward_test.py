@@ -1,0 +1,209 @@
+"""Math rewards: answer extraction, gold normalisation, equivalence on the real eval sets."""
+
+import concurrent.futures
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from april_jax import rewards
+from april_jax.rewards import math as math_reward
+from april_jax.rewards.math import extract_answer, gold_answer, is_equivalent
+
+MATH_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math"
+
+
+def _data_file(name):
+  path = MATH_DATA / name
+  if not path.exists():
+    pytest.skip(f"{path} not found (shared math data absent)")
+  return path
+
+
+def _jsonl(name):
+  with open(_data_file(name)) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _math500():
+  with open(_data_file("math500.json")) as f:
+    return json.load(f)
+
+
+def _boxed(answer):
+  return f"Let me work through it step by step... so the answer is \\boxed{{{answer}}}"
+
+
+# Extraction.
+
+def test_extract_reads_nested_braces_inside_boxed():
+  assert extract_answer(r"so $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
+
+
+def test_extract_takes_the_last_of_several_boxes():
+  assert extract_answer(r"first \boxed{3}, then \fbox{4}, finally \boxed{5}. Done") == "5"
+
+
+def test_extract_ignores_a_truncated_last_box():
+  assert extract_answer(r"maybe \boxed{7}. Actually it is \boxed{\frac{8}{") == "7"
+  assert extract_answer(r"it is \boxed{\frac{8}{") is None
+
+
+def test_extract_reads_dapo_answer_line():
+  assert extract_answer("Work...\nanswer: 41\nmore work\nAnswer: $42$.") == "42"
+
+
+def test_extract_reads_gsm8k_hashes_without_thousands_commas():
+  assert extract_answer("She pays 1,000 + 234.\n#### 1,234") == "1234"
+  assert is_equivalent(extract_answer("#### 1,234"), "1234")
+
+
+def test_extract_prefers_boxed_over_answer_line_over_hashes():
+  assert extract_answer("#### 1\nAnswer: 2\n\\boxed{3}") == "3"
+  assert extract_answer("#### 1\nAnswer: 2") == "2"
+
+
+def test_extract_finds_nothing_in_plain_text():
+  assert extract_answer("I think it is probably seven.") is None
+  assert rewards.get_reward("math")("I think it is probably seven.", "7") == 0.0
+
+
+def test_gold_answer_normalises_gsm8k_boxed_and_plain():
+  assert gold_answer("3 * 24 = <<3*24=72>>72\n#### 72") == "72"
+  assert gold_answer("so 1,000 total\n#### 1,000") == "1000"
+  assert gold_answer(r"The area is $\boxed{\frac{3}{2}}$.") == r"\frac{3}{2}"
+  assert gold_answer("  27.0 ") == "27.0"
+
+
+# Real eval sets.
+
+def test_every_aime24_gold_boxed_scores_one_and_off_by_one_scores_zero():
+  reward = rewards.get_reward("math")
+  rows = _jsonl("aime24.jsonl")
+  assert len(rows) == 30
+  for row in rows:
+    assert reward(_boxed(row["answer"]), row["answer"]) == 1.0, row["answer"]
+    assert reward(_boxed(int(row["answer"]) + 1), row["answer"]) == 0.0, row["answer"]
+
+
+def test_aime_gold_with_leading_zero_matches_plain_number():
+  assert rewards.get_reward("math")(_boxed("25"), "025") == 1.0
+
+
+def test_gsm8k_test_golds_as_hashes_score_one():
+  reward = rewards.get_reward("math")
+  rows = _jsonl("gsm8k_test.jsonl")[:200]
+  for row in rows:
+    gold = gold_answer(row["answer"])
+    assert gold and "," not in gold, row["answer"]
+    assert reward(f"Step by step...\n#### {gold}", row["answer"]) == 1.0, gold
+    assert reward(f"Step by step...\n#### {gold}1", row["answer"]) == 0.0, gold
+
+
+@pytest.mark.parametrize("pred, gold", [
+    (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)"),
+    ("0.5", r"\frac{1}{2}"),
+    (r"\frac{14}{3}", r"\dfrac{14}{3}"),
+    ("27", "27.0"),
+    ("1,234", "1234"),
+])
+def test_equivalent_forms_match(pred, gold):
+  assert is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", [
+    (r"(3, \frac{\pi}{3})", r"\left( 3, \frac{\pi}{2} \right)"),
+    ("0.51", r"\frac{1}{2}"),
+    ("28", "27.0"),
+    ("", "0"),
+])
+def test_different_answers_do_not_match(pred, gold):
+  assert not is_equivalent(pred, gold)
+
+
+def test_math500_first_answers_match_the_documented_forms():
+  answers = [row["answer"] for row in _math500()]
+  assert answers[0] == r"\left( 3, \frac{\pi}{2} \right)"
+  assert answers[2] == r"\frac{14}{3}"
+  reward = rewards.get_reward("math")
+  assert reward(_boxed(r"(3, \frac{\pi}{2})"), answers[0]) == 1.0
+  assert reward(_boxed(r"\dfrac{14}{3}"), answers[2]) == 1.0
+
+
+def test_math500_golds_match_themselves_boxed():
+  rows = _math500()
+  assert len(rows) == 500
+  reward = rewards.get_reward("math")
+  matched = sum(reward(_boxed(row["answer"]), row["answer"]) for row in rows)
+  print(f"MATH-500 self-match: {int(matched)}/500")
+  assert matched >= 0.95 * len(rows)
+
+
+def test_math500_sample_of_golds_match_themselves_under_math_verify():
+  # The reward's exact-text path would pass the test above on its own; this is the
+  # parse + verify path, on a fixed sample of 100.
+  sample = random.Random(0).sample(_math500(), 100)
+  matched = sum(math_reward.math_verify_equal(row["answer"], row["answer"]) for row in sample)
+  print(f"MATH-500 self-match under math-verify: {matched}/100 sampled")
+  assert matched >= 95
+
+
+def test_amc_float_gold_matches_integer_box():
+  rows = _jsonl("amc23.jsonl")
+  assert rows[0]["answer"] == 27.0
+  reward = rewards.get_reward("math")
+  assert reward(_boxed(27), str(rows[0]["answer"])) == 1.0
+  for row in rows:
+    assert reward(_boxed(int(row["answer"])), str(row["answer"])) == 1.0, row["answer"]
+
+
+def test_dapo_ground_truths_score_plus_one_and_wrong_answer_minus_one():
+  pq = pytest.importorskip("pyarrow.parquet")
+  table = pq.read_table(_data_file("dapo_format_aime24.parquet"), columns=["reward_model"])
+  truths = sorted({row["reward_model"]["ground_truth"] for row in table.to_pylist()})
+  assert len(truths) >= 29
+  reward = rewards.get_reward("math_dapo")
+  for gt in truths:
+    assert reward(f"Reasoning...\nAnswer: {gt}", gt) == 1.0, gt
+    assert reward(f"Reasoning...\nAnswer: {int(gt) + 1}", gt) == -1.0, gt
+  assert reward("no final line", truths[0]) == -1.0
+
+
+# Safety and threads.
+
+def test_model_text_is_never_executed(tmp_path):
+  marker = tmp_path / "pwned_marker"
+  for response in [
+      f"\\boxed{{__import__('os').system('touch {marker}')}}",
+      f"Answer: __import__('os').system('touch {marker}')",
+      f"#### __import__('os').system('touch {marker}')",
+  ]:
+    assert rewards.get_reward("math")(response, "42") == 0.0
+  assert not marker.exists()
+
+
+def test_is_equivalent_works_in_worker_threads():
+  pairs = [(r"\frac{1}{2}", "0.5", True), (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)", True),
+           (r"\sqrt{2}", r"\frac{\sqrt{8}}{2}", True), (r"\frac{1}{3}", "0.5", False)] * 4
+  with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+    results = list(pool.map(lambda p: is_equivalent(p[0], p[1]), pairs))
+  assert results == [want for _, _, want in pairs]
+
+
+# Registry.
+
+def test_math_rewards_are_registered():
+  assert rewards.get_reward("math") is math_reward.math_reward
+  assert rewards.get_reward("math_dapo") is math_reward.math_dapo_reward
+
+
+def test_unknown_reward_name_raises_key_error_listing_known_names():
+  with pytest.raises(KeyError, match="math_dapo"):
+    rewards.get_reward("no_such_reward")
+
+
+def test_duplicate_reward_name_is_refused():
+  with pytest.raises(ValueError, match="already registered"):
+    rewards.register("math")(lambda response, answer: 0.0)
+  assert rewards.get_reward("math") is math_reward.math_reward

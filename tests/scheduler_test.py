@@ -1,0 +1,204 @@
+"""The APRIL scheduler: nothing lost, baseline semantics, versions, staleness, DAPO, rewards."""
+
+import itertools
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from april_jax.models import qwen3
+from april_jax.rollout import (AprilScheduler, PartialBuffer, PromptItem, RewardRunner,
+                               RolloutSettings, rollout_metrics)
+from april_jax.sampler import EngineConfig, SlotEngine
+
+CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+PARAMS = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
+MAX_BUDGET = 40
+
+
+def _parity_reward(text, answer):
+  del answer
+  return float(len(text) % 2)
+
+
+def _make(budgets, *, N=2, n=3, Np=4, num_slots=5, answers=lambda i: "", sync_every=4,
+          reward=_parity_reward, timeout_s=5.0, **settings):
+  """A scheduler over a tiny model; responses run exactly to their budgets (no stop)."""
+  engine = SlotEngine(CFG, PARAMS, EngineConfig(num_slots=num_slots, max_len=64,
+                                                sync_every=sync_every))
+  handed_out = []
+  counter = itertools.count()
+
+  def source():
+    i = next(counter)
+    handed_out.append(i)
+    prompt = np.random.default_rng(i).integers(0, CFG.vocab_size, 2 + i % 5)
+    return PromptItem(prompt_id=i, tokens=prompt, answer=answers(i), budgets=budgets(i, n))
+
+  runner = RewardRunner(reward, decode=lambda ids: "x" * len(ids), timeout_s=timeout_s,
+                        fallback=-1.0)
+  rollout = RolloutSettings(batch_size=N, n_samples_per_prompt=n, over_sampling_batch_size=Np,
+                            **settings)
+  return AprilScheduler(engine, rollout, source, runner), handed_out
+
+
+def _longtail_budgets(i, n):
+  rng = np.random.default_rng(1000 + i)
+  return np.clip(np.rint(4 * np.exp(0.9 * rng.standard_normal(n))), 1, MAX_BUDGET).astype(int)
+
+
+@pytest.mark.parametrize("resume_mode", ["kv", "recompute"])
+def test_every_admitted_prompt_is_trained_once_rejected_or_buffered(resume_mode):
+  sched, handed_out = _make(_longtail_budgets, dynamic_sampling=True, resume_mode=resume_mode)
+  trained, rejected = [], []
+  for step in range(12):
+    result = sched.step(step, version=step)
+    assert len(result.groups) == 2
+    for g in result.groups:
+      # No group is trained before all n samples are done, each to its full budget.
+      assert g.complete and len(g.samples) == 3
+      assert [len(s.response) for s in g.samples] == list(_longtail_budgets(g.prompt_id, 3))
+      assert not g.rewards_all_equal()
+    assert all(g.rewards_all_equal() for g in result.rejected)
+    trained += [g.prompt_id for g in result.groups]
+    rejected += [g.prompt_id for g in result.rejected]
+  buffered = [g.prompt_id for g in sched.buffer]
+  everything = trained + rejected + buffered
+  assert len(everything) == len(set(everything))  # nothing twice
+  assert sorted(everything) == sorted(handed_out)  # nothing lost
+  assert rejected and sched.totals["rejected"] == len(rejected)
+  assert sched.totals["trained"] == len(trained) == 24
+
+
+def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():
+  sched, _ = _make(_longtail_budgets, Np=2, partial_rollout=False)
+  for step in range(5):
+    result = sched.step(step, version=step)
+    assert len(result.groups) == 2 and len(sched.buffer) == 0
+    for s in (s for g in result.groups for s in g.samples):
+      assert set(s.versions.tolist()) == {step}  # all on-policy
+    assert rollout_metrics(result, step)["rollout/off_policy_token_frac"] == 0.0
+
+
+def test_synchronous_baseline_with_oversampling_buffers_only_complete_groups():
+  sched, _ = _make(_longtail_budgets, N=1, Np=3, partial_rollout=False)
+  for step in range(4):
+    sched.step(step, version=step)
+    assert all(g.complete and g.scored for g in sched.buffer)
+
+
+def test_resumed_sample_carries_one_version_per_update_and_metrics_match_hand_count():
+  # Group 0 has one long sample; every other group is short, so each step stops early
+  # and group 0's long sample is carried over across updates.
+  budgets = lambda i, n: [24, 1] if i == 0 else [2, 2]
+  sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4)
+  for step in range(40):
+    result = sched.step(step, version=step)
+    (group,) = result.groups
+    if group.prompt_id == 0:
+      break
+  else:
+    pytest.fail("group 0 was never trained")
+  long_sample = group.samples[0]
+  k = int(long_sample.versions.max())  # updates that happened while it was decoding
+  assert k >= 2 and set(long_sample.versions.tolist()) == set(range(k + 1))
+  assert np.all(np.diff(long_sample.versions) >= 0)
+  metrics = rollout_metrics(result, step)
+  all_versions = np.concatenate([s.versions for s in group.samples])
+  assert metrics["rollout/off_policy_token_frac"] == pytest.approx(
+      np.sum(all_versions < step) / len(all_versions))
+  assert metrics["rollout/staleness_max"] == step  # its first token was drawn at version 0
+  assert metrics["rollout/staleness_mean"] == pytest.approx(
+      np.mean([step - s.versions.min() for s in group.samples]))
+
+
+def test_max_staleness_holds_and_stale_samples_restart():
+  sched, _ = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=2)
+  restarts = 0
+  for step in range(25):
+    result = sched.step(step, version=step)
+    restarts += result.stats.get("stale_restarts", 0)
+    for s in (s for g in result.groups for s in g.samples):
+      assert step - s.versions.min() <= 2
+  assert restarts > 0
+
+
+def test_dapo_filter_keeps_all_equal_groups_out_and_still_delivers_n_groups():
+  # Even prompt ids: all budgets even, rewards all equal -> rejected.
+  budgets = lambda i, n: [2, 4, 6] if i % 2 == 0 else [2, 3, 4]
+  sched, _ = _make(budgets, N=2, Np=2, dynamic_sampling=True)
+  for step in range(4):
+    result = sched.step(step, version=step)
+    assert len(result.groups) == 2
+    assert all(g.prompt_id % 2 == 1 for g in result.groups)
+    assert all(g.prompt_id % 2 == 0 for g in result.rejected)
+    assert result.stats["zero_std_groups_dropped"] == len(result.rejected) > 0
+
+
+def test_reward_that_raises_or_hangs_gets_fallback_and_is_counted():
+  def reward(text, answer):
+    if answer == "boom":
+      raise RuntimeError("malformed answer")
+    if answer == "hang":
+      time.sleep(3.0)
+    return 1.0
+
+  answers = lambda i: {0: "boom", 1: "hang"}.get(i, "ok")
+  sched, _ = _make(lambda i, n: [3] * n, N=3, n=2, Np=3, answers=answers, reward=reward,
+                   timeout_s=0.3)
+  result = sched.step(0, version=0)
+  by_id = {g.prompt_id: g for g in result.groups}
+  assert by_id[0].rewards == [-1.0, -1.0] and by_id[0].reward_info["errors"] == 2
+  assert by_id[1].rewards == [-1.0, -1.0] and by_id[1].reward_info["timeouts"] == 2
+  assert by_id[2].rewards == [1.0, 1.0]
+  assert result.stats["reward_errors"] == 2 and result.stats["reward_timeouts"] == 2
+
+
+def test_surplus_complete_groups_stay_buffered_and_train_first_next_step():
+  sched, handed_out = _make(lambda i, n: [2] * n, N=1, n=2, Np=4, num_slots=8)
+  first = sched.step(0, version=0)
+  assert [g.prompt_id for g in first.groups] == [0]
+  assert sorted(g.prompt_id for g in sched.buffer) == [1, 2, 3]
+  assert all(g.complete and g.scored for g in sched.buffer)
+  second = sched.step(1, version=1)
+  assert [g.prompt_id for g in second.groups] == [1]  # oldest surplus first, no decoding
+  assert second.stats["new_tokens"] == 0
+
+
+def test_buffer_round_trips_through_numpy_state_and_resumes_identically():
+  make = lambda: _make(_longtail_budgets, resume_mode="kv")[0]
+  a, b = make(), make()
+  a.step(0, version=0)
+  b.step(0, version=0)
+  assert any(s.has_kv for g in b.buffer for s in g.samples)
+  state = b.buffer.to_state()
+  b.buffer = PartialBuffer.from_state({k: np.array(v) for k, v in state.items()})
+  for ga, gb in zip(a.buffer, b.buffer):
+    assert (ga.group_id, ga.prompt_id, ga.rewards) == (gb.group_id, gb.prompt_id, gb.rewards)
+    for sa, sb in zip(ga.samples, gb.samples):
+      np.testing.assert_array_equal(sa.response, sb.response)
+      np.testing.assert_array_equal(sa.versions, sb.versions)
+      np.testing.assert_array_equal(sa.rng, sb.rng)
+      assert sa.has_kv == sb.has_kv and sa.finish_reason == sb.finish_reason
+      if sa.has_kv:
+        np.testing.assert_array_equal(sa.kv_k, sb.kv_k)
+  assert b.buffer.host_bytes() == a.buffer.host_bytes() > 0
+  ra, rb = a.step(1, version=1), b.step(1, version=1)
+  for ga, gb in zip(ra.groups, rb.groups):
+    for sa, sb in zip(ga.samples, gb.samples):
+      np.testing.assert_array_equal(sa.response, sb.response)
+      np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-6)
+
+
+def test_occupancy_and_throughput_follow_their_definitions():
+  sched, _ = _make(_longtail_budgets, N=2, Np=4)
+  result = sched.step(0, version=0)
+  m, st = rollout_metrics(result, 0), result.stats
+  assert 0 < m["rollout/slot_occupancy"] <= 1
+  assert m["rollout/slot_occupancy"] == pytest.approx(
+      st["new_tokens"] / (st["num_slots"] * st["decode_steps"]))
+  assert m["rollout/tokens_per_s"] == pytest.approx(st["new_tokens"] / st["rollout_s"])
+  trained_tokens = sum(len(s.response) for g in result.groups for s in g.samples)
+  assert st["new_tokens"] >= trained_tokens
