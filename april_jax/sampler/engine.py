@@ -119,13 +119,11 @@ class SlotEngine:
           np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.zeros(W, np.int32),
           np.zeros(W, np.float32), np.zeros(W, np.int32), np.ones(W, np.float32),
           np.zeros((W, 2), np.uint32))
-      jax.block_until_ready(self.fns.extract(self.state, np.int32(0), b))
-      if b == self._buckets[0]:
-        jax.block_until_ready(self.fns.extract(self.state, np.int32(0), None))
+      jax.block_until_ready(self.fns.extract_kv(self.state, np.int32(0), b))
       self.state, _, _ = self.fns.decode(b, self.params, self.state, np.int32(self.version),
                                          self._stop_ids)
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
-    jax.block_until_ready(self.state)
+    jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
     return len(self._buckets)
 
   # ---------------------------------------------------------------------- admit
@@ -212,37 +210,39 @@ class SlotEngine:
     self._lengths = np.array(lengths)
     self.decode_steps += int(steps)
     self.tokens_generated += int(kept)
-    finished = []
-    for slot, record in enumerate(self._owner):
-      if record is not None and done[slot]:
-        self._read_back(slot, record, int(lengths[slot]), with_kv=False)
-        last = record.response[-1]
-        record.finish_reason = "stop" if last in self.config.stop_ids else "length"
-        self._owner[slot] = None
-        finished.append(record)
-    return finished
+    finished = [(slot, r) for slot, r in enumerate(self._owner)
+                if r is not None and done[slot]]
+    self._read_back(finished, with_kv=False)
+    for slot, record in finished:
+      last = record.response[-1]
+      record.finish_reason = "stop" if last in self.config.stop_ids else "length"
+      self._owner[slot] = None
+    return [record for _, record in finished]
 
   def snapshot(self, with_kv: bool = True) -> list[SampleRecord]:
     """Every unfinished sample back to the host (with its KV if asked); slots freed."""
-    out = []
-    lengths = jax.device_get(self.state.length)
-    for slot, record in enumerate(self._owner):
-      if record is not None:
-        self._read_back(slot, record, int(lengths[slot]), with_kv)
-        self._owner[slot] = None
-        out.append(record)
-    mask = np.array([r is None for r in self._owner])
-    self.state = self.fns.mark_done(self.state, mask)
-    return out
+    held = [(slot, r) for slot, r in enumerate(self._owner) if r is not None]
+    self._read_back(held, with_kv)
+    for slot, _ in held:
+      self._owner[slot] = None
+    self.state = self.fns.mark_done(self.state, np.array([r is None for r in self._owner]))
+    return [record for _, record in held]
 
-  def _read_back(self, slot: int, record: SampleRecord, length: int,
-                 with_kv: bool) -> None:
-    kv_len = self.bucket(max(length - 1, 1)) if with_kv else None
-    rows = jax.device_get(self.fns.extract(self.state, np.int32(slot), kv_len))
-    P, L = int(rows["prompt_len"]), int(rows["length"])
-    record.response = rows["tokens"][P:L].copy()
-    record.logprobs = rows["logprobs"][P:L].copy()
-    record.versions = rows["versions"][P:L].copy()
-    if with_kv:
-      record.kv_k = np.asarray(rows["kv_k"][:, :L - 1])
-      record.kv_v = np.asarray(rows["kv_v"][:, :L - 1])
+  def _read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
+    """Copies the slots' responses (and KV) into their records, W slots per transfer."""
+    W = self.config.insert_width
+    for i in range(0, len(items), W):
+      chunk = items[i:i + W]
+      slots = np.full(W, -1, np.int32)
+      slots[:len(chunk)] = [slot for slot, _ in chunk]
+      tokens, logprobs, versions, meta = jax.device_get(
+          self.fns.extract_rows(self.state, slots))
+      for j, (slot, record) in enumerate(chunk):
+        length, P = int(meta[j, 0]), int(meta[j, 1])
+        record.response = tokens[j, P:length].copy()
+        record.logprobs = logprobs[j, P:length].copy()
+        record.versions = versions[j, P:length].copy()
+        if with_kv:
+          k, v = jax.device_get(self.fns.extract_kv(
+              self.state, np.int32(slot), self.bucket(max(length - 1, 1))))
+          record.kv_k, record.kv_v = k[:, :length - 1].copy(), v[:, :length - 1].copy()

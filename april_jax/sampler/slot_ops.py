@@ -4,7 +4,8 @@
   insert(state, kv, slots[W], rows...)      -> state with one sequence copied into slots
   decode(window, params, state, version, stop_ids)
                                             -> state advanced by up to `sync_every` tokens
-  extract(state, slot)                      -> one slot's rows (and its KV up to T)
+  extract_rows(state, slots[W])             -> the rows of several slots, one transfer
+  extract_kv(state, slot, T)                -> one slot's KV up to T
   mark_done(state, mask)                    -> state with those slots stopped
 
 `DeviceFns` jits them once per (model config, slot shapes, mesh): T is bucketed by
@@ -112,16 +113,18 @@ def decode(cfg: qwen3.Qwen3Config, sync_every: int, window: int, params, state: 
   return state, steps, kept
 
 
-def extract(state: SlotState, slot: jax.Array, kv_len: int | None):
-  """One slot's rows and scalars, plus its KV for positions < kv_len (if given)."""
-  out = dict(tokens=state.tokens[slot], logprobs=state.logprobs[slot],
-             versions=state.versions[slot], length=state.length[slot],
-             prompt_len=state.prompt_len[slot], limit=state.limit[slot],
-             rng=state.rng[slot], done=state.done[slot])
-  if kv_len is not None:
-    out["kv_k"] = jax.lax.dynamic_index_in_dim(state.kv.k, slot, 1, False)[:, :kv_len]
-    out["kv_v"] = jax.lax.dynamic_index_in_dim(state.kv.v, slot, 1, False)[:, :kv_len]
-  return out
+def extract_rows(state: SlotState, slots_W: jax.Array):
+  """Rows of W slots at once (entries < 0 are padding): tokens, logprobs, versions
+  [W, M] and int32 [W, 2] (length, prompt_len). One transfer for many samples."""
+  idx = jnp.maximum(slots_W, 0)
+  meta = jnp.stack([state.length[idx], state.prompt_len[idx]], axis=-1)
+  return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
+
+
+def extract_kv(state: SlotState, slot: jax.Array, kv_len: int):
+  """One slot's KV for positions < kv_len: k, v [L, kv_len, K, H]."""
+  take = lambda cache: jax.lax.dynamic_index_in_dim(cache, slot, 1, False)[:, :kv_len]
+  return take(state.kv.k), take(state.kv.v)
 
 
 def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:
@@ -135,7 +138,8 @@ class DeviceFns:
   prefill_kv: Any
   insert: Any
   decode: Any
-  extract: Any
+  extract_rows: Any
+  extract_kv: Any
   mark_done: Any
 
   def cache_sizes(self) -> dict[str, int]:
@@ -163,6 +167,7 @@ def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every:
       insert=jax.jit(insert, donate_argnums=0, **pin),
       decode=jax.jit(functools.partial(decode, cfg, sync_every), static_argnums=0,
                      donate_argnums=2, **pin_first),
-      extract=jax.jit(extract, static_argnums=2),
+      extract_rows=jax.jit(extract_rows),
+      extract_kv=jax.jit(extract_kv, static_argnums=2),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
   )

@@ -1,0 +1,112 @@
+"""Mode `scheduler`: APRIL against the synchronous baseline, side by side in one run.
+
+Same model (random weights of the config's shape), same slots, the same prompt stream
+with the same per-sample response budgets. Lengths come from a long-tailed distribution
+(length_dists.py) and are enforced through the budgets with no stop token, so policy
+randomness cannot blur the comparison. APRIL admits N' = ratio x N groups per step and
+stops at N complete ones; the baseline admits N and waits for all of them. Steps
+alternate between the two sides; every program is compiled before timing starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+
+from april_jax.benchmarks import common, length_dists
+from april_jax.models import qwen3
+from april_jax.rollout import (AprilScheduler, PromptItem, RewardRunner, RolloutSettings,
+                               rollout_metrics)
+from april_jax.sampler import EngineConfig, SlotEngine
+
+PROMPT_LEN = 16
+
+
+def model_from_config(config) -> qwen3.Qwen3Config:
+  init = config.model.init
+  return qwen3.Qwen3Config(
+      vocab_size=init.vocab_size, hidden_size=init.hidden_size,
+      intermediate_size=init.intermediate_size, num_layers=init.num_layers,
+      num_heads=init.num_heads, num_kv_heads=init.num_kv_heads, head_dim=init.head_dim,
+      rope_theta=init.rope_theta, rms_norm_eps=init.rms_norm_eps,
+      tie_word_embeddings=init.tie_word_embeddings)
+
+
+def _side(cfg, params, config, shape, partial, ratio, seed):
+  r = config.rollout
+  n, max_resp = r.n_samples_per_prompt, r.max_response_len
+  engine = SlotEngine(cfg, params, EngineConfig(
+      num_slots=r.num_slots, max_len=PROMPT_LEN + max_resp, sync_every=r.sync_every,
+      kv_dtype=config.model.kv_dtype))
+  engine.warm_up()
+  counter = itertools.count()
+
+  def source():
+    i = next(counter)
+    prompt = np.random.default_rng([seed, i]).integers(1, cfg.vocab_size, PROMPT_LEN)
+    budgets = length_dists.sample_lengths(shape, max_resp, n, seed=[seed, i, 1])
+    return PromptItem(prompt_id=i, tokens=prompt, answer="", budgets=list(budgets))
+
+  settings = RolloutSettings(
+      batch_size=r.batch_size, n_samples_per_prompt=n,
+      over_sampling_batch_size=int(round(ratio * r.batch_size)) if partial else r.batch_size,
+      partial_rollout=partial, resume_mode=r.resume_mode, max_response_len=max_resp,
+      temperature=r.temperature)
+  rewards = RewardRunner(lambda text, answer: 0.0, decode=lambda ids: "", num_workers=1)
+  return AprilScheduler(engine, settings, source, rewards, seed=seed)
+
+
+def _summary(results: list, versions: list[int]) -> dict[str, float]:
+  st = lambda key: sum(res.stats.get(key, 0) for res in results)
+  metrics = [rollout_metrics(res, v) for res, v in zip(results, versions)]
+  trained = sum(len(s.response) for res in results for g in res.groups for s in g.samples)
+  slot_steps = results[0].stats["num_slots"] * st("decode_steps")
+  return {
+      "tokens_per_s": st("new_tokens") / st("rollout_s"),
+      "trained_tokens_per_s": trained / st("rollout_s"),
+      "slot_occupancy": st("new_tokens") / slot_steps,
+      "rollout_s_per_step": st("rollout_s") / len(results),
+      "off_policy_token_frac": float(np.mean([m["rollout/off_policy_token_frac"]
+                                              for m in metrics])),
+      "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
+      "buffer_groups_end": float(results[-1].stats["buffer_groups"]),
+  }
+
+
+def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
+        seed: int = 0) -> dict:
+  cfg = model_from_config(config)
+  params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
+  sides = {"april": _side(cfg, params, config, shape, True, ratio, seed),
+           "baseline": _side(cfg, params, config, shape, False, 1.0, seed)}
+  results = {name: [] for name in sides}
+  for step in range(steps):
+    for name, sched in sides.items():
+      sched.engine.params = params
+      results[name].append(sched.step(step, version=step))
+  versions = list(range(steps))
+  april, base = _summary(results["april"], versions), _summary(results["baseline"], versions)
+  r = config.rollout
+  out = {"mode": "scheduler", "distribution": shape,
+         "lengths": length_dists.describe(shape, r.max_response_len),
+         "N": r.batch_size, "n": r.n_samples_per_prompt, "N_prime": int(round(ratio * r.batch_size)),
+         "num_slots": r.num_slots, "max_response_len": r.max_response_len, "steps": steps,
+         "speedup": april["tokens_per_s"] / base["tokens_per_s"],
+         "trained_speedup": april["trained_tokens_per_s"] / base["trained_tokens_per_s"],
+         "machine": common.machine()}
+  out.update({f"april_{k}": v for k, v in april.items()})
+  out.update({f"baseline_{k}": v for k, v in base.items()})
+  out["off_policy_token_frac"] = april["off_policy_token_frac"]
+  out["staleness_max"] = april["staleness_max"]
+  print(f"{'':>10} {'tokens/s':>10} {'trained tok/s':>14} {'occupancy':>10} "
+        f"{'s/step':>8} {'off-policy':>10} {'staleness':>9}")
+  for name, s in (("APRIL", april), ("baseline", base)):
+    print(f"{name:>10} {s['tokens_per_s']:>10.0f} {s['trained_tokens_per_s']:>14.0f} "
+          f"{s['slot_occupancy']:>10.3f} {s['rollout_s_per_step']:>8.3f} "
+          f"{s['off_policy_token_frac']:>10.3f} {s['staleness_max']:>9.0f}")
+  print(f"speedup (rollout tokens/s) {out['speedup']:.2f}x, trained tokens/s "
+        f"{out['trained_speedup']:.2f}x  [{shape}, N={r.batch_size}, n={r.n_samples_per_prompt}, "
+        f"N'={out['N_prime']}, slots={r.num_slots}, max_len={r.max_response_len}]")
+  return out

@@ -1,0 +1,1 @@
+"""Config schema (`base.get_config`) and its start-up validation (`validate`)."""

@@ -1,0 +1,65 @@
+"""Every config field april_jax reads, with defaults. Files in configs/ start from here.
+
+Configs are Python (ml_collections): `configs/<name>.py` defines `get_config(arg)`,
+starting from `base.get_config()` and changing what it needs; any field can be
+overridden on the command line, e.g. `--config.rollout.over_sampling_batch_size=64`.
+`april_jax.configs.validate` checks the whole config once at start-up, before anything
+compiles, and names the field at fault.
+"""
+
+import ml_collections
+
+from april_jax import sharding
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 100
+  c.checkpoint_every = 50        # steps; 0 = only at the end and on SIGTERM
+  c.eval_every = 0               # steps; 0 = never
+  c.log_every = 1
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ""              # HF folder (config.json + safetensors); "" = random init
+  c.model.tokenizer_path = ""    # default: model.path
+  c.model.dtype = "float32"      # params: float32 | bfloat16
+  c.model.kv_dtype = "float32"
+  c.model.remat = False          # rematerialise layers in the update
+  c.model.init = ml_collections.ConfigDict(dict(
+      vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0,
+      num_kv_heads=0, head_dim=0, rope_theta=1e6, rms_norm_eps=1e-6,
+      tie_word_embeddings=True, std=0.02))
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (1, -1, 1)      # (data, fsdp, tensor); -1 takes the devices left
+  c.mesh.rules = sharding.DEFAULT_RULES
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "longtail"     # "longtail" (built-in task) or a .jsonl/.json/.parquet path
+  c.data.prompt_key = ""         # "" = first of question/problem/prompt
+  c.data.answer_key = ""         # "" = answer, or reward_model.ground_truth
+  c.data.max_prompt_len = 512    # tokens; longer prompts are skipped and counted
+  c.data.shuffle = True
+  c.data.system_prompt = ""
+  c.data.enable_thinking = False
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.batch_size = 8                   # N: prompt groups per training step
+  c.rollout.n_samples_per_prompt = 4         # n
+  c.rollout.over_sampling_batch_size = 16    # N' >= N: groups admitted per step
+  c.rollout.partial_rollout = True           # False: the synchronous baseline
+  c.rollout.resume_mode = "kv"               # kv | recompute
+  c.rollout.max_staleness = -1               # policy versions; < 0 = unlimited
+  c.rollout.num_slots = 32
+  c.rollout.sync_every = 16                  # decode steps per host round trip
+  c.rollout.max_response_len = 256
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.dynamic_sampling = False         # DAPO: drop groups whose rewards are equal
+  c.rollout.reward = "math"
+  c.rollout.reward_timeout_s = 10.0
+  c.rollout.reward_fallback = 0.0
+  c.rollout.reward_workers = 2
+  return c

@@ -1,0 +1,82 @@
+"""Checks a whole config once at start-up, before anything compiles.
+
+Every problem found is reported at once, each naming its field:
+  ConfigError: rollout.over_sampling_batch_size (4) must be >= rollout.batch_size (8)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+RESUME_MODES = ("kv", "recompute")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names every field at fault."""
+
+
+def _checks_rollout(c, err: Callable[[str], None]) -> None:
+  r = c.rollout
+  for name in ("batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "num_slots",
+               "sync_every", "max_response_len", "reward_workers"):
+    if int(r[name]) < 1:
+      err(f"rollout.{name} must be >= 1, got {r[name]}")
+  if r.over_sampling_batch_size < r.batch_size:
+    err(f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
+        f"rollout.batch_size ({r.batch_size})")
+  if r.resume_mode not in RESUME_MODES:
+    err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
+  if r.temperature < 0:
+    err(f"rollout.temperature must be >= 0, got {r.temperature}")
+  if not 0 < r.top_p <= 1:
+    err(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+  if r.top_k < 0:
+    err(f"rollout.top_k must be >= 0, got {r.top_k}")
+  if r.reward_timeout_s <= 0:
+    err(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
+  from april_jax.rewards import REWARDS  # pylint: disable=g-import-not-at-top
+  if r.reward not in REWARDS:
+    err(f"rollout.reward {r.reward!r} is not a registered reward ({sorted(REWARDS)})")
+
+
+def _checks_model(c, err: Callable[[str], None]) -> None:
+  m = c.model
+  if m.dtype not in DTYPES:
+    err(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
+  if m.kv_dtype not in DTYPES:
+    err(f"model.kv_dtype must be one of {DTYPES}, got {m.kv_dtype!r}")
+  if m.path:
+    if not (Path(m.path) / "config.json").is_file():
+      err(f"model.path {m.path!r} is not a model folder (no config.json there)")
+  else:
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      if int(m.init[name]) < 1:
+        err(f"model.init.{name} must be >= 1 when model.path is empty, got {m.init[name]}")
+
+
+def _checks_top(c, err: Callable[[str], None]) -> None:
+  for name in ("num_steps", "checkpoint_every", "eval_every"):
+    if int(c[name]) < 0:
+      err(f"{name} must be >= 0, got {c[name]}")
+  if len(tuple(c.mesh.shape)) != 3:
+    err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
+  if c.data.max_prompt_len < 1:
+    err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
+
+
+CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout]
+
+
+def validate(config) -> None:
+  """Raises ConfigError listing every problem; returns None for a config that can run."""
+  problems: list[str] = []
+  for check in CHECKS:
+    try:
+      check(config, problems.append)
+    except (KeyError, AttributeError, TypeError) as e:
+      problems.append(f"malformed config: {e}")
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

@@ -1,0 +1,44 @@
+"""The CPU default: the whole RL loop on the built-in long-tail copy task, in minutes.
+
+  python -m april_jax.main --config=configs/tiny.py --workdir=/tmp/april_tiny
+  python -m april_jax.main --config=configs/tiny.py --workdir=/tmp/sync \
+      --config.rollout.partial_rollout=False --config.rollout.over_sampling_batch_size=8
+  python -m april_jax.bench --mode=scheduler --config=configs/tiny.py
+
+A 2-layer Qwen3 with a 20-token vocabulary, randomly initialised and briefly
+warm-started with supervised copies, then trained with GRPO. Responses run up to 64
+tokens; answer lengths follow a log-normal with a long tail (see rewards/longtail_task.py).
+"""
+
+from april_jax.configs import base
+
+
+def get_config(arg=None):
+  del arg
+  c = base.get_config()
+  c.seed = 0
+  c.num_steps = 40
+  c.checkpoint_every = 10
+  c.eval_every = 20
+
+  c.model.path = ""  # empty: random init from c.model.init
+  c.model.init.vocab_size = 20
+  c.model.init.hidden_size = 64
+  c.model.init.intermediate_size = 192
+  c.model.init.num_layers = 2
+  c.model.init.num_heads = 4
+  c.model.init.num_kv_heads = 2
+  c.model.init.head_dim = 16
+  c.model.init.tie_word_embeddings = True
+
+  c.data.source = "longtail"
+  c.data.max_prompt_len = 67
+
+  c.rollout.batch_size = 8
+  c.rollout.n_samples_per_prompt = 4
+  c.rollout.over_sampling_batch_size = 16
+  c.rollout.num_slots = 16
+  c.rollout.sync_every = 8
+  c.rollout.max_response_len = 64
+  c.rollout.reward = "longtail_copy"
+  return c

@@ -1,0 +1,40 @@
+"""The built-in task: long-tailed answer lengths, an exact reward, supervised batches."""
+
+import numpy as np
+
+from april_jax.rewards import get_reward
+from april_jax.rewards.longtail_task import LongTailTask, sft_batch, tokenizer
+
+
+def test_answer_lengths_have_a_long_tail():
+  task = LongTailTask(max_answer_len=64, median=8, sigma=0.9)
+  lengths = np.array([len(task.item(i)["answer"]) for i in range(4000)])
+  assert np.median(lengths) == 8
+  assert np.percentile(lengths, 90) < 32  # most answers are short ...
+  assert 0.002 < np.mean(lengths == 64) < 0.03  # ... and a few run to the maximum
+
+
+def test_items_are_deterministic_and_tokenizable():
+  task, tok = LongTailTask(), tokenizer()
+  assert task.item(5, seed=1) == task.item(5, seed=1) != task.item(5, seed=2)
+  item = task.item(7)
+  assert tok.decode(tok.encode(item["prompt"])) == item["prompt"]
+  assert len(tok.encode(item["prompt"])) <= task.prompt_len()
+
+
+def test_copy_reward_is_one_only_for_an_exact_copy():
+  reward = get_reward("longtail_copy")
+  assert reward("abcd", "abcd") == 1.0
+  assert reward("abcx", "abcd") == 0.75
+  assert reward("abcdab", "abcd") == 4 / 6  # too long is penalised
+  assert reward("", "abcd") == 0.0
+
+
+def test_sft_batch_masks_exactly_the_answer_and_stop_targets():
+  task, tok = LongTailTask(), tokenizer()
+  tokens, targets, mask = sft_batch(task, tok, [0, 1], seed=0, seq_len=80)
+  item = task.item(0)
+  P, A = len(item["prompt"]) + 0, len(item["answer"])
+  assert mask[0].sum() == A + 1
+  np.testing.assert_array_equal(targets[0][mask[0] > 0],
+                                tok.encode(item["answer"]) + [tok.eos_id])
