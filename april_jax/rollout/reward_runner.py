@@ -2,7 +2,7 @@
 
 `submit(group)` queues one job per sample (the decoded response text and the group's
 gold answer go to the reward function); `poll()` returns the groups whose samples are
-all scored. A reward function that raises gives that sample `fallback` and counts an
+all scored, `wait_for(groups)` / `wait_all()` block until they are. A reward function that raises gives that sample `fallback` and counts an
 error; one that runs past `timeout_s` gives `fallback` and counts a timeout: its
 thread is abandoned (Python cannot kill it), the pool is replaced, and the jobs still
 queued behind it are resubmitted, so one pathological answer never stalls a step.
@@ -107,14 +107,17 @@ class RewardRunner:
         done.append(group)
     return done
 
-  def wait_any(self, poll_s: float = 0.005) -> list[Group]:
-    """Blocks until at least one submitted group is scored (or none is pending)."""
-    while self._jobs:
-      done = self.poll()
-      if done:
-        return done
+  def wait_for(self, groups: list[Group], poll_s: float = 0.002) -> list[Group]:
+    """Blocks until every group given is scored; returns them in the order given."""
+    while any(g.group_id in self._jobs for g in groups):
+      self.poll()
       time.sleep(poll_s)
-    return []
+    return list(groups)
+
+  def wait_all(self, poll_s: float = 0.002) -> None:
+    while self._jobs:
+      self.poll()
+      time.sleep(poll_s)
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)

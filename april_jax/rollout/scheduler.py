@@ -7,8 +7,11 @@
              groups per step (buffered ones included), plus one per group the DAPO
              filter rejects, so rejections do not shrink the batch.
   2. Decode  engine.step(): up to sync_every tokens per live slot, on device.
-  3. Harvest a group whose n samples are all finished is scored at once on the reward
-             threads; the filter may reject it (counted, removed).
+  3. Harvest a group whose n samples are all finished is accepted in completion order
+             and scored at once on the reward threads, which overlap with decoding. With
+             dynamic_sampling the filter needs the rewards: the scheduler waits for the
+             groups completed so far before deciding (counted, removed), so a run is
+             deterministic for a seed whatever the reward threads' timing.
   4. Stop    partial_rollout=True: as soon as batch_size groups are accepted.
              partial_rollout=False (the synchronous baseline): once every admitted
              group is complete and batch_size are accepted.
@@ -137,7 +140,8 @@ class AprilScheduler:
     active: list[Group] = []
     active_ids: set[int] = set()
     in_slot: set[tuple[int, int]] = set()
-    accepted: list[Group] = []
+    accepted: list[Group] = []     # in completion order: the first N are trained
+    awaiting: list[Group] = []     # complete, waiting for the DAPO filter's verdict
     rejected: list[Group] = []
     budget = s.over_sampling_batch_size
     errors0, timeouts0, reward_s0 = (self.rewards.errors, self.rewards.timeouts,
@@ -156,22 +160,32 @@ class AprilScheduler:
         self.buffer.add(group)
       active.append(group)
       active_ids.add(group.group_id)
-      if group.complete and group.scored:
-        judge(group)  # a surplus group from an earlier step
-      elif group.complete:
-        self.rewards.submit(group)
+      if group.complete:
+        completed(group)  # a surplus group from an earlier step
       return True
 
-    def judge(group: Group) -> None:
-      nonlocal budget
-      if s.dynamic_sampling and group.rewards_all_equal():
-        self.buffer.pop(group.group_id)
-        rejected.append(group)
-        stats["zero_std_groups_dropped"] += 1
-        self.totals["rejected"] += 1
-        budget += 1  # rejected groups do not count toward the batch: admit another
+    def completed(group: Group) -> None:
+      """A group's n samples are done: score it; accept it (or let the filter judge)."""
+      if not group.scored:
+        self.rewards.submit(group)
+      if s.dynamic_sampling:
+        awaiting.append(group)
       else:
         accepted.append(group)
+
+    def judge_awaiting() -> None:
+      """DAPO filter: needs the rewards of the groups completed so far."""
+      nonlocal budget
+      for group in self.rewards.wait_for(awaiting):
+        if group.rewards_all_equal():
+          self.buffer.pop(group.group_id)
+          rejected.append(group)
+          stats["zero_std_groups_dropped"] += 1
+          self.totals["rejected"] += 1
+          budget += 1  # rejected groups do not count toward the batch: admit another
+        else:
+          accepted.append(group)
+      awaiting.clear()
 
     def fill_slots() -> None:
       while engine.free_slots() and not stop_now():
@@ -193,38 +207,34 @@ class AprilScheduler:
             engine.add_group([group.samples[i] for i in fresh])
             in_slot.update((group.group_id, i) for i in fresh)
             started = True
-        if not started and not admit():
-          return
+        if not started:
+          if not admit():
+            return
+          judge_awaiting()
 
     def stop_now() -> bool:
       if len(accepted) < s.batch_size:
         return False
-      if s.partial_rollout:
-        return True
-      return all(g.complete and g.scored for g in active if g.group_id in self.buffer)
+      return s.partial_rollout or all(g.complete for g in active if g.group_id in self.buffer)
 
     while True:
-      for group in self.rewards.poll():
-        judge(group)
+      judge_awaiting()
       if stop_now():
         break
       fill_slots()
       if engine.num_live == 0:
-        if self.rewards.pending():
-          for group in self.rewards.wait_any():
-            judge(group)
-          continue
-        break  # nothing live, nothing to score, nothing admissible: prompts ran out
+        break  # nothing live and nothing admissible: the prompts ran out
+      newly_complete: dict[int, Group] = {}  # ordered, once per group
       for record in engine.step():
         group = self.buffer.get(record.meta["group"])
         in_slot.discard((group.group_id, record.meta["index"]))
         if group.complete:
-          self.rewards.submit(group)
+          newly_complete[group.group_id] = group
+      for group in newly_complete.values():
+        completed(group)
 
     engine.snapshot(with_kv=(s.resume_mode == "kv"))
-    while self.rewards.pending():  # complete groups keep their rewards in the buffer
-      for group in self.rewards.wait_any():
-        judge(group)
+    self.rewards.wait_all()  # every complete group keeps its rewards, buffered ones too
     batch, surplus = accepted[:s.batch_size], accepted[s.batch_size:]
     for group in batch:
       self.buffer.pop(group.group_id)

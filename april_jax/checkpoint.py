@@ -1,0 +1,73 @@
+"""Orbax checkpoints in `workdir/checkpoints`: everything a resume needs, in one step dir.
+
+  state   params, optimizer state (and reference params): sharded arrays, restored
+          straight into the shardings the run uses
+  buffer  the whole partial buffer as flat numpy arrays (KV included in mode kv)
+  host    JSON: step, policy version, data position, scheduler counters, learner
+          counters, and the buffer's array shapes
+
+Resume order (main.py): build model, learner and engine as for a fresh run, then, if a
+checkpoint exists, replace params/optimizer state, the buffer, the data position and
+the counters with the saved ones, and continue at step + 1.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _pack_buffer(buffer_state: dict[str, np.ndarray]):
+  """Orbax refuses zero-size arrays: keep those as shapes in the JSON only."""
+  arrays = {k: v for k, v in buffer_state.items() if v.size}
+  specs = {k: [list(v.shape), str(v.dtype)] for k, v in buffer_state.items()}
+  return arrays, specs
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, max_to_keep: int = 3):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                                             create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, buffer_state: dict[str, np.ndarray],
+           host: dict[str, Any]) -> None:
+    arrays, specs = _pack_buffer(buffer_state)
+    host = dict(host, buffer_specs=specs)
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), buffer=ocp.args.StandardSave(arrays),
+        host=ocp.args.JsonSave(host)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state: Any):
+    """Returns (state in the shardings of abstract_state, buffer arrays, host JSON)."""
+    host = self.manager.restore(step, args=ocp.args.Composite(
+        host=ocp.args.JsonRestore())).host
+    specs = host["buffer_specs"]
+    target = {k: np.zeros(shape, dtype) for k, (shape, dtype) in specs.items()
+              if int(np.prod(shape))}
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        buffer=ocp.args.StandardRestore(target)))
+    buffer_state = {k: (np.asarray(restored.buffer[k]) if k in target
+                        else np.zeros(shape, dtype))
+                    for k, (shape, dtype) in specs.items()}
+    return restored.state, buffer_state, host
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+  """ShapeDtypeStructs with the shardings of a live pytree (the restore target)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)

@@ -1,0 +1,341 @@
+"""Prompt data: dataset files (or the built-in task) turned into a stream of PromptItems.
+
+The scheduler pulls fresh prompts by calling a prompt source with no arguments
+(`AprilScheduler(prompt_source=...)`); this module builds that source from the `data`
+config section (`make_prompt_source`):
+
+  * `load_records` reads a `.jsonl`, `.json` (a list of objects) or `.parquet` file
+    (GSM8K, MATH, AIME, or the DAPO/verl schema with chat-message prompts and
+    `reward_model.ground_truth`) into records {"id", "messages", "answer"}. A bad row is
+    skipped and counted under a reason, never silently dropped and never fatal.
+  * `PromptIterator` applies the tokenizer's chat template and yields PromptItems
+    forever, epoch after epoch, each epoch in its own seeded order. Prompts longer than
+    max_prompt_len are skipped and counted. `state()` / `restore()` make it resume
+    exactly where a checkpoint left it.
+  * `LongTailSource` gives the built-in synthetic task the same interface.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from absl import logging
+
+from april_jax.rewards.longtail_task import LongTailTask
+from april_jax.rollout.scheduler import PromptItem
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+PROMPT_KEYS = ("question", "problem", "prompt")
+ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+ID_KEYS = ("id", "unique_id", "idx")
+
+
+class _BadRow(Exception):
+  """A row that cannot become a record; `reason` is its key in the skip counter."""
+
+  def __init__(self, reason: str) -> None:
+    super().__init__(reason)
+    self.reason = reason
+
+
+# ------------------------------------------------------------------------ reading files
+def _read_jsonl(path: Path, skipped: collections.Counter) -> list[Any]:
+  """Rows of a JSON-lines file; blank lines are not rows, invalid lines are counted."""
+  rows = []
+  with path.open(encoding="utf-8") as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError as e:
+        skipped["bad_json"] += 1
+        if skipped["bad_json"] == 1:
+          logging.warning("%s line %d: invalid JSON (%s); skipped", path, line_number, e)
+  return rows
+
+
+def _read_json(path: Path) -> list[Any]:
+  """Rows of a file holding one JSON list."""
+  try:
+    rows = json.loads(path.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(rows, list):
+    raise ValueError(f"{path} should hold a JSON list of objects, got a {type(rows).__name__}")
+  return rows
+
+
+def _read_parquet(path: Path) -> list[Any]:
+  """Rows of a parquet file; nested columns come back as Python lists and dicts."""
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  return pq.read_table(path).to_pylist()
+
+
+def _read_rows(path: Path, skipped: collections.Counter) -> list[Any]:
+  if path.suffix == ".jsonl":
+    return _read_jsonl(path, skipped)
+  if path.suffix == ".json":
+    return _read_json(path)
+  return _read_parquet(path)
+
+
+# ------------------------------------------------------------------------ rows to records
+def _lookup(row: dict, key: str) -> Any:
+  """row[key], or the value at a dot path ("reward_model.ground_truth"); None if absent."""
+  if key in row:
+    return row[key]
+  value: Any = row
+  for part in key.split("."):
+    if not isinstance(value, dict) or part not in value:
+      return None
+    value = value[part]
+  return value
+
+
+def _first_present(row: dict, keys: Sequence[str]) -> Any:
+  for key in keys:
+    value = _lookup(row, key)
+    if value is not None:
+      return value
+  return None
+
+
+def _messages(prompt: Any) -> list[dict[str, str]]:
+  """Chat messages from a prompt field: a string (one user turn) or a list of messages."""
+  if isinstance(prompt, str):
+    if not prompt.strip():
+      raise _BadRow("missing_prompt")
+    return [{"role": "user", "content": prompt}]
+  if not isinstance(prompt, list):
+    raise _BadRow("bad_prompt")
+  messages = []
+  for message in prompt:
+    if not isinstance(message, dict):
+      raise _BadRow("bad_messages")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role or not isinstance(content, str):
+      raise _BadRow("bad_messages")
+    messages.append({"role": role, "content": content})
+  if not any(m["content"].strip() for m in messages):
+    raise _BadRow("missing_prompt")
+  return messages
+
+
+def _answer(value: Any) -> str:
+  """The raw answer as a string; numbers are written as Python writes them (27.0 -> "27.0")."""
+  if value is None:
+    raise _BadRow("missing_answer")
+  if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    raise _BadRow("bad_answer")
+  answer = value if isinstance(value, str) else str(value)
+  if not answer.strip():
+    raise _BadRow("missing_answer")
+  return answer
+
+
+def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict[str, Any]:
+  if not isinstance(row, dict):
+    raise _BadRow("not_an_object")
+  prompt = _lookup(row, prompt_key) if prompt_key else _first_present(row, PROMPT_KEYS)
+  if prompt is None:
+    raise _BadRow("missing_prompt")
+  messages = _messages(prompt)
+  answer = _answer(_lookup(row, answer_key) if answer_key else _first_present(row, ANSWER_KEYS))
+  record_id = _first_present(row, ID_KEYS)
+  return {"id": default_id if record_id is None else record_id, "messages": messages,
+          "answer": answer}
+
+
+def load_records(path: str | Path, prompt_key: str = "",
+                 answer_key: str = "") -> tuple[list[dict], collections.Counter]:
+  """Reads a dataset file into records {"id", "messages", "answer"}.
+
+  Args:
+    path: A `.jsonl`, `.json` (a JSON list of objects) or `.parquet` file.
+    prompt_key: Field (dot path allowed) holding the prompt, a string or a list of chat
+      messages; "" takes the first present of question, problem, prompt.
+    answer_key: Field (dot path allowed) holding the answer; "" takes `answer`, else
+      `reward_model.ground_truth`.
+
+  Returns:
+    The records, in file order, and a Counter of skipped rows by reason (not_an_object,
+    bad_json, missing_prompt, bad_prompt, bad_messages, missing_answer, bad_answer).
+
+  Raises:
+    FileNotFoundError: If the file does not exist.
+    ValueError: If its extension is not supported, it cannot be read as a whole, or
+      not one row is usable.
+  """
+  path = Path(path)
+  if path.suffix not in SUFFIXES:
+    raise ValueError(f"Unsupported data file extension {path.suffix!r} of {path}; "
+                     f"expected one of {SUFFIXES}")
+  if not path.is_file():
+    raise FileNotFoundError(f"Data file not found: {path}")
+  skipped: collections.Counter = collections.Counter()
+  rows = _read_rows(path, skipped)
+  records = []
+  for index, row in enumerate(rows):
+    try:
+      records.append(_record(row, f"{path.stem}:{index}", prompt_key, answer_key))
+    except _BadRow as e:
+      skipped[e.reason] += 1
+      if skipped[e.reason] == 1:
+        logging.warning("%s row %d skipped: %s", path, index, e.reason)
+  if not records:
+    raise ValueError(f"No usable rows in {path}: {sum(skipped.values())} skipped "
+                     f"({_describe(skipped) or 'the file is empty'})")
+  return records, skipped
+
+
+def _describe(counts: collections.Counter) -> str:
+  return ", ".join(f"{reason}: {n}" for reason, n in sorted(counts.items()))
+
+
+# ------------------------------------------------------------------------ prompt sources
+class PromptIterator:
+  """Dataset records as an endless stream of tokenized PromptItems, checkpointable.
+
+  Epoch e visits every record once, in the order
+  `np.random.default_rng([seed, e]).permutation(n)` (file order without shuffle).
+  """
+
+  def __init__(self, records: Sequence[dict], tokenizer: Any, max_prompt_len: int,
+               seed: int = 0, shuffle: bool = True, system_prompt: str = "",
+               enable_thinking: bool = False) -> None:
+    if not records:
+      raise ValueError("PromptIterator needs at least one record")
+    if max_prompt_len < 1:
+      raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    self.records = list(records)
+    self.tokenizer = tokenizer
+    self.max_prompt_len = int(max_prompt_len)
+    self.shuffle = shuffle
+    self.system_prompt = system_prompt
+    self.enable_thinking = enable_thinking
+    self.seed = int(seed)
+    self.epoch = 0
+    self.offset = 0                       # position within the epoch's order
+    self.skipped_too_long = 0             # skips so far, each time a long prompt comes up
+    self._order_epoch, self._order = -1, np.arange(0)
+    self._logged_too_long: set[Any] = set()
+
+  def _epoch_order(self) -> np.ndarray:
+    if self._order_epoch != self.epoch:
+      n = len(self.records)
+      self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
+                     if self.shuffle else np.arange(n))
+      self._order_epoch = self.epoch
+    return self._order
+
+  def tokens(self, record: dict) -> np.ndarray:
+    """The record's prompt: its messages (after the system prompt) in the chat template."""
+    messages = list(record["messages"])
+    if self.system_prompt:
+      messages = [{"role": "system", "content": self.system_prompt}] + messages
+    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             enable_thinking=self.enable_thinking,
+                                             tokenize=True)
+    return np.asarray(ids, np.int32)
+
+  def _skip_too_long(self, record: dict, length: int) -> None:
+    self.skipped_too_long += 1
+    if record["id"] not in self._logged_too_long:
+      self._logged_too_long.add(record["id"])
+      logging.warning("prompt %r skipped: %d tokens > max_prompt_len %d", record["id"],
+                      length, self.max_prompt_len)
+
+  def __call__(self) -> PromptItem:
+    """The next prompt that fits max_prompt_len.
+
+    Raises:
+      ValueError: If a whole epoch holds no prompt that fits.
+    """
+    whole_epoch_seen = self.offset == 0
+    while True:
+      order = self._epoch_order()
+      if self.offset >= len(order):
+        if whole_epoch_seen:
+          raise ValueError(f"No prompt of the {len(order)} records fits max_prompt_len "
+                           f"{self.max_prompt_len} ({self.skipped_too_long} skipped)")
+        self.epoch, self.offset, whole_epoch_seen = self.epoch + 1, 0, True
+        continue
+      record = self.records[order[self.offset]]
+      self.offset += 1
+      tokens = self.tokens(record)
+      if len(tokens) > self.max_prompt_len:
+        self._skip_too_long(record, len(tokens))
+        continue
+      return PromptItem(prompt_id=record["id"], tokens=tokens, answer=record["answer"])
+
+  def state(self) -> dict[str, int]:
+    """Where the stream stands; JSON-serialisable."""
+    return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+            "skipped_too_long": self.skipped_too_long, "num_records": len(self.records)}
+
+  def restore(self, state: dict[str, Any]) -> None:
+    """Continues from `state()`: the items that follow are those the saved stream had next.
+
+    Raises:
+      ValueError: If the state was saved over a different number of records.
+    """
+    num_records = int(state.get("num_records", len(self.records)))
+    if num_records != len(self.records):
+      raise ValueError(f"Prompt state saved over {num_records} records, but the data now "
+                       f"has {len(self.records)}")
+    self.seed = int(state["seed"])
+    self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+    self.skipped_too_long = int(state["skipped_too_long"])
+    self._order_epoch = -1
+
+
+class LongTailSource:
+  """The built-in synthetic task as a prompt source: item 0, 1, 2, ... of the stream."""
+
+  def __init__(self, task: LongTailTask, tokenizer: Any, seed: int = 0) -> None:
+    self.task, self.tokenizer, self.seed = task, tokenizer, int(seed)
+    self.index = 0
+
+  def __call__(self) -> PromptItem:
+    item = self.task.item(self.index, self.seed)
+    self.index += 1
+    tokens = np.asarray(self.tokenizer.encode(item["prompt"]), np.int32)
+    return PromptItem(prompt_id=item["id"], tokens=tokens, answer=item["answer"])
+
+  def state(self) -> dict[str, int]:
+    return {"index": self.index, "seed": self.seed}
+
+  def restore(self, state: dict[str, Any]) -> None:
+    self.index, self.seed = int(state["index"]), int(state["seed"])
+
+
+def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
+                       task: LongTailTask | None = None) -> PromptIterator | LongTailSource:
+  """The prompt source the `data` config section asks for.
+
+  Args:
+    data_config: The `data` section (source, prompt_key, answer_key, max_prompt_len,
+      shuffle, system_prompt, enable_thinking); a ConfigDict or a dict.
+    tokenizer: Tokenizer for the prompts (the task's CharTokenizer for "longtail").
+    seed: Seed of the shuffle (or of the task's stream).
+    task: The built-in task; required when source is "longtail".
+
+  Returns:
+    A LongTailSource for "longtail", else a PromptIterator over the file's records.
+  """
+  c = dict(data_config)
+  if c["source"] == "longtail":
+    if task is None:
+      raise ValueError('data.source "longtail" needs the LongTailTask (task=...)')
+    return LongTailSource(task, tokenizer, seed)
+  records, skipped = load_records(c["source"], c.get("prompt_key", ""), c.get("answer_key", ""))
+  logging.info("loaded %d prompts from %s; skipped %d rows%s", len(records), c["source"],
+               sum(skipped.values()), f" ({_describe(skipped)})" if skipped else "")
+  return PromptIterator(records, tokenizer, c.get("max_prompt_len", 512), seed=seed,
+                        shuffle=c.get("shuffle", True), system_prompt=c.get("system_prompt", ""),
+                        enable_thinking=c.get("enable_thinking", False))

@@ -1,0 +1,317 @@
+"""Tests for april_jax.data: dataset files to records, records to a prompt stream.
+
+The format tests read the real math sets in ../shared/data/math and skip when it is
+absent; the iterator tests use small in-memory records and the CharTokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from april_jax.data import (LongTailSource, PromptIterator, load_records,
+                            make_prompt_source)
+from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
+from april_jax.tokenizer import CharTokenizer, Tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+MATH_DIR = SHARED_DATA / "math"
+QWEN3_DIR = SHARED_DATA / "tokenizers" / "qwen3"
+needs_math = pytest.mark.skipif(not MATH_DIR.is_dir(), reason=f"math data not found at {MATH_DIR}")
+needs_qwen3 = pytest.mark.skipif(not (QWEN3_DIR / "tokenizer.json").is_file(),
+                                 reason=f"Qwen3 tokenizer not found at {QWEN3_DIR}")
+
+# file -> number of records
+FORMATS = {
+  "gsm8k_test.jsonl": 1319,
+  "aime24.jsonl": 30,
+  "amc23.jsonl": 40,
+  "math500.json": 500,
+  "dapo_format_aime24.parquet": 960,
+}
+GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking=False
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Tokenizer:
+  return Tokenizer.from_pretrained(QWEN3_DIR)
+
+
+def _char_tokenizer() -> CharTokenizer:
+  return CharTokenizer("abcdefghijklmnopqrstuvwxyz0123456789 ?")
+
+
+def _records(n: int, lengths: dict[int, int] | None = None) -> list[dict]:
+  """n records "q<i>" (padded with "x" to lengths[i] characters where given)."""
+  records = []
+  for i in range(n):
+    text = f"q{i}".ljust((lengths or {}).get(i, 0), "x")
+    records.append({"id": i, "messages": [{"role": "user", "content": text}], "answer": str(i)})
+  return records
+
+
+def _ids(source, count: int) -> list:
+  return [source().prompt_id for _ in range(count)]
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> Path:
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  return path
+
+
+# ---------------------------------------------------------------------- file formats
+@needs_math
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_loads_every_row_with_messages_and_string_answer(name):
+  records, skipped = load_records(MATH_DIR / name)
+  assert len(records) == FORMATS[name]
+  assert not skipped
+  for record in records:
+    assert set(record) == {"id", "messages", "answer"}
+    assert isinstance(record["answer"], str) and record["answer"]
+    assert record["messages"][-1]["role"] == "user"
+    assert all(isinstance(m["content"], str) for m in record["messages"])
+
+
+@needs_math
+def test_dapo_record_messages_are_the_parquet_chat_and_answer_its_ground_truth():
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  rows = pq.read_table(MATH_DIR / "dapo_format_aime24.parquet").to_pylist()
+  records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
+  for i in (0, 1, len(rows) - 1):
+    assert records[i]["messages"] == [{"role": m["role"], "content": m["content"]}
+                                      for m in rows[i]["prompt"]]
+    assert records[i]["answer"] == rows[i]["reward_model"]["ground_truth"]
+    assert records[i]["id"] == f"dapo_format_aime24:{i}"  # no id field: file stem and row
+
+
+@needs_math
+def test_gsm8k_keeps_the_full_solution_ending_with_hash_answer():
+  records, _ = load_records(MATH_DIR / "gsm8k_test.jsonl")
+  first = json.loads((MATH_DIR / "gsm8k_test.jsonl").open(encoding="utf-8").readline())
+  assert records[0]["messages"] == [{"role": "user", "content": first["question"]}]
+  assert records[0]["answer"] == first["answer"]
+  assert all(r["answer"].rsplit("\n", 1)[-1].startswith("#### ") for r in records)
+
+
+@needs_math
+def test_numeric_answers_become_strings_and_id_fields_are_kept():
+  amc, _ = load_records(MATH_DIR / "amc23.jsonl")
+  assert amc[0]["answer"] == "27.0" and amc[0]["id"] == 0
+  math500, _ = load_records(MATH_DIR / "math500.json")
+  assert math500[0]["id"] == "test/precalculus/807.json"
+  aime, _ = load_records(MATH_DIR / "aime24.jsonl")
+  assert len({r["id"] for r in aime}) == 30
+
+
+@needs_math
+def test_keys_given_explicitly_with_a_dot_path():
+  records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet", prompt_key="prompt",
+                            answer_key="reward_model.ground_truth")
+  assert len(records) == 960 and records[0]["answer"] == "540"
+  records, _ = load_records(MATH_DIR / "aime24.jsonl", prompt_key="solution")
+  first = json.loads((MATH_DIR / "aime24.jsonl").open(encoding="utf-8").readline())
+  assert records[0]["messages"][0]["content"] == first["solution"]
+
+
+# ---------------------------------------------------------------------- chat template
+@needs_math
+@needs_qwen3
+def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_prompt(qwen3):
+  records, _ = load_records(MATH_DIR / "gsm8k_test.jsonl")
+  it = PromptIterator(records, qwen3, max_prompt_len=4096, shuffle=False)
+  tail = qwen3.encode(GENERATION_PROMPT)
+  for record in records:
+    item = it()
+    expected = qwen3.apply_chat_template(record["messages"], add_generation_prompt=True,
+                                         enable_thinking=False, tokenize=True)
+    assert item.tokens.dtype == np.int32 and item.prompt_id == record["id"]
+    assert item.tokens.tolist() == expected
+    assert item.tokens[-len(tail):].tolist() == tail
+    assert item.answer == record["answer"]
+
+
+@needs_math
+@needs_qwen3
+def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3):
+  records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
+  it = PromptIterator(records[:3], qwen3, 4096, shuffle=False, system_prompt="Be brief.",
+                      enable_thinking=True)
+  item = it()
+  messages = [{"role": "system", "content": "Be brief."}] + records[0]["messages"]
+  expected = qwen3.apply_chat_template(messages, add_generation_prompt=True,
+                                       enable_thinking=True, tokenize=True)
+  assert item.tokens.tolist() == expected
+  assert qwen3.decode(item.tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+  assert qwen3.decode(item.tokens).endswith("<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------------- malformed rows
+def test_malformed_rows_are_skipped_and_counted_per_reason(tmp_path):
+  path = _write_jsonl(tmp_path / "mixed.jsonl", [
+    json.dumps({"question": "good one", "answer": "1"}),
+    json.dumps(["not", "an", "object"]),
+    json.dumps({"answer": "2"}),
+    json.dumps({"problem": "no answer here"}),
+    '{"question": "broken", ',
+    json.dumps({"prompt": [{"role": "user"}], "answer": "3"}),
+    "",
+    json.dumps({"prompt": [{"role": "user", "content": "good two"}],
+                "reward_model": {"ground_truth": 4}, "idx": 7}),
+  ])
+  records, skipped = load_records(path)
+  assert [r["messages"][0]["content"] for r in records] == ["good one", "good two"]
+  assert [r["id"] for r in records] == ["mixed:0", 7]
+  assert [r["answer"] for r in records] == ["1", "4"]
+  assert skipped == {"not_an_object": 1, "missing_prompt": 1, "missing_answer": 1,
+                     "bad_json": 1, "bad_messages": 1}
+
+
+def test_empty_prompts_and_answers_count_as_missing(tmp_path):
+  path = _write_jsonl(tmp_path / "empty.jsonl", [
+    json.dumps({"question": "ok", "answer": "1"}),
+    json.dumps({"question": "  ", "answer": "1"}),
+    json.dumps({"question": "ok", "answer": ""}),
+    json.dumps({"question": 5, "answer": "1"}),
+  ])
+  records, skipped = load_records(path)
+  assert len(records) == 1
+  assert skipped == {"missing_prompt": 1, "missing_answer": 1, "bad_prompt": 1}
+
+
+# ---------------------------------------------------------------------- file errors
+def test_missing_file_error_names_the_path(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+    load_records(tmp_path / "nowhere.jsonl")
+
+
+def test_unsupported_extension_error_names_it(tmp_path):
+  path = tmp_path / "data.csv"
+  path.write_text("question,answer\n", encoding="utf-8")
+  with pytest.raises(ValueError, match=r"\.csv"):
+    load_records(path)
+
+
+def test_file_without_usable_rows_error_says_how_many_and_why(tmp_path):
+  path = _write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"answer": "1"}), "[1]", "{"])
+  with pytest.raises(ValueError, match=r"3 skipped.*bad_json: 1.*missing_prompt: 1"):
+    load_records(path)
+
+
+def test_json_file_that_is_not_a_list_is_rejected(tmp_path):
+  path = tmp_path / "obj.json"
+  path.write_text(json.dumps({"question": "q", "answer": "a"}), encoding="utf-8")
+  with pytest.raises(ValueError, match="JSON list"):
+    load_records(path)
+
+
+# ---------------------------------------------------------------------- iterator
+def test_each_epoch_covers_every_record_once_in_a_different_order():
+  n = 20
+  it = PromptIterator(_records(n), _char_tokenizer(), max_prompt_len=64, seed=3)
+  epochs = [_ids(it, n) for _ in range(3)]
+  for epoch, ids in enumerate(epochs):
+    assert sorted(ids) == list(range(n))
+    assert ids == np.random.default_rng([3, epoch]).permutation(n).tolist()
+  assert len({tuple(ids) for ids in epochs}) == 3
+
+
+def test_without_shuffle_every_epoch_is_in_file_order():
+  it = PromptIterator(_records(5), _char_tokenizer(), 64, shuffle=False)
+  assert _ids(it, 12) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+
+
+def test_seed_changes_the_order():
+  a = _ids(PromptIterator(_records(20), _char_tokenizer(), 64, seed=0), 20)
+  b = _ids(PromptIterator(_records(20), _char_tokenizer(), 64, seed=1), 20)
+  assert a != b and sorted(a) == sorted(b)
+
+
+@pytest.mark.parametrize("consumed", [0, 7, 10, 23])
+def test_restore_mid_epoch_continues_identically_across_json(consumed):
+  records, tok = _records(10, {4: 30}), _char_tokenizer()
+  reference = PromptIterator(records, tok, 16, seed=5)
+  expected = _ids(reference, consumed + 25)
+
+  it = PromptIterator(records, tok, 16, seed=5)
+  assert _ids(it, consumed) == expected[:consumed]
+  state = json.loads(json.dumps(it.state()))
+  resumed = PromptIterator(records, tok, 16, seed=99)
+  resumed.restore(state)
+  assert _ids(resumed, 25) == expected[consumed:]
+  assert resumed.state() == reference.state()
+
+
+def test_state_names_epoch_offset_seed_and_skips():
+  it = PromptIterator(_records(4), _char_tokenizer(), 64, seed=2)
+  _ids(it, 6)
+  state = it.state()
+  assert (state["epoch"], state["offset"], state["seed"], state["skipped_too_long"]) == (1, 2, 2, 0)
+
+
+def test_restore_refuses_a_state_over_other_data():
+  it = PromptIterator(_records(4), _char_tokenizer(), 64)
+  with pytest.raises(ValueError, match="4 records"):
+    PromptIterator(_records(5), _char_tokenizer(), 64).restore(it.state())
+
+
+def test_too_long_prompts_are_skipped_and_counted():
+  records = _records(6, {1: 20, 4: 11})  # CharTokenizer: one token per character
+  it = PromptIterator(records, _char_tokenizer(), max_prompt_len=10, shuffle=False)
+  assert _ids(it, 8) == [0, 2, 3, 5, 0, 2, 3, 5]
+  assert it.state()["skipped_too_long"] == 4
+  item = PromptIterator(records, _char_tokenizer(), 10, shuffle=False)()
+  assert item.tokens.tolist() == _char_tokenizer().encode("q0") and item.answer == "0"
+
+
+def test_an_epoch_with_no_prompt_that_fits_raises():
+  it = PromptIterator(_records(3, {0: 9, 1: 9, 2: 9}), _char_tokenizer(), max_prompt_len=5)
+  with pytest.raises(ValueError, match="max_prompt_len 5"):
+    it()
+
+
+def test_all_too_long_detected_when_starting_mid_epoch():
+  records = _records(3, {1: 9, 2: 9})
+  it = PromptIterator(records, _char_tokenizer(), max_prompt_len=5, shuffle=False)
+  assert it().prompt_id == 0
+  records[0]["messages"] = [{"role": "user", "content": "x" * 9}]  # now none fits
+  with pytest.raises(ValueError, match="No prompt"):
+    it()
+
+
+# ---------------------------------------------------------------------- longtail source
+def test_longtail_source_yields_the_task_items_and_restores():
+  task, tok = LongTailTask(max_answer_len=16), longtail_tokenizer()
+  source = LongTailSource(task, tok, seed=4)
+  items = [source() for _ in range(5)]
+  for index, item in enumerate(items):
+    expected = task.item(index, 4)
+    assert item.prompt_id == expected["id"] and item.answer == expected["answer"]
+    assert item.tokens.dtype == np.int32
+    assert item.tokens.tolist() == tok.encode(expected["prompt"])
+
+  state = json.loads(json.dumps(source.state()))
+  following = [source().answer for _ in range(3)]
+  resumed = LongTailSource(task, tok, seed=0)
+  resumed.restore(state)
+  assert [resumed().answer for _ in range(3)] == following
+
+
+# ---------------------------------------------------------------------- config
+def test_make_prompt_source_from_the_data_config(tmp_path):
+  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  c = base.get_config()
+  task = LongTailTask()
+  assert isinstance(make_prompt_source(c.data, longtail_tokenizer(), 0, task=task), LongTailSource)
+  with pytest.raises(ValueError, match="longtail"):
+    make_prompt_source(c.data, longtail_tokenizer(), 0)
+
+  c.data.source = str(_write_jsonl(tmp_path / "d.jsonl", [
+    json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)] + ["{"]))
+  c.data.shuffle = False
+  source = make_prompt_source(c.data, _char_tokenizer(), 0)
+  assert isinstance(source, PromptIterator)
+  assert [source().answer for _ in range(5)] == ["0", "1", "2", "3", "0"]
