@@ -339,9 +339,14 @@ class CharTokenizer:
     return ids
 
   def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-    """Decodes token ids; special tokens are written as `<pad>` etc. unless skipped."""
+    """Decodes token ids; special tokens are written as `<pad>` etc. unless skipped.
+
+    Ids past the vocabulary (a model's padded embedding rows) decode to U+FFFD, so a
+    response that samples one is visibly wrong rather than a crash.
+    """
     offset = len(self.SPECIAL_TOKENS)
-    return "".join(self._id_to_text[i] for i in ids if not (skip_special_tokens and i < offset))
+    text = lambda i: self._id_to_text[i] if 0 <= i < len(self._id_to_text) else "\ufffd"
+    return "".join(text(i) for i in ids if not (skip_special_tokens and 0 <= i < offset))
 
   def apply_chat_template(
     self,

@@ -5,7 +5,7 @@
       --config.rollout.partial_rollout=False --config.rollout.over_sampling_batch_size=8
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py
 
-A 2-layer Qwen3 with a 20-token vocabulary, randomly initialised and briefly
+A 2-layer Qwen3 with a 24-token vocabulary, randomly initialised and briefly
 warm-started with supervised copies, then trained with GRPO. Responses run up to 64
 tokens; answer lengths follow a log-normal with a long tail (see rewards/longtail_task.py).
 """
@@ -22,7 +22,7 @@ def get_config(arg=None):
   c.eval_every = 20
 
   c.model.path = ""  # empty: random init from c.model.init
-  c.model.init.vocab_size = 20
+  c.model.init.vocab_size = 24  # the task tokenizer has 21 tokens
   c.model.init.hidden_size = 64
   c.model.init.intermediate_size = 192
   c.model.init.num_layers = 2
@@ -41,4 +41,13 @@ def get_config(arg=None):
   c.rollout.sync_every = 8
   c.rollout.max_response_len = 64
   c.rollout.reward = "longtail_copy"
+
+  c.train.lr = 3e-4
+  c.train.eps_clip_high = 0.28
+  c.train.sft_steps = 60
+  c.train.sft_lr = 3e-3
+  c.train.sft_batch_size = 32
+
+  c.eval.num_prompts = 32
+  c.eval.k = 2
   return c

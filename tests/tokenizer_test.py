@@ -166,3 +166,8 @@ def test_char_tokenizer_round_trips():
 def test_char_tokenizer_rejects_unknown_characters():
   with pytest.raises(ValueError, match="'x'"):
     CharTokenizer("0123456789").encode("12x")
+
+
+def test_char_tokenizer_decodes_ids_past_its_vocabulary_as_replacement_chars():
+  tok = CharTokenizer("ab")
+  assert tok.decode([3, 4, 99]) == "ab\ufffd"

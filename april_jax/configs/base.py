@@ -62,4 +62,41 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.reward_timeout_s = 10.0
   c.rollout.reward_fallback = 0.0
   c.rollout.reward_workers = 2
+
+  c.train = ml_collections.ConfigDict()
+  c.train.advantage = "grpo"                 # grpo | drgrpo
+  c.train.policy_loss = "ppo_clip"           # ppo_clip | gspo
+  c.train.eps_clip = 0.2
+  c.train.eps_clip_high = 0.0                # 0 = eps_clip; DAPO: 0.28
+  c.train.dual_clip_c = 0.0                  # 0 = off; e.g. 3.0
+  c.train.aggregation = "token_mean"         # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  c.train.norm_len = 0                       # Dr.GRPO's constant normaliser (tokens)
+  c.train.kl_coef = 0.0                      # 0: no reference params are held
+  c.train.kl_type = "low_var_kl"             # k1 | k3 | low_var_kl
+  c.train.entropy_coef = 0.0
+  c.train.tis_cap = 2.0                      # truncated importance sampling cap; 0 = off
+  c.train.mask_stale_tokens = False          # drop tokens of older policy versions from the loss
+  c.train.overlong_buffer_len = 0            # DAPO overlong shaping (tokens); 0 = off
+  c.train.overlong_penalty_factor = 1.0
+  c.train.lr = 1e-6
+  c.train.lr_schedule = "constant"           # constant | cosine
+  c.train.warmup_steps = 0
+  c.train.min_lr_ratio = 0.1
+  c.train.weight_decay = 0.0
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.max_grad_norm = 1.0
+  c.train.num_minibatches = 1                # optimizer updates per RL step (per epoch)
+  c.train.num_microbatches = 1               # gradient accumulation per update
+  c.train.ppo_epochs = 1
+  c.train.logprob_chunk = 512                # sequence chunk for logits (memory bound)
+  c.train.sft_steps = 0                      # supervised warm-start steps (built-in task)
+  c.train.sft_lr = 1e-3
+  c.train.sft_batch_size = 32
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.path = ""                           # "" = held-out built-in task prompts
+  c.eval.num_prompts = 32
+  c.eval.k = 4                               # avg@k samples per prompt; 0 = greedy only
+  c.eval.temperature = 0.6
   return c

@@ -55,6 +55,15 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
                  "num_kv_heads", "head_dim"):
       if int(m.init[name]) < 1:
         err(f"model.init.{name} must be >= 1 when model.path is empty, got {m.init[name]}")
+    if c.data.source != "longtail":
+      err(f"data.source {c.data.source!r} needs a pretrained model and its tokenizer: set "
+          "model.path (a random init only runs the built-in task, data.source='longtail')")
+    else:
+      from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
+      needed = longtail_task.tokenizer().vocab_size
+      if 0 < m.init.vocab_size < needed:
+        err(f"model.init.vocab_size ({m.init.vocab_size}) is smaller than the built-in "
+            f"task's tokenizer ({needed} tokens)")
 
 
 def _checks_top(c, err: Callable[[str], None]) -> None:
@@ -65,9 +74,43 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
   if c.data.max_prompt_len < 1:
     err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
+  if c.data.source == "longtail":
+    if c.data.max_prompt_len < c.rollout.max_response_len + 2:
+      err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= rollout.max_response_len"
+          f" + 2 ({c.rollout.max_response_len + 2}) for the built-in task, whose prompts "
+          "hold the answer")
+  elif not Path(c.data.source).is_file():
+    err(f"data.source {c.data.source!r}: no such file")
 
 
-CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout]
+def _checks_train(c, err: Callable[[str], None]) -> None:
+  t, r = c.train, c.rollout
+  from april_jax.rl import advantages, losses  # pylint: disable=g-import-not-at-top
+  from april_jax.rl.update import loss_config  # pylint: disable=g-import-not-at-top
+  if t.advantage not in advantages.ADVANTAGES:
+    err(f"train.advantage {t.advantage!r} is not one of {sorted(advantages.ADVANTAGES)}")
+  elif t.advantage == "grpo" and r.n_samples_per_prompt < 2:
+    err(f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
+        f"must be >= 2, got {r.n_samples_per_prompt}")
+  try:
+    losses.validate_loss_config(loss_config(t), r.n_samples_per_prompt)
+  except (ValueError, KeyError) as e:
+    err(f"train: {e}")
+  if t.lr <= 0:
+    err(f"train.lr must be > 0, got {t.lr}")
+  if t.lr_schedule not in ("constant", "cosine"):
+    err(f"train.lr_schedule must be 'constant' or 'cosine', got {t.lr_schedule!r}")
+  for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "logprob_chunk"):
+    if int(t[name]) < 1:
+      err(f"train.{name} must be >= 1, got {t[name]}")
+  batch = r.batch_size * r.n_samples_per_prompt
+  split = t.num_minibatches * t.num_microbatches
+  if split >= 1 and batch % split:
+    err(f"rollout.batch_size x n_samples_per_prompt ({batch}) must divide into "
+        f"train.num_minibatches x train.num_microbatches ({split})")
+
+
+CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_train]
 
 
 def validate(config) -> None:

@@ -26,6 +26,7 @@ class _Job:
   text: str
   future: cf.Future | None = None
   started_at: float | None = None
+  seconds: float = 0.0      # compute time, measured on the worker thread
   result: float | None = None
   status: str = "pending"   # pending | ok | error | timeout
 
@@ -58,7 +59,10 @@ class RewardRunner:
     def run():
       with self._lock:
         job.started_at = time.monotonic()
-      return float(self._reward_fn(job.text, job.group.answer))
+      try:
+        return float(self._reward_fn(job.text, job.group.answer))
+      finally:
+        job.seconds = time.monotonic() - job.started_at
     job.future = self._pool.submit(run)
 
   def _settle(self, job: _Job, now: float) -> bool:
@@ -71,7 +75,7 @@ class RewardRunner:
       except Exception:  # pylint: disable=broad-except
         job.result, job.status = self.fallback, "error"
         self.errors += 1
-      self.seconds += now - (job.started_at or now)
+      self.seconds += job.seconds
       return True
     with self._lock:
       started = job.started_at

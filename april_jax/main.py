@@ -1,0 +1,43 @@
+"""The training entry point.
+
+  python -m april_jax.main --config=configs/tiny.py --workdir=/tmp/april_tiny
+  python -m april_jax.main --config=configs/qwen3_8b.py --workdir=runs/8b \
+      --config.model.path=/models/Qwen3-8B --config.rollout.over_sampling_batch_size=64
+
+The config is validated before anything compiles; a wrong one exits with status 2 and a
+message naming every bad field. Rerunning with the same workdir resumes from its latest
+checkpoint. SIGTERM saves a checkpoint after the current step and exits.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from april_jax.configs.validate import ConfigError, validate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    validate(_CONFIG.value)
+  except ConfigError as e:
+    print(f"april_jax: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
+  from april_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  logging.info("config:\n%s", _CONFIG.value)
+  Trainer(_CONFIG.value, _WORKDIR.value).run()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,65 @@
+"""From trained groups to the arrays the jitted update eats.
+
+Every sample becomes one row: prompt then response, right-padded to a bucketed length T
+(so a run compiles a handful of shapes). Arrays are indexed by position t, which predicts
+token t+1; a row's response occupies t in [P-1, P+R-2]:
+
+  tokens_BxT        input tokens
+  targets_BxT       tokens shifted left (the token predicted at t)
+  mask_BxT          1 where targets is a response token
+  behavior_BxT      the sampler's recorded logprob of that token (temperature-scaled)
+  stale_BxT         True where the token was drawn by a policy older than the current one
+  advantages_B      per sample
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from april_jax.rl import advantages as advantages_lib
+from april_jax.rollout.group import Group
+
+
+def bucket_len(n: int, min_bucket: int = 32, max_len: int | None = None) -> int:
+  """min_bucket * 2^i >= n, capped at max_len rounded up to a multiple of 8."""
+  b = min_bucket
+  while b < n:
+    b *= 2
+  if max_len is not None:
+    b = min(b, -(-max_len // 8) * 8)
+  return b
+
+
+def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.ndarray:
+  """Rewards [G, n], with DAPO's overlong penalty (counted in tokens) when enabled."""
+  rewards = np.array([g.rewards for g in groups], np.float32)
+  buffer_len = int(train_cfg.overlong_buffer_len)
+  if buffer_len > 0:
+    lengths = np.array([[len(s.response) for s in g.samples] for g in groups], np.float32)
+    penalty = advantages_lib.overlong_penalty(lengths.reshape(-1), max_response_len,
+                                              buffer_len, train_cfg.overlong_penalty_factor)
+    rewards = rewards + np.asarray(penalty).reshape(rewards.shape)
+  return rewards
+
+
+def build_batch(groups: list[Group], advantages_GxN: np.ndarray, version: int,
+                pad_id: int = 0, min_bucket: int = 32,
+                max_len: int | None = None) -> dict[str, np.ndarray]:
+  """The update's arrays; T is bucketed (<= max_len, the longest prompt + response)."""
+  samples = [s for g in groups for s in g.samples]
+  B = len(samples)
+  T = bucket_len(max(s.length for s in samples), min_bucket, max_len)
+  tokens = np.full((B, T), pad_id, np.int32)
+  mask = np.zeros((B, T), np.float32)
+  behavior = np.zeros((B, T), np.float32)
+  stale = np.zeros((B, T), bool)
+  for b, s in enumerate(samples):
+    P, R = len(s.prompt), len(s.response)
+    tokens[b, :P] = s.prompt
+    tokens[b, P:P + R] = s.response
+    mask[b, P - 1:P + R - 1] = 1.0
+    behavior[b, P - 1:P + R - 1] = s.logprobs
+    stale[b, P - 1:P + R - 1] = s.versions < version
+  targets = np.concatenate([tokens[:, 1:], np.full((B, 1), pad_id, np.int32)], axis=1)
+  return {"tokens": tokens, "targets": targets, "mask": mask, "behavior": behavior,
+          "stale": stale, "advantages": np.asarray(advantages_GxN, np.float32).reshape(B)}

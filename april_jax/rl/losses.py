@@ -1,0 +1,323 @@
+"""Policy losses for the RL update: PPO-clip and GSPO, with TIS, KL and entropy terms.
+
+Three logprobs of the same response tokens enter the loss:
+  logp           the learner's current policy: the only one differentiated.
+  old_logp       the learner's policy before this update (recomputed, no gradient): the
+                 anchor of the PPO / GSPO ratio.
+  behavior_logp  what the sampler recorded while drawing the tokens (no gradient). With
+                 APRIL's partial rollouts these may come from several older versions;
+                 truncated importance sampling (TIS) reweights each token by
+                 min(exp(old_logp - behavior_logp), tis_cap).
+
+Per-token losses are reduced by `aggregate`. For gradient accumulation the caller passes
+the whole batch's `total_tokens` / `total_seqs` (see `batch_totals`, on the mask from
+`effective_mask`) with every microbatch; then the loss and every metric but num_tokens
+are additive: summed over microbatches they equal the full-batch values (num_tokens is
+a plain count, additive too).
+
+Policy terms are registered by name; each returns per-token values:
+
+    fn(cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT)
+        -> (loss_BxT, clipped_BxT, ratio_BxT)
+
+Everything is pure jnp; `cfg` is a frozen dataclass, so it can be a static jit argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+GSPO_EPS_CLIP = 3e-4
+GSPO_EPS_CLIP_HIGH = 4e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The objective. Clips are ratio offsets: the ratio is clipped to
+  [1 - eps_clip, 1 + eps_clip_high]; eps_clip_high None means eps_clip (DAPO: 0.28).
+
+  GSPO clips a sequence-level ratio and wants far smaller clips than PPO; build GSPO
+  configs with `LossConfig.for_gspo(...)`, which applies GSPO_EPS_CLIP /
+  GSPO_EPS_CLIP_HIGH and GSPO's seq_mean_token_mean unless overridden.
+  """
+  policy_loss: str = "ppo_clip"            # "ppo_clip" | "gspo"
+  eps_clip: float = 0.2
+  eps_clip_high: float | None = None
+  dual_clip_c: float | None = None         # e.g. 3.0: caps the loss at -A*c for A < 0
+  aggregation: str = "token_mean"          # see AGGREGATIONS
+  norm_len: int = 0                        # Dr. GRPO constant, for seq_mean_token_sum_norm
+  kl_coef: float = 0.0
+  kl_type: str = "low_var_kl"              # "k1" | "k3" | "low_var_kl"
+  entropy_coef: float = 0.0
+  tis_cap: float | None = None             # None: no importance reweighting
+  mask_stale_tokens: bool = False
+
+  @property
+  def clip_high(self) -> float:
+    return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+  @classmethod
+  def for_gspo(cls, **overrides) -> LossConfig:
+    """A GSPO config: GSPO's clips and aggregation, then `overrides`."""
+    kw = dict(policy_loss="gspo", eps_clip=GSPO_EPS_CLIP, eps_clip_high=GSPO_EPS_CLIP_HIGH,
+              aggregation="seq_mean_token_mean")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+def _masked_log_ratio(a_BxT, b_BxT, mask_BxT):
+  """a - b on masked tokens, 0 elsewhere, so padding never reaches an exp."""
+  return jnp.where(mask_BxT > 0, a_BxT - b_BxT, 0.0)
+
+
+def _seq_lengths(mask_BxT: jax.Array) -> jax.Array:
+  return jnp.sum(mask_BxT, axis=-1)
+
+
+def batch_totals(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(total_tokens, total_seqs) of a batch: masked tokens, and rows with >= 1 of them
+  (all-padding rows do not count as sequences)."""
+  mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
+  return jnp.sum(mask_BxT), jnp.sum(_seq_lengths(mask_BxT) > 0).astype(jnp.float32)
+
+
+def _token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
+  del total_seqs, norm_len
+  return jnp.sum(x_BxT * mask_BxT) / jnp.maximum(total_tokens, 1.0)
+
+
+def _seq_mean_token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
+  del total_tokens, norm_len
+  per_seq_B = jnp.sum(x_BxT * mask_BxT, axis=-1) / jnp.maximum(_seq_lengths(mask_BxT), 1.0)
+  return jnp.sum(per_seq_B) / jnp.maximum(total_seqs, 1.0)
+
+
+def _seq_mean_token_sum_norm(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
+  del total_tokens
+  if norm_len <= 0:
+    raise ValueError(f"seq_mean_token_sum_norm needs norm_len > 0; got norm_len={norm_len}")
+  return jnp.sum(x_BxT * mask_BxT) / (jnp.maximum(total_seqs, 1.0) * norm_len)
+
+
+AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
+    "token_mean": _token_mean,                            # DAPO: every token weighs the same
+    "seq_mean_token_mean": _seq_mean_token_mean,          # GRPO / GSPO: every sequence does
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,  # Dr. GRPO: constant normaliser
+}
+
+
+def aggregate(x_BxT: jax.Array, mask_BxT: jax.Array, mode: str, *, total_tokens=None,
+              total_seqs=None, norm_len: int = 0) -> jax.Array:
+  """Reduces per-token values to a scalar; totals default to this batch's (batch_totals).
+
+  Masked-out positions contribute nothing, even when they hold inf or NaN.
+  """
+  if mode not in AGGREGATIONS:
+    raise KeyError(f"unknown aggregation {mode!r}; known aggregations: {sorted(AGGREGATIONS)}")
+  mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
+  x_BxT = jnp.where(mask_BxT > 0, jnp.asarray(x_BxT, jnp.float32), 0.0)
+  own_tokens, own_seqs = batch_totals(mask_BxT)
+  total_tokens = own_tokens if total_tokens is None else jnp.asarray(total_tokens, jnp.float32)
+  total_seqs = own_seqs if total_seqs is None else jnp.asarray(total_seqs, jnp.float32)
+  return AGGREGATIONS[mode](x_BxT, mask_BxT, total_tokens, total_seqs, norm_len)
+
+
+# ------------------------------------------------------------------------------ KL terms
+
+def _kl_k1(log_ratio_BxT):
+  return -log_ratio_BxT
+
+
+def _kl_k3(log_ratio_BxT):
+  return jnp.exp(log_ratio_BxT) - log_ratio_BxT - 1.0
+
+
+def _kl_low_var(log_ratio_BxT):
+  # The inner clamp (as in verl) leaves the value unchanged (|log_ratio| > 20 already
+  # gives k3 > 10) but keeps exp finite, so the gradient cannot become inf * 0 = NaN.
+  return jnp.clip(_kl_k3(jnp.clip(log_ratio_BxT, -20.0, 20.0)), -10.0, 10.0)
+
+
+# Each takes log_ratio = ref_logp - logp and returns the per-token KL(pi || ref) estimate.
+KL_PENALTIES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "k1": _kl_k1,
+    "k3": _kl_k3,
+    "low_var_kl": _kl_low_var,
+}
+
+
+def kl_penalty(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kl_type: str,
+               mask_BxT: jax.Array | None = None) -> jax.Array:
+  """Per-token KL estimate of kl_type between the current policy and the reference
+  (0 on tokens outside mask_BxT, when given)."""
+  if kl_type not in KL_PENALTIES:
+    raise KeyError(f"unknown kl_type {kl_type!r}; known kl types: {sorted(KL_PENALTIES)}")
+  ref_logp_BxT = jnp.asarray(ref_logp_BxT, jnp.float32)
+  if mask_BxT is None:
+    mask_BxT = jnp.ones(jnp.shape(logp_BxT), jnp.float32)
+  return KL_PENALTIES[kl_type](_masked_log_ratio(ref_logp_BxT, logp_BxT, mask_BxT))
+
+
+# -------------------------------------------------------------------------- policy terms
+
+PolicyLossFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+  """Decorator: adds `fn` to POLICY_LOSSES under `name`; a name already taken is a ValueError."""
+  def add(fn: PolicyLossFn) -> PolicyLossFn:
+    if name in POLICY_LOSSES:
+      raise ValueError(f"policy loss {name!r} is already registered")
+    POLICY_LOSSES[name] = fn
+    return fn
+  return add
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+  """The policy term registered under `name`; KeyError naming the known ones otherwise."""
+  if name not in POLICY_LOSSES:
+    raise KeyError(f"unknown policy loss {name!r}; known policy losses: {sorted(POLICY_LOSSES)}")
+  return POLICY_LOSSES[name]
+
+
+def _clipped_surrogate(cfg: LossConfig, ratio_BxT, adv_Bx1):
+  """PPO's pessimistic surrogate; returns (loss_BxT, clipped_BxT)."""
+  pg_BxT = -adv_Bx1 * ratio_BxT
+  pg_clipped_BxT = -adv_Bx1 * jnp.clip(ratio_BxT, 1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
+  return jnp.maximum(pg_BxT, pg_clipped_BxT), pg_clipped_BxT > pg_BxT
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
+  """Token-level PPO-clip (clip-higher when eps_clip_high > eps_clip), optionally
+  dual-clipped: for A < 0 the loss is capped at -A * dual_clip_c."""
+  adv_Bx1 = advantages_B[:, None]
+  ratio_BxT = jnp.exp(_masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT))
+  loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, adv_Bx1)
+  if cfg.dual_clip_c is not None:
+    loss_BxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_BxT, -adv_Bx1 * cfg.dual_clip_c),
+                         loss_BxT)
+  return loss_BxT, clipped_BxT, ratio_BxT
+
+
+@register_policy_loss("gspo")
+def gspo_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
+  """GSPO in its token form: s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)), where
+  s_i = exp(mean_t (logp - old_logp)) is the length-normalised sequence ratio. Its
+  value is s_i on every token and its gradient that of sequence-level GSPO."""
+  log_ratio_BxT = _masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
+  s_B = jnp.exp(jnp.sum(log_ratio_BxT, axis=-1)
+                / jnp.maximum(_seq_lengths(mask_BxT), 1.0))
+  live_logp_BxT = jnp.where(mask_BxT > 0, logp_BxT, 0.0)  # padding may hold -inf
+  ratio_BxT = (jax.lax.stop_gradient(s_B)[:, None]
+               * jnp.exp(live_logp_BxT - jax.lax.stop_gradient(live_logp_BxT)))
+  loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, advantages_B[:, None])
+  return loss_BxT, clipped_BxT, ratio_BxT
+
+
+# ------------------------------------------------------------------------------ the loss
+
+def effective_mask(cfg: LossConfig, mask_BxT: jax.Array, stale_BxT=None) -> jax.Array:
+  """The float32 mask every term uses: mask, minus stale tokens when cfg masks them.
+  Compute a batch's totals for microbatching on this mask."""
+  mask_BxT = jnp.asarray(mask_BxT).astype(bool)
+  if cfg.mask_stale_tokens and stale_BxT is not None:
+    mask_BxT = mask_BxT & ~jnp.asarray(stale_BxT).astype(bool)
+  return mask_BxT.astype(jnp.float32)
+
+
+def _importance_weights(cfg: LossConfig, old_logp_BxT, behavior_logp_BxT, mask_BxT):
+  """TIS weights min(exp(old - behavior), cap), no gradient; (weights, capped)."""
+  if cfg.tis_cap is None:
+    return jnp.ones_like(mask_BxT), jnp.zeros(mask_BxT.shape, bool)
+  if behavior_logp_BxT is None:
+    raise ValueError("LossConfig.tis_cap is set but no behavior_logp_BxT was given")
+  behavior_logp_BxT = jax.lax.stop_gradient(jnp.asarray(behavior_logp_BxT, jnp.float32))
+  raw_BxT = jnp.exp(_masked_log_ratio(old_logp_BxT, behavior_logp_BxT, mask_BxT))
+  return jnp.minimum(raw_BxT, cfg.tis_cap), raw_BxT > cfg.tis_cap
+
+
+def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
+                advantages_B: jax.Array, mask_BxT: jax.Array, *, behavior_logp_BxT=None,
+                ref_logp_BxT=None, entropy_BxT=None, stale_BxT=None, total_tokens=None,
+                total_seqs=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The scalar loss to minimise, and scalar metrics.
+
+  loss = aggregate(policy term * TIS weight) + kl_coef * aggregate(KL)
+         - entropy_coef * aggregate(entropy)
+  Metrics: pg_loss (the first term), pg_clipfrac, ratio_mean, tis_mean, tis_clipfrac
+  (token means), kl (aggregated; 0 without ref_logp), entropy (aggregated; only when
+  entropy_BxT is given), num_tokens (sum of the effective mask).
+  """
+  mask_BxT = effective_mask(cfg, mask_BxT, stale_BxT)
+  logp_BxT = jnp.asarray(logp_BxT, jnp.float32)
+  old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_logp_BxT, jnp.float32))
+  advantages_B = jax.lax.stop_gradient(jnp.asarray(advantages_B, jnp.float32))
+  agg = lambda x_BxT, mode=cfg.aggregation: aggregate(
+      x_BxT, mask_BxT, mode, total_tokens=total_tokens, total_seqs=total_seqs,
+      norm_len=cfg.norm_len)
+  token_mean = lambda x_BxT: agg(jnp.asarray(x_BxT, jnp.float32), "token_mean")
+
+  term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT)
+  tis_BxT, tis_capped_BxT = _importance_weights(cfg, old_logp_BxT, behavior_logp_BxT,
+                                                mask_BxT)
+  pg_loss = agg(term_BxT * tis_BxT)
+  loss = pg_loss
+
+  kl = jnp.zeros((), jnp.float32)
+  if ref_logp_BxT is not None:
+    ref_logp_BxT = jax.lax.stop_gradient(jnp.asarray(ref_logp_BxT, jnp.float32))
+    kl = agg(kl_penalty(logp_BxT, ref_logp_BxT, cfg.kl_type, mask_BxT))
+    if cfg.kl_coef > 0:
+      loss = loss + cfg.kl_coef * kl
+
+  metrics = {
+      "pg_loss": pg_loss,
+      "pg_clipfrac": token_mean(clipped_BxT),
+      "kl": kl,
+      "ratio_mean": token_mean(ratio_BxT),
+      "tis_mean": token_mean(tis_BxT),
+      "tis_clipfrac": token_mean(tis_capped_BxT),
+      "num_tokens": jnp.sum(mask_BxT),
+  }
+  if entropy_BxT is not None:
+    entropy = agg(jnp.asarray(entropy_BxT, jnp.float32))
+    metrics["entropy"] = jax.lax.stop_gradient(entropy)
+    if cfg.entropy_coef > 0:
+      loss = loss - cfg.entropy_coef * entropy
+  metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+  return loss, metrics
+
+
+# ------------------------------------------------------------------------------ checking
+
+def validate_loss_config(cfg: LossConfig, n_samples: int) -> None:
+  """Raises ValueError naming the offending LossConfig field (or n_samples)."""
+  def need(ok: bool, field: str, why: str):
+    if not ok:
+      raise ValueError(f"LossConfig.{field}={getattr(cfg, field, None)!r}: {why}")
+
+  need(cfg.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {sorted(POLICY_LOSSES)}")
+  need(cfg.aggregation in AGGREGATIONS, "aggregation", f"must be one of {sorted(AGGREGATIONS)}")
+  need(cfg.kl_type in KL_PENALTIES, "kl_type", f"must be one of {sorted(KL_PENALTIES)}")
+  need(cfg.eps_clip > 0, "eps_clip", "must be > 0")
+  need(cfg.eps_clip_high is None or cfg.eps_clip_high > 0, "eps_clip_high",
+       "must be > 0 (or None for eps_clip)")
+  need(cfg.tis_cap is None or cfg.tis_cap > 1, "tis_cap", "must be > 1 (or None for no TIS)")
+  need(cfg.dual_clip_c is None or cfg.dual_clip_c > 1, "dual_clip_c",
+       "must be > 1 (or None for no dual clip)")
+  need(cfg.aggregation != "seq_mean_token_sum_norm" or cfg.norm_len > 0, "norm_len",
+       "seq_mean_token_sum_norm needs a constant norm_len > 0 (e.g. the max response length)")
+  need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
+  need(cfg.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+  if n_samples < 1:
+    raise ValueError(f"n_samples={n_samples}: need at least 1 sample per prompt")

@@ -1,0 +1,210 @@
+"""One RL run: build everything from a config, then loop rollout -> learn -> log -> save.
+
+  step k (policy version k = params after k updates):
+    rollout   scheduler.step(k, version=k) on the engine holding the learner's params
+    learn     rewards (+ overlong shaping) -> advantages -> batch -> learner.update
+    log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
+    eval      every eval_every steps: pass@1 / avg@k with sampler.generate
+    save      every checkpoint_every steps, at the end, and on SIGTERM
+
+Resume: a workdir with checkpoints continues from the latest one (see checkpoint.py);
+with a fixed seed the continuation equals the uninterrupted run (timings aside).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from april_jax import data as data_lib
+from april_jax import sharding
+from april_jax.checkpoint import Checkpointer, abstract_like
+from april_jax.evaluation import evaluate
+from april_jax.metrics import MetricsWriter, log_progress
+from april_jax.models import hf_io, qwen3
+from april_jax.rewards import get_reward, longtail_task
+from april_jax.rl import advantages as advantages_lib
+from april_jax.rl import batch as batch_lib
+from april_jax.rl import sft
+from april_jax.rl.update import Learner
+from april_jax.rollout import (AprilScheduler, PartialBuffer, RewardRunner, RolloutSettings,
+                               rollout_metrics)
+from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.tokenizer import Tokenizer
+
+
+def model_config_from_init(init) -> qwen3.Qwen3Config:
+  return qwen3.Qwen3Config(
+      vocab_size=init.vocab_size, hidden_size=init.hidden_size,
+      intermediate_size=init.intermediate_size, num_layers=init.num_layers,
+      num_heads=init.num_heads, num_kv_heads=init.num_kv_heads, head_dim=init.head_dim,
+      rope_theta=init.rope_theta, rms_norm_eps=init.rms_norm_eps,
+      tie_word_embeddings=init.tie_word_embeddings)
+
+
+class Trainer:
+  def __init__(self, config, workdir: str):
+    self.config, self.workdir = config, workdir
+    c = config
+    self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
+    self.rules = tuple(tuple(r) for r in c.mesh.rules)
+    self.task = None
+    if c.model.path:
+      self.model_cfg, params = hf_io.load_pretrained(c.model.path, c.model.dtype, self.mesh,
+                                                     self.rules)
+      self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+    else:
+      self.model_cfg = model_config_from_init(c.model.init)
+      params = sharding.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
+                                            self.rules, c.model.dtype)
+      self.tokenizer = longtail_task.tokenizer()
+    if c.data.source == "longtail":
+      self.task = longtail_task.LongTailTask(max_answer_len=c.rollout.max_response_len - 1)
+    self.source = data_lib.make_prompt_source(c.data, self.tokenizer, c.seed, self.task)
+    self.checkpointer = Checkpointer(workdir)
+    resuming = self.checkpointer.latest_step() is not None
+    if c.train.sft_steps > 0 and not resuming:
+      params = self._warm_start(params)
+
+    r = c.rollout
+    self.engine = SlotEngine(self.model_cfg, params, EngineConfig(
+        num_slots=r.num_slots, max_len=c.data.max_prompt_len + r.max_response_len,
+        sync_every=r.sync_every, stop_ids=tuple(self.tokenizer.stop_ids),
+        kv_dtype=c.model.kv_dtype), mesh=self.mesh, rules=self.rules)
+    decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+    self.decode = decode
+    self.reward_fn = get_reward(r.reward)
+    self.rewards = RewardRunner(self.reward_fn, decode, num_workers=r.reward_workers,
+                                timeout_s=r.reward_timeout_s, fallback=r.reward_fallback)
+    self.scheduler = AprilScheduler(self.engine, RolloutSettings.from_config(r), self.source,
+                                    self.rewards, seed=c.seed)
+    t = c.train
+    self.learner = Learner(self.model_cfg, params, t, r.temperature,
+                           total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
+                           mesh=self.mesh, rules=self.rules, remat=c.model.remat)
+    self.writer = MetricsWriter(workdir)
+    self.next_step = 0
+    self._stop_requested = False
+    if resuming:
+      self._restore(self.checkpointer.latest_step())
+
+  # ------------------------------------------------------------------- set-up helpers
+  def _warm_start(self, params):
+    c = self.config
+    seq_len = c.data.max_prompt_len + c.rollout.max_response_len
+    bs = c.train.sft_batch_size
+    batches = (longtail_task.sft_batch(self.task, self.tokenizer,
+                                       range(i * bs, (i + 1) * bs), seed=c.seed + 1,
+                                       seq_len=seq_len)
+               for i in range(c.train.sft_steps))
+    params, losses = sft.warm_start(self.model_cfg, params, batches, c.train.sft_lr)
+    logging.info("supervised warm-start: %d steps, loss %.3f -> %.3f", len(losses),
+                 losses[0], losses[-1])
+    return params
+
+  def _train_state(self):
+    state = {"params": self.learner.params, "opt_state": self.learner.opt_state}
+    if self.learner.ref_params is not None:
+      state["ref_params"] = self.learner.ref_params
+    return state
+
+  def save(self, step: int) -> float:
+    start = time.perf_counter()
+    host = {"step": step, "version": step + 1, "data": self.source.state(),
+            "scheduler": {"next_group_id": self.scheduler.next_group_id,
+                          "totals": dict(self.scheduler.totals)},
+            "learner": {"updates": self.learner.updates,
+                        "skipped_updates": self.learner.skipped_updates}}
+    self.checkpointer.save(step, self._train_state(), self.scheduler.buffer.to_state(), host)
+    return time.perf_counter() - start
+
+  def _restore(self, step: int) -> None:
+    state, buffer_state, host = self.checkpointer.restore(step,
+                                                          abstract_like(self._train_state()))
+    self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
+    self.learner.ref_params = state.get("ref_params")
+    self.learner.updates = host["learner"]["updates"]
+    self.learner.skipped_updates = host["learner"]["skipped_updates"]
+    self.engine.params = self.learner.params
+    self.scheduler.buffer = PartialBuffer.from_state(buffer_state)
+    self.scheduler.next_group_id = host["scheduler"]["next_group_id"]
+    self.scheduler.totals.clear()
+    self.scheduler.totals.update(host["scheduler"]["totals"])
+    self.source.restore(host["data"])
+    self.writer.truncate_after(step)
+    self.next_step = step + 1
+    logging.info("resumed from step %d (%d groups in the partial buffer)", step,
+                 len(self.scheduler.buffer))
+
+  # ---------------------------------------------------------------------------- eval
+  def _eval_items(self):
+    c = self.config
+    if c.eval.path:
+      records, _ = data_lib.load_records(c.eval.path, c.data.prompt_key, c.data.answer_key)
+      source = data_lib.PromptIterator(records[:c.eval.num_prompts], self.tokenizer,
+                                       c.data.max_prompt_len, seed=0, shuffle=False,
+                                       system_prompt=c.data.system_prompt,
+                                       enable_thinking=c.data.enable_thinking)
+      return [source() for _ in range(min(c.eval.num_prompts, len(records)))]
+    held_out = data_lib.LongTailSource(self.task, self.tokenizer, seed=c.seed + 10_000)
+    return [held_out() for _ in range(c.eval.num_prompts)]
+
+  def evaluate(self) -> dict[str, float]:
+    c = self.config
+    return evaluate(self.model_cfg, self.learner.params, self._eval_items(), self.decode,
+                    self.reward_fn, k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
+                    temperature=c.eval.temperature, num_slots=c.rollout.num_slots,
+                    eos_ids=self.tokenizer.stop_ids, seed=c.seed, mesh=self.mesh,
+                    max_len=c.data.max_prompt_len + c.rollout.max_response_len)
+
+  # ---------------------------------------------------------------------------- loop
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    logging.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
+    self._stop_requested = True
+
+  def train_step(self, step: int) -> dict[str, float]:
+    c = self.config
+    version = step
+    self.engine.params = self.learner.params
+    result = self.scheduler.step(step, version)
+    start = time.perf_counter()
+    rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
+    adv = np.asarray(advantages_lib.get_advantage(c.train.advantage)(rewards))
+    batch = batch_lib.build_batch(result.groups, adv, version, pad_id=self.tokenizer.pad_id,
+                                  max_len=c.data.max_prompt_len + c.rollout.max_response_len)
+    metrics = rollout_metrics(result, version)
+    metrics.update(self.learner.update(batch))
+    self.engine.params = self.learner.params  # version + 1, same arrays
+    metrics["time/train_s"] = time.perf_counter() - start
+    self.writer.write_rollouts(step, result.groups)
+    return metrics
+
+  def run(self) -> None:
+    c = self.config
+    previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    try:
+      if self.next_step == 0:
+        self.engine.warm_up()
+      for step in range(self.next_step, c.num_steps):
+        metrics = self.train_step(step)
+        last = step == c.num_steps - 1
+        if c.eval_every and ((step + 1) % c.eval_every == 0 or last):
+          metrics.update(self.evaluate())
+        if last or self._stop_requested or (
+            c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
+          metrics["time/checkpoint_s"] = self.save(step)
+        self.writer.write(step, metrics)
+        if c.log_every and (step % c.log_every == 0 or last):
+          log_progress(step, c.num_steps, metrics)
+        if self._stop_requested:
+          break
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+      self.rewards.close()
+      self.checkpointer.close()
+      self.writer.close()
