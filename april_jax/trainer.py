@@ -137,8 +137,8 @@ class Trainer:
     self.source.restore(host["data"])
     self.writer.truncate_after(step)
     self.next_step = step + 1
-    logging.info("resumed from step %d (%d groups in the partial buffer)", step,
-                 len(self.scheduler.buffer))
+    print(f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
+          "buffer)", flush=True)
 
   # ---------------------------------------------------------------------------- eval
   def _eval_items(self):

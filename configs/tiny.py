@@ -5,8 +5,8 @@
       --config.rollout.partial_rollout=False --config.rollout.over_sampling_batch_size=8
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py
 
-A 2-layer Qwen3 with a 24-token vocabulary, randomly initialised and briefly
-warm-started with supervised copies, then trained with GRPO. Responses run up to 64
+A 2-layer Qwen3 with a 72-token vocabulary, randomly initialised and briefly
+warm-started with supervised answers, then trained with GRPO. Responses run up to 64
 tokens; answer lengths follow a log-normal with a long tail (see rewards/longtail_task.py).
 """
 
@@ -17,12 +17,12 @@ def get_config(arg=None):
   del arg
   c = base.get_config()
   c.seed = 0
-  c.num_steps = 40
+  c.num_steps = 60
   c.checkpoint_every = 10
-  c.eval_every = 20
+  c.eval_every = 30
 
   c.model.path = ""  # empty: random init from c.model.init
-  c.model.init.vocab_size = 24  # the task tokenizer has 21 tokens
+  c.model.init.vocab_size = 72  # the task tokenizer has 69 tokens
   c.model.init.hidden_size = 64
   c.model.init.intermediate_size = 192
   c.model.init.num_layers = 2
@@ -32,7 +32,7 @@ def get_config(arg=None):
   c.model.init.tie_word_embeddings = True
 
   c.data.source = "longtail"
-  c.data.max_prompt_len = 67
+  c.data.max_prompt_len = 8
 
   c.rollout.batch_size = 8
   c.rollout.n_samples_per_prompt = 4
@@ -40,7 +40,8 @@ def get_config(arg=None):
   c.rollout.num_slots = 16
   c.rollout.sync_every = 8
   c.rollout.max_response_len = 64
-  c.rollout.reward = "longtail_copy"
+  c.rollout.reward = "longtail"
+  c.rollout.temperature = 0.7
 
   c.train.lr = 3e-4
   c.train.eps_clip_high = 0.28

@@ -23,7 +23,7 @@ def test_items_are_deterministic_and_tokenizable():
 
 
 def test_copy_reward_is_one_only_for_an_exact_copy():
-  reward = get_reward("longtail_copy")
+  reward = get_reward("longtail")
   assert reward("abcd", "abcd") == 1.0
   assert reward("abcx", "abcd") == 0.75
   assert reward("abcdab", "abcd") == 4 / 6  # too long is penalised

@@ -75,10 +75,12 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
   if c.data.max_prompt_len < 1:
     err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
   if c.data.source == "longtail":
-    if c.data.max_prompt_len < c.rollout.max_response_len + 2:
-      err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= rollout.max_response_len"
-          f" + 2 ({c.rollout.max_response_len + 2}) for the built-in task, whose prompts "
-          "hold the answer")
+    if c.data.max_prompt_len < 5:
+      err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in "
+          "task")
+    if not 2 <= c.rollout.max_response_len <= 65:
+      err(f"rollout.max_response_len ({c.rollout.max_response_len}) must be in [2, 65] for "
+          "the built-in task (walks of up to 64 symbols, plus the stop token)")
   elif not Path(c.data.source).is_file():
     err(f"data.source {c.data.source!r}: no such file")
 

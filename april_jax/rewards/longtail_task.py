@@ -1,14 +1,15 @@
-"""The built-in task: copy a string, with answer lengths that have a long tail.
+"""The built-in task: walk a ring of symbols, with answer lengths that have a long tail.
 
-Prompt `c:<s>=`, correct response `<s>` then the stop token, where s is a random string
-over 16 letters. Its length is drawn from a log-normal clipped to [1, max_len]: most
-answers are short, a few run to the maximum, like the response lengths of math RL
-(APRIL paper, Figure 3). Copying is learnable by a tiny Qwen3 on a CPU (attention
-learns to look back at the prompt), so the whole RL loop runs here in minutes; a short
-supervised warm-start (`sft_batch`) gives RL a policy with signal to improve.
+Prompt `c:<from><to>=`, correct response: the symbols of a 64-symbol ring from <from> to
+<to> inclusive, then the stop token (`c:xB=` -> `xyzAB`). The walk's length d is drawn
+from a log-normal clipped to [1, max_len]: most answers are short, a few run to the
+maximum, like the response lengths of math RL (APRIL paper, Figure 3). Each next symbol
+follows from the previous one and the stop from one prompt symbol, so a tiny Qwen3 learns
+the task on a CPU in minutes; a short supervised warm-start (`sft_batch`) gives RL a
+policy that walks short distances, and RL carries it along the tail.
 
-Reward `longtail_copy`: matching characters at the same position divided by the longer
-of the two lengths; exactly 1.0 for a perfect copy, smooth below it.
+Reward `longtail`: symbols matching the correct answer at the same position, divided by
+the longer of the two lengths: exactly 1.0 for the right walk, partial credit below it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 from april_jax.rewards.registry import register
 from april_jax.tokenizer import CharTokenizer
 
-LETTERS = "abcdefghijklmnop"
-TOKENIZER_CHARS = LETTERS + ":="
+RING = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
+TOKENIZER_CHARS = RING + ":="
 
 
 def tokenizer() -> CharTokenizer:
@@ -41,16 +42,22 @@ class LongTailTask:
   median: float = 8.0
   sigma: float = 0.9
 
+  def __post_init__(self):
+    if not 1 <= self.max_answer_len <= len(RING):
+      raise ValueError(f"max_answer_len must be in [1, {len(RING)}] (the ring's size), got "
+                       f"{self.max_answer_len}")
+
   def item(self, index: int, seed: int = 0) -> dict:
     """The index-th prompt of the stream (deterministic in index and seed)."""
     rng = np.random.default_rng([seed, index])
-    (n,) = longtail_lengths(rng, 1, self.max_answer_len, self.median, self.sigma)
-    answer = "".join(rng.choice(list(LETTERS), n))
-    return {"id": index, "prompt": f"c:{answer}=", "answer": answer}
+    (d,) = longtail_lengths(rng, 1, self.max_answer_len, self.median, self.sigma)
+    start = int(rng.integers(len(RING)))
+    answer = "".join(RING[(start + i) % len(RING)] for i in range(d))
+    return {"id": index, "prompt": f"c:{answer[0]}{answer[-1]}=", "answer": answer}
 
   def prompt_len(self) -> int:
-    """Tokens in the longest prompt."""
-    return self.max_answer_len + 3
+    """Tokens in every prompt."""
+    return 5
 
 
 def copy_score(response: str, answer: str) -> float:
@@ -60,8 +67,8 @@ def copy_score(response: str, answer: str) -> float:
   return matches / max(len(response), len(answer))
 
 
-@register("longtail_copy")
-def longtail_copy_reward(response: str, answer: str) -> float:
+@register("longtail")
+def longtail_reward(response: str, answer: str) -> float:
   return copy_score(response.strip(), answer)
 
 
