@@ -5,7 +5,7 @@ import setuptools
 INSTALL_REQUIRES = [
     "jax>=0.6",
     "flax>=0.10",
-    "optax>=0.2.4",
+    "optax>=0.2.6",
     "orbax-checkpoint>=0.11",
     "numpy>=1.26",
     "ml_dtypes>=0.5",

@@ -96,3 +96,21 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
   trained = [r["prompt_id"] for r in rb]
   assert len(trained) == len(set(trained)) == 6 * 8  # no prompt trained twice or lost
   assert trained == [r["prompt_id"] for r in ra]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+  proc = _main(tmp_path, "--config.num_steps=40", "--config.checkpoint_every=0",
+               "--config.eval_every=0", "--config.train.sft_steps=5")
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.monotonic() + 600
+  while proc.poll() is None and time.monotonic() < deadline:
+    if metrics.exists() and len(_read_jsonl(metrics)) >= 2:
+      break
+    time.sleep(0.2)
+  assert proc.poll() is None, "the run ended before SIGTERM"
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  last = _read_jsonl(metrics)[-1]["step"]
+  assert last < 39
+  assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped

@@ -111,7 +111,7 @@ def _minibatch_update(static: _Static, optimizer, params, opt_state, mb: dict[st
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   (grads, loss), metrics = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), mb)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
