@@ -92,6 +92,7 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
       if not timing(key):
         assert mb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ma["step"], key)
 
+  assert list((killed / "tb").glob("events.out.tfevents.*"))  # TensorBoard files too
   ra, rb = _read_jsonl(straight / "rollouts.jsonl"), _read_jsonl(killed / "rollouts.jsonl")
   trained = [r["prompt_id"] for r in rb]
   assert len(trained) == len(set(trained)) == 6 * 8  # no prompt trained twice or lost

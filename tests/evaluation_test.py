@@ -1,0 +1,29 @@
+"""Evaluation: pass@1 from greedy responses, avg@k from k samples per prompt."""
+
+import jax
+import numpy as np
+
+from april_jax.evaluation import evaluate
+from april_jax.models import qwen3
+from april_jax.rollout import PromptItem
+
+CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def _run(reward_fn, k=3):
+  params = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
+  items = [PromptItem(prompt_id=i, tokens=np.array([1 + i, 2 + i], np.int32), answer=str(i))
+           for i in range(5)]
+  return evaluate(CFG, params, items, decode=lambda ids: " ".join(map(str, ids)),
+                  reward_fn=reward_fn, k=k, max_new_tokens=6, temperature=1.0, num_slots=4,
+                  eos_ids=(), seed=0)
+
+
+def test_pass_at_1_and_avg_at_k_count_correct_responses():
+  assert _run(lambda text, answer: 1.0) == {"eval/pass@1": 1.0, "eval/reward_mean": 1.0,
+                                             "eval/avg@3": 1.0}
+  assert _run(lambda text, answer: 0.0)["eval/avg@3"] == 0.0
+  # Correct for prompts 0 and 1 only: 2 of 5 greedy responses, 6 of 15 samples.
+  out = _run(lambda text, answer: float(int(answer) < 2))
+  assert out["eval/pass@1"] == 0.4 and out["eval/avg@3"] == 0.4
