@@ -20,18 +20,9 @@ from april_jax.models import qwen3
 from april_jax.rollout import (AprilScheduler, PromptItem, RewardRunner, RolloutSettings,
                                rollout_metrics)
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.trainer import model_config_from_init
 
 PROMPT_LEN = 16
-
-
-def model_from_config(config) -> qwen3.Qwen3Config:
-  init = config.model.init
-  return qwen3.Qwen3Config(
-      vocab_size=init.vocab_size, hidden_size=init.hidden_size,
-      intermediate_size=init.intermediate_size, num_layers=init.num_layers,
-      num_heads=init.num_heads, num_kv_heads=init.num_kv_heads, head_dim=init.head_dim,
-      rope_theta=init.rope_theta, rms_norm_eps=init.rms_norm_eps,
-      tie_word_embeddings=init.tie_word_embeddings)
 
 
 def _side(cfg, params, config, shape, partial, ratio, seed):
@@ -77,7 +68,7 @@ def _summary(results: list, versions: list[int]) -> dict[str, float]:
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0) -> dict:
-  cfg = model_from_config(config)
+  cfg = model_config_from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
   sides = {"april": _side(cfg, params, config, shape, True, ratio, seed),
            "baseline": _side(cfg, params, config, shape, False, 1.0, seed)}
