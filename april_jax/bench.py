@@ -21,6 +21,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (schedule
 _DIST = flags.DEFINE_string("dist", "deepmath", "scheduler: response length distribution.")
 _STEPS = flags.DEFINE_integer("steps", 8, "scheduler: RL steps per side.")
 _RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler: N'/N for APRIL.")
+_RATIOS = flags.DEFINE_list("ratios", [], "scheduler: sweep these N'/N values instead "
+                            "(e.g. 1,1.5,2,3), each against its own baseline run.")
 _RESPONSE_LEN = flags.DEFINE_integer(
     "max_response_len", 512, "scheduler: the length cap the distribution is scaled to "
     "(0 = the config's). Longer than the tiny task's 64 so that decoding, not Python "
@@ -48,8 +50,13 @@ def main(argv):
     if _RESPONSE_LEN.value:
       with config.unlocked():
         config.rollout.max_response_len = _RESPONSE_LEN.value
-    result = scheduler_bench.run(config, shape=_DIST.value, steps=_STEPS.value,
-                                 ratio=_RATIO.value, seed=_SEED.value)
+    if _RATIOS.value:
+      result = scheduler_bench.sweep(config, shape=_DIST.value, steps=_STEPS.value,
+                                     ratios=[float(r) for r in _RATIOS.value],
+                                     seed=_SEED.value)
+    else:
+      result = scheduler_bench.run(config, shape=_DIST.value, steps=_STEPS.value,
+                                   ratio=_RATIO.value, seed=_SEED.value)
   common.emit(result)
 
 

@@ -28,3 +28,18 @@ def test_length_distributions_are_long_tailed():
     d = length_dists.describe(shape, 512)
     assert d["p50"] < d["mean"] < d["p90"] < d["max"] == 512
     assert 0 < d["at_cap_frac"] < 0.05
+
+
+def test_scheduler_sweep_reports_one_row_per_ratio_and_no_gain_at_ratio_one():
+  spec = importlib.util.spec_from_file_location(
+      "tiny", Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.rollout.max_response_len = 64
+  out = scheduler_bench.sweep(config, steps=2, ratios=(1.0, 2.0))
+  assert [r["ratio"] for r in out["sweep"]] == [1.0, 2.0]
+  one, two = out["sweep"]
+  # N' = N leaves nothing to over-provision: the same slot-steps as the baseline.
+  assert one["april_slot_occupancy"] == one["baseline_slot_occupancy"]
+  assert two["april_slot_occupancy"] > two["baseline_slot_occupancy"]

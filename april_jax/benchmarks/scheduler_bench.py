@@ -101,3 +101,24 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         f"{out['trained_speedup']:.2f}x  [{shape}, N={r.batch_size}, n={r.n_samples_per_prompt}, "
         f"N'={out['N_prime']}, slots={r.num_slots}, max_len={r.max_response_len}]")
   return out
+
+
+def sweep(config, shape: str = "deepmath", steps: int = 8, ratios=(1.0, 1.5, 2.0, 3.0),
+          seed: int = 0) -> dict:
+  """APRIL at several N'/N, each against its own baseline run (paired, same seeds)."""
+  rows = []
+  for ratio in ratios:
+    out = run(config, shape=shape, steps=steps, ratio=float(ratio), seed=seed)
+    rows.append({k: out[k] for k in ("N_prime", "speedup", "trained_speedup",
+                                     "april_slot_occupancy", "baseline_slot_occupancy",
+                                     "off_policy_token_frac", "staleness_max")})
+    rows[-1]["ratio"] = float(ratio)
+  print(f"\nN'/N sweep [{shape}]")
+  print(f"{'N_prime/N':>9} {'speedup':>8} {'trained':>8} {'occupancy':>10} {'off-policy':>10} "
+        f"{'staleness':>9}")
+  for r in rows:
+    print(f"{r['ratio']:>9.1f} {r['speedup']:>7.2f}x {r['trained_speedup']:>7.2f}x "
+          f"{r['april_slot_occupancy']:>10.3f} {r['off_policy_token_frac']:>10.3f} "
+          f"{r['staleness_max']:>9.0f}")
+  return {"mode": "scheduler_sweep", "distribution": shape, "sweep": rows,
+          "machine": common.machine()}
