@@ -202,12 +202,20 @@ def test_no_compilation_after_warm_up(params):
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_warm_up_compiles_everything_a_run_needs(params):
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape):
   compiles = []
   listener = lambda name, *_, **__: (
       compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  mesh = None
+  if mesh_shape is not None:
+    if len(jax.devices()) < 8:
+      pytest.skip("needs 8 (CPU) devices")
+    mesh = sharding.make_mesh(mesh_shape)
+    params = jax.device_put(params, sharding.param_shardings(CFG, mesh))
   # A slot shape no other test uses, so nothing is cached before warm_up.
-  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5))
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5),
+                      mesh=mesh)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     assert engine.warm_up() == len(sampler.buckets(16, 80))

@@ -193,6 +193,8 @@ class SlotEngine:
       kv_len = self.bucket(max(used, 1))
       pad = ((0, 0), (0, kv_len - used), (0, 0), (0, 0))
       kv = qwen3.KVCache(np.pad(record.kv_k, pad), np.pad(record.kv_v, pad))
+      if self.fns.kv_sharding is not None:
+        kv = jax.device_put(kv, self.fns.kv_sharding)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill(np.concatenate([record.prompt, record.response]))
     self._insert(kv, slot, [record])

@@ -141,10 +141,12 @@ class DeviceFns:
   extract_rows: Any
   extract_kv: Any
   mark_done: Any
+  kv_sharding: Any = None   # where one sequence's KV lives between prefill and insert
 
   def cache_sizes(self) -> dict[str, int]:
     """Compiled variants per function (to check that steady state compiles nothing)."""
-    return {f.name: getattr(self, f.name)._cache_size() for f in dataclasses.fields(self)}
+    fns = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {name: fn._cache_size() for name, fn in fns.items() if hasattr(fn, "_cache_size")}
 
 
 @functools.lru_cache(maxsize=32)
@@ -161,9 +163,19 @@ def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every:
     state_sh = sharding.named_shardings(state_logical_axes(), shapes, mesh, rules)
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
+  kv_sh = None
+  if mesh is not None:
+    # Prefilled KV and KV restored from the host arrive in one sharding, so `insert`
+    # compiles once per bucket whichever path the sequence came by.
+    spec = sharding.logical_to_spec(("layers", "cache_seq", "kv_heads", "head_dim"),
+                                    (cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim),
+                                    mesh, rules)
+    kv_sh = jax.sharding.NamedSharding(mesh, spec)
+  pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
   return DeviceFns(
+      kv_sharding=kv_sh,
       init=jax.jit(init, **pin),
-      prefill_kv=jax.jit(functools.partial(prefill_kv, cfg)),
+      prefill_kv=jax.jit(functools.partial(prefill_kv, cfg), **pin_kv),
       insert=jax.jit(insert, donate_argnums=0, **pin),
       decode=jax.jit(functools.partial(decode, cfg, sync_every), static_argnums=0,
                      donate_argnums=2, **pin_first),
