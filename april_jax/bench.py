@@ -5,6 +5,7 @@ stdout line, one JSON object with every number.
 
   sampler    april_jax decode vs transformers' generate; snapshot/restore kv vs recompute
   scheduler  APRIL vs the synchronous baseline on long-tailed response lengths
+  resume     continuing partial samples: KV kept vs recomputed (per step, per token, bytes)
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
 """
@@ -15,7 +16,8 @@ from ml_collections import config_flags
 
 from april_jax.benchmarks import common
 
-_MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler"], "What to measure.")
+_MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler", "resume"],
+                          "What to measure.")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (scheduler mode).",
                                           lock_config=True)
 _DIST = flags.DEFINE_string("dist", "deepmath", "scheduler: response length distribution.")
@@ -39,24 +41,27 @@ def main(argv):
   del argv
   if _MODE.value == "sampler":
     from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
-    result = sampler_bench.run(models=_MODELS.value, batch=_BATCH.value, prompt_len=_PROMPT_LEN.value,
-                               new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value,
-                               seed=_SEED.value)
-  elif _MODE.value == "scheduler":
-    if _CONFIG.value is None:
-      raise app.UsageError("--mode=scheduler needs --config (e.g. configs/tiny.py)")
+    common.emit(sampler_bench.run(models=_MODELS.value, batch=_BATCH.value,
+                                  prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
+                                  repeats=_REPEATS.value, seed=_SEED.value))
+    return
+  if _CONFIG.value is None:
+    raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
+  config = _CONFIG.value
+  if _RESPONSE_LEN.value:
+    with config.unlocked():
+      config.rollout.max_response_len = _RESPONSE_LEN.value
+  common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value)
+  if _MODE.value == "resume":
+    from april_jax.benchmarks import resume_bench  # pylint: disable=g-import-not-at-top
+    result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
+  elif _RATIOS.value:
     from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
-    config = _CONFIG.value
-    if _RESPONSE_LEN.value:
-      with config.unlocked():
-        config.rollout.max_response_len = _RESPONSE_LEN.value
-    if _RATIOS.value:
-      result = scheduler_bench.sweep(config, shape=_DIST.value, steps=_STEPS.value,
-                                     ratios=[float(r) for r in _RATIOS.value],
-                                     seed=_SEED.value)
-    else:
-      result = scheduler_bench.run(config, shape=_DIST.value, steps=_STEPS.value,
-                                   ratio=_RATIO.value, seed=_SEED.value)
+    result = scheduler_bench.sweep(config, ratios=[float(r) for r in _RATIOS.value],
+                                   **common_args)
+  else:
+    from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
+    result = scheduler_bench.run(config, ratio=_RATIO.value, **common_args)
   common.emit(result)
 
 

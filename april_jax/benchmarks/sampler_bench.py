@@ -45,7 +45,7 @@ def _transformers_side(model_dir, prompts, new_tokens, repeats):
   return common.best_of(repeats, run)
 
 
-def _resume_costs(cfg, params, prompts, new_tokens, sync_every):
+def resume_costs(cfg, params, prompts, new_tokens, sync_every):
   """Seconds per held token to snapshot + restore unfinished samples, kv vs recompute."""
   out = {}
   for mode in ("kv", "recompute"):
@@ -93,7 +93,7 @@ def run_one(cfg: qwen3.Qwen3Config, batch: int, prompt_len: int, new_tokens: int
     hf_io.save_pretrained(model_dir, cfg, params)
     hf_s, hf_out = _transformers_side(model_dir, prompts, new_tokens, repeats)
   tokens = batch * new_tokens
-  resume = _resume_costs(cfg, params, prompts, new_tokens, sync_every)
+  resume = resume_costs(cfg, params, prompts, new_tokens, sync_every)
   return {
       "model_params": cfg.num_params(),
       "april_jax_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,

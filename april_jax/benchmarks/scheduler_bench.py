@@ -25,7 +25,8 @@ from april_jax.trainer import model_config_from_init
 PROMPT_LEN = 16
 
 
-def _side(cfg, params, config, shape, partial, ratio, seed):
+def make_side(cfg, params, config, shape, partial, ratio, seed, resume_mode=None):
+  """A warmed-up scheduler over the shared workload (prompts and budgets from the seed)."""
   r = config.rollout
   n, max_resp = r.n_samples_per_prompt, r.max_response_len
   engine = SlotEngine(cfg, params, EngineConfig(
@@ -43,13 +44,14 @@ def _side(cfg, params, config, shape, partial, ratio, seed):
   settings = RolloutSettings(
       batch_size=r.batch_size, n_samples_per_prompt=n,
       over_sampling_batch_size=int(round(ratio * r.batch_size)) if partial else r.batch_size,
-      partial_rollout=partial, resume_mode=r.resume_mode, max_response_len=max_resp,
+      partial_rollout=partial, resume_mode=resume_mode or r.resume_mode,
+      max_response_len=max_resp,
       temperature=r.temperature)
   rewards = RewardRunner(lambda text, answer: 0.0, decode=lambda ids: "", num_workers=1)
   return AprilScheduler(engine, settings, source, rewards, seed=seed)
 
 
-def _summary(results: list, versions: list[int]) -> dict[str, float]:
+def summarize(results: list, versions: list[int]) -> dict[str, float]:
   st = lambda key: sum(res.stats.get(key, 0) for res in results)
   metrics = [rollout_metrics(res, v) for res, v in zip(results, versions)]
   trained = sum(len(s.response) for res in results for g in res.groups for s in g.samples)
@@ -70,15 +72,15 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0) -> dict:
   cfg = model_config_from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
-  sides = {"april": _side(cfg, params, config, shape, True, ratio, seed),
-           "baseline": _side(cfg, params, config, shape, False, 1.0, seed)}
+  sides = {"april": make_side(cfg, params, config, shape, True, ratio, seed),
+           "baseline": make_side(cfg, params, config, shape, False, 1.0, seed)}
   results = {name: [] for name in sides}
   for step in range(steps):
     for name, sched in sides.items():
       sched.engine.params = params
       results[name].append(sched.step(step, version=step))
   versions = list(range(steps))
-  april, base = _summary(results["april"], versions), _summary(results["baseline"], versions)
+  april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
   r = config.rollout
   out = {"mode": "scheduler", "distribution": shape,
          "lengths": length_dists.describe(shape, r.max_response_len),
