@@ -6,18 +6,24 @@ stdout line, one JSON object with every number.
   sampler    april_jax decode vs transformers' generate; snapshot/restore kv vs recompute
   scheduler  APRIL vs the synchronous baseline on long-tailed response lengths
   resume     continuing partial samples: KV kept vs recomputed (per step, per token, bytes)
+  e2e        the RL loop on the built-in task, APRIL vs baseline, over seeds
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
 """
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
-from april_jax.benchmarks import common
+import sys
 
-_MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler", "resume"],
+from april_jax.benchmarks import common
+from april_jax.benchmarks.report import Report
+
+_MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler", "resume", "e2e"],
                           "What to measure.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "e2e: seeds (one pair of runs each).")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (scheduler mode).",
                                           lock_config=True)
 _DIST = flags.DEFINE_string("dist", "deepmath", "scheduler: response length distribution.")
@@ -30,38 +36,55 @@ _RESPONSE_LEN = flags.DEFINE_integer(
     "(0 = the config's). Longer than the tiny task's 64 so that decoding, not Python "
     "bookkeeping, dominates a step on a CPU, as it does on a GPU at real lengths.")
 _MODELS = flags.DEFINE_list("models", ["tiny", "small"], "sampler: model sizes to run.")
+_HF = flags.DEFINE_bool("hf", True, "sampler: also time transformers' generate (CPU torch).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "sampler: params.")
+_HBM = flags.DEFINE_float("hbm_gbps", 0.0, "sampler: memory bandwidth (GB/s) for the decode "
+                          "roofline; 0 = guess from the device kind, or skip.")
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and prompts.")
+_OUT_DIR = flags.DEFINE_string("out_dir", "bench_out", "Markdown report and PNG plots go "
+                               "here ('' = none).")
 
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # tables on stdout; libraries stay quiet
+  report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
     from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
-    common.emit(sampler_bench.run(models=_MODELS.value, batch=_BATCH.value,
-                                  prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
-                                  repeats=_REPEATS.value, seed=_SEED.value))
-    return
-  if _CONFIG.value is None:
-    raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
-  config = _CONFIG.value
-  if _RESPONSE_LEN.value:
-    with config.unlocked():
-      config.rollout.max_response_len = _RESPONSE_LEN.value
-  common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value)
-  if _MODE.value == "resume":
-    from april_jax.benchmarks import resume_bench  # pylint: disable=g-import-not-at-top
-    result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
-  elif _RATIOS.value:
-    from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
-    result = scheduler_bench.sweep(config, ratios=[float(r) for r in _RATIOS.value],
-                                   **common_args)
+    result = sampler_bench.run(models=_MODELS.value, batch=_BATCH.value,
+                               prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
+                               repeats=_REPEATS.value, seed=_SEED.value, report=report,
+                               hf=_HF.value, dtype=_DTYPE.value,
+                               hbm_gbps=_HBM.value or common.hbm_gbps())
   else:
-    from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
-    result = scheduler_bench.run(config, ratio=_RATIO.value, **common_args)
+    if _CONFIG.value is None:
+      raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
+    config = _CONFIG.value
+    if _RESPONSE_LEN.value and _MODE.value != "e2e":
+      with config.unlocked():
+        config.rollout.max_response_len = _RESPONSE_LEN.value
+    common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value,
+                       report=report)
+    if _MODE.value == "e2e":
+      from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
+      result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
+    elif _MODE.value == "resume":
+      from april_jax.benchmarks import resume_bench  # pylint: disable=g-import-not-at-top
+      result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
+    elif _RATIOS.value:
+      from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
+      result = scheduler_bench.sweep(config, ratios=[float(r) for r in _RATIOS.value],
+                                     **common_args)
+    else:
+      from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
+      result = scheduler_bench.run(config, ratio=_RATIO.value, **common_args)
+  if report is not None:
+    print(f"report: {report.write('python -m april_jax.bench ' + ' '.join(sys.argv[1:]), result)}")
   common.emit(result)
 
 

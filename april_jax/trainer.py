@@ -190,8 +190,14 @@ class Trainer:
     try:
       if self.next_step == 0:
         self.engine.warm_up()
+      if c.train.warm_up:
+        self.learner.warm_up(c.rollout.batch_size * c.rollout.n_samples_per_prompt,
+                             batch_lib.all_bucket_lens(c.data.max_prompt_len +
+                                                       c.rollout.max_response_len))
       for step in range(self.next_step, c.num_steps):
+        start = time.perf_counter()
         metrics = self.train_step(step)
+        metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
         last = step == c.num_steps - 1
         if c.eval_every and ((step + 1) % c.eval_every == 0 or last):
           metrics.update(self.evaluate())

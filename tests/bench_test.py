@@ -53,3 +53,36 @@ def test_resume_bench_compares_kv_and_recompute_on_the_same_workload():
   # Same workload: the same partials are resumed; only kv holds KV bytes on the host.
   assert out["kv_partial_samples_per_step"] == out["recompute_partial_samples_per_step"] > 0
   assert out["kv_buffer_bytes_max"] > 10 * out["recompute_buffer_bytes_max"]
+
+
+def test_decode_bandwidth_bound_is_params_plus_kv_bytes_per_step():
+  from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
+  cfg = sampler_bench.BENCH_MODELS["qwen3_0_6b"]
+  assert 0.59e9 < cfg.num_params() < 0.61e9  # Qwen3-0.6B
+  bound = sampler_bench.decode_bound_tokens_per_s(cfg, batch=64, mean_len=512,
+                                                  param_bytes=2, kv_bytes=2, hbm_gbps=4800)
+  kv = 2 * 28 * 64 * 512 * 8 * 128 * 2
+  assert bound == 64 * 4800e9 / (cfg.num_params() * 2 + kv)
+
+
+def test_sampler_bench_without_transformers_reports_the_roofline():
+  from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
+  out = sampler_bench.run(models=("tiny",), batch=4, prompt_len=8, new_tokens=16, repeats=1,
+                          sync_every=8, hf=False, hbm_gbps=100.0)
+  assert out["tiny_april_jax_tokens_per_s"] > 0
+  assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
+  assert out["tiny_speedup_vs_transformers"] != out["tiny_speedup_vs_transformers"]  # NaN
+
+
+def test_e2e_bench_trains_both_sides_and_reports_the_spread():
+  from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
+  config = _tiny_config()
+  config.num_steps = 4
+  config.train.sft_steps = 5
+  config.rollout.max_response_len = 16  # one length bucket: little to compile
+  out = e2e_bench.run(config, seeds=(0,))
+  for side in ("april", "baseline"):
+    assert out[f"{side}_final_reward_std"] == 0.0  # one seed
+    assert out[f"{side}_wall_s_mean"] > 0
+  assert out["baseline_off_policy_token_frac_mean"] == 0.0
+  assert len(out["april_wall_to_baseline_final_reward_s"]) == 1

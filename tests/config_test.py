@@ -10,11 +10,11 @@ from april_jax.configs.validate import ConfigError, validate
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def load(name):
+def load(name, arg=None):
   spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(arg)
 
 
 def test_tiny_config_is_valid():
@@ -46,3 +46,22 @@ def test_all_problems_are_reported_together():
   with pytest.raises(ConfigError) as info:
     validate(config)
   assert "rollout.batch_size" in str(info.value) and "rollout.temperature" in str(info.value)
+
+
+def test_paper_configs_need_a_model_and_data_and_say_so():
+  for name in ("qwen3_8b", "qwen3_4b"):
+    config = load(name)
+    assert (config.rollout.batch_size, config.rollout.n_samples_per_prompt,
+            config.rollout.over_sampling_batch_size, config.train.lr,
+            config.train.eps_clip, config.train.eps_clip_high) == (32, 8, 64, 1e-6, 0.2, 0.28)
+    with pytest.raises(ConfigError, match="data.source '' needs a pretrained model"):
+      validate(config)
+
+
+def test_gpu_bench_config_variants_have_real_shapes():
+  from april_jax.trainer import model_config_from_init  # pylint: disable=g-import-not-at-top
+  small = model_config_from_init(load("gpu_bench", "qwen3_0_6b").model.init)
+  large = model_config_from_init(load("gpu_bench", "qwen3_4b").model.init)
+  assert 0.59e9 < small.num_params() < 0.61e9 and 4.0e9 < large.num_params() < 4.1e9
+  with pytest.raises(ValueError, match="variant 'qwen3_9b'"):
+    load("gpu_bench", "qwen3_9b")

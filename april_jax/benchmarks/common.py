@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any, Callable
 
@@ -17,6 +18,16 @@ def machine() -> dict[str, Any]:
           "python": platform.python_version(), "jax": jax.__version__}
 
 
+# Peak memory bandwidth (GB/s) of accelerators the decode roofline knows by name.
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "MI300X": 5300.0}
+
+
+def hbm_gbps() -> float:
+  """The device's memory bandwidth if its kind is known, else 0 (no roofline)."""
+  kind = jax.devices()[0].device_kind
+  return next((v for k, v in HBM_GBPS.items() if k in kind), 0.0)
+
+
 def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
   """Runs fn `repeats` times; returns the fastest wall time and the last result."""
   best, out = float("inf"), None
@@ -25,6 +36,15 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     out = fn()
     best = min(best, time.perf_counter() - start)
   return best, out
+
+
+def progress(label: str, done: int, total: int) -> None:
+  """A one-line progress bar on stderr (stdout stays tables + the JSON line)."""
+  width = 30
+  filled = int(width * done / max(total, 1))
+  end = "\n" if done >= total else ""
+  print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
+        file=sys.stderr, flush=True)
 
 
 def emit(result: dict[str, Any]) -> None:

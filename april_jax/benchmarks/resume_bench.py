@@ -18,7 +18,7 @@ from april_jax.trainer import model_config_from_init
 
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
-        seed: int = 0) -> dict:
+        seed: int = 0, report=None) -> dict:
   cfg = model_config_from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
   modes = ("kv", "recompute")
@@ -28,6 +28,7 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
   for step in range(steps):
     for mode, sched in sides.items():
       results[mode].append(sched.step(step, version=step))
+    common.progress("resume", step + 1, steps)
   out = {"mode": "resume", "distribution": shape, "steps": steps,
          "num_slots": config.rollout.num_slots, "machine": common.machine()}
   for mode in modes:
@@ -56,4 +57,14 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
           f"{out[f'{mode}_tokens_per_s']:>10.0f} {out[f'{mode}_partial_samples_per_step']:>14.1f} "
           f"{out[f'{mode}_buffer_bytes_mean'] / 1e6:>10.2f} / "
           f"{out[f'{mode}_buffer_bytes_max'] / 1e6:<8.2f} {out[f'{mode}_us_per_held_token']:>14.2f}")
+  if report is not None:
+    report.table("Resume modes", ["mode", "s/step", "tokens/s", "partials resumed/step",
+                                  "buffer bytes (mean)", "us per held token"],
+                 [[m, out[f"{m}_rollout_s_per_step"], out[f"{m}_tokens_per_s"],
+                   out[f"{m}_partial_samples_per_step"], out[f"{m}_buffer_bytes_mean"],
+                   out[f"{m}_us_per_held_token"]] for m in modes])
+    report.bars("cost_per_held_token", "us per held token (snapshot + restore)",
+                {m: out[f"{m}_us_per_held_token"] for m in modes})
+    report.bars("buffer_bytes", "host bytes held by the buffer (mean)",
+                {m: out[f"{m}_buffer_bytes_mean"] for m in modes})
   return out

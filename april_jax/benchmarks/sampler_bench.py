@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
@@ -28,7 +29,22 @@ BENCH_MODELS = {
     "small": qwen3.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768,
                                num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
                                tie_word_embeddings=True),
+    # Real shapes, for accelerators (launch/bench_gpu.sh).
+    "qwen3_0_6b": qwen3.Qwen3Config(vocab_size=151936, hidden_size=1024,
+                                    intermediate_size=3072, num_layers=28, num_heads=16,
+                                    num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3_4b": qwen3.Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                                  num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                                  tie_word_embeddings=True),
 }
+
+
+def decode_bound_tokens_per_s(cfg: qwen3.Qwen3Config, batch: int, mean_len: float,
+                              param_bytes: int, kv_bytes: int, hbm_gbps: float) -> float:
+  """Memory-bandwidth bound on decode: every step reads all params once and each live
+  sequence's KV (mean_len tokens); tokens/s = batch x bandwidth / bytes per step."""
+  kv_read = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+  return batch * hbm_gbps * 1e9 / (cfg.num_params() * param_bytes + kv_read)
 
 
 def _transformers_side(model_dir, prompts, new_tokens, repeats):
@@ -78,46 +94,76 @@ def resume_costs(cfg, params, prompts, new_tokens, sync_every):
 
 
 def run_one(cfg: qwen3.Qwen3Config, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int, sync_every: int, seed: int) -> dict:
-  params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1)
+            repeats: int, sync_every: int, seed: int, hf: bool = True,
+            dtype: str = "float32", hbm_gbps: float = 0.0) -> dict:
+  params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
   rng = np.random.default_rng(seed)
   prompts = [rng.integers(1, cfg.vocab_size, prompt_len).astype(np.int32)
              for _ in range(batch)]
 
+  kv_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+
   def ours():
     return sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, num_slots=batch,
-                            sync_every=sync_every)
+                            sync_every=sync_every, kv_dtype=kv_dtype)
   ours()  # warm-up: compiles
   ours_s, ours_out = common.best_of(repeats, ours)
-  with tempfile.TemporaryDirectory() as model_dir:
-    hf_io.save_pretrained(model_dir, cfg, params)
-    hf_s, hf_out = _transformers_side(model_dir, prompts, new_tokens, repeats)
   tokens = batch * new_tokens
+  out = {"model_params": cfg.num_params(), "april_jax_tokens_per_s": tokens / ours_s}
+  if hf:
+    with tempfile.TemporaryDirectory() as model_dir:
+      hf_io.save_pretrained(model_dir, cfg, params)
+      hf_s, hf_out = _transformers_side(model_dir, prompts, new_tokens, repeats)
+    out.update(transformers_tokens_per_s=tokens / hf_s, speedup_vs_transformers=hf_s / ours_s,
+               greedy_outputs_equal_frac=float(np.mean([np.array_equal(a, b)
+                                                        for a, b in zip(ours_out, hf_out)])))
+  if hbm_gbps > 0:
+    nbytes = jnp.dtype(dtype).itemsize
+    bound = decode_bound_tokens_per_s(cfg, batch, prompt_len + new_tokens / 2, nbytes,
+                                      jnp.dtype(kv_dtype).itemsize, hbm_gbps)
+    out.update(bandwidth_bound_tokens_per_s=bound,
+               bandwidth_utilisation=out["april_jax_tokens_per_s"] / bound)
   resume = resume_costs(cfg, params, prompts, new_tokens, sync_every)
-  return {
-      "model_params": cfg.num_params(),
-      "april_jax_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,
-      "speedup_vs_transformers": hf_s / ours_s,
-      "greedy_outputs_equal_frac": float(np.mean([np.array_equal(a, b)
-                                                  for a, b in zip(ours_out, hf_out)])),
-      "resume_kv_us_per_token": resume["kv"]["us_per_token"],
-      "resume_recompute_us_per_token": resume["recompute"]["us_per_token"],
-      "resume_kv_host_bytes": resume["kv"]["host_bytes"],
-      "resume_recompute_host_bytes": resume["recompute"]["host_bytes"],
-  }
+  out.update(resume_kv_us_per_token=resume["kv"]["us_per_token"],
+             resume_recompute_us_per_token=resume["recompute"]["us_per_token"],
+             resume_kv_host_bytes=resume["kv"]["host_bytes"],
+             resume_recompute_host_bytes=resume["recompute"]["host_bytes"])
+  return out
 
 
 def run(models=("tiny", "small"), batch: int = 16, prompt_len: int = 32,
-        new_tokens: int = 128, repeats: int = 3, sync_every: int = 32, seed: int = 0) -> dict:
+        new_tokens: int = 128, repeats: int = 3, sync_every: int = 32, seed: int = 0,
+        report=None, hf: bool = True, dtype: str = "float32",
+        hbm_gbps: float = 0.0) -> dict:
   result = {"mode": "sampler", "batch": batch, "prompt_len": prompt_len,
             "new_tokens": new_tokens, "machine": common.machine()}
   print(f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'transformers tok/s':>19} "
         f"{'ratio':>6} {'equal':>6} {'kv us/tok':>10} {'recompute us/tok':>17}")
   for name in models:
-    r = run_one(BENCH_MODELS[name], batch, prompt_len, new_tokens, repeats, sync_every, seed)
+    r = run_one(BENCH_MODELS[name], batch, prompt_len, new_tokens, repeats, sync_every, seed,
+                hf=hf, dtype=dtype, hbm_gbps=hbm_gbps)
+    r.setdefault("transformers_tokens_per_s", float("nan"))
+    r.setdefault("speedup_vs_transformers", float("nan"))
+    r.setdefault("greedy_outputs_equal_frac", float("nan"))
     result.update({f"{name}_{k}": v for k, v in r.items()})
     print(f"{name:>6} {r['model_params']:>10,} {r['april_jax_tokens_per_s']:>16.1f} "
           f"{r['transformers_tokens_per_s']:>19.1f} {r['speedup_vs_transformers']:>5.2f}x "
           f"{r['greedy_outputs_equal_frac']:>6.0%} {r['resume_kv_us_per_token']:>10.2f} "
           f"{r['resume_recompute_us_per_token']:>17.2f}", flush=True)
+    if "bandwidth_bound_tokens_per_s" in r:
+      print(f"{'':>6} memory-bandwidth bound {r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s"
+            f" -> {r['bandwidth_utilisation']:.0%} of it", flush=True)
+  if report is not None:
+    report.table("Decode, april_jax vs transformers", [
+        "model", "params", "april_jax tokens/s", "transformers tokens/s", "ratio",
+        "greedy outputs equal", "kv us/token", "recompute us/token"],
+                 [[name] + [result[f"{name}_{k}"] for k in (
+                     "model_params", "april_jax_tokens_per_s", "transformers_tokens_per_s",
+                     "speedup_vs_transformers", "greedy_outputs_equal_frac",
+                     "resume_kv_us_per_token", "resume_recompute_us_per_token")]
+                  for name in models])
+    for name in models:
+      report.bars(f"decode_{name}", "tokens/s",
+                  {"april_jax": result[f"{name}_april_jax_tokens_per_s"],
+                   "transformers": result[f"{name}_transformers_tokens_per_s"]})
   return result

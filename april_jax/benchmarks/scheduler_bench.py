@@ -68,8 +68,43 @@ def summarize(results: list, versions: list[int]) -> dict[str, float]:
   }
 
 
+def trained_samples(results: list, versions: list[int]):
+  """(response lengths, staleness) of every trained sample."""
+  lengths, staleness = [], []
+  for res, version in zip(results, versions):
+    for s in (s for g in res.groups for s in g.samples):
+      lengths.append(len(s.response))
+      staleness.append(version - int(s.versions.min()) if len(s.versions) else 0)
+  return np.array(lengths), np.array(staleness)
+
+
+def add_plots(report, out: dict, results: dict, shape: str, max_len: int) -> None:
+  """Throughput bars, the length distribution with its tail, APRIL's staleness."""
+  report.table("Rollout, APRIL vs the synchronous baseline",
+               ["side", "tokens/s", "trained tokens/s", "slot occupancy", "s/step",
+                "off-policy token frac", "staleness max"],
+               [[name] + [out[f"{key}_{m}"] for m in (
+                   "tokens_per_s", "trained_tokens_per_s", "slot_occupancy",
+                   "rollout_s_per_step", "off_policy_token_frac", "staleness_max")]
+                for name, key in (("APRIL", "april"), ("baseline", "baseline"))])
+  report.bars("throughput", "rollout tokens/s", {"APRIL": out["april_tokens_per_s"],
+                                                 "baseline": out["baseline_tokens_per_s"]})
+  report.bars("slot_occupancy", "kept tokens / slot-steps",
+              {"APRIL": out["april_slot_occupancy"],
+               "baseline": out["baseline_slot_occupancy"]})
+  versions = list(range(len(results["april"])))
+  report.histogram("response_lengths",
+                   {f"{shape} (sampled budgets)": length_dists.sample_lengths(
+                       shape, max_len, 20000, seed=1),
+                    "trained by APRIL": trained_samples(results["april"], versions)[0]},
+                   "response tokens", log_y=True)
+  report.histogram("staleness", {"APRIL": trained_samples(results["april"], versions)[1]},
+                   "policy versions behind (per trained sample)",
+                   bins=np.arange(-0.5, out["april_staleness_max"] + 1.5))
+
+
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
-        seed: int = 0) -> dict:
+        seed: int = 0, report=None) -> dict:
   cfg = model_config_from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
   sides = {"april": make_side(cfg, params, config, shape, True, ratio, seed),
@@ -79,6 +114,7 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
     for name, sched in sides.items():
       sched.engine.params = params
       results[name].append(sched.step(step, version=step))
+    common.progress("scheduler", step + 1, steps)
   versions = list(range(steps))
   april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
   r = config.rollout
@@ -93,6 +129,8 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
   out.update({f"baseline_{k}": v for k, v in base.items()})
   out["off_policy_token_frac"] = april["off_policy_token_frac"]
   out["staleness_max"] = april["staleness_max"]
+  if report is not None:
+    add_plots(report, out, results, shape, r.max_response_len)
   print(f"{'':>10} {'tokens/s':>10} {'trained tok/s':>14} {'occupancy':>10} "
         f"{'s/step':>8} {'off-policy':>10} {'staleness':>9}")
   for name, s in (("APRIL", april), ("baseline", base)):
@@ -106,7 +144,7 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
 
 
 def sweep(config, shape: str = "deepmath", steps: int = 8, ratios=(1.0, 1.5, 2.0, 3.0),
-          seed: int = 0) -> dict:
+          seed: int = 0, report=None) -> dict:
   """APRIL at several N'/N, each against its own baseline run (paired, same seeds)."""
   rows = []
   for ratio in ratios:
@@ -122,5 +160,14 @@ def sweep(config, shape: str = "deepmath", steps: int = 8, ratios=(1.0, 1.5, 2.0
     print(f"{r['ratio']:>9.1f} {r['speedup']:>7.2f}x {r['trained_speedup']:>7.2f}x "
           f"{r['april_slot_occupancy']:>10.3f} {r['off_policy_token_frac']:>10.3f} "
           f"{r['staleness_max']:>9.0f}")
+  if report is not None:
+    keys = ("ratio", "N_prime", "speedup", "trained_speedup", "april_slot_occupancy",
+            "off_policy_token_frac", "staleness_max")
+    report.table(f"N'/N sweep ({shape})", list(keys), [[r[k] for k in keys] for r in rows])
+    report.lines("speedup_vs_ratio", {
+        "rollout tokens/s": (np.array(ratios), np.array([r["speedup"] for r in rows])),
+        "trained tokens/s": (np.array(ratios),
+                             np.array([r["trained_speedup"] for r in rows]))},
+                 "N'/N", "speedup over the baseline")
   return {"mode": "scheduler_sweep", "distribution": shape, "sweep": rows,
           "machine": common.machine()}

@@ -90,6 +90,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.num_microbatches = 1               # gradient accumulation per update
   c.train.ppo_epochs = 1
   c.train.logprob_chunk = 512                # sequence chunk for logits (memory bound)
+  c.train.warm_up = False                    # compile the update for every length bucket
+                                             # first (needs a second params copy briefly)
   c.train.sft_steps = 0                      # supervised warm-start steps (built-in task)
   c.train.sft_lr = 1e-3
   c.train.sft_batch_size = 32

@@ -30,6 +30,18 @@ def bucket_len(n: int, min_bucket: int = 32, max_len: int | None = None) -> int:
   return b
 
 
+def all_bucket_lens(max_len: int, min_bucket: int = 32) -> list[int]:
+  """Every padded length build_batch can produce for sequences up to max_len."""
+  out, n = [], 1
+  while True:
+    b = bucket_len(n, min_bucket, max_len)
+    if b not in out:
+      out.append(b)
+    if b >= max_len:
+      return out
+    n = b + 1
+
+
 def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.ndarray:
   """Rewards [G, n], with DAPO's overlong penalty (counted in tokens) when enabled."""
   rewards = np.array([g.rewards for g in groups], np.float32)

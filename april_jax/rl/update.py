@@ -160,6 +160,25 @@ class Learner:
     spec = sharding.logical_to_spec(axes, x.shape, self.mesh, self.rules)
     return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
+  def warm_up(self, batch_size: int, lengths) -> None:
+    """Compiles the update for each padded length, on copies (params are untouched).
+
+    Needs memory for a second copy of params and optimizer state while it runs.
+    """
+    for T in lengths:
+      zeros_i = np.zeros((batch_size, T), np.int32)
+      zeros_f = np.zeros((batch_size, T), np.float32)
+      batch = {"tokens": zeros_i, "targets": zeros_i, "mask": zeros_f, "behavior": zeros_f,
+               "stale": np.zeros((batch_size, T), bool),
+               "advantages": np.zeros((batch_size,), np.float32)}
+      saved = self.params, self.opt_state, self.updates, self.skipped_updates
+      self.params = jax.tree.map(jnp.copy, saved[0])
+      self.opt_state = jax.tree.map(jnp.copy, saved[1])
+      try:
+        self.update(batch)
+      finally:
+        self.params, self.opt_state, self.updates, self.skipped_updates = saved
+
   def logprobs(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
     M = self.train.num_microbatches * self.train.num_minibatches
     logp, _ = self._logprobs(params, self._put(_split(batch["tokens"], M)),

@@ -35,7 +35,7 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
              top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
              seed: int = 0, sync_every: int = 16, max_len: int | None = None, mesh=None,
              rules=sharding.DEFAULT_RULES, return_records: bool = False,
-             on_invalid: str = "raise"):
+             on_invalid: str = "raise", kv_dtype: str = "float32"):
   """Generates a response for every prompt; returns them in prompt order.
 
   Each response is a list of token ids, ending with the stop token when one of
@@ -52,7 +52,7 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
   longest = max(len(p) for p in prompts)
   max_len = max_len or _round_up(longest + max_new_tokens, 16)
   config = EngineConfig(num_slots=num_slots, max_len=max_len, sync_every=sync_every,
-                        stop_ids=tuple(int(e) for e in eos_ids))
+                        stop_ids=tuple(int(e) for e in eos_ids), kv_dtype=kv_dtype)
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
   keys = sample_keys(seed, len(prompts))
   queue = collections.deque()
