@@ -201,13 +201,16 @@ class Trainer:
         last = step == c.num_steps - 1
         if c.eval_every and ((step + 1) % c.eval_every == 0 or last):
           metrics.update(self.evaluate())
-        if last or self._stop_requested or (
-            c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
+        saved = last or self._stop_requested or (
+            c.checkpoint_every and (step + 1) % c.checkpoint_every == 0)
+        if saved:
           metrics["time/checkpoint_s"] = self.save(step)
         self.writer.write(step, metrics)
         if c.log_every and (step % c.log_every == 0 or last):
           log_progress(step, c.num_steps, metrics)
-        if self._stop_requested:
+        if self._stop_requested:  # also when SIGTERM came after the save decision
+          if not saved:
+            self.save(step)
           break
     finally:
       signal.signal(signal.SIGTERM, previous)

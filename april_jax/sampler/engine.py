@@ -38,9 +38,11 @@ class EngineConfig:
   stop_ids: tuple[int, ...] = ()
   kv_dtype: str = "float32"
   insert_width: int = 8            # slots filled per insert call (fixed: one compile)
+  snapshot_width: int = 4          # slots whose KV is copied out per device call
 
   def __post_init__(self):
-    for name in ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width"):
+    for name in ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width",
+                 "snapshot_width"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -119,7 +121,8 @@ class SlotEngine:
           np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.zeros(W, np.int32),
           np.zeros(W, np.float32), np.zeros(W, np.int32), np.ones(W, np.float32),
           np.zeros((W, 2), np.uint32))
-      jax.block_until_ready(self.fns.extract_kv(self.state, np.int32(0), b))
+      jax.block_until_ready(self.fns.extract_kv(
+          self.state, np.full(self.config.snapshot_width, -1, np.int32), b))
       self.state, _, _ = self.fns.decode(b, self.params, self.state, np.int32(self.version),
                                          self._stop_ids)
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
@@ -244,7 +247,21 @@ class SlotEngine:
         record.response = tokens[j, P:length].copy()
         record.logprobs = logprobs[j, P:length].copy()
         record.versions = versions[j, P:length].copy()
-        if with_kv:
-          k, v = jax.device_get(self.fns.extract_kv(
-              self.state, np.int32(slot), self.bucket(max(length - 1, 1))))
-          record.kv_k, record.kv_v = k[:, :length - 1].copy(), v[:, :length - 1].copy()
+    if with_kv:
+      self._read_back_kv(items)
+
+  def _read_back_kv(self, items: list[tuple[int, SampleRecord]]) -> None:
+    """KV of the used length, slots grouped by length bucket, W per device call."""
+    W = self.config.snapshot_width
+    by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
+    for slot, record in items:
+      by_bucket.setdefault(self.bucket(max(record.length - 1, 1)), []).append((slot, record))
+    for kv_len, group in by_bucket.items():
+      for i in range(0, len(group), W):
+        chunk = group[i:i + W]
+        slots = np.full(W, -1, np.int32)
+        slots[:len(chunk)] = [slot for slot, _ in chunk]
+        k, v = jax.device_get(self.fns.extract_kv(self.state, slots, kv_len))
+        for j, (_, record) in enumerate(chunk):
+          used = record.length - 1
+          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()

@@ -5,7 +5,7 @@
   decode(window, params, state, version, stop_ids)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
-  extract_kv(state, slot, T)                -> one slot's KV up to T
+  extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
   mark_done(state, mask)                    -> state with those slots stopped
 
 `DeviceFns` jits them once per (model config, slot shapes, mesh): T is bucketed by
@@ -121,9 +121,11 @@ def extract_rows(state: SlotState, slots_W: jax.Array):
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 
-def extract_kv(state: SlotState, slot: jax.Array, kv_len: int):
-  """One slot's KV for positions < kv_len: k, v [L, kv_len, K, H]."""
-  take = lambda cache: jax.lax.dynamic_index_in_dim(cache, slot, 1, False)[:, :kv_len]
+def extract_kv(state: SlotState, slots_W: jax.Array, kv_len: int):
+  """The KV of W slots for positions < kv_len (entries < 0 are padding):
+  k, v [L, W, kv_len, K, H]. One transfer for several samples."""
+  idx = jnp.maximum(slots_W, 0)
+  take = lambda cache: cache[:, idx, :kv_len]
   return take(state.kv.k), take(state.kv.v)
 
 
