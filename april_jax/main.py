@@ -5,7 +5,8 @@
       --config.model.path=/models/Qwen3-8B --config.rollout.over_sampling_batch_size=64
 
 The config is validated before anything compiles; a wrong one exits with status 2 and a
-message naming every bad field. Rerunning with the same workdir resumes from its latest
+message naming every bad field. A config whose memory plan (april_jax/plan.py) does not fit
+the devices exits with status 3 and the numbers, before any weight is allocated. Rerunning with the same workdir resumes from its latest
 checkpoint. SIGTERM saves a checkpoint after the current step and exits.
 """
 
@@ -36,7 +37,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
   from april_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
   logging.info("config:\n%s", _CONFIG.value)
-  Trainer(_CONFIG.value, _WORKDIR.value).run()
+  try:
+    trainer = Trainer(_CONFIG.value, _WORKDIR.value)
+  except MemoryError as e:  # the start-up memory plan refused the config
+    print(f"april_jax: {e}", file=sys.stderr)
+    sys.exit(3)
+  trainer.run()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from april_jax import data as data_lib
+from april_jax import plan as plan_lib
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.evaluation import evaluate
@@ -53,12 +54,13 @@ class Trainer:
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.task = None
+    self.model_cfg = (hf_io.load_config(c.model.path) if c.model.path
+                      else model_config_from_init(c.model.init))
+    self._check_memory()  # before any weight is allocated
     if c.model.path:
-      self.model_cfg, params = hf_io.load_pretrained(c.model.path, c.model.dtype, self.mesh,
-                                                     self.rules)
+      _, params = hf_io.load_pretrained(c.model.path, c.model.dtype, self.mesh, self.rules)
       self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     else:
-      self.model_cfg = model_config_from_init(c.model.init)
       params = sharding.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
                                             self.rules, c.model.dtype)
       self.tokenizer = longtail_task.tokenizer()
@@ -93,6 +95,16 @@ class Trainer:
       self._restore(self.checkpointer.latest_step())
 
   # ------------------------------------------------------------------- set-up helpers
+  def _check_memory(self) -> None:
+    """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
+    capacity = self.config.mesh.device_memory_gb * 1e9
+    if not capacity:
+      stats = jax.devices()[0].memory_stats() or {}
+      capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
+    plan = plan_lib.make_plan(self.config, self.model_cfg, jax.device_count(), capacity)
+    logging.info("memory plan:\n%s", plan.table())
+    plan_lib.check_fits(plan)
+
   def _warm_start(self, params):
     c = self.config
     seq_len = c.data.max_prompt_len + c.rollout.max_response_len

@@ -115,3 +115,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   last = _read_jsonl(metrics)[-1]["step"]
   assert last < 39
   assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped
+
+
+def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
+  proc = _main(tmp_path, "--config.mesh.device_memory_gb=0.001")
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 3, err[-2000:]
+  assert "GB per device but a device holds 0.0 GB" in err and "KV cache (slots)" in err

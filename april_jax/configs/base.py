@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)      # (data, fsdp, tensor); -1 takes the devices left
   c.mesh.rules = sharding.DEFAULT_RULES
+  c.mesh.device_memory_gb = 0.0  # memory per device for the start-up plan; 0 = ask the device
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "longtail"     # "longtail" (built-in task) or a .jsonl/.json/.parquet path
