@@ -34,7 +34,7 @@ def test_sft_batch_masks_exactly_the_answer_and_stop_targets():
   task, tok = LongTailTask(), tokenizer()
   tokens, targets, mask = sft_batch(task, tok, [0, 1], seed=0, seq_len=80)
   item = task.item(0)
-  P, A = len(item["prompt"]) + 0, len(item["answer"])
+  A = len(item["answer"])
   assert mask[0].sum() == A + 1
   np.testing.assert_array_equal(targets[0][mask[0] > 0],
                                 tok.encode(item["answer"]) + [tok.eos_id])

@@ -30,7 +30,6 @@ def _read_jsonl(path):
 
 
 def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
-  start = time.monotonic()
   proc = _main(tmp_path / "w", "--config.rollout.over_sampling_batch_size=4",
                "--config.rollout.n_samples_per_prompt=1", "--config.train.policy_loss=nope",
                "--config.model.path=/no/such/model")
