@@ -50,8 +50,9 @@ def decode_bound_tokens_per_s(cfg: qwen3.Qwen3Config, batch: int, mean_len: floa
 def _transformers_side(model_dir, prompts, new_tokens, repeats):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-  model.eval()
+  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                         use_safetensors=True)
+  model.train(False)  # inference mode (no dropout)
   batch = torch.as_tensor(np.stack(prompts))
   def run():
     with torch.no_grad():

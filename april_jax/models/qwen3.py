@@ -56,10 +56,6 @@ class Qwen3Config:
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
-  @property
-  def num_groups(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
     attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h

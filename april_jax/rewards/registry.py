@@ -13,23 +13,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from april_jax.registry import Registry
+
 RewardFn = Callable[[str, str], float]
 
-REWARDS: dict[str, RewardFn] = {}
-
-
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-  """Decorator: adds `fn` to REWARDS under `name`; a name already taken is a ValueError."""
-  def add(fn: RewardFn) -> RewardFn:
-    if name in REWARDS:
-      raise ValueError(f"reward {name!r} is already registered (by {REWARDS[name].__module__})")
-    REWARDS[name] = fn
-    return fn
-  return add
-
-
-def get_reward(name: str) -> RewardFn:
-  """The reward registered under `name`; KeyError naming the known rewards otherwise."""
-  if name not in REWARDS:
-    raise KeyError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
-  return REWARDS[name]
+REWARDS = Registry("reward")
+register = REWARDS.register
+get_reward = REWARDS.lookup

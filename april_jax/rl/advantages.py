@@ -19,26 +19,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from april_jax.registry import Registry
+
 AdvantageFn = Callable[..., jax.Array]
 
-ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-  """Decorator: adds `fn` to ADVANTAGES under `name`; a name already taken is a ValueError."""
-  def add(fn: AdvantageFn) -> AdvantageFn:
-    if name in ADVANTAGES:
-      raise ValueError(f"advantage {name!r} is already registered")
-    ADVANTAGES[name] = fn
-    return fn
-  return add
-
-
-def get_advantage(name: str) -> AdvantageFn:
-  """The estimator registered under `name`; KeyError naming the known estimators otherwise."""
-  if name not in ADVANTAGES:
-    raise KeyError(f"unknown advantage {name!r}; known advantages: {sorted(ADVANTAGES)}")
-  return ADVANTAGES[name]
+ADVANTAGES = Registry("advantage")
+register_advantage = ADVANTAGES.register
+get_advantage = ADVANTAGES.lookup
 
 
 def _centered(rewards_GxN: jax.Array) -> jax.Array:

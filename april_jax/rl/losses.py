@@ -31,6 +31,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from april_jax.registry import Registry
+
 GSPO_EPS_CLIP = 3e-4
 GSPO_EPS_CLIP_HIGH = 4e-4
 
@@ -168,24 +170,9 @@ def kl_penalty(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kl_type: str,
 
 PolicyLossFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-  """Decorator: adds `fn` to POLICY_LOSSES under `name`; a name already taken is a ValueError."""
-  def add(fn: PolicyLossFn) -> PolicyLossFn:
-    if name in POLICY_LOSSES:
-      raise ValueError(f"policy loss {name!r} is already registered")
-    POLICY_LOSSES[name] = fn
-    return fn
-  return add
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-  """The policy term registered under `name`; KeyError naming the known ones otherwise."""
-  if name not in POLICY_LOSSES:
-    raise KeyError(f"unknown policy loss {name!r}; known policy losses: {sorted(POLICY_LOSSES)}")
-  return POLICY_LOSSES[name]
+POLICY_LOSSES = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.lookup
 
 
 def _clipped_surrogate(cfg: LossConfig, ratio_BxT, adv_Bx1):

@@ -47,14 +47,6 @@ class PartialBuffer:
   def host_bytes(self) -> int:
     return sum(g.host_bytes() for g in self._groups.values())
 
-  def num_samples(self) -> dict[str, int]:
-    counts = {"finished": 0, "partial": 0, "not_started": 0}
-    for g in self._groups.values():
-      for s in g.samples:
-        key = "finished" if s.finished else "partial" if s.started else "not_started"
-        counts[key] += 1
-    return counts
-
   # ------------------------------------------------------------------ serialisation
   def to_state(self) -> dict[str, np.ndarray]:
     groups = list(self)

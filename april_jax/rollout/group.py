@@ -50,10 +50,6 @@ class Group:
   def host_bytes(self) -> int:
     return self.prompt.nbytes + sum(s.host_bytes() for s in self.samples)
 
-  def oldest_version(self) -> int | None:
-    versions = [int(s.versions.min()) for s in self.samples if len(s.versions)]
-    return min(versions) if versions else None
-
   def restart_sample(self, index: int) -> None:
     """Discards a sample's tokens so it starts again from the prompt (same rng)."""
     old = self.samples[index]

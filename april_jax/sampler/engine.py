@@ -80,9 +80,6 @@ class SlotEngine:
   def num_live(self) -> int:
     return self.config.num_slots - len(self.free_slots())
 
-  def live_records(self) -> list[SampleRecord]:
-    return [r for r in self._owner if r is not None]
-
   def bucket(self, n: int) -> int:
     for b in self._buckets:
       if b >= n:
