@@ -63,9 +63,13 @@ class Trainer:
     else:
       params = sharding.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
                                             self.rules, c.model.dtype)
-      self.tokenizer = longtail_task.tokenizer()
+      self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
     if c.data.source == "longtail":
-      self.task = longtail_task.LongTailTask(max_answer_len=c.rollout.max_response_len - 1)
+      # Walks fill at most the ring; a longer cap leaves room for responses that miss the stop.
+      t = c.data.task
+      self.task = longtail_task.LongTailTask(
+          max_answer_len=min(c.rollout.max_response_len - 1, t.ring_size),
+          median=t.median, sigma=t.sigma, ring_size=t.ring_size)
     self.source = data_lib.make_prompt_source(c.data, self.tokenizer, c.seed, self.task)
     self.checkpointer = Checkpointer(workdir)
     resuming = self.checkpointer.latest_step() is not None

@@ -84,5 +84,6 @@ def test_e2e_bench_trains_both_sides_and_reports_the_spread():
   for side in ("april", "baseline"):
     assert out[f"{side}_final_reward_std"] == 0.0  # one seed
     assert out[f"{side}_wall_s_mean"] > 0
+    assert out[f"{side}_rollout_ms_per_step_mean"] > 0 < out[f"{side}_train_ms_per_step_mean"]
   assert out["baseline_off_policy_token_frac_mean"] == 0.0
   assert len(out["april_wall_to_baseline_final_reward_s"]) == 1

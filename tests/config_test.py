@@ -17,8 +17,24 @@ def load(name, arg=None):
   return module.get_config(arg)
 
 
-def test_tiny_config_is_valid():
-  validate(load("tiny"))
+@pytest.mark.parametrize("name", ["tiny", "tiny_tail"])
+def test_tiny_configs_are_valid(name):
+  validate(load(name))
+
+
+def test_task_fields_are_checked():
+  config = load("tiny")
+  config.data.task.ring_size = 1
+  config.data.task.sigma = -0.5
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  assert "data.task.ring_size must be in [2, 1024], got 1" in str(info.value)
+  assert "data.task.sigma >= 0" in str(info.value)
+  config = load("tiny")
+  config.data.task.ring_size = 200  # needs 205 token ids, the model has 72
+  with pytest.raises(ConfigError, match=r"vocab_size \(72\) is smaller than the built-in "
+                                        r"task's tokenizer \(205 tokens\)"):
+    validate(config)
 
 
 @pytest.mark.parametrize("field,value,message", [

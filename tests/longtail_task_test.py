@@ -3,7 +3,7 @@
 import numpy as np
 
 from april_jax.rewards import get_reward
-from april_jax.rewards.longtail_task import LongTailTask, sft_batch, tokenizer
+from april_jax.rewards.longtail_task import RING, LongTailTask, ring, sft_batch, tokenizer
 
 
 def test_answer_lengths_have_a_long_tail():
@@ -38,3 +38,18 @@ def test_sft_batch_masks_exactly_the_answer_and_stop_targets():
   assert mask[0].sum() == A + 1
   np.testing.assert_array_equal(targets[0][mask[0] > 0],
                                 tok.encode(item["answer"]) + [tok.eos_id])
+
+
+def test_a_larger_ring_walks_its_own_symbols_and_wraps_around():
+  symbols = ring(100)
+  assert symbols[:64] == RING and len(set(symbols)) == 100
+  tok = tokenizer(100)
+  assert tok.vocab_size == 3 + 100 + 2
+  task = LongTailTask(max_answer_len=100, median=40, sigma=0.5, ring_size=100)
+  for i in range(200):
+    answer = task.item(i)["answer"]
+    start = symbols.index(answer[0])
+    assert answer == "".join(symbols[(start + j) % 100] for j in range(len(answer)))
+    assert tok.decode(tok.encode(answer)) == answer
+  lengths = [len(task.item(i)["answer"]) for i in range(500)]
+  assert max(lengths) > 64  # walks longer than the default ring

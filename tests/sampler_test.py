@@ -122,6 +122,35 @@ def test_snapshot_then_restore_continues_exactly(params, temperature):
   assert len(straight.response) == 25 and straight.finish_reason == "length"
 
 
+@pytest.mark.parametrize("mode", ["kv", "recompute"])
+def test_batched_resume_of_many_partials_continues_each_exactly(params, mode):
+  """add_partials puts back samples of different lengths (several KV buckets, more
+  samples than one call's width) into other slots; each continues as if never stopped."""
+  make = lambda: _records(_prompts(5, [3, 14, 6, 20, 9, 2]), 22, temperature=1.0, seed=4)
+  config = EngineConfig(num_slots=8, max_len=64, sync_every=3, snapshot_width=4)
+  straight = _run_to_end(SlotEngine(CFG, params, config), make())
+  engine = SlotEngine(CFG, params, config)
+  for r in make():
+    engine.add_group([r])
+  engine.step()
+  engine.step()
+  partials = engine.snapshot(with_kv=(mode == "kv"))
+  assert len(partials) == 6 and len({len(p.response) for p in partials}) == 1
+  assert len({engine.bucket(p.length - 1) for p in partials}) > 1  # several KV buckets
+  blockers = _records(_prompts(9, [5, 4]), 30, seed=7)
+  for b in blockers:
+    b.meta["index"] = f"blocker{b.meta['index']}"
+    engine.add_group([b])  # occupy slots 0 and 1, so every sample lands elsewhere
+  slots = engine.add_partials(partials[::-1], mode=mode)
+  assert sorted(slots) == list(range(2, 8))
+  assert all(p.kv_k is None for p in partials)
+  resumed = {r.meta["index"]: r for r in _drain(engine)}
+  for i, r in straight.items():
+    np.testing.assert_array_equal(resumed[i].response, r.response)
+    np.testing.assert_allclose(resumed[i].logprobs, r.logprobs, atol=1e-5)
+    assert resumed[i].finish_reason == r.finish_reason
+
+
 def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
   temperature = 0.7
   records = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48,
@@ -227,8 +256,11 @@ def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape):
       engine.step()
       for partial in engine.snapshot(with_kv=(mode == "kv")):
         engine.add(partial, mode=mode)
+    engine.add_group(records[1:2] * 1)
+    engine.step()
+    engine.add_partials(engine.snapshot(with_kv=True), mode="kv")  # batched resume path
     _drain(engine)
-    _run_to_end(engine, records[1:])
+    _run_to_end(engine, records[2:])
     assert compiles[before:] == []
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)

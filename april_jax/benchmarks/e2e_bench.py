@@ -62,6 +62,8 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
           "off_policy_token_frac": float(np.mean(
               [m["rollout/off_policy_token_frac"] for m in metrics])),
           "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
+          "rollout_ms_per_step": 1e3 * float(np.mean([m["time/rollout_s"] for m in metrics])),
+          "train_ms_per_step": 1e3 * float(np.mean([m["time/train_s"] for m in metrics])),
           "reward": reward, "wall": wall})
     summary[side] = per_seed
   # Wall time for each side's smoothed reward to first reach the baseline's final reward.
@@ -75,20 +77,21 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
          "april_wall_to_baseline_final_reward_s": reach["april"],
          "baseline_wall_to_baseline_final_reward_s": reach["baseline"]}
   keys = ("final_reward", "wall_s", "eval_reward", "tokens_per_s", "off_policy_token_frac",
-          "staleness_max")
+          "staleness_max", "rollout_ms_per_step", "train_ms_per_step")
   for side in SIDES:
     for k in keys:
       values = [s[k] for s in summary[side]]
       out[f"{side}_{k}_mean"] = float(np.mean(values))
       out[f"{side}_{k}_std"] = float(np.std(values))
   print(f"{'':>9} {'final reward':>14} {'eval reward':>13} {'wall s':>8} {'tokens/s':>9} "
-        f"{'off-policy':>10} {'staleness':>9}")
+        f"{'off-policy':>10} {'staleness':>9} {'rollout ms':>10} {'train ms':>8}")
   for side in SIDES:
     g = lambda k: (out[f"{side}_{k}_mean"], out[f"{side}_{k}_std"])
     print(f"{side:>9} {g('final_reward')[0]:>7.3f}±{g('final_reward')[1]:.3f} "
           f"{g('eval_reward')[0]:>6.3f}±{g('eval_reward')[1]:.3f} {g('wall_s')[0]:>8.1f} "
           f"{g('tokens_per_s')[0]:>9.0f} {g('off_policy_token_frac')[0]:>10.3f} "
-          f"{g('staleness_max')[0]:>9.0f}")
+          f"{g('staleness_max')[0]:>9.0f} {g('rollout_ms_per_step')[0]:>10.1f} "
+          f"{g('train_ms_per_step')[0]:>8.1f}")
   fmt = lambda xs: [round(x, 2) for x in xs]
   print(f"wall s to first reach the baseline's final reward, per seed: APRIL "
         f"{fmt(reach['april'])}, baseline {fmt(reach['baseline'])} (baseline total "

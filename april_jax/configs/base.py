@@ -44,6 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.shuffle = True
   c.data.system_prompt = ""
   c.data.enable_thinking = False
+  c.data.task = ml_collections.ConfigDict()  # the built-in task (data.source = "longtail")
+  c.data.task.ring_size = 64     # symbols on the ring; walks are at most this long
+  c.data.task.median = 8.0       # answer lengths: log-normal with this median ...
+  c.data.task.sigma = 0.9        # ... and this sigma of the log (the tail's weight)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.batch_size = 8                   # N: prompt groups per training step

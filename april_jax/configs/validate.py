@@ -60,7 +60,8 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
           "model.path (a random init only runs the built-in task, data.source='longtail')")
     else:
       from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
-      needed = longtail_task.tokenizer().vocab_size
+      ring_size = min(max(int(c.data.task.ring_size), 2), longtail_task.MAX_RING_SIZE)
+      needed = longtail_task.tokenizer(ring_size).vocab_size
       if 0 < m.init.vocab_size < needed:
         err(f"model.init.vocab_size ({m.init.vocab_size}) is smaller than the built-in "
             f"task's tokenizer ({needed} tokens)")
@@ -78,9 +79,16 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     if c.data.max_prompt_len < 5:
       err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in "
           "task")
-    if not 2 <= c.rollout.max_response_len <= 65:
-      err(f"rollout.max_response_len ({c.rollout.max_response_len}) must be in [2, 65] for "
-          "the built-in task (walks of up to 64 symbols, plus the stop token)")
+    from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
+    t = c.data.task
+    if not 2 <= t.ring_size <= longtail_task.MAX_RING_SIZE:
+      err(f"data.task.ring_size must be in [2, {longtail_task.MAX_RING_SIZE}], got "
+          f"{t.ring_size}")
+    if t.median <= 0 or t.sigma < 0:
+      err(f"data.task.median must be > 0 and data.task.sigma >= 0, got {t.median}, {t.sigma}")
+    if c.rollout.max_response_len < 2:
+      err(f"rollout.max_response_len ({c.rollout.max_response_len}) must be >= 2 for the "
+          "built-in task (a walk of at least one symbol, plus the stop token)")
   elif not Path(c.data.source).is_file():
     err(f"data.source {c.data.source!r}: no such file")
 

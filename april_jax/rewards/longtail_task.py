@@ -1,8 +1,8 @@
 """The built-in task: walk a ring of symbols, with answer lengths that have a long tail.
 
-Prompt `c:<from><to>=`, correct response: the symbols of a 64-symbol ring from <from> to
-<to> inclusive, then the stop token (`c:xB=` -> `xyzAB`). The walk's length d is drawn
-from a log-normal clipped to [1, max_len]: most answers are short, a few run to the
+Prompt `c:<from><to>=`, correct response: the symbols of a ring (64 symbols by default)
+from <from> to <to> inclusive, then the stop token (`c:xB=` -> `xyzAB`). The walk's length
+d is drawn from a log-normal clipped to [1, max_len]: most answers are short, a few run to the
 maximum, like the response lengths of math RL (APRIL paper, Figure 3). Each next symbol
 follows from the previous one and the stop from one prompt symbol, so a tiny Qwen3 learns
 the task on a CPU in minutes; a short supervised warm-start (`sft_batch`) gives RL a
@@ -22,11 +22,19 @@ from april_jax.rewards.registry import register
 from april_jax.tokenizer import CharTokenizer
 
 RING = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
-TOKENIZER_CHARS = RING + ":="
+MAX_RING_SIZE = 1024
 
 
-def tokenizer() -> CharTokenizer:
-  return CharTokenizer(TOKENIZER_CHARS)
+def ring(size: int = len(RING)) -> str:
+  """The ring's symbols: RING, then Latin-extended and later code points past 64."""
+  if not 2 <= size <= MAX_RING_SIZE:
+    raise ValueError(f"ring size must be in [2, {MAX_RING_SIZE}], got {size}")
+  return (RING + "".join(chr(0x100 + i) for i in range(max(0, size - len(RING)))))[:size]
+
+
+def tokenizer(ring_size: int = len(RING)) -> CharTokenizer:
+  """The task's tokenizer: specials, the ring's symbols, then ':' and '='."""
+  return CharTokenizer(ring(ring_size) + ":=")
 
 
 def longtail_lengths(rng: np.random.Generator, size: int, max_len: int, median: float,
@@ -41,18 +49,23 @@ class LongTailTask:
   max_answer_len: int = 64
   median: float = 8.0
   sigma: float = 0.9
+  ring_size: int = len(RING)
 
   def __post_init__(self):
-    if not 1 <= self.max_answer_len <= len(RING):
-      raise ValueError(f"max_answer_len must be in [1, {len(RING)}] (the ring's size), got "
-                       f"{self.max_answer_len}")
+    ring(self.ring_size)  # validates the size
+    if not 1 <= self.max_answer_len <= self.ring_size:
+      raise ValueError(f"max_answer_len must be in [1, {self.ring_size}] (the ring's size), "
+                       f"got {self.max_answer_len}")
+    if self.median <= 0 or self.sigma < 0:
+      raise ValueError(f"median must be > 0 and sigma >= 0, got {self.median}, {self.sigma}")
 
   def item(self, index: int, seed: int = 0) -> dict:
     """The index-th prompt of the stream (deterministic in index and seed)."""
     rng = np.random.default_rng([seed, index])
     (d,) = longtail_lengths(rng, 1, self.max_answer_len, self.median, self.sigma)
-    start = int(rng.integers(len(RING)))
-    answer = "".join(RING[(start + i) % len(RING)] for i in range(d))
+    start = int(rng.integers(self.ring_size))
+    symbols = ring(self.ring_size)
+    answer = "".join(symbols[(start + i) % self.ring_size] for i in range(d))
     return {"id": index, "prompt": f"c:{answer[0]}{answer[-1]}=", "answer": answer}
 
   def prompt_len(self) -> int:

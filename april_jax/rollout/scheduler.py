@@ -188,21 +188,22 @@ class AprilScheduler:
       awaiting.clear()
 
     def fill_slots() -> None:
-      while engine.free_slots() and not stop_now():
+      while engine.num_free and not stop_now():
         started = False
         for group in active:
-          free = len(engine.free_slots())
+          free = engine.num_free
           if not free:
             return
           waiting = [i for i, r in enumerate(group.samples)
                      if not r.finished and (group.group_id, i) not in in_slot]
-          for i in [i for i in waiting if group.samples[i].started][:free]:
-            engine.add(group.samples[i], mode=s.resume_mode)
-            in_slot.add((group.group_id, i))
-            stats["partial_samples"] += 1
+          partial = [i for i in waiting if group.samples[i].started][:free]
+          if partial:
+            engine.add_partials([group.samples[i] for i in partial], mode=s.resume_mode)
+            in_slot.update((group.group_id, i) for i in partial)
+            stats["partial_samples"] += len(partial)
             started = True
           fresh = [i for i in waiting if not group.samples[i].started]
-          fresh = fresh[:len(engine.free_slots())]
+          fresh = fresh[:engine.num_free]
           if fresh:
             engine.add_group([group.samples[i] for i in fresh])
             in_slot.update((group.group_id, i) for i in fresh)
@@ -225,7 +226,8 @@ class AprilScheduler:
       if engine.num_live == 0:
         break  # nothing live and nothing admissible: the prompts ran out
       newly_complete: dict[int, Group] = {}  # ordered, once per group
-      for record in engine.step():
+      # Free slots after filling mean nothing is waiting: decode on through finishes.
+      for record in engine.step(refill=engine.num_free == 0):
         group = self.buffer.get(record.meta["group"])
         in_slot.discard((group.group_id, record.meta["index"]))
         if group.complete:

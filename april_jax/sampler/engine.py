@@ -77,8 +77,12 @@ class SlotEngine:
     return [s for s, r in enumerate(self._owner) if r is None]
 
   @property
+  def num_free(self) -> int:
+    return self._owner.count(None)
+
+  @property
   def num_live(self) -> int:
-    return self.config.num_slots - len(self.free_slots())
+    return self.config.num_slots - self.num_free
 
   def bucket(self, n: int) -> int:
     for b in self._buckets:
@@ -120,8 +124,9 @@ class SlotEngine:
           np.zeros((W, 2), np.uint32))
       jax.block_until_ready(self.fns.extract_kv(
           self.state, np.full(self.config.snapshot_width, -1, np.int32), b))
+      self.state = self.fns.insert_rows(self.state, *self._rows_args([], b))
       self.state, _, _ = self.fns.decode(b, self.params, self.state, np.int32(self.version),
-                                         self._stop_ids)
+                                         self._stop_ids, np.bool_(True))
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
     return len(self._buckets)
@@ -157,6 +162,59 @@ class SlotEngine:
         padded([r.top_k for r in records], np.int32),
         padded([r.top_p for r in records], np.float32, 1.0),
         np.concatenate([np.stack([r.rng for r in records]), np.zeros((pad, 2), np.uint32)]))
+
+  def _rows_args(self, chunk: list[tuple[int, SampleRecord]], kv_len: int) -> tuple:
+    """insert_rows' arguments for up to snapshot_width (slot, sample with KV) pairs."""
+    W, M, cfg = self.config.snapshot_width, self.config.max_len, self.cfg
+    kv_shape = (cfg.num_layers, W, kv_len, cfg.num_kv_heads, cfg.head_dim)
+    k, v = np.zeros(kv_shape, self.config.kv_dtype), np.zeros(kv_shape, self.config.kv_dtype)
+    slots = np.full(W, -1, np.int32)
+    tokens, logprobs = np.zeros((W, M), np.int32), np.zeros((W, M), np.float32)
+    versions = np.full((W, M), -1, np.int32)
+    ints = np.zeros((4, W), np.int32)  # length, prompt_len, limit, top_k
+    floats = np.stack([np.zeros(W, np.float32), np.ones(W, np.float32)])  # temp, top_p
+    rng = np.zeros((W, 2), np.uint32)
+    for j, (slot, r) in enumerate(chunk):
+      P, used = len(r.prompt), r.length - 1
+      slots[j] = slot
+      k[:, j, :used], v[:, j, :used] = r.kv_k, r.kv_v
+      tokens[j, :r.length] = np.concatenate([r.prompt, r.response])
+      logprobs[j, P:r.length], versions[j, P:r.length] = r.logprobs, r.versions
+      ints[:, j] = (r.length, P, P + r.max_new_tokens, r.top_k)
+      floats[:, j] = (r.temperature, r.top_p)
+      rng[j] = r.rng
+    kv = qwen3.KVCache(k, v)
+    if self.fns.kv_rows_sharding is not None:
+      kv = jax.device_put(kv, self.fns.kv_rows_sharding)
+    return (kv, slots, tokens, logprobs, versions, ints[0], ints[1], ints[2], floats[0],
+            ints[3], floats[1], rng)
+
+  def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
+    """Continues several partial samples; in mode kv, snapshot_width per device call.
+
+    Samples without KV (or in mode recompute) go through `add` one by one.
+    """
+    if mode not in RESUME_MODES:
+      raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
+    with_kv = [r for r in records if mode == "kv" and r.has_kv]
+    rest = [r for r in records if not (mode == "kv" and r.has_kv)]
+    for r in with_kv:
+      self.check(r)
+    slots = self._take_slots(len(with_kv))
+    by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
+    for slot, r in zip(slots, with_kv):
+      by_bucket.setdefault(self.bucket(max(r.length - 1, 1)), []).append((slot, r))
+    W = self.config.snapshot_width
+    for kv_len, pairs in by_bucket.items():
+      for i in range(0, len(pairs), W):
+        self.state = self.fns.insert_rows(self.state, *self._rows_args(pairs[i:i + W], kv_len))
+    for slot, r in zip(slots, with_kv):
+      r.drop_kv()
+      self._owner[slot] = r
+      self._lengths[slot] = r.length
+    slot_of = dict(zip(map(id, with_kv), slots))
+    slot_of.update((id(r), self.add(r, mode)) for r in rest)
+    return [slot_of[id(r)] for r in records]
 
   def _take_slots(self, n: int) -> list[int]:
     free = self.free_slots()
@@ -201,13 +259,19 @@ class SlotEngine:
     return slot[0]
 
   # ------------------------------------------------------------------ decode, harvest
-  def step(self) -> list[SampleRecord]:
-    """Runs up to sync_every decode steps; returns the samples that finished."""
+  def step(self, refill: bool = True) -> list[SampleRecord]:
+    """Runs up to sync_every decode steps; returns the samples that finished.
+
+    With `refill` (a sample waits for a free slot) decoding stops at the first finish,
+    so the slot is refilled at once; without it, the sync_every steps run unless every
+    slot finishes, saving host round trips when nothing could use a freed slot.
+    """
     owned = [s for s, r in enumerate(self._owner) if r is not None]
     longest = int(self._lengths[owned].max()) if owned else 0
     window = self.bucket(max(min(longest + self.config.sync_every, self.config.max_len), 1))
     self.state, steps, kept = self.fns.decode(window, self.params, self.state,
-                                              np.int32(self.version), self._stop_ids)
+                                              np.int32(self.version), self._stop_ids,
+                                              np.bool_(refill))
     done, lengths = jax.device_get((self.state.done, self.state.length))
     self._lengths = np.array(lengths)
     self.decode_steps += int(steps)
