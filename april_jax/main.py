@@ -4,12 +4,18 @@
   python -m april_jax.main --config=configs/qwen3_8b.py --workdir=runs/8b \
       --config.model.path=/models/Qwen3-8B --config.rollout.over_sampling_batch_size=64
 
+Multi-host: the same command on every host, plus `--config.distributed.auto=True` under
+SLURM (or coordinator_address, num_processes and process_id); see launch/ and README.md.
+
 The config is validated before anything compiles; a wrong one exits with status 2 and a
 message naming every bad field. A config whose memory plan (april_jax/plan.py) does not fit
-the devices exits with status 3 and the numbers, before any weight is allocated. Rerunning with the same workdir resumes from its latest
-checkpoint. SIGTERM saves a checkpoint after the current step and exits.
+the devices exits with status 3 and the numbers, before any weight is allocated. A process
+of a multi-host run that loses a peer exits with status 4. Rerunning with the same workdir
+resumes from its latest checkpoint. SIGTERM saves a checkpoint after the current step and
+exits.
 """
 
+import os
 import sys
 
 from absl import app
@@ -35,14 +41,27 @@ def main(argv):
     sys.exit(2)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
+  from april_jax import distributed  # pylint: disable=g-import-not-at-top
+  distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
   from april_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
   logging.info("config:\n%s", _CONFIG.value)
   try:
-    trainer = Trainer(_CONFIG.value, _WORKDIR.value)
-  except MemoryError as e:  # the start-up memory plan refused the config
-    print(f"april_jax: {e}", file=sys.stderr)
-    sys.exit(3)
-  trainer.run()
+    try:
+      trainer = Trainer(_CONFIG.value, _WORKDIR.value)
+    except MemoryError as e:  # the start-up memory plan refused the config
+      print(f"april_jax: {e}", file=sys.stderr)
+      sys.exit(3)
+    trainer.run()
+  except Exception as e:  # pylint: disable=broad-except
+    if not distributed.is_collective_failure(e):
+      raise
+    import jax  # pylint: disable=g-import-not-at-top
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"april_jax: process {jax.process_index()} of {jax.process_count()}: a collective "
+          f"failed, most likely because another process died ({first_line}). Restart all "
+          "processes to resume from the last checkpoint.", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(distributed.PEER_FAILURE_EXIT)  # skip the shutdown barrier: the peer is gone
 
 
 if __name__ == "__main__":

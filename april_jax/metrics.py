@@ -34,21 +34,29 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: str, tensorboard: bool = True):
+  """metrics.jsonl, rollouts.jsonl and TensorBoard; `enabled=False` (processes other
+  than 0 of a multi-host run) writes nothing."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
+    self.enabled = enabled
     os.makedirs(workdir, exist_ok=True)
     self.metrics_path = os.path.join(workdir, "metrics.jsonl")
     self.rollouts_path = os.path.join(workdir, "rollouts.jsonl")
     self._tb = None
-    if tensorboard:
+    if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def truncate_after(self, step: int) -> None:
     """Drops lines of steps > step (they are about to be run again)."""
+    if not self.enabled:
+      return
     _truncate_jsonl(self.metrics_path, step)
     _truncate_jsonl(self.rollouts_path, step)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self.enabled:
+      return
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps({"step": step, **metrics}) + "\n")
     if self._tb is not None:
@@ -57,6 +65,8 @@ class MetricsWriter:
       self._tb.flush()
 
   def write_rollouts(self, step: int, groups) -> None:
+    if not self.enabled:
+      return
     with open(self.rollouts_path, "a", encoding="utf-8") as f:
       for g in groups:
         f.write(json.dumps({

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from april_jax import data as data_lib
+from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
@@ -85,14 +86,16 @@ class Trainer:
     self.decode = decode
     self.reward_fn = get_reward(r.reward)
     self.rewards = RewardRunner(self.reward_fn, decode, num_workers=r.reward_workers,
-                                timeout_s=r.reward_timeout_s, fallback=r.reward_fallback)
+                                timeout_s=r.reward_timeout_s, fallback=r.reward_fallback,
+                                agree=distributed.agree if jax.process_count() > 1 else None)
     self.scheduler = AprilScheduler(self.engine, RolloutSettings.from_config(r), self.source,
                                     self.rewards, seed=c.seed)
     t = c.train
     self.learner = Learner(self.model_cfg, params, t, r.temperature,
                            total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
                            mesh=self.mesh, rules=self.rules, remat=c.model.remat)
-    self.writer = MetricsWriter(workdir)
+    self.primary = distributed.is_primary()  # the one process that writes and prints
+    self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
     self._stop_requested = False
     if resuming:
@@ -103,7 +106,7 @@ class Trainer:
     """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
     capacity = self.config.mesh.device_memory_gb * 1e9
     if not capacity:
-      stats = jax.devices()[0].memory_stats() or {}
+      stats = jax.local_devices()[0].memory_stats() or {}
       capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
     plan = plan_lib.make_plan(self.config, self.model_cfg, jax.device_count(), capacity)
     logging.info("memory plan:\n%s", plan.table())
@@ -217,16 +220,14 @@ class Trainer:
         last = step == c.num_steps - 1
         if c.eval_every and ((step + 1) % c.eval_every == 0 or last):
           metrics.update(self.evaluate())
-        saved = last or self._stop_requested or (
-            c.checkpoint_every and (step + 1) % c.checkpoint_every == 0)
-        if saved:
+        # Decided once per step, and by every process alike (SIGTERM may reach only one).
+        stop = distributed.any_process(self._stop_requested)
+        if stop or last or (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
           metrics["time/checkpoint_s"] = self.save(step)
         self.writer.write(step, metrics)
-        if c.log_every and (step % c.log_every == 0 or last):
+        if self.primary and c.log_every and (step % c.log_every == 0 or last):
           log_progress(step, c.num_steps, metrics)
-        if self._stop_requested:  # also when SIGTERM came after the save decision
-          if not saved:
-            self.save(step)
+        if stop:
           break
     finally:
       signal.signal(signal.SIGTERM, previous)

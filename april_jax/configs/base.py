@@ -36,6 +36,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.rules = sharding.DEFAULT_RULES
   c.mesh.device_memory_gb = 0.0  # memory per device for the start-up plan; 0 = ask the device
 
+  c.distributed = ml_collections.ConfigDict()  # one process per host (april_jax/distributed.py)
+  c.distributed.auto = False              # jax.distributed from the cluster env (SLURM, Open MPI)
+  c.distributed.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)
+  c.distributed.num_processes = 1
+  c.distributed.process_id = 0
+  c.distributed.heartbeat_timeout_s = 60  # a peer silent this long ends the run
+  c.distributed.initialization_timeout_s = 300  # waiting for every process to join
+
   c.data = ml_collections.ConfigDict()
   c.data.source = "longtail"     # "longtail" (built-in task) or a .jsonl/.json/.parquet path
   c.data.prompt_key = ""         # "" = first of question/problem/prompt

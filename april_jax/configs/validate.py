@@ -93,6 +93,21 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     err(f"data.source {c.data.source!r}: no such file")
 
 
+def _checks_distributed(c, err: Callable[[str], None]) -> None:
+  d = c.distributed
+  if d.coordinator_address and not d.auto:
+    host, _, port = d.coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+      err(f"distributed.coordinator_address must be host:port, got {d.coordinator_address!r}")
+    if d.num_processes < 1:
+      err(f"distributed.num_processes must be >= 1, got {d.num_processes}")
+    elif not 0 <= d.process_id < d.num_processes:
+      err(f"distributed.process_id must be in [0, {d.num_processes}), got {d.process_id}")
+  for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
+    if d[name] < 1:
+      err(f"distributed.{name} must be >= 1, got {d[name]}")
+
+
 def _checks_train(c, err: Callable[[str], None]) -> None:
   t, r = c.train, c.rollout
   from april_jax.rl import advantages, losses  # pylint: disable=g-import-not-at-top
@@ -120,7 +135,8 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
         f"train.num_minibatches x train.num_microbatches ({split})")
 
 
-CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_train]
+CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_distributed,
+                          _checks_train]
 
 
 def validate(config) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from april_jax.distributed import to_host
 from april_jax.models import qwen3
 
 CONFIG_NAME = "config.json"
@@ -234,7 +235,7 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
 
 def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
   """Yields (HF name, numpy array) one tensor at a time."""
-  host = lambda a: np.asarray(jax.device_get(a))
+  host = to_host  # every process calls this when params span several
   for ours, (name, _, _, to_hf) in _top_table(cfg).items():
     if ours == "final_norm":
       continue

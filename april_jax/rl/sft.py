@@ -10,9 +10,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from april_jax.distributed import to_host
 from april_jax.models import qwen3
 
 
@@ -34,4 +34,4 @@ def warm_start(cfg: qwen3.Qwen3Config, params, batches, lr: float):
   for tokens, targets, mask in batches:
     params, opt_state, loss = step(params, opt_state, tokens, targets, mask)
     losses.append(loss)
-  return params, [float(x) for x in np.asarray(jax.device_get(losses))]
+  return params, [float(x) for x in to_host(losses)]

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from april_jax import sharding
+from april_jax.distributed import to_host
 from april_jax.models import qwen3
 from april_jax.rl import losses
 
@@ -183,7 +184,7 @@ class Learner:
     M = self.train.num_microbatches * self.train.num_minibatches
     logp, _ = self._logprobs(params, self._put(_split(batch["tokens"], M)),
                              self._put(_split(batch["targets"], M)))
-    return np.asarray(jax.device_get(logp)).reshape(batch["tokens"].shape)
+    return to_host(logp).reshape(batch["tokens"].shape)
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """All of one RL step's optimizer updates; returns train/* metrics."""
@@ -205,7 +206,7 @@ class Learner:
         mb = {k: self._put(_split(v, t.num_microbatches)) for k, v in mb.items()}
         lr = float(self.schedule(self.updates))
         self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb)
-        m = jax.device_get(m)
+        m = to_host(m)
         if bool(m["finite"]):
           self.updates += 1
         else:

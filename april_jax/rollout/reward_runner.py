@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from april_jax.rollout.group import Group
 
 
@@ -33,8 +35,23 @@ class _Job:
 
 class RewardRunner:
   def __init__(self, reward_fn: Callable[[str, str], float], decode: Callable[[list[int]], str],
-               num_workers: int = 4, timeout_s: float = 10.0, fallback: float = 0.0):
-    self._reward_fn, self._decode = reward_fn, decode
+               num_workers: int = 4, timeout_s: float = 10.0, fallback: float = 0.0,
+               agree: Callable[[np.ndarray], np.ndarray] | None = None):
+    """Initializes the runner.
+
+    Args:
+      reward_fn: (response text, answer) -> reward.
+      decode: Token ids -> text.
+      num_workers: Reward threads.
+      timeout_s: A reward running longer gets `fallback` (and is counted).
+      fallback: The reward of a sample whose reward raised or timed out.
+      agree: Makes the processes of a multi-host run agree on rewards ([groups, n]
+        array -> the one to use, e.g. process 0's), since a time limit can expire on one
+        process and not another. Applied at the blocking calls, which every process
+        reaches at the same point. None: one process.
+    """
+    self._reward_fn, self._decode, self._agree = reward_fn, decode, agree
+    self._unagreed: list[Group] = []
     self._num_workers, self.timeout_s, self.fallback = num_workers, timeout_s, fallback
     self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
     self._jobs: dict[int, list[_Job]] = {}
@@ -52,6 +69,7 @@ class RewardRunner:
     jobs = [_Job(group, i, self._decode(s.response.tolist()))
             for i, s in enumerate(group.samples)]
     self._jobs[group.group_id] = jobs
+    self._unagreed.append(group)
     for job in jobs:
       self._start(job)
 
@@ -116,12 +134,26 @@ class RewardRunner:
     while any(g.group_id in self._jobs for g in groups):
       self.poll()
       time.sleep(poll_s)
+    self._settle_agreement(groups)
     return list(groups)
 
   def wait_all(self, poll_s: float = 0.002) -> None:
     while self._jobs:
       self.poll()
       time.sleep(poll_s)
+    self._settle_agreement(self._unagreed)
+
+  def _settle_agreement(self, groups: list[Group]) -> None:
+    """Replaces the rewards of these scored groups with the agreed ones (multi-host)."""
+    pending = {id(u) for u in self._unagreed}
+    groups = [g for g in groups if id(g) in pending]
+    settled = {id(g) for g in groups}
+    self._unagreed = [u for u in self._unagreed if id(u) not in settled]
+    if self._agree is None or not groups:
+      return
+    agreed = self._agree(np.array([g.rewards for g in groups], np.float64))
+    for group, rewards in zip(groups, agreed):
+      group.rewards = [float(r) for r in rewards]
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sharding
+from april_jax.distributed import to_host
 from april_jax.models import qwen3
 from april_jax.sampler import slot_ops
 from april_jax.sampler.records import PromptError, SampleRecord
@@ -272,7 +273,7 @@ class SlotEngine:
     self.state, steps, kept = self.fns.decode(window, self.params, self.state,
                                               np.int32(self.version), self._stop_ids,
                                               np.bool_(refill))
-    done, lengths = jax.device_get((self.state.done, self.state.length))
+    done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))
     self._lengths = np.array(lengths)
     self.decode_steps += int(steps)
     self.tokens_generated += int(kept)
@@ -301,8 +302,7 @@ class SlotEngine:
       chunk = items[i:i + W]
       slots = np.full(W, -1, np.int32)
       slots[:len(chunk)] = [slot for slot, _ in chunk]
-      tokens, logprobs, versions, meta = jax.device_get(
-          self.fns.extract_rows(self.state, slots))
+      tokens, logprobs, versions, meta = to_host(self.fns.extract_rows(self.state, slots))
       for j, (slot, record) in enumerate(chunk):
         length, P = int(meta[j, 0]), int(meta[j, 1])
         record.response = tokens[j, P:length].copy()
@@ -322,7 +322,7 @@ class SlotEngine:
         chunk = group[i:i + W]
         slots = np.full(W, -1, np.int32)
         slots[:len(chunk)] = [slot for slot, _ in chunk]
-        k, v = jax.device_get(self.fns.extract_kv(self.state, slots, kv_len))
+        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len))
         for j, (_, record) in enumerate(chunk):
           used = record.length - 1
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()

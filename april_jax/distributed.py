@@ -1,0 +1,99 @@
+"""Multi-host runs on JAX's multi-controller runtime: one process per host, one program.
+
+Every process runs the whole loop on the same config, seed and prompt stream; the mesh
+spans the devices of all processes, so each process holds its share of the params and
+of the sampler's slots (slots lie along the mesh's data axis: a process owns the slots
+on its own devices), and XLA's collectives (NCCL, RCCL, or gloo on CPUs) join them.
+The rollout scheduler is host code, so it must decide the same on every process: it is
+deterministic in its inputs (completion order, seeded sampling), and the one input that
+depends on wall-clock time, a reward that ran past its time limit, is agreed on by
+taking process 0's rewards (`agree`). Every host read of a device array goes through
+`to_host`, and only process 0 writes metrics and logs. Orbax checkpoints are written
+and read by all processes together (the workdir must be shared between hosts).
+
+  initialize(c.distributed)   jax.distributed.initialize from the config, or from the
+                              cluster's environment (SLURM, Open MPI) with `auto`
+  is_primary()                process 0
+  to_host(tree)               numpy copies of device arrays, whichever devices hold them
+  agree(values)               process 0's numpy array, on every process
+  any_process(flag)           True on every process if it is True on any one
+
+A process that loses a peer fails in bounded time: the next collective errors when the
+peer's connection drops (main.py then exits with status 4 and says so), and JAX's
+coordination service ends a process whose peers stop sending heartbeats after
+`distributed.heartbeat_timeout_s`.
+"""
+
+from __future__ import annotations
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+PEER_FAILURE_EXIT = 4
+
+
+def initialize(c) -> None:
+  """Joins the processes of a multi-host run; a no-op for a single process."""
+  if c.auto:
+    jax.distributed.initialize(initialization_timeout=int(c.initialization_timeout_s),
+                               heartbeat_timeout_seconds=int(c.heartbeat_timeout_s))
+  elif c.coordinator_address:
+    jax.distributed.initialize(
+        coordinator_address=c.coordinator_address, num_processes=int(c.num_processes),
+        process_id=int(c.process_id),
+        initialization_timeout=int(c.initialization_timeout_s),
+        heartbeat_timeout_seconds=int(c.heartbeat_timeout_s))
+  else:
+    return
+  logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def is_primary() -> bool:
+  return jax.process_index() == 0
+
+
+def _host(x):
+  if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_host(tree):
+  """Numpy copies of a pytree of arrays. Arrays that span other processes' devices are
+  gathered (a collective: every process must call this at the same point)."""
+  return jax.tree.map(_host, tree)
+
+
+def agree(values: np.ndarray) -> np.ndarray:
+  """Process 0's values on every process (a collective); the values themselves when
+  there is one process."""
+  if jax.process_count() == 1:
+    return values
+  values = np.ascontiguousarray(values)
+  # As raw 32-bit words: device arrays are 32-bit unless x64 is on, and values stay exact.
+  words = multihost_utils.broadcast_one_to_all(values.view(np.uint32))
+  return np.asarray(words).view(values.dtype).reshape(values.shape)
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process when `flag` is True on at least one (a collective)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  flags = multihost_utils.process_allgather(np.array([flag], np.int32))
+  return bool(np.asarray(flags).any())
+
+
+# What XLA's runtime says when a collective or the coordination service loses a peer.
+_PEER_LOST = ("gloo", "nccl", "rccl", "connection", "unavailable", "heartbeat",
+              "deadline_exceeded", "coordination", "barrier", "peer")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+  """A runtime error of a multi-process run that says a peer went away."""
+  if jax.process_count() == 1 or not isinstance(error, jax.errors.JaxRuntimeError):
+    return False
+  text = str(error).lower()
+  return any(marker in text for marker in _PEER_LOST)
