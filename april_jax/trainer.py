@@ -36,6 +36,7 @@ from april_jax.rl.update import Learner
 from april_jax.rollout import (AprilScheduler, PartialBuffer, RewardRunner, RolloutSettings,
                                rollout_metrics)
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.shared_stream import SharedPromptStream
 from april_jax.tokenizer import Tokenizer
 
 
@@ -71,7 +72,10 @@ class Trainer:
       self.task = longtail_task.LongTailTask(
           max_answer_len=min(c.rollout.max_response_len - 1, t.ring_size),
           median=t.median, sigma=t.sigma, ring_size=t.ring_size)
-    self.source = data_lib.make_prompt_source(c.data, self.tokenizer, c.seed, self.task)
+    shard = (jax.process_index(), jax.process_count())
+    self.source = data_lib.make_prompt_source(c.data, self.tokenizer, c.seed, self.task, shard)
+    if jax.process_count() > 1:  # each process reads its share; all see one stream
+      self.source = SharedPromptStream(self.source, *shard)
     self.checkpointer = Checkpointer(workdir)
     resuming = self.checkpointer.latest_step() is not None
     if c.train.sft_steps > 0 and not resuming:
