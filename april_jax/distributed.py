@@ -35,17 +35,27 @@ import numpy as np
 PEER_FAILURE_EXIT = 4
 
 
+def parse_device_ids(text: str) -> list[int] | None:
+  """"0,1,2,3" -> [0, 1, 2, 3]; "" -> None (JAX's default)."""
+  text = text.strip()
+  return [int(x) for x in text.split(",")] if text else None
+
+
 def initialize(c) -> None:
-  """Joins the processes of a multi-host run; a no-op for a single process."""
+  """Joins the processes of a multi-host run; a no-op for a single process.
+
+  `c.local_device_ids` ("0,1,...,7") gives one process all of its host's GPUs: under
+  SLURM, JAX otherwise assumes one process per GPU and hands each only GPU SLURM_LOCALID.
+  """
+  options = dict(initialization_timeout=int(c.initialization_timeout_s),
+                  heartbeat_timeout_seconds=int(c.heartbeat_timeout_s),
+                  local_device_ids=parse_device_ids(c.local_device_ids))
   if c.auto:
-    jax.distributed.initialize(initialization_timeout=int(c.initialization_timeout_s),
-                               heartbeat_timeout_seconds=int(c.heartbeat_timeout_s))
+    jax.distributed.initialize(**options)
   elif c.coordinator_address:
-    jax.distributed.initialize(
-        coordinator_address=c.coordinator_address, num_processes=int(c.num_processes),
-        process_id=int(c.process_id),
-        initialization_timeout=int(c.initialization_timeout_s),
-        heartbeat_timeout_seconds=int(c.heartbeat_timeout_s))
+    jax.distributed.initialize(coordinator_address=c.coordinator_address,
+                               num_processes=int(c.num_processes),
+                               process_id=int(c.process_id), **options)
   else:
     return
   logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),

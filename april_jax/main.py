@@ -55,7 +55,9 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     if not distributed.is_collective_failure(e):
       raise
+    import traceback  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
+    traceback.print_exc()
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"april_jax: process {jax.process_index()} of {jax.process_count()}: a collective "
           f"failed, most likely because another process died ({first_line}). Restart all "

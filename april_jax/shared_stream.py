@@ -5,7 +5,9 @@ of the built-in task's stream, and tokenizes only those. Whenever the scheduler 
 prompt and none is queued, every process contributes its next prompt and they are
 exchanged (an all-gather of the encoded items), so each process queues the same P
 prompts in process order: the same stream, item for item, as one process reading
-everything (when no prompt is skipped). The scheduler calls the source at the same
+everything when no prompt is skipped and the record count divides by the process count
+(otherwise shards end their epochs at different exchanges: the order differs from one
+process's, but is still the same on every process). The scheduler calls the source at the same
 points on every process, as the exchange needs.
 
 The checkpointed state holds every process's own position and the queued prompts, so a
@@ -27,7 +29,7 @@ def encode_item(item: PromptItem | None) -> bytes:
   if item is None:
     return b"null"
   return json.dumps({"id": item.prompt_id, "tokens": item.tokens.tolist(),
-                     "answer": item.answer}).encode("utf-8")
+                     "answer": item.answer, "budgets": item.budgets}).encode("utf-8")
 
 
 def decode_item(data: bytes) -> PromptItem | None:
@@ -35,14 +37,15 @@ def decode_item(data: bytes) -> PromptItem | None:
   if d is None:
     return None
   return PromptItem(prompt_id=d["id"], tokens=np.asarray(d["tokens"], np.int32),
-                    answer=d["answer"])
+                    answer=d["answer"], budgets=d.get("budgets"))
 
 
 def allgather_bytes(data: bytes) -> list[bytes]:
   """Every process's bytes, in process order (two all-gathers: lengths, then payloads)."""
   lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
   lengths = lengths.reshape(-1)
-  padded = np.zeros(int(lengths.max()), np.uint8)
+  # Payload sizes rounded up to a power of two: each new shape compiles a gather.
+  padded = np.zeros(1 << int(max(int(lengths.max()), 1) - 1).bit_length(), np.uint8)
   padded[:len(data)] = np.frombuffer(data, np.uint8)
   rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
   return [rows[i, :n].tobytes() for i, n in enumerate(lengths)]

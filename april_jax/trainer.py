@@ -18,6 +18,7 @@ import time
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from april_jax import data as data_lib
@@ -77,6 +78,7 @@ class Trainer:
     if jax.process_count() > 1:  # each process reads its share; all see one stream
       self.source = SharedPromptStream(self.source, *shard)
     self.checkpointer = Checkpointer(workdir)
+    self._check_same_checkpoints()
     resuming = self.checkpointer.latest_step() is not None
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
@@ -106,6 +108,18 @@ class Trainer:
       self._restore(self.checkpointer.latest_step())
 
   # ------------------------------------------------------------------- set-up helpers
+  def _check_same_checkpoints(self) -> None:
+    """Every process must see the same latest checkpoint (a workdir they all share)."""
+    if jax.process_count() == 1:
+      return
+    mine = self.checkpointer.latest_step()
+    steps = np.asarray(multihost_utils.process_allgather(
+        np.array([-1 if mine is None else mine], np.int32))).reshape(-1).tolist()
+    if len(set(steps)) > 1:
+      raise RuntimeError(f"processes see different latest checkpoints in {self.workdir} "
+                         f"({steps} by process, -1 = none): the workdir must be one "
+                         "directory shared by all hosts")
+
   def _check_memory(self) -> None:
     """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
     capacity = self.config.mesh.device_memory_gb * 1e9
@@ -160,8 +174,9 @@ class Trainer:
     self.source.restore(host["data"])
     self.writer.truncate_after(step)
     self.next_step = step + 1
-    print(f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
-          "buffer)", flush=True)
+    if self.primary:
+      print(f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
+            "buffer)", flush=True)
 
   # ---------------------------------------------------------------------------- eval
   def _eval_items(self):
@@ -222,10 +237,11 @@ class Trainer:
         metrics = self.train_step(step)
         metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
         last = step == c.num_steps - 1
-        if c.eval_every and ((step + 1) % c.eval_every == 0 or last):
-          metrics.update(self.evaluate())
-        # Decided once per step, and by every process alike (SIGTERM may reach only one).
+        # Decided once per step, and by every process alike (SIGTERM may reach only one);
+        # a stopping run skips evaluation to save within the scheduler's grace period.
         stop = distributed.any_process(self._stop_requested)
+        if not stop and c.eval_every and ((step + 1) % c.eval_every == 0 or last):
+          metrics.update(self.evaluate())
         if stop or last or (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
           metrics["time/checkpoint_s"] = self.save(step)
         self.writer.write(step, metrics)

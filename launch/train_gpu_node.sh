@@ -13,8 +13,8 @@ if [[ $# -lt 2 ]]; then
   echo "usage: $0 CONFIG WORKDIR [--config.field=value ...]" >&2
   exit 2
 fi
+CONFIG=$(realpath "$1") WORKDIR=$(realpath -m "$2")  # relative to where you run this
+shift 2
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
-CONFIG=$1 WORKDIR=$2
-shift 2
 exec python -m april_jax.main --config="$CONFIG" --workdir="$WORKDIR" "$@"

@@ -22,6 +22,21 @@ def test_tiny_configs_are_valid(name):
   validate(load(name))
 
 
+def test_distributed_fields_are_checked():
+  from april_jax.distributed import parse_device_ids  # pylint: disable=g-import-not-at-top
+  assert parse_device_ids("0,1, 2") == [0, 1, 2] and parse_device_ids("") is None
+  config = load("tiny")
+  config.distributed.coordinator_address = "host0"
+  config.distributed.num_processes = 2
+  config.distributed.process_id = 2
+  config.distributed.local_device_ids = "0,x"
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  for message in ("coordinator_address must be host:port, got 'host0'",
+                  "process_id must be in [0, 2), got 2", "local_device_ids must be"):
+    assert message in str(info.value)
+
+
 def test_task_fields_are_checked():
   config = load("tiny")
   config.data.task.ring_size = 1

@@ -151,6 +151,26 @@ def test_batched_resume_of_many_partials_continues_each_exactly(params, mode):
     assert resumed[i].finish_reason == r.finish_reason
 
 
+def test_without_refill_decoding_runs_through_finishes_and_reports_completion_order(params):
+  config = EngineConfig(num_slots=2, max_len=64, sync_every=8)
+  make = lambda: _records(_prompts(2, [4, 4]), 6, temperature=1.0)
+  # With refill: back to the host at the first finish.
+  engine = SlotEngine(CFG, params, config)
+  early, late = make()
+  late.max_new_tokens, early.max_new_tokens = 6, 3
+  engine.add_group([late])   # slot 0 finishes last ...
+  engine.add_group([early])  # ... slot 1 first
+  assert engine.step(refill=True) == [early] and engine.decode_steps == 3
+  # Without: one window of sync_every steps holds both finishes, reported in their order.
+  engine = SlotEngine(CFG, params, config)
+  early, late = make()
+  late.max_new_tokens, early.max_new_tokens = 6, 3
+  engine.add_group([late])
+  engine.add_group([early])
+  assert engine.step(refill=False) == [early, late] and engine.decode_steps == 6
+  assert len(early.response) == 3 and len(late.response) == 6
+
+
 def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
   temperature = 0.7
   records = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48,

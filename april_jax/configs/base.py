@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)
   c.distributed.num_processes = 1
   c.distributed.process_id = 0
+  c.distributed.local_device_ids = ""     # "0,1,...,7": this process's GPUs ("" = JAX decides)
   c.distributed.heartbeat_timeout_s = 60  # a peer silent this long ends the run
   c.distributed.initialization_timeout_s = 300  # waiting for every process to join
 

@@ -103,6 +103,10 @@ def _checks_distributed(c, err: Callable[[str], None]) -> None:
       err(f"distributed.num_processes must be >= 1, got {d.num_processes}")
     elif not 0 <= d.process_id < d.num_processes:
       err(f"distributed.process_id must be in [0, {d.num_processes}), got {d.process_id}")
+  ids = d.local_device_ids.strip()
+  if ids and not all(x.strip().isdigit() for x in ids.split(",")):
+    err(f"distributed.local_device_ids must be comma-separated device numbers like "
+        f"'0,1,2,3', got {d.local_device_ids!r}")
   for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
     if d[name] < 1:
       err(f"distributed.{name} must be >= 1, got {d[name]}")

@@ -249,7 +249,15 @@ def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
 def save_pretrained(path: str | os.PathLike, cfg: qwen3.Qwen3Config, params: qwen3.Params,
                     max_shard_bytes: int = 2 << 30,
                     extra_config: dict[str, Any] | None = None) -> None:
-  """Writes config.json and safetensors (sharded past `max_shard_bytes`) for transformers."""
+  """Writes config.json and safetensors (sharded past `max_shard_bytes`) for transformers.
+
+  In a multi-host run every process calls it (params are gathered tensor by tensor, a
+  collective) and process 0 alone writes.
+  """
+  if jax.process_index() != 0:
+    for _ in _hf_tensors(cfg, params):
+      pass
+    return
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   dtype = str(params["embed"].dtype)

@@ -223,11 +223,14 @@ class AprilScheduler:
       if stop_now():
         break
       fill_slots()
+      if stop_now():  # filling can judge awaiting groups and complete the batch
+        break
       if engine.num_live == 0:
         break  # nothing live and nothing admissible: the prompts ran out
       newly_complete: dict[int, Group] = {}  # ordered, once per group
       # Free slots after filling mean nothing is waiting: decode on through finishes.
-      for record in engine.step(refill=engine.num_free == 0):
+      # (Under the DAPO filter a rejected group admits another, so keep the early exit.)
+      for record in engine.step(refill=engine.num_free == 0 or s.dynamic_sampling):
         group = self.buffer.get(record.meta["group"])
         in_slot.discard((group.group_id, record.meta["index"]))
         if group.complete:

@@ -274,11 +274,14 @@ class SlotEngine:
                                               np.int32(self.version), self._stop_ids,
                                               np.bool_(refill))
     done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))
+    grown = np.array(lengths) - self._lengths  # a live slot gains one token per step
     self._lengths = np.array(lengths)
     self.decode_steps += int(steps)
     self.tokens_generated += int(kept)
-    finished = [(slot, r) for slot, r in enumerate(self._owner)
-                if r is not None and done[slot]]
+    # In the order they finished (the step each finished at, then slot): with refill off
+    # several finish within one window, and callers rely on completion order.
+    finished = sorted(((slot, r) for slot, r in enumerate(self._owner)
+                       if r is not None and done[slot]), key=lambda x: (grown[x[0]], x[0]))
     self._read_back(finished, with_kv=False)
     for slot, record in finished:
       last = record.response[-1]
