@@ -66,16 +66,24 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def _host(x):
-  if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(jax.device_get(x))
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+def _local(x) -> bool:
+  return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
 
 
 def to_host(tree):
   """Numpy copies of a pytree of arrays. Arrays that span other processes' devices are
   gathered (a collective: every process must call this at the same point)."""
-  return jax.tree.map(_host, tree)
+  if all(_local(x) for x in jax.tree.leaves(tree)):
+    return jax.tree.map(np.asarray, jax.device_get(tree))  # one batched transfer
+  return jax.tree.map(
+      lambda x: np.asarray(jax.device_get(x) if _local(x)
+                           else multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
+def gather(values: np.ndarray) -> np.ndarray:
+  """Every process's `values` (same shape everywhere), stacked in process order
+  [processes, ...] (a collective)."""
+  return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
 
 
 def agree(values: np.ndarray) -> np.ndarray:
@@ -93,8 +101,7 @@ def any_process(flag: bool) -> bool:
   """True on every process when `flag` is True on at least one (a collective)."""
   if jax.process_count() == 1:
     return bool(flag)
-  flags = multihost_utils.process_allgather(np.array([flag], np.int32))
-  return bool(np.asarray(flags).any())
+  return bool(gather(np.array([flag], np.int32)).any())
 
 
 # What XLA's runtime says when a collective or the coordination service loses a peer.

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from jax.experimental import multihost_utils
 import numpy as np
 
+from april_jax.distributed import gather
 from april_jax.rollout.scheduler import PromptItem
 
 
@@ -42,12 +42,11 @@ def decode_item(data: bytes) -> PromptItem | None:
 
 def allgather_bytes(data: bytes) -> list[bytes]:
   """Every process's bytes, in process order (two all-gathers: lengths, then payloads)."""
-  lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
-  lengths = lengths.reshape(-1)
+  lengths = gather(np.array([len(data)], np.int32)).reshape(-1)
   # Payload sizes rounded up to a power of two: each new shape compiles a gather.
   padded = np.zeros(1 << int(max(int(lengths.max()), 1) - 1).bit_length(), np.uint8)
   padded[:len(data)] = np.frombuffer(data, np.uint8)
-  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+  rows = gather(padded).reshape(len(lengths), -1)
   return [rows[i, :n].tobytes() for i, n in enumerate(lengths)]
 
 

@@ -18,7 +18,6 @@ import time
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 
 from april_jax import data as data_lib
@@ -113,8 +112,8 @@ class Trainer:
     if jax.process_count() == 1:
       return
     mine = self.checkpointer.latest_step()
-    steps = np.asarray(multihost_utils.process_allgather(
-        np.array([-1 if mine is None else mine], np.int32))).reshape(-1).tolist()
+    steps = distributed.gather(np.array([-1 if mine is None else mine], np.int32))
+    steps = steps.reshape(-1).tolist()
     if len(set(steps)) > 1:
       raise RuntimeError(f"processes see different latest checkpoints in {self.workdir} "
                          f"({steps} by process, -1 = none): the workdir must be one "

@@ -235,15 +235,15 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
 
 def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
   """Yields (HF name, numpy array) one tensor at a time."""
-  host = to_host  # every process calls this when params span several
   for ours, (name, _, _, to_hf) in _top_table(cfg).items():
     if ours == "final_norm":
       continue
-    yield name, np.ascontiguousarray(to_hf(host(params[ours])))
+    yield name, np.ascontiguousarray(to_hf(to_host(params[ours])))
   for i in range(cfg.num_layers):
     for ours, (template, _, _, to_hf) in _layer_table(cfg).items():
-      yield template.format(i=i), np.ascontiguousarray(to_hf(host(params["layers"][ours][i])))
-  yield "model.norm.weight", host(params["final_norm"])
+      layer = to_host(params["layers"][ours][i])
+      yield template.format(i=i), np.ascontiguousarray(to_hf(layer))
+  yield "model.norm.weight", to_host(params["final_norm"])
 
 
 def save_pretrained(path: str | os.PathLike, cfg: qwen3.Qwen3Config, params: qwen3.Params,

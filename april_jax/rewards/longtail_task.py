@@ -15,6 +15,7 @@ the longer of the two lengths: exactly 1.0 for the right walk, partial credit be
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -25,6 +26,7 @@ RING = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
 MAX_RING_SIZE = 1024
 
 
+@functools.lru_cache(maxsize=8)
 def ring(size: int = len(RING)) -> str:
   """The ring's symbols: RING, then Latin-extended and later code points past 64."""
   if not 2 <= size <= MAX_RING_SIZE:

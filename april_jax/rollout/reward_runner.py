@@ -69,7 +69,8 @@ class RewardRunner:
     jobs = [_Job(group, i, self._decode(s.response.tolist()))
             for i, s in enumerate(group.samples)]
     self._jobs[group.group_id] = jobs
-    self._unagreed.append(group)
+    if self._agree is not None:
+      self._unagreed.append(group)
     for job in jobs:
       self._start(job)
 
@@ -145,11 +146,13 @@ class RewardRunner:
 
   def _settle_agreement(self, groups: list[Group]) -> None:
     """Replaces the rewards of these scored groups with the agreed ones (multi-host)."""
+    if self._agree is None:
+      return
     pending = {id(u) for u in self._unagreed}
     groups = [g for g in groups if id(g) in pending]
     settled = {id(g) for g in groups}
     self._unagreed = [u for u in self._unagreed if id(u) not in settled]
-    if self._agree is None or not groups:
+    if not groups:
       return
     agreed = self._agree(np.array([g.rewards for g in groups], np.float64))
     for group, rewards in zip(groups, agreed):

@@ -138,21 +138,31 @@ class SlotEngine:
     W = self.config.insert_width
     for i in range(0, len(slots), W):
       self._insert_chunk(kv, slots[i:i + W], records[i:i + W])
+    self._own(slots, records)
+
+  def _own(self, slots: list[int], records: list[SampleRecord]) -> None:
+    """The samples now live in these slots; their host KV copies are released."""
     for slot, record in zip(slots, records):
       record.drop_kv()
       self._owner[slot] = record
       self._lengths[slot] = record.length
 
+  @staticmethod
+  def _fill_row(record: SampleRecord, tokens: np.ndarray, logprobs: np.ndarray,
+                versions: np.ndarray) -> None:
+    """Writes a sample's tokens, behaviour logprobs and versions into [M] host rows."""
+    P = len(record.prompt)
+    tokens[:record.length] = np.concatenate([record.prompt, record.response])
+    logprobs[P:record.length] = record.logprobs
+    versions[P:record.length] = record.versions
+
   def _insert_chunk(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
     first = records[0]
     M = self.config.max_len
-    tokens = np.zeros(M, np.int32)
-    tokens[:first.length] = np.concatenate([first.prompt, first.response])
-    logprobs = np.zeros(M, np.float32)
+    tokens, logprobs = np.zeros(M, np.int32), np.zeros(M, np.float32)
     versions = np.full(M, -1, np.int32)
+    self._fill_row(first, tokens, logprobs, versions)
     P = len(first.prompt)
-    logprobs[P:first.length] = first.logprobs
-    versions[P:first.length] = first.versions
     pad = self.config.insert_width - len(slots)
     padded = lambda values, dtype, fill=0: np.asarray(list(values) + [fill] * pad, dtype)
     self.state = self.fns.insert(
@@ -179,8 +189,7 @@ class SlotEngine:
       P, used = len(r.prompt), r.length - 1
       slots[j] = slot
       k[:, j, :used], v[:, j, :used] = r.kv_k, r.kv_v
-      tokens[j, :r.length] = np.concatenate([r.prompt, r.response])
-      logprobs[j, P:r.length], versions[j, P:r.length] = r.logprobs, r.versions
+      self._fill_row(r, tokens[j], logprobs[j], versions[j])
       ints[:, j] = (r.length, P, P + r.max_new_tokens, r.top_k)
       floats[:, j] = (r.temperature, r.top_p)
       rng[j] = r.rng
@@ -209,10 +218,7 @@ class SlotEngine:
     for kv_len, pairs in by_bucket.items():
       for i in range(0, len(pairs), W):
         self.state = self.fns.insert_rows(self.state, *self._rows_args(pairs[i:i + W], kv_len))
-    for slot, r in zip(slots, with_kv):
-      r.drop_kv()
-      self._owner[slot] = r
-      self._lengths[slot] = r.length
+    self._own(slots, with_kv)
     slot_of = dict(zip(map(id, with_kv), slots))
     slot_of.update((id(r), self.add(r, mode)) for r in rest)
     return [slot_of[id(r)] for r in records]
