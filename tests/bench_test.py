@@ -3,6 +3,9 @@
 import importlib.util
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from april_jax.benchmarks import length_dists, scheduler_bench
 
 
@@ -87,3 +90,22 @@ def test_e2e_bench_trains_both_sides_and_reports_the_spread():
     assert out[f"{side}_rollout_ms_per_step_mean"] > 0 < out[f"{side}_train_ms_per_step_mean"]
   assert out["baseline_off_policy_token_frac_mean"] == 0.0
   assert len(out["april_wall_to_baseline_final_reward_s"]) == 1
+  # APRIL may run 1.5x the steps to be compared at the baseline's wall time.
+  assert out["april_max_steps"] == 6 and out["num_steps"] == 4
+  assert 1 <= out["april_steps_in_baseline_wall_mean"] <= 6
+
+
+def test_time_to_reach_uses_the_first_window_whose_mean_reaches_the_target():
+  from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
+  reward = np.linspace(0.0, 1.0, 30)  # step i: i / 29
+  wall = 0.5 * np.arange(1, 31)
+  # Window i covers steps i..i+9, mean (i + 4.5) / 29 >= 0.5 first at i = 10: step 19 ends.
+  assert e2e_bench.time_to_reach(reward, wall, 0.5) == pytest.approx(10.0)
+  # The same per-step curve on steps half as long gets there in half the time.
+  assert e2e_bench.time_to_reach(reward, wall / 2, 0.5) == pytest.approx(5.0)
+  assert np.isnan(e2e_bench.time_to_reach(reward, wall, 0.9))  # the best window: 0.845
+  assert np.isnan(e2e_bench.time_to_reach(reward[:5], wall[:5], 0.0))  # shorter than a window
+  # Evaluations: the first point at or above the target, at its own wall time.
+  assert e2e_bench.first_at(np.array([0.2, 0.5, 0.4, 0.6]), np.array([1.0, 2.0, 3.0, 4.0]),
+                            0.45) == 2.0
+  assert np.isnan(e2e_bench.first_at(np.array([0.2]), np.array([1.0]), 0.3))

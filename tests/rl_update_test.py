@@ -1,5 +1,6 @@
-"""The learner: same-version logprobs match the sampler, sharding and accumulation change
-nothing, a non-finite step is skipped, no reference params without KL."""
+"""The learner: same-version logprobs match the sampler, sharding, accumulation and
+length-sorted microbatches change nothing, a non-finite step is skipped, no reference params
+without KL."""
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,76 @@ def test_gradient_accumulation_equals_one_big_batch(params):
   assert m1["train/loss"] == pytest.approx(m2["train/loss"], abs=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), one.params,
                two.params)
+
+
+def _long_tail_batch(params, seed, T=48):
+  """A rollout batch padded to T, with its shortest row stretched to T: one long tail."""
+  batch = _rollout_batch(params, seed=seed)
+  lengths = batch_lib.row_lengths(batch["mask"])
+  assert lengths.max() <= 32
+  pad = lambda x: np.pad(x, ((0, 0), (0, T - x.shape[1])))
+  long = {k: pad(v) if v.ndim == 2 else v.copy() for k, v in batch.items()}
+  row = int(np.argmin(lengths))
+  start = int(lengths[row]) - 1  # the row's last response token, then the padding
+  long["tokens"][row, start:] = 5
+  long["targets"][row, start - 1:-1] = 5
+  long["mask"][row, start - 1:-1] = 1.0
+  long["behavior"][row, start - 1:-1] = -3.0
+  assert batch_lib.row_lengths(long["mask"])[row] == T
+  return long
+
+
+@pytest.mark.parametrize("minibatches,microbatches", [(1, 4), (2, 2)])
+def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches,
+                                                             microbatches):
+  batch = _long_tail_batch(params, seed=7)
+  pieces = batch_lib.microbatches(batch["mask"], 4, by_length=True)
+  assert sorted(T for _, T in pieces) == [32, 32, 32, 48]  # only the tail pays for 48
+  cfg = lambda by_length: _train_config(num_minibatches=minibatches,
+                                        num_microbatches=microbatches,
+                                        microbatch_by_length=by_length, ppo_epochs=2)
+  plain = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(False), TEMPERATURE, 4)
+  by_length = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(True), TEMPERATURE, 4)
+  mask = batch["mask"] > 0  # past a microbatch's cut there is nothing to score
+  np.testing.assert_allclose(by_length.logprobs(by_length.params, batch)[mask],
+                             plain.logprobs(plain.params, batch)[mask], atol=1e-5)
+  m_plain, m_sorted = plain.update(batch), by_length.update(batch)
+  assert m_sorted["train/updates"] == m_plain["train/updates"] == 2 * minibatches
+  for k in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm",
+            "train/ratio_mean", "train/tis_mean"):
+    assert m_sorted[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-6), k
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), plain.params,
+               by_length.params)
+
+
+def test_microbatch_plan_keeps_every_row_and_token():
+  rng = np.random.default_rng(0)
+  mask = np.zeros((12, 72), np.float32)
+  ends = rng.integers(3, 71, size=12)
+  for b, end in enumerate(ends):
+    mask[b, 2:end] = 1.0
+  mask[4] = 0.0  # a row with no response token
+  pieces = batch_lib.microbatches(mask, 3, by_length=True)
+  rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
+  assert sorted(rows) == list(range(12)) and all(r.shape == (1, 4) for r, _ in pieces)
+  for r, T in pieces:
+    assert T in batch_lib.all_bucket_lens(72)
+    assert not mask[r.reshape(-1), T:].any()  # nothing masked is cut off
+  lengths = [batch_lib.row_lengths(mask)[r].max() for r, _ in pieces]
+  assert lengths == sorted(lengths) and batch_lib.row_lengths(mask)[4] == 1
+  plain = batch_lib.microbatches(mask, 3, by_length=False)
+  assert len(plain) == 1 and plain[0][1] == 72 and plain[0][0].shape == (3, 4)
+
+
+def test_warm_up_compiles_every_length_sorted_microbatch_shape(params):
+  batch = _long_tail_batch(params, seed=8)
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(num_microbatches=4),
+                    TEMPERATURE, 2)
+  learner.warm_up(batch["tokens"].shape[0], batch_lib.all_bucket_lens(48))
+  compiled = (learner._grads._cache_size(), learner._logprobs._cache_size())
+  assert compiled[0] >= 2  # one per padded length
+  learner.update(batch)
+  assert (learner._grads._cache_size(), learner._logprobs._cache_size()) == compiled
 
 
 def test_non_finite_update_is_skipped_and_counted(params):

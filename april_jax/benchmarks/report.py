@@ -72,11 +72,14 @@ class Report:
     self._save(fig, name)
 
   def lines(self, name: str, series: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str,
-            ylabel: str) -> None:
+            ylabel: str, hline: tuple[str, float] | None = None) -> None:
+    """One line per series; `hline` (label, y) draws a dashed reference level."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, (x, y) in series.items():
       ax.plot(x, y, label=label)
+    if hline is not None:
+      ax.axhline(hline[1], color="gray", linestyle="--", linewidth=1, label=hline[0])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend()

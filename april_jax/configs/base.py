@@ -102,6 +102,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.max_grad_norm = 1.0
   c.train.num_minibatches = 1                # optimizer updates per RL step (per epoch)
   c.train.num_microbatches = 1               # gradient accumulation per update
+  c.train.microbatch_by_length = True        # rows sorted by length, each microbatch cut to
+                                             # its own padded length (needs microbatches > 1)
   c.train.ppo_epochs = 1
   c.train.logprob_chunk = 512                # sequence chunk for logits (memory bound)
   c.train.warm_up = False                    # compile the update for every length bucket

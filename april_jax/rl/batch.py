@@ -42,6 +42,31 @@ def all_bucket_lens(max_len: int, min_bucket: int = 32) -> list[int]:
     n = b + 1
 
 
+def row_lengths(mask_BxT: np.ndarray) -> np.ndarray:
+  """Tokens each row needs: through the target of its last masked position (1 if none)."""
+  mask_BxT = np.asarray(mask_BxT) > 0
+  T = mask_BxT.shape[1]
+  last = T - 1 - np.argmax(mask_BxT[:, ::-1], axis=1)
+  return np.where(mask_BxT.any(axis=1), last + 2, 1)
+
+
+def microbatches(mask_BxT: np.ndarray, parts: int, by_length: bool,
+                 min_bucket: int = 32) -> list[tuple[np.ndarray, int]]:
+  """How one minibatch [B, T] splits into `parts` microbatches: [(rows [m, B // parts], T')].
+
+  Plain: one entry, rows in order, every microbatch at the batch's T (one fused call).
+  By length: rows sorted by length, one entry per microbatch, each cut to the bucket of its
+  longest row, so short rows stop paying for the long tail's padding. Either way every row
+  is in exactly one microbatch and no response token is cut off.
+  """
+  B, T = np.shape(mask_BxT)
+  if not by_length or parts == 1:
+    return [(np.arange(B).reshape(parts, -1), T)]
+  lengths = row_lengths(mask_BxT)
+  order = np.argsort(lengths, kind="stable").reshape(parts, -1)
+  return [(rows[None], bucket_len(int(lengths[rows].max()), min_bucket, T)) for rows in order]
+
+
 def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.ndarray:
   """Rewards [G, n], with DAPO's overlong penalty (counted in tokens) when enabled."""
   rewards = np.array([g.rewards for g in groups], np.float32)

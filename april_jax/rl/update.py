@@ -4,8 +4,11 @@ One RL step's batch (rl/batch.py) goes through:
   1. old logprobs: the learner's logprobs under the params before this step's updates,
      in chunks over the sequence (never [B, T, vocab]) and in microbatches;
   2. ppo_epochs x num_minibatches optimizer updates, each the sum of num_microbatches
-     gradient evaluations (lax.scan), aggregated with the whole minibatch's token and
-     sequence counts so accumulation equals one big batch;
+     gradient evaluations, aggregated with the whole minibatch's token and sequence
+     counts so accumulation equals one big batch. With `train.microbatch_by_length`,
+     rows are sorted by length and each microbatch is cut to its own padded length (one
+     call per microbatch, so a long tail's padding is paid by its own rows only);
+     otherwise all microbatches share the batch's length and go through one lax.scan;
   3. a guard: a non-finite loss or gradient skips the update (params and optimizer state
      kept) and is counted.
 Params and optimizer state are donated and come back in the shardings they went in: the
@@ -26,6 +29,7 @@ import optax
 from april_jax import sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
+from april_jax.rl import batch as batch_lib
 from april_jax.rl import losses
 
 
@@ -65,11 +69,6 @@ def make_optimizer(train, total_updates: int) -> tuple[optax.GradientTransformat
   return optax.chain(*chain), schedule
 
 
-def _split(x: np.ndarray, parts: int) -> np.ndarray:
-  """[B, ...] -> [parts, B // parts, ...]."""
-  return x.reshape((parts, x.shape[0] // parts) + x.shape[1:])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
   model: qwen3.Qwen3Config
@@ -87,12 +86,13 @@ def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT):
   return jax.lax.map(fn, (tokens_MxbxT, targets_MxbxT))
 
 
-def _minibatch_update(static: _Static, optimizer, params, opt_state, mb: dict[str, Any]):
-  """One optimizer update from microbatches [M, b, T]; skipped if anything is non-finite."""
-  flat = lambda x: x.reshape((-1,) + x.shape[2:])
-  total_tokens, total_seqs = losses.batch_totals(
-      losses.effective_mask(static.loss, flat(mb["mask"]), flat(mb["stale"])))
+def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs, grads):
+  """grads plus the gradients of microbatches [M, b, T] (lax.scan); their loss and metrics.
 
+  total_tokens / total_seqs are the whole minibatch's (losses.batch_totals), so sums over
+  microbatches, and over several calls, equal one big batch's values. `grads` is the
+  running sum (zeros at first): one gradient buffer is carried through every call.
+  """
   def micro_loss(p, micro):
     logp, entropy = qwen3.token_logprobs(static.model, p, micro["tokens"], micro["targets"],
                                          chunk_size=static.chunk,
@@ -110,17 +110,40 @@ def _minibatch_update(static: _Static, optimizer, params, opt_state, mb: dict[st
     (loss, metrics), g = grad_fn(params, micro)
     return (jax.tree.map(jnp.add, grads, g), loss_sum + loss), metrics
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), metrics = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), mb)
+  (grads, loss), metrics = jax.lax.scan(accumulate, (grads, jnp.zeros(())), mb)
+  # Each microbatch's metrics are its share of the minibatch's: they add up.
+  return grads, loss, {k: jnp.sum(v) for k, v in metrics.items()}
+
+
+def _add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+def _zeros_like(tree):
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _apply(optimizer, params, opt_state, grads, loss, metrics):
+  """The optimizer update from summed gradients; skipped if anything is non-finite."""
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  # Each microbatch's metrics are its share of the minibatch's: they add up.
-  out = {k: jnp.sum(v) for k, v in metrics.items()}
-  out.update(loss=loss, grad_norm=grad_norm, finite=finite)
+  out = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
   return keep(new_params, params), keep(new_opt_state, opt_state), out
+
+
+def _totals(loss_cfg: losses.LossConfig, mask_BxT, stale_BxT):
+  return losses.batch_totals(losses.effective_mask(loss_cfg, mask_BxT, stale_BxT))
+
+
+def _minibatch_update(static: _Static, optimizer, params, opt_state, mb: dict[str, Any]):
+  """One optimizer update from microbatches [M, b, T] of one padded length."""
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])
+  totals = _totals(static.loss, flat(mb["mask"]), flat(mb["stale"]))
+  grads, loss, metrics = _grads(static, params, mb, *totals, _zeros_like(params))
+  return _apply(optimizer, params, opt_state, grads, loss, metrics)
 
 
 class Learner:
@@ -146,12 +169,20 @@ class Learner:
     self.ref_params = (jax.tree.map(jnp.copy, params) if train.kl_coef > 0 else None)
     self.updates = 0
     self.skipped_updates = 0
+    self.by_length = bool(train.microbatch_by_length)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
     self._logprobs = jax.jit(functools.partial(_logprobs, self.static))
     self._update = jax.jit(
         functools.partial(_minibatch_update, self.static, self.optimizer),
         donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, None))
+    # Microbatches of different lengths: gradients one at a time, then one update.
+    self._zeros = jax.jit(_zeros_like, out_shardings=param_sh)
+    self._grads = jax.jit(functools.partial(_grads, self.static), donate_argnums=4,
+                          out_shardings=(param_sh, None, None))
+    self._add = jax.jit(_add)  # losses and metrics of several calls
+    self._apply = jax.jit(functools.partial(_apply, self.optimizer), donate_argnums=(0, 1),
+                          out_shardings=(param_sh, opt_sh, None))
 
   def _put(self, x: np.ndarray):
     """Places [M, b, ...] arrays with b over the batch axes of the mesh."""
@@ -161,6 +192,22 @@ class Learner:
     spec = sharding.logical_to_spec(axes, x.shape, self.mesh, self.rules)
     return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
+  def _plan(self, batch: dict[str, np.ndarray]) -> list[list[tuple[np.ndarray, int]]]:
+    """Per minibatch, its microbatches as [(batch rows [m, b], padded length)]."""
+    t = self.train
+    B = batch["tokens"].shape[0]
+    if B % (t.num_minibatches * t.num_microbatches):
+      raise ValueError(f"batch of {B} samples does not split into train.num_minibatches="
+                       f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}")
+    return [[(rows[local], T) for local, T in batch_lib.microbatches(
+        batch["mask"][rows], t.num_microbatches, self.by_length)]
+            for rows in np.arange(B).reshape(t.num_minibatches, -1)]
+
+  def _piece(self, batch: dict[str, np.ndarray], rows: np.ndarray, T: int) -> dict:
+    """The rows [m, b] of every array, cut to length T, on the mesh."""
+    return {k: self._put(v[rows][..., :T] if v.ndim == 2 else v[rows])
+            for k, v in batch.items()}
+
   def warm_up(self, batch_size: int, lengths) -> None:
     """Compiles the update for each padded length, on copies (params are untouched).
 
@@ -169,7 +216,9 @@ class Learner:
     for T in lengths:
       zeros_i = np.zeros((batch_size, T), np.int32)
       zeros_f = np.zeros((batch_size, T), np.float32)
-      batch = {"tokens": zeros_i, "targets": zeros_i, "mask": zeros_f, "behavior": zeros_f,
+      mask = zeros_f.copy()
+      mask[:, T - 2] = 1.0  # every row full length: every microbatch compiles at T
+      batch = {"tokens": zeros_i, "targets": zeros_i, "mask": mask, "behavior": zeros_f,
                "stale": np.zeros((batch_size, T), bool),
                "advantages": np.zeros((batch_size,), np.float32)}
       saved = self.params, self.opt_state, self.updates, self.skipped_updates
@@ -180,33 +229,51 @@ class Learner:
       finally:
         self.params, self.opt_state, self.updates, self.skipped_updates = saved
 
-  def logprobs(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
-    M = self.train.num_microbatches * self.train.num_minibatches
-    logp, _ = self._logprobs(params, self._put(_split(batch["tokens"], M)),
-                             self._put(_split(batch["targets"], M)))
-    return to_host(logp).reshape(batch["tokens"].shape)
+  def logprobs(self, params, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
+    """Logprobs [B, T] of the targets under params (0 past a microbatch's cut). Needs the
+    batch's tokens, targets and mask (the mask decides the cuts), or a plan from _plan."""
+    pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
+    logps = [self._logprobs(params, self._put(batch["tokens"][rows][..., :T]),
+                            self._put(batch["targets"][rows][..., :T]))[0]
+             for rows, T in pieces]
+    out = np.zeros(batch["tokens"].shape, np.float32)
+    for (rows, T), logp in zip(pieces, to_host(logps)):
+      out[rows, :T] = logp
+    return out
+
+  def _minibatch(self, batch: dict[str, np.ndarray], pieces) -> dict:
+    """One optimizer update over one minibatch's microbatches; its metrics (device)."""
+    if len(pieces) == 1:  # one padded length: one fused call
+      rows, T = pieces[0]
+      self.params, self.opt_state, m = self._update(self.params, self.opt_state,
+                                                    self._piece(batch, rows, T))
+      return m
+    rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
+    totals = [np.float32(x) for x in losses.batch_totals(losses.effective_mask(
+        self.loss_cfg, batch["mask"][rows], batch["stale"][rows]))]
+    grads, acc = self._zeros(self.params), None
+    for rows, T in pieces:
+      grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals,
+                                         grads)
+      acc = (loss, metrics) if acc is None else self._add(acc, (loss, metrics))
+    self.params, self.opt_state, m = self._apply(self.params, self.opt_state, grads, *acc)
+    return m
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """All of one RL step's optimizer updates; returns train/* metrics."""
     t = self.train
-    B = batch["tokens"].shape[0]
-    if B % (t.num_minibatches * t.num_microbatches):
-      raise ValueError(f"batch of {B} samples does not split into train.num_minibatches="
-                       f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}")
-    old_logp = self.logprobs(self.params, batch)
+    plan = self._plan(batch)
+    old_logp = self.logprobs(self.params, batch, plan)
     batch = dict(batch, old_logp=old_logp)
     if self.ref_params is not None:
-      batch["ref_logp"] = self.logprobs(self.ref_params, batch)
+      batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
     same_version = (batch["mask"] > 0) & ~batch["stale"]
     diff = np.abs(batch["behavior"] - old_logp)[same_version]
     metrics: list[dict] = []
     for _ in range(t.ppo_epochs):
-      for mb_index in range(t.num_minibatches):
-        mb = {k: _split(v, t.num_minibatches)[mb_index] for k, v in batch.items()}
-        mb = {k: self._put(_split(v, t.num_microbatches)) for k, v in mb.items()}
+      for pieces in plan:
         lr = float(self.schedule(self.updates))
-        self.params, self.opt_state, m = self._update(self.params, self.opt_state, mb)
-        m = to_host(m)
+        m = to_host(self._minibatch(batch, pieces))
         if bool(m["finite"]):
           self.updates += 1
         else:
