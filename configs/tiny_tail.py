@@ -9,7 +9,9 @@ batch does on a GPU: a synchronous step then lasts as long as its longest answer
 32-symbol ring and a short warm-start (40 steps) leave RL a reward that climbs for the
 whole run (~0.25 to ~0.4), so "time to reach a reward" is not decided by noise alone.
 Length-sorted microbatches (train.microbatch_by_length) keep the tail's padding off the
-short rows in the update.
+short rows in the update. The baseline decodes with the same 64 slots (as on a GPU, where
+a step costs about the same with 32 or 64 in flight); see BENCHMARKS.md for what changes
+with 32 on a CPU.
 """
 
 import importlib.util
