@@ -76,6 +76,11 @@ def first_at(values: np.ndarray, wall: np.ndarray, target: float) -> float:
   return float(wall[hit[0]]) if len(hit) else float("nan")
 
 
+def _spread(out: dict, name: str, values: list[float]) -> None:
+  """out[name_mean], out[name_std] over seeds."""
+  out[f"{name}_mean"], out[f"{name}_std"] = float(np.mean(values)), float(np.std(values))
+
+
 def _summarize(all_metrics: list[dict], num_steps: int) -> dict:
   """One run's numbers at num_steps (equal steps), and its whole curves."""
   reward = np.array([m["rollout/reward_mean"] for m in all_metrics])
@@ -92,8 +97,8 @@ def _summarize(all_metrics: list[dict], num_steps: int) -> dict:
       "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
       "rollout_ms_per_step": 1e3 * mean("time/rollout_s"),
       "train_ms_per_step": 1e3 * mean("time/train_s"),
-      "reward": reward, "wall": wall, "eval_wall": wall[evals], "eval": np.array([all_metrics[i]["eval/reward_mean"]
-                                                  for i in evals])}
+      "reward": reward, "wall": wall, "eval_wall": wall[evals],
+      "eval": np.array([all_metrics[i]["eval/reward_mean"] for i in evals])}
 
 
 def run(config, seeds=(0, 1), report=None, **unused) -> dict:
@@ -117,8 +122,7 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
           "staleness_max", "rollout_ms_per_step", "train_ms_per_step")
   for side in SIDES:
     for k in keys:
-      values = [r[k] for r in runs[side]]
-      out[f"{side}_{k}_mean"], out[f"{side}_{k}_std"] = float(np.mean(values)), float(np.std(values))
+      _spread(out, f"{side}_{k}", [r[k] for r in runs[side]])
 
   # Same wall clock: APRIL once it has used the baseline's whole wall time (or, if it ran
   # all its steps sooner, at its last step: counted as capped).
@@ -131,8 +135,7 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
     done = a["eval_wall"] <= b["wall_s"]
     a["eval_at_baseline_wall"] = float(a["eval"][done][-1]) if done.any() else float("nan")
   for k in ("steps_in_baseline_wall", "reward_at_baseline_wall", "eval_at_baseline_wall"):
-    values = [a[k] for a in april]
-    out[f"april_{k}_mean"], out[f"april_{k}_std"] = float(np.mean(values)), float(np.std(values))
+    _spread(out, f"april_{k}", [a[k] for a in april])
   out["april_capped_seeds"] = int(sum(a["capped"] for a in april))
 
   # Time to reach the baseline's final reward: per seed, then on the seed-mean curves.

@@ -249,8 +249,8 @@ class Learner:
                                                     self._piece(batch, rows, T))
       return m
     rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
-    totals = [np.float32(x) for x in losses.batch_totals(losses.effective_mask(
-        self.loss_cfg, batch["mask"][rows], batch["stale"][rows]))]
+    totals = [np.float32(x) for x in _totals(self.loss_cfg, batch["mask"][rows],
+                                             batch["stale"][rows])]
     grads, acc = self._zeros(self.params), None
     for rows, T in pieces:
       grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals,
