@@ -23,7 +23,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from april_jax.configs.validate import ConfigError, validate
+from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
@@ -43,6 +43,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
   from april_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    validate_for_devices(_CONFIG.value, jax.device_count())
+  except ConfigError as e:
+    print(f"april_jax: {e}", file=sys.stderr)
+    sys.exit(2)
   from april_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
   logging.info("config:\n%s", _CONFIG.value)
   try:
@@ -56,7 +62,6 @@ def main(argv):
     if not distributed.is_collective_failure(e):
       raise
     import traceback  # pylint: disable=g-import-not-at-top
-    import jax  # pylint: disable=g-import-not-at-top
     traceback.print_exc()
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"april_jax: process {jax.process_index()} of {jax.process_count()}: a collective "

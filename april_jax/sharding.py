@@ -10,13 +10,27 @@ the devices left). Arrays name their dimensions with logical axes (`embed`, `hea
 
 A mesh axis is used once per array (later dims skip axes already taken), and a dim
 whose size does not divide by its mesh axes stays replicated (logged once), so one
-rule set serves every model size. The sampler and the learner use the same
-shardings for params: nothing is resharded between rollout and update.
+rule set serves every model size.
+
+Two rule sets, one mesh:
+  TRAIN_RULES   (the default) the learner's float32 master weights, FSDP x tensor:
+                weights' hidden dim over fsdp, heads / MLP / vocab over tensor;
+                activations' batch over data x fsdp.
+  DECODE_RULES  the sampler's 16-bit copy of the same weights, cast once per update:
+                tensor parallel over fsdp x tensor (heads, KV heads, MLP, vocab), hidden
+                dim whole, slots over data. A decode step then moves activations
+                (all-reduces of [slots, hidden]) instead of all-gathering the weights
+                as FSDP would at every token, and each device keeps the KV of its heads.
+Inside the model, `constrain(x, logical_axes)` pins activations to the rules of the
+program being traced (`activation_rules`), so XLA never guesses their layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
 from typing import Any, Sequence
 
 from absl import logging
@@ -41,7 +55,24 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("seq", None),
 )
 
+TRAIN_RULES = DEFAULT_RULES
+
+DECODE_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", "data"),
+    ("vocab", ("fsdp", "tensor")),
+    ("heads", ("fsdp", "tensor")),
+    ("kv_heads", ("fsdp", "tensor")),
+    ("mlp", ("fsdp", "tensor")),
+    ("embed", None),
+    ("layers", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("cache_seq", None),
+    ("seq", None),
+)
+
 _warned: set[tuple] = set()
+_active = threading.local()  # (mesh, rules) of the program being traced, or None
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -120,3 +151,38 @@ def init_params_sharded(cfg, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES,
   shardings = param_shardings(cfg, mesh, rules, dtype)
   init = jax.jit(lambda key: qwen3.init_params(cfg, key, dtype), out_shardings=shardings)
   return init(rng)
+
+
+# ------------------------------------------------------------ activation constraints
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh | None, rules=DEFAULT_RULES):
+  """Within this block, `constrain` pins activations to `rules` on `mesh`."""
+  previous = getattr(_active, "value", None)
+  _active.value = None if mesh is None else (mesh, tuple(rules))
+  try:
+    yield
+  finally:
+    _active.value = previous
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """x with a sharding constraint from the active rules; x itself when none is active."""
+  active = getattr(_active, "value", None)
+  if active is None:
+    return x
+  mesh, rules = active
+  spec = logical_to_spec(logical_axes, x.shape, mesh, rules)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def traced_under(fn, mesh: Mesh | None, rules=DEFAULT_RULES):
+  """fn, traced (by jit) with `activation_rules(mesh, rules)` active."""
+  if mesh is None:
+    return fn
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with activation_rules(mesh, rules):
+      return fn(*args, **kwargs)
+  return wrapped

@@ -13,6 +13,7 @@ with a fixed seed the continuation equals the uninterrupted run (timings aside).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 
@@ -55,16 +56,20 @@ class Trainer:
     c = config
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
+    self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
     self.task = None
-    self.model_cfg = (hf_io.load_config(c.model.path) if c.model.path
-                      else model_config_from_init(c.model.init))
+    self.model_cfg = dataclasses.replace(
+        hf_io.load_config(c.model.path) if c.model.path
+        else model_config_from_init(c.model.init),
+        attention=c.model.attention, attention_chunk=c.model.attention_chunk)
     self._check_memory()  # before any weight is allocated
+    # Master weights are float32 whatever the compute dtype (see rl/update.py).
     if c.model.path:
-      _, params = hf_io.load_pretrained(c.model.path, c.model.dtype, self.mesh, self.rules)
+      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
       self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     else:
       params = sharding.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
-                                            self.rules, c.model.dtype)
+                                            self.rules, "float32")
       self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
     if c.data.source == "longtail":
       # Walks fill at most the ring; a longer cap leaves room for responses that miss the stop.
@@ -82,11 +87,17 @@ class Trainer:
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
 
-    r = c.rollout
-    self.engine = SlotEngine(self.model_cfg, params, EngineConfig(
+    r, t = c.rollout, c.train
+    self.learner = Learner(self.model_cfg, params, t, r.temperature,
+                           total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
+                           mesh=self.mesh, rules=self.rules, remat=c.model.remat,
+                           compute_dtype=c.model.dtype, decode_rules=self.decode_rules)
+    del params  # the learner's masters are the params now
+    # One engine for the run, rollouts and evaluation alike (empty between steps).
+    self.engine = SlotEngine(self.model_cfg, self.learner.decode_params(), EngineConfig(
         num_slots=r.num_slots, max_len=c.data.max_prompt_len + r.max_response_len,
         sync_every=r.sync_every, stop_ids=tuple(self.tokenizer.stop_ids),
-        kv_dtype=c.model.kv_dtype), mesh=self.mesh, rules=self.rules)
+        kv_dtype=c.model.kv_dtype), mesh=self.mesh, rules=self.decode_rules)
     decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
     self.decode = decode
     self.reward_fn = get_reward(r.reward)
@@ -95,10 +106,6 @@ class Trainer:
                                 agree=distributed.agree if jax.process_count() > 1 else None)
     self.scheduler = AprilScheduler(self.engine, RolloutSettings.from_config(r), self.source,
                                     self.rewards, seed=c.seed)
-    t = c.train
-    self.learner = Learner(self.model_cfg, params, t, r.temperature,
-                           total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
-                           mesh=self.mesh, rules=self.rules, remat=c.model.remat)
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
@@ -165,7 +172,7 @@ class Trainer:
     self.learner.ref_params = state.get("ref_params")
     self.learner.updates = host["learner"]["updates"]
     self.learner.skipped_updates = host["learner"]["skipped_updates"]
-    self.engine.params = self.learner.params
+    self.engine.params = self.learner.decode_params()
     self.scheduler.buffer = PartialBuffer.from_state(buffer_state)
     self.scheduler.next_group_id = host["scheduler"]["next_group_id"]
     self.scheduler.totals.clear()
@@ -191,12 +198,11 @@ class Trainer:
     return [held_out() for _ in range(c.eval.num_prompts)]
 
   def evaluate(self) -> dict[str, float]:
+    """On the run's own engine (empty between steps) and its current params."""
     c = self.config
-    return evaluate(self.model_cfg, self.learner.params, self._eval_items(), self.decode,
-                    self.reward_fn, k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
-                    temperature=c.eval.temperature, num_slots=c.rollout.num_slots,
-                    eos_ids=self.tokenizer.stop_ids, seed=c.seed, mesh=self.mesh,
-                    max_len=c.data.max_prompt_len + c.rollout.max_response_len)
+    return evaluate(self.engine, self._eval_items(), self.decode, self.reward_fn,
+                    k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
+                    temperature=c.eval.temperature, seed=c.seed)
 
   # ---------------------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):
@@ -207,7 +213,6 @@ class Trainer:
   def train_step(self, step: int) -> dict[str, float]:
     c = self.config
     version = step
-    self.engine.params = self.learner.params
     result = self.scheduler.step(step, version)
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
@@ -216,7 +221,7 @@ class Trainer:
                                   max_len=c.data.max_prompt_len + c.rollout.max_response_len)
     metrics = rollout_metrics(result, version)
     metrics.update(self.learner.update(batch))
-    self.engine.params = self.learner.params  # version + 1, same arrays
+    self.engine.params = self.learner.decode_params()  # version + 1
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step, result.groups)
     return metrics

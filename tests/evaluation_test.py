@@ -6,6 +6,7 @@ import numpy as np
 from april_jax.evaluation import evaluate
 from april_jax.models import qwen3
 from april_jax.rollout import PromptItem
+from april_jax.sampler import EngineConfig, SlotEngine
 
 CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=16)
@@ -15,9 +16,11 @@ def _run(reward_fn, k=3):
   params = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
   items = [PromptItem(prompt_id=i, tokens=np.array([1 + i, 2 + i], np.int32), answer=str(i))
            for i in range(5)]
-  return evaluate(CFG, params, items, decode=lambda ids: " ".join(map(str, ids)),
-                  reward_fn=reward_fn, k=k, max_new_tokens=6, temperature=1.0, num_slots=4,
-                  eos_ids=(), seed=0)
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=16))
+  out = evaluate(engine, items, decode=lambda ids: " ".join(map(str, ids)),
+                 reward_fn=reward_fn, k=k, max_new_tokens=6, temperature=1.0, seed=0)
+  assert engine.num_live == 0  # the engine is left empty for the next rollout
+  return out
 
 
 def test_pass_at_1_and_avg_at_k_count_correct_responses():

@@ -31,7 +31,9 @@ def test_forward_matches_transformers_within_1e4(hf_model_dir):
   np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4)
 
 
-def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir):
+# block 24 does not divide the 64-entry cache: the last block starts early and masks.
+@pytest.mark.parametrize("block", [24, 1024])
+def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir, block):
   cfg, params = hf_io.load_pretrained(hf_model_dir)
   steps, cache_len = 16, 64
   lengths = np.array([5, 11, 8], np.int32)
@@ -47,12 +49,14 @@ def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir):
       np.abs(np.asarray(logits) - reference[rows, lengths - 1]).max(), 1e-4)
 
   pad = cache_len - kv.k.shape[2]
-  cache = qwen3.KVCache(*(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for a in kv))
-  step = jax.jit(qwen3.decode_step, static_argnums=0)
+  cache = qwen3.KVCache(*(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+                          .transpose(0, 1, 3, 2, 4) for a in kv))  # slot layout [L,B,K,S,H]
+  step = jax.jit(qwen3.decode_step, static_argnums=(0, 6))
   positions = lengths.copy()
   for _ in range(steps):
     tokens = full[rows, positions]
-    logits, cache = step(cfg, params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    logits, cache = step(cfg, params, jnp.asarray(tokens), jnp.asarray(positions), cache,
+                         None, block)
     np.testing.assert_array_less(
         np.abs(np.asarray(logits) - reference[rows, positions]).max(), 1e-4)
     positions = positions + 1

@@ -23,9 +23,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.path = ""              # HF folder (config.json + safetensors); "" = random init
   c.model.tokenizer_path = ""    # default: model.path
-  c.model.dtype = "float32"      # params: float32 | bfloat16
+  c.model.dtype = "float32"      # compute dtype: float32 | bfloat16 (master weights and
+                                 # AdamW moments are float32 either way)
   c.model.kv_dtype = "float32"
   c.model.remat = False          # rematerialise layers in the update
+  c.model.attention = "auto"     # auto | dense | blockwise | cudnn (models/attention.py)
+  c.model.attention_chunk = 512  # keys per block of blockwise attention
   c.model.init = ml_collections.ConfigDict(dict(
       vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0,
       num_kv_heads=0, head_dim=0, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -33,7 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)      # (data, fsdp, tensor); -1 takes the devices left
-  c.mesh.rules = sharding.DEFAULT_RULES
+  c.mesh.rules = sharding.TRAIN_RULES          # the learner: FSDP x tensor
+  c.mesh.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
   c.mesh.device_memory_gb = 0.0  # memory per device for the start-up plan; 0 = ask the device
 
   c.distributed = ml_collections.ConfigDict()  # one process per host (april_jax/distributed.py)

@@ -47,6 +47,11 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
     err(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
   if m.kv_dtype not in DTYPES:
     err(f"model.kv_dtype must be one of {DTYPES}, got {m.kv_dtype!r}")
+  from april_jax.models import attention  # pylint: disable=g-import-not-at-top
+  if m.attention not in attention.IMPLEMENTATIONS:
+    err(f"model.attention must be one of {attention.IMPLEMENTATIONS}, got {m.attention!r}")
+  if m.attention_chunk < 1:
+    err(f"model.attention_chunk must be >= 1, got {m.attention_chunk}")
   if m.path:
     if not (Path(m.path) / "config.json").is_file():
       err(f"model.path {m.path!r} is not a model folder (no config.json there)")
@@ -141,6 +146,37 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
 
 CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_distributed,
                           _checks_train]
+
+
+def batch_shards(config, num_devices: int) -> int:
+  """Devices a training microbatch's rows are split over (the mesh axes of `batch`)."""
+  from april_jax import sharding  # pylint: disable=g-import-not-at-top
+  shape = dict(zip(sharding.MESH_AXES,
+                   sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)))
+  axes = dict(tuple(r) for r in config.mesh.rules).get("batch") or ()
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  out = 1
+  for axis in axes:
+    out *= shape[axis]
+  return out
+
+
+def validate_for_devices(config, num_devices: int) -> None:
+  """The checks that need the device count: the mesh, and microbatches that split evenly
+  over the devices holding the batch (else each would hold every row)."""
+  try:
+    shards = batch_shards(config, num_devices)
+  except ValueError as e:
+    raise ConfigError(f"invalid config:\n  mesh.shape: {e}") from None
+  r, t = config.rollout, config.train
+  rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
+  if rows % shards:
+    raise ConfigError(
+        f"invalid config:\n  a training microbatch has {rows} rows (rollout.batch_size "
+        f"{r.batch_size} x n_samples_per_prompt {r.n_samples_per_prompt} / "
+        f"(train.num_minibatches {t.num_minibatches} x train.num_microbatches "
+        f"{t.num_microbatches})), which must be a multiple of the {shards} devices the "
+        f"batch is split over (mesh {tuple(config.mesh.shape)} on {num_devices} devices)")
 
 
 def validate(config) -> None:

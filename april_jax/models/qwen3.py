@@ -17,7 +17,12 @@ Shapes: B batch, T query length, S key length, D hidden, N query heads, K kv hea
 H head_dim (independent of D / N), G = N // K, F intermediate, V vocab.
 
 Numerics follow transformers' Qwen3ForCausalLM: RMSNorm in float32, RoPE on the
-rotate-half layout, attention scores, softmax and logits in float32.
+rotate-half layout, attention scores, softmax and logits in float32. The compute dtype
+is the params' dtype (the learner casts its float32 masters; the sampler holds a cast
+copy). Attention over whole sequences is selected by `Qwen3Config.attention`
+(models/attention.py): never a T x T score matrix unless "dense" is asked for.
+Activations are pinned with `sharding.constrain` to the rules of the program being
+traced (a no-op outside a mesh).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from april_jax import sharding
+from april_jax.models import attention as attention_lib
 
 Params = dict[str, Any]
 
@@ -47,6 +55,8 @@ class Qwen3Config:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 40960
+  attention: str = "auto"      # whole-sequence attention: auto | dense | blockwise | cudnn
+  attention_chunk: int = 512   # keys per block for blockwise attention
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -55,6 +65,11 @@ class Qwen3Config:
           f"({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f"attention must be one of {attention_lib.IMPLEMENTATIONS}, got "
+                       f"{self.attention!r}")
+    if self.attention_chunk < 1:
+      raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
 
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
@@ -65,7 +80,8 @@ class Qwen3Config:
 
 
 class KVCache(NamedTuple):
-  """Keys and values for every layer: k, v [L, B, S, K, H]."""
+  """Keys and values for every layer. A slot cache: k, v [L, B, K, S, H] (KV head before
+  position: decode's matmuls need no transpose). Prefill returns [L, B, T, K, H]."""
   k: jax.Array
   v: jax.Array
 
@@ -111,7 +127,8 @@ def param_logical_axes(cfg: Qwen3Config) -> Params:
   return axes
 
 
-KV_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+KV_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+_X = ("batch", "seq", "act_embed")  # activations [B, T, D]
 
 
 # ------------------------------------------------------------------------ building blocks
@@ -134,38 +151,6 @@ def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> 
   return x_BxTxNxH * cos + rotated * sin
 
 
-def _attention_scores(q_BxTxNxH, k_BxSxKxH, num_kv_heads: int):
-  B, T, N, H = q_BxTxNxH.shape
-  q = q_BxTxNxH.reshape(B, T, num_kv_heads, N // num_kv_heads, H)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH,
-                      preferred_element_type=jnp.float32)
-  return scores * (H ** -0.5)  # [B, K, G, T, S]
-
-
-def _decode_scores(q_Bx1xNxH, k_BxSxKxH, num_kv_heads: int):
-  """`_attention_scores` for one query token, as a fused multiply-reduce.
-
-  Same values; avoids the transpose of the whole cache that a batched matmul over
-  (b, k) needs with the [B, S, K, H] cache layout (measured 3x faster on CPU).
-  """
-  B, _, N, H = q_Bx1xNxH.shape
-  q_BxKxGxH = q_Bx1xNxH.reshape(B, num_kv_heads, N // num_kv_heads, H).astype(jnp.float32)
-  prod = q_BxKxGxH[:, None] * k_BxSxKxH.astype(jnp.float32)[:, :, :, None, :]
-  scores_BxSxKxG = jnp.sum(prod, axis=-1) * (H ** -0.5)
-  return scores_BxSxKxG.transpose(0, 2, 3, 1)[:, :, :, None, :]
-
-
-def _attention_output(probs_BxKxGxTxS, v_BxSxKxH):
-  B, K, G, T, _ = probs_BxKxGxTxS.shape
-  out = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH)
-  return out.reshape(B, T, K * G, -1)
-
-
-def _masked_softmax(scores, mask):
-  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(scores, axis=-1)
-
-
 def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
   h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
   q = jnp.einsum("btd,dnh->btnh", h, lp["q"])
@@ -173,24 +158,27 @@ def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
   v = jnp.einsum("btd,dkh->btkh", h, lp["v"])
   q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
   k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
-  return q, k, v
+  heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+  return (sharding.constrain(q, heads), sharding.constrain(k, kv_heads),
+          sharding.constrain(v, kv_heads))
 
 
 def _attn_out_and_mlp(cfg: Qwen3Config, lp: Params, x_BxTxD, attn_BxTxNxH):
   x = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn_BxTxNxH, lp["o"])
+  x = sharding.constrain(x, _X)
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("btd,df->btf", h, lp["gate"])
   up = jnp.einsum("btd,df->btf", h, lp["up"])
-  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"])
+  hidden_BxTxF = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+  return sharding.constrain(x + jnp.einsum("btf,fd->btd", hidden_BxTxF, lp["down"]), _X)
 
 
 def _causal_layer(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
   """One decoder layer over a whole sequence; also returns its k, v for a cache."""
   q, k, v = _qkv(cfg, lp, x_BxTxD, positions_BxT)
-  T = x_BxTxD.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-  probs = _masked_softmax(_attention_scores(q, k, cfg.num_kv_heads), causal_TxT)
-  return _attn_out_and_mlp(cfg, lp, x_BxTxD, _attention_output(probs, v)), (k, v)
+  attn = attention_lib.causal_attention(q, k, v, cfg.attention, cfg.attention_chunk)
+  attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
+  return _attn_out_and_mlp(cfg, lp, x_BxTxD, attn), (k, v)
 
 
 def _head_weight_DxV(cfg: Qwen3Config, params: Params) -> jax.Array:
@@ -199,8 +187,9 @@ def _head_weight_DxV(cfg: Qwen3Config, params: Params) -> jax.Array:
 
 def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
   """The output head, in float32."""
-  return jnp.einsum("btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params),
-                    preferred_element_type=jnp.float32)
+  logits = jnp.einsum("btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params),
+                      preferred_element_type=jnp.float32)
+  return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
 
 # ------------------------------------------------------------------------- the four uses
@@ -210,7 +199,7 @@ def hidden_states(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
   """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H])."""
   B, T = tokens_BxT.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x = params["embed"][tokens_BxT]
+  x = sharding.constrain(params["embed"][tokens_BxT], _X)
 
   def body(x, lp):
     x, kv = _causal_layer(cfg, lp, x, positions_BxT)
@@ -243,40 +232,51 @@ def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
 
 
 def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
-                positions_B: jax.Array, cache: KVCache,
-                window: int | None = None) -> tuple[jax.Array, KVCache]:
+                positions_B: jax.Array, cache: KVCache, live_B: jax.Array | None = None,
+                block: int = 1024) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
-  Row b attends to cache entries 0..positions_B[b]-1 and to itself; its k, v are
-  written at index positions_B[b] after all layers ran (one scatter, in place when
-  the cache is donated). With a static `window`, attention reads only the first
-  `window` cache entries; the caller guarantees every position is below it.
+  cache: k, v [L, B, K, S, H]. Row b attends to cache entries 0..positions_B[b]-1 and
+  to itself (rows not in live_B attend to nothing past themselves); the cache is read
+  in blocks up to the longest row (attention.decode_attention), never copied. Each
+  row's k, v are written at index positions_B[b] after all layers ran (one batched
+  update, in place when the cache is donated). The caller keeps positions below S.
   """
-  B = tokens_B.shape[0]
-  S = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
-  x = params["embed"][tokens_B][:, None, :]  # [B, 1, D]
+  x = sharding.constrain(params["embed"][tokens_B][:, None, :], _X)  # [B, 1, D]
   pos_Bx1 = positions_B[:, None]
-  past_BxS = jnp.arange(S, dtype=jnp.int32)[None, :] < pos_Bx1
+  past_B = positions_B if live_B is None else jnp.where(live_B, positions_B, 0)
 
   def body(x, layer):
-    lp, k_cache_BxSxKxH, v_cache_BxSxKxH = layer
+    lp, index = layer
     q, k, v = _qkv(cfg, lp, x, pos_Bx1)
-    scores_past = _decode_scores(q, k_cache_BxSxKxH, cfg.num_kv_heads)  # [B,K,G,1,S]
-    scores_self = _attention_scores(q, k, cfg.num_kv_heads)  # [B,K,G,1,1]
-    scores = jnp.concatenate([scores_past, scores_self], axis=-1)
-    mask = jnp.concatenate([past_BxS, jnp.ones((B, 1), bool)], axis=-1)
-    probs = _masked_softmax(scores, mask[:, None, None, None, :])
-    attn = (_attention_output(probs[..., :S], v_cache_BxSxKxH)
-            + _attention_output(probs[..., S:], v))
+    B, _, N, H = q.shape
+    q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
+    attn = attention_lib.decode_attention(q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v,
+                                          index, past_B, block)
+    attn = sharding.constrain(attn.reshape(B, 1, N, H), ("batch", "seq", "heads", "head_dim"))
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
+  L = cache.k.shape[0]
   x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
-      body, x, (params["layers"], cache.k[:, :, :S], cache.v[:, :, :S]))
-  rows = jnp.arange(B)
-  cache = KVCache(cache.k.at[:, rows, positions_B].set(k_new_LxBxKxH),
-                  cache.v.at[:, rows, positions_B].set(v_new_LxBxKxH))
+      body, x, (params["layers"], jnp.arange(L)))
+  cache = KVCache(write_positions(cache.k, k_new_LxBxKxH, positions_B),
+                  write_positions(cache.v, v_new_LxBxKxH, positions_B))
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, params, h)[:, 0], cache
+
+
+def write_positions(cache_LxBxKxSxH: jax.Array, new_LxBxKxH: jax.Array,
+                    positions_B: jax.Array) -> jax.Array:
+  """cache with row b's new entry written at position positions_B[b], every layer.
+
+  A per-row update (vmapped dynamic_update_slice: a scatter whose batch dimension is
+  the row), so a row-sharded cache is written where it lies, nothing gathered.
+  """
+  def one_row(c_LxKxSxH, n_LxKxH, p):
+    return jax.lax.dynamic_update_slice_in_dim(
+        c_LxKxSxH, n_LxKxH[:, :, None].astype(c_LxKxSxH.dtype), p, axis=2)
+  return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(cache_LxBxKxSxH, new_LxBxKxH,
+                                                           positions_B)
 
 
 def token_logprobs(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
@@ -297,12 +297,10 @@ def token_logprobs(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
   num_chunks = (T + pad) // chunk
   h_CxBxTcxD = h.reshape(B, num_chunks, chunk, D).transpose(1, 0, 2, 3)
   t_CxBxTc = targets.reshape(B, num_chunks, chunk).transpose(1, 0, 2)
-  head_DxV = _head_weight_DxV(cfg, params)
 
   @jax.checkpoint
   def one_chunk(h_BxTcxD, t_BxTc):
-    logits = jnp.einsum("btd,dv->btv", h_BxTcxD, head_DxV,
-                        preferred_element_type=jnp.float32) / temperature
+    logits = logits_from_hidden(cfg, params, h_BxTcxD) / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, t_BxTc[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)

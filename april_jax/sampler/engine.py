@@ -40,10 +40,11 @@ class EngineConfig:
   kv_dtype: str = "float32"
   insert_width: int = 8            # slots filled per insert call (fixed: one compile)
   snapshot_width: int = 4          # slots whose KV is copied out per device call
+  decode_block: int = 1024         # cache entries per block of decode attention
 
   def __post_init__(self):
     for name in ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width",
-                 "snapshot_width"):
+                 "snapshot_width", "decode_block"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -61,10 +62,10 @@ class SlotEngine:
   """A static array of decode slots over one set of (sharded) params."""
 
   def __init__(self, cfg: qwen3.Qwen3Config, params, config: EngineConfig, mesh=None,
-               rules=sharding.DEFAULT_RULES, version: int = 0):
+               rules=sharding.DECODE_RULES, version: int = 0):
     self.cfg, self.params, self.config, self.version = cfg, params, config, version
     self.fns = slot_ops.device_fns(cfg, config.num_slots, config.max_len, config.sync_every,
-                                   config.kv_dtype, mesh, tuple(rules))
+                                   config.kv_dtype, mesh, tuple(rules), config.decode_block)
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._buckets = buckets(config.min_bucket, config.max_len)
@@ -109,9 +110,9 @@ class SlotEngine:
                         f"top_k={record.top_k} top_p={record.top_p}")
 
   def warm_up(self) -> int:
-    """Compiles every program a run can use: per length bucket, prefill, insert, KV
-    extract and a decode window. Runs on the engine's own state, as no-ops (no memory
-    for a second state), so the engine must be empty. Returns the number of buckets."""
+    """Compiles every program a run can use: per length bucket, prefill, insert and KV
+    extract; then decode. Runs on the engine's own state, as no-ops (no memory for a
+    second state), so the engine must be empty. Returns the number of buckets."""
     if self.num_live:
       raise RuntimeError("warm_up needs an empty engine")
     W, M = self.config.insert_width, self.config.max_len
@@ -126,8 +127,8 @@ class SlotEngine:
       jax.block_until_ready(self.fns.extract_kv(
           self.state, np.full(self.config.snapshot_width, -1, np.int32), b))
       self.state = self.fns.insert_rows(self.state, *self._rows_args([], b))
-      self.state, _, _ = self.fns.decode(b, self.params, self.state, np.int32(self.version),
-                                         self._stop_ids, np.bool_(True))
+    self.state, _, _ = self.fns.decode(self.params, self.state, np.int32(self.version),
+                                       self._stop_ids, np.bool_(True))
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
     return len(self._buckets)
@@ -273,10 +274,7 @@ class SlotEngine:
     so the slot is refilled at once; without it, the sync_every steps run unless every
     slot finishes, saving host round trips when nothing could use a freed slot.
     """
-    owned = [s for s, r in enumerate(self._owner) if r is not None]
-    longest = int(self._lengths[owned].max()) if owned else 0
-    window = self.bucket(max(min(longest + self.config.sync_every, self.config.max_len), 1))
-    self.state, steps, kept = self.fns.decode(window, self.params, self.state,
+    self.state, steps, kept = self.fns.decode(self.params, self.state,
                                               np.int32(self.version), self._stop_ids,
                                               np.bool_(refill))
     done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))

@@ -34,7 +34,7 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
              max_new_tokens: int = 64, num_slots: int = 8, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
              seed: int = 0, sync_every: int = 16, max_len: int | None = None, mesh=None,
-             rules=sharding.DEFAULT_RULES, return_records: bool = False,
+             rules=sharding.DECODE_RULES, return_records: bool = False,
              on_invalid: str = "raise", kv_dtype: str = "float32"):
   """Generates a response for every prompt; returns them in prompt order.
 
@@ -45,8 +45,6 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
   with on_invalid="skip" it is rejected instead: an empty response, finish_reason
   "rejected" and the reason in meta["error"].
   """
-  if on_invalid not in ("raise", "skip"):
-    raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
   if not prompts:
     return []
   longest = max(len(p) for p in prompts)
@@ -54,6 +52,21 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
   config = EngineConfig(num_slots=num_slots, max_len=max_len, sync_every=sync_every,
                         stop_ids=tuple(int(e) for e in eos_ids), kv_dtype=kv_dtype)
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
+  return generate_on(engine, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, seed=seed, return_records=return_records,
+                     on_invalid=on_invalid)
+
+
+def generate_on(engine: SlotEngine, prompts: Sequence[Sequence[int]], *,
+                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, seed: int = 0, return_records: bool = False,
+                on_invalid: str = "raise"):
+  """`generate` on an existing, empty engine (its params, slots and stop tokens): the
+  trainer evaluates on the run's own engine instead of allocating a second KV cache."""
+  if on_invalid not in ("raise", "skip"):
+    raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
+  if engine.num_live:
+    raise RuntimeError("generate_on needs an empty engine")
   keys = sample_keys(seed, len(prompts))
   queue = collections.deque()
   results: list[SampleRecord | None] = [None] * len(prompts)

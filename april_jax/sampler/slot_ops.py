@@ -3,15 +3,19 @@
   prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, T, K, H]
   insert(state, kv, slots[W], rows...)      -> state with one sequence copied into slots
   insert_rows(state, kv, slots[W], rows...) -> state with W sequences (own KV) put back
-  decode(window, params, state, version, stop_ids, leave_on_finish)
+  decode(params, state, version, stop_ids, leave_on_finish)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
   extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
   mark_done(state, mask)                    -> state with those slots stopped
 
-`DeviceFns` jits them once per (model config, slot shapes, mesh): T is bucketed by
-the caller, so steady state compiles nothing new. The state is donated everywhere
-and, on a mesh, pinned to its shardings on the way out.
+A sequence's KV travels as [L, T, K, H] (prefill's output, the host buffer's format);
+the slot cache is [L, S, K, M, H]. Writes into and reads out of the cache run per device
+on its own slots (`shard_map` with local slot indices): a slot index is traced, and a
+dynamic slice at a traced index along a sharded axis would make XLA gather the whole
+cache onto every device. `DeviceFns` jits them once per (model config, slot shapes,
+mesh): T is bucketed by the caller, so steady state compiles nothing new. The state is
+donated everywhere and, on a mesh, pinned to its shardings on the way out.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
 from april_jax.models import qwen3
 from april_jax.sampler.sampling import sample_tokens
-from april_jax.sampler.state import SlotState, state_logical_axes
+from april_jax.sampler.state import SlotState, init_state, state_logical_axes
 
 
 def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.KVCache:
@@ -35,31 +40,72 @@ def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.K
   return qwen3.KVCache(kv.k[:, 0], kv.v[:, 0])
 
 
-def _put_slots(state: SlotState, slots_W: jax.Array, kv_of, **rows_W) -> SlotState:
-  """Writes W slots: kv_of(i) gives slot i's (k, v) [L, 1, T, K, H], copied in place with
-  dynamic_update_slice (no [L, W, ...] scatter); rows_W gives [W, ...] per state field.
+@dataclasses.dataclass(frozen=True)
+class _CacheLayout:
+  """Where the slot cache lies: the mesh, and the mesh axes of its slot and KV-head dims."""
+  mesh: Any = None
+  slot_axes: Any = None   # PartitionSpec entry of the slot dim (None: whole on each device)
+  head_axes: Any = None   # PartitionSpec entry of the KV-head dim
+
+  def local(self, fn, in_specs, out_specs):
+    """fn run per device on local blocks (itself when there is no mesh)."""
+    if self.mesh is None:
+      return fn
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def first_local_slot(self, local_slots: int):
+    if self.mesh is None or self.slot_axes is None:
+      return 0
+    return jax.lax.axis_index(self.slot_axes) * local_slots
+
+
+def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
+              slots_W: jax.Array, per_row: bool) -> qwen3.KVCache:
+  """Copies sequences' KV ([L, T, K, H], or [L, W, T, K, H] with per_row) into the slots
+  slots_W (entries < 0 are padding), positions < T, each device into its own slots."""
+  def local(ck, cv, nk, nv, slots):
+    S_local = ck.shape[1]
+    first = layout.first_local_slot(S_local)
+
+    def put(i, caches):
+      at = slots[i] - first
+      ok = (slots[i] >= 0) & (at >= 0) & (at < S_local)
+      at = jnp.clip(at, 0, S_local - 1)
+      out = []
+      for c, n in zip(caches, (nk, nv)):
+        seq_LxTxKxH = jax.lax.dynamic_index_in_dim(n, i, 1, keepdims=False) if per_row else n
+        new = seq_LxTxKxH.transpose(0, 2, 1, 3)[:, None].astype(c.dtype)  # [L, 1, K, T, H]
+        start = (0, at, 0, 0, 0)
+        old = jax.lax.dynamic_slice(c, start, new.shape)
+        out.append(jax.lax.dynamic_update_slice(c, jnp.where(ok, new, old), start))
+      return tuple(out)
+
+    return jax.lax.fori_loop(0, slots.shape[0], put, (ck, cv))
+
+  P = PartitionSpec
+  cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
+  new_spec = (P(None, None, None, layout.head_axes, None) if per_row
+              else P(None, None, layout.head_axes, None))
+  fn = layout.local(local, (cache_spec, cache_spec, new_spec, new_spec, P()),
+                    (cache_spec, cache_spec))
+  return qwen3.KVCache(*fn(cache.k, cache.v, kv.k, kv.v, slots_W))
+
+
+def _put_slots(layout: _CacheLayout, state: SlotState, slots_W: jax.Array,
+               kv: qwen3.KVCache, per_row: bool, **rows_W) -> SlotState:
+  """Writes W slots: their KV (see _write_kv) and rows_W, [W, ...] per state field.
   Entries of slots_W < 0 are padding and change nothing. The slots start undone."""
   S = state.tokens.shape[0]
-  valid_W = slots_W >= 0
-  rows = jnp.where(valid_W, slots_W, S)  # out of range: dropped by the scatters below
-
-  def put_kv(i, caches):
-    slot = jnp.maximum(slots_W[i], 0)
-    out = []
-    for cache, new in zip(caches, kv_of(i)):
-      new = new.astype(cache.dtype)
-      old = jax.lax.dynamic_slice(cache, (0, slot, 0, 0, 0), new.shape)
-      out.append(jax.lax.dynamic_update_slice(cache, jnp.where(valid_W[i], new, old),
-                                              (0, slot, 0, 0, 0)))
-    return tuple(out)
-
-  k, v = jax.lax.fori_loop(0, slots_W.shape[0], put_kv, (state.kv.k, state.kv.v))
+  rows = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
   put = lambda a, v: a.at[rows].set(v, mode="drop")
   fields = {name: put(getattr(state, name), value) for name, value in rows_W.items()}
-  return state.replace(kv=qwen3.KVCache(k, v), done=put(state.done, False), **fields)
+  return state.replace(kv=_write_kv(layout, state.kv, kv, slots_W, per_row),
+                       done=put(state.done, False), **fields)
 
 
-def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_W: jax.Array,
+def insert(layout: _CacheLayout, state: SlotState, kv_LxTxKxH: qwen3.KVCache,
+           slots_W: jax.Array,
            tokens_M: jax.Array, logprobs_M: jax.Array, versions_M: jax.Array,
            length: jax.Array, prompt_len: jax.Array, limit_W: jax.Array,
            temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
@@ -72,13 +118,13 @@ def insert(state: SlotState, kv_LxTxKxH: qwen3.KVCache, slots_W: jax.Array,
   W = slots_W.shape[0]
   row = lambda a: jnp.broadcast_to(a, (W,) + a.shape)
   return _put_slots(
-      state, slots_W, lambda i: tuple(x[:, None] for x in kv_LxTxKxH),
-      tokens=row(tokens_M), logprobs=row(logprobs_M), versions=row(versions_M),
-      length=row(length), prompt_len=row(prompt_len), limit=limit_W,
+      layout, state, slots_W, kv_LxTxKxH, False, tokens=row(tokens_M),
+      logprobs=row(logprobs_M), versions=row(versions_M), length=row(length), prompt_len=row(prompt_len), limit=limit_W,
       temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
-def insert_rows(state: SlotState, kv_LxWxTxKxH: qwen3.KVCache, slots_W: jax.Array,
+def insert_rows(layout: _CacheLayout, state: SlotState, kv_LxWxTxKxH: qwen3.KVCache,
+                slots_W: jax.Array,
                 tokens_WxM: jax.Array, logprobs_WxM: jax.Array, versions_WxM: jax.Array,
                 length_W: jax.Array, prompt_len_W: jax.Array, limit_W: jax.Array,
                 temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
@@ -88,22 +134,21 @@ def insert_rows(state: SlotState, kv_LxWxTxKxH: qwen3.KVCache, slots_W: jax.Arra
   The batched path for resuming held samples: one call (and one host-to-device copy)
   per W samples. Entries of slots_W < 0 are padding and change nothing.
   """
-  kv_of = lambda i: tuple(jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1) for x in kv_LxWxTxKxH)
   return _put_slots(
-      state, slots_W, kv_of, tokens=tokens_WxM, logprobs=logprobs_WxM,
+      layout, state, slots_W, kv_LxWxTxKxH, True, tokens=tokens_WxM, logprobs=logprobs_WxM,
       versions=versions_WxM, length=length_W, prompt_len=prompt_len_W, limit=limit_W,
       temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
-def decode(cfg: qwen3.Qwen3Config, sync_every: int, window: int, params, state: SlotState,
+def decode(cfg: qwen3.Qwen3Config, sync_every: int, block: int, params, state: SlotState,
            version: jax.Array, stop_ids_E: jax.Array, leave_on_finish: jax.Array = True):
   """Up to `sync_every` decode steps; leaves early once any slot finishes, if
   `leave_on_finish` (the host has a sample waiting for the freed slot), else once all do.
 
   Returns (state, steps run, tokens kept). A slot finishes on a stop token or when its
   length reaches its limit; both are checked here, on device. Attention reads the
-  first `window` cache entries only (static; the host picks a bucket above every live
-  slot's length + sync_every), so short sequences do not pay for max_len.
+  cache in blocks of `block` keys up to the longest live slot (qwen3.decode_step), so
+  short sequences do not pay for max_len and no length compiles a new program.
   """
   S, M = state.tokens.shape
   rows = jnp.arange(S)
@@ -113,7 +158,7 @@ def decode(cfg: qwen3.Qwen3Config, sync_every: int, window: int, params, state: 
     live = ~state.done
     pos = jnp.maximum(state.length - 1, 0)
     logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv,
-                                   window)
+                                   live, block)
     keys = jax.vmap(lambda d, t: jax.random.fold_in(jax.random.wrap_key_data(d), t))(
         state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k,
@@ -146,12 +191,34 @@ def extract_rows(state: SlotState, slots_W: jax.Array):
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 
-def extract_kv(state: SlotState, slots_W: jax.Array, kv_len: int):
-  """The KV of W slots for positions < kv_len (entries < 0 are padding):
-  k, v [L, W, kv_len, K, H]. One transfer for several samples."""
-  idx = jnp.maximum(slots_W, 0)
-  take = lambda cache: cache[:, idx, :kv_len]
-  return take(state.kv.k), take(state.kv.v)
+def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_len: int):
+  """The KV of W slots for positions < kv_len (entries < 0 are padding, zeros):
+  k, v [L, W, kv_len, K, H]. Each device reads its own slots; the W rows are summed
+  over the slot axes (one of them nonzero), so no device gathers the cache."""
+  def local(ck, cv, slots):
+    S_local = ck.shape[1]
+    first = layout.first_local_slot(S_local)
+    out = []
+    for c in (ck, cv):
+      L, _, K, _, H = c.shape
+      def take(slot):
+        at = slot - first
+        ok = (slot >= 0) & (at >= 0) & (at < S_local)
+        x = jax.lax.dynamic_slice(c, (0, jnp.clip(at, 0, S_local - 1), 0, 0, 0),
+                                  (L, 1, K, kv_len, H))[:, 0]
+        return jnp.where(ok, x, jnp.zeros_like(x))
+      rows_WxLxKxTxH = jax.vmap(take)(slots)
+      rows = rows_WxLxKxTxH.transpose(1, 0, 3, 2, 4)  # [L, W, T, K, H]
+      if layout.mesh is not None and layout.slot_axes is not None:
+        rows = jax.lax.psum(rows, layout.slot_axes)
+      out.append(rows)
+    return tuple(out)
+
+  P = PartitionSpec
+  cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
+  out_spec = P(None, None, None, layout.head_axes, None)
+  fn = layout.local(local, (cache_spec, cache_spec, P()), (out_spec, out_spec))
+  return fn(state.kv.k, state.kv.v, slots_W)
 
 
 def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:
@@ -169,7 +236,8 @@ class DeviceFns:
   extract_rows: Any
   extract_kv: Any
   mark_done: Any
-  kv_sharding: Any = None   # where one sequence's KV lives between prefill and insert
+  state_sharding: Any = None    # SlotState of NamedShardings (None without a mesh)
+  kv_sharding: Any = None       # where one sequence's KV [L, T, K, H] lives before insert
   kv_rows_sharding: Any = None  # where W restored sequences' KV [L, W, T, K, H] lands
 
   def cache_sizes(self) -> dict[str, int]:
@@ -180,40 +248,37 @@ class DeviceFns:
 
 @functools.lru_cache(maxsize=32)
 def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every: int,
-               kv_dtype: str = "float32", mesh=None,
-               rules=sharding.DEFAULT_RULES) -> DeviceFns:
-  """Builds (once, then cached) the jitted functions for these static settings."""
-  from april_jax.sampler.state import init_state  # pylint: disable=g-import-not-at-top
+               kv_dtype: str = "float32", mesh=None, rules=sharding.DECODE_RULES,
+               decode_block: int = 1024) -> DeviceFns:
+  """Builds (once, then cached) the jitted functions for these static settings.
+
+  `rules` place the slot state and the activations (the sampler's: DECODE_RULES)."""
   init = lambda: init_state(cfg, num_slots, max_len, jnp.dtype(kv_dtype))
+  traced = lambda fn: sharding.traced_under(fn, mesh, rules)
   if mesh is None:
-    state_sh = None
+    layout, state_sh, kv_sh, kv_rows_sh = _CacheLayout(), None, None, None
   else:
-    shapes = jax.eval_shape(init)
-    state_sh = sharding.named_shardings(state_logical_axes(), shapes, mesh, rules)
+    state_sh = sharding.named_shardings(state_logical_axes(), jax.eval_shape(init), mesh,
+                                        rules)
+    cache_spec = state_sh.kv.k.spec
+    layout = _CacheLayout(mesh, cache_spec[1], cache_spec[2])
+    # Prefilled KV and KV restored from the host arrive in one sharding (KV heads as in
+    # the cache, replicated over slots), so `insert` compiles once per bucket whichever
+    # path the sequence came by, and each device receives only its heads.
+    kv_sh = NamedSharding(mesh, PartitionSpec(None, None, layout.head_axes, None))
+    kv_rows_sh = NamedSharding(mesh, PartitionSpec(None, None, None, layout.head_axes, None))
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
-  kv_sh = kv_rows_sh = None
-  if mesh is not None:
-    # Prefilled KV and KV restored from the host arrive in one sharding, so `insert`
-    # compiles once per bucket whichever path the sequence came by.
-    spec = sharding.logical_to_spec(("layers", "cache_seq", "kv_heads", "head_dim"),
-                                    (cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim),
-                                    mesh, rules)
-    kv_sh = jax.sharding.NamedSharding(mesh, spec)
-    rows_spec = sharding.logical_to_spec(
-        ("layers", None, "cache_seq", "kv_heads", "head_dim"),
-        (cfg.num_layers, 1, 1, cfg.num_kv_heads, cfg.head_dim), mesh, rules)
-    kv_rows_sh = jax.sharding.NamedSharding(mesh, rows_spec)
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
   return DeviceFns(
-      kv_sharding=kv_sh, kv_rows_sharding=kv_rows_sh,
+      state_sharding=state_sh, kv_sharding=kv_sh, kv_rows_sharding=kv_rows_sh,
       init=jax.jit(init, **pin),
-      prefill_kv=jax.jit(functools.partial(prefill_kv, cfg), **pin_kv),
-      insert=jax.jit(insert, donate_argnums=0, **pin),
-      insert_rows=jax.jit(insert_rows, donate_argnums=0, **pin),
-      decode=jax.jit(functools.partial(decode, cfg, sync_every), static_argnums=0,
-                     donate_argnums=2, **pin_first),
+      prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
+      insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
+      insert_rows=jax.jit(functools.partial(insert_rows, layout), donate_argnums=0, **pin),
+      decode=jax.jit(traced(functools.partial(decode, cfg, sync_every, decode_block)),
+                     donate_argnums=1, **pin_first),
       extract_rows=jax.jit(extract_rows),
-      extract_kv=jax.jit(extract_kv, static_argnums=2),
+      extract_kv=jax.jit(functools.partial(extract_kv, layout), static_argnums=2),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
   )

@@ -2,7 +2,7 @@
 
 S slots, each able to hold M tokens (prompt + response). A slot holding a sample keeps
   tokens[s, :length]             prompt then response so far
-  kv.k/kv.v[:, s, :length-1]     the KV of all but the last token; the last token is
+  kv.k/kv.v[:, s, :, :length-1]  the KV of all but the last token; the last token is
                                  "pending": the next decode step feeds it at position
                                  length-1, writes its KV and samples token `length`
   logprobs/versions[s, t]        for each response token t: its behavior logprob and the
@@ -12,7 +12,9 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
                                  with fold_in(rng, t), so a sample's draws do not depend
                                  on its slot, its neighbours or on interruptions
   done[s]                        no decoding: finished, or the slot is free
-Slots are sharded over the batch axes of the mesh, KV heads over tensor.
+Slots are sharded over the batch axes of the sampler's rules (sharding.DECODE_RULES:
+`data`), KV heads over its tensor-parallel axes, so each device holds the KV of its
+own heads for its own slots.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class SlotState:
   tokens: jax.Array       # int32 [S, M]
   logprobs: jax.Array     # float32 [S, M]
   versions: jax.Array     # int32 [S, M]
-  kv: qwen3.KVCache       # k, v [L, S, M, K, H]
+  kv: qwen3.KVCache       # k, v [L, S, K, M, H]
   length: jax.Array       # int32 [S]
   prompt_len: jax.Array   # int32 [S]
   limit: jax.Array        # int32 [S]
@@ -52,7 +54,7 @@ def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
                kv_dtype=jnp.float32) -> SlotState:
   """All slots free (done), KV zeroed."""
   S, M = num_slots, max_len
-  kv_shape = (cfg.num_layers, S, M, cfg.num_kv_heads, cfg.head_dim)
+  kv_shape = (cfg.num_layers, S, cfg.num_kv_heads, M, cfg.head_dim)
   zeros_i = lambda *shape: jnp.zeros(shape, jnp.int32)
   return SlotState(
       tokens=zeros_i(S, M), logprobs=jnp.zeros((S, M), jnp.float32),

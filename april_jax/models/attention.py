@@ -1,0 +1,192 @@
+"""Causal attention for whole sequences, and decode attention over a slot cache.
+
+Whole sequences (prefill, training), grouped-query, causal from position 0:
+  "dense"      the reference: [B, K, G, T, S] float32 scores. Short sequences only.
+  "blockwise"  online softmax over KV chunks of `chunk` keys (a flash attention in
+               pure JAX, forward and a hand-written backward): scores exist for one
+               chunk at a time, O(T x chunk) memory. Runs everywhere (CPU, ROCm, TPU).
+  "cudnn"      jax.nn.dot_product_attention's cuDNN flash kernel (NVIDIA, bf16/fp16).
+  "auto"       cudnn on an NVIDIA GPU with a 16-bit compute dtype, else blockwise.
+
+Decode (one new token per slot): `decode_attention` reads the cache [B, K, S, H] of one
+layer in blocks up to the longest live slot (a loop with a device-side trip count), so
+a step costs what the live sequences hold, never copies a window of the cache, and
+compiles once whatever the lengths. The cache layout puts the KV head before the
+sequence, so both matmuls are plain batched matmuls over (B, K) with no transpose.
+
+Shapes: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn")
+_NEG = -1e30  # a finite "minus infinity": exp(_NEG - m) == 0 and never NaN
+
+
+def resolve(impl: str, dtype) -> str:
+  """The implementation `auto` stands for on this backend and compute dtype."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {impl!r}")
+  if impl != "auto":
+    return impl
+  device = jax.devices()[0]
+  nvidia = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+  sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if nvidia and sixteen_bit else "blockwise"
+
+
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, impl: str = "dense",
+                     chunk: int = 512) -> jax.Array:
+  """softmax(q k^T / sqrt(H) + causal mask) v: [B, T, N, H] in q's dtype."""
+  impl = resolve(impl, q_BxTxNxH.dtype)
+  if impl == "cudnn":
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                        implementation="cudnn")
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxTxKxH.shape[2]
+  q = q_BxTxNxH.reshape(B, T, K, N // K, H)
+  if impl == "dense" or T <= chunk:
+    out = _dense(q, k_BxTxKxH, v_BxTxKxH)
+  else:
+    out = _blockwise(q, k_BxTxKxH, v_BxTxKxH, chunk)
+  return out.reshape(B, T, N, H)
+
+
+def _dense(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH):
+  T, H = q_BxTxKxGxH.shape[1], q_BxTxKxGxH.shape[-1]
+  s = jnp.einsum("btkgh,bskh->btkgs", q_BxTxKxGxH, k_BxSxKxH,
+                 preferred_element_type=jnp.float32) * H ** -0.5
+  causal_TxS = jnp.tril(jnp.ones((T, k_BxSxKxH.shape[1]), bool))
+  p = jax.nn.softmax(jnp.where(causal_TxS[:, None, None, :], s, _NEG), axis=-1)
+  return jnp.einsum("btkgs,bskh->btkgh", p.astype(v_BxSxKxH.dtype), v_BxSxKxH)
+
+
+# ------------------------------------------------------------------ blockwise (flash)
+
+def _chunks(x_BxSxKxH, chunk: int):
+  """[B, S, K, H] -> [C, B, chunk, K, H], zero-padded (causality masks the padding)."""
+  B, S, K, H = x_BxSxKxH.shape
+  pad = -S % chunk
+  x = jnp.pad(x_BxSxKxH, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  return x.reshape(B, -1, chunk, K, H).transpose(1, 0, 2, 3, 4)
+
+
+def _chunk_scores(q, k_c, j, chunk):
+  """Scaled scores of all queries against KV chunk j, and where causality allows them:
+  [B, T, K, G, chunk] float32 (masked to _NEG) and bool, broadcastable."""
+  T, H = q.shape[1], q.shape[-1]
+  s = jnp.einsum("btkgh,bckh->btkgc", q, k_c, preferred_element_type=jnp.float32)
+  allowed_TxC = (j * chunk + jnp.arange(chunk))[None, :] <= jnp.arange(T)[:, None]
+  allowed = allowed_TxC[None, :, None, None, :]
+  return jnp.where(allowed, s * H ** -0.5, _NEG), allowed
+
+
+def _blockwise_forward(q, k, v, chunk):
+  B, T, K, G, H = q.shape
+  k_c, v_c = _chunks(k, chunk), _chunks(v, chunk)
+
+  def body(carry, xs):
+    o, m, l = carry
+    k_j, v_j, j = xs
+    s, allowed = _chunk_scores(q, k_j, j, chunk)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+    scale = jnp.exp(m - m_new)
+    l = l * scale + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("btkgc,bckh->btkgh", p.astype(v.dtype), v_j,
+                    preferred_element_type=jnp.float32)
+    return (o * scale[..., None] + pv, m_new, l), None
+
+  init = (jnp.zeros((B, T, K, G, H), jnp.float32), jnp.full((B, T, K, G), _NEG, jnp.float32),
+          jnp.zeros((B, T, K, G), jnp.float32))
+  (o, m, l), _ = jax.lax.scan(body, init, (k_c, v_c, jnp.arange(k_c.shape[0])))
+  # Key 0 is visible to every query, so l > 0 everywhere.
+  return (o / l[..., None]).astype(q.dtype), m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blockwise(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, chunk: int):
+  return _blockwise_forward(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, chunk)[0]
+
+
+def _blockwise_fwd(q, k, v, chunk):
+  o, lse = _blockwise_forward(q, k, v, chunk)
+  return o, (q, k, v, o, lse)
+
+
+def _blockwise_bwd(chunk, residuals, do):
+  """The flash attention backward: probabilities recomputed chunk by chunk from the
+  saved log-sum-exp; dq accumulates, dk and dv come out one chunk at a time."""
+  q, k, v, o, lse = residuals
+  S, H = k.shape[1], q.shape[-1]
+  k_c, v_c = _chunks(k, chunk), _chunks(v, chunk)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, K, G]
+
+  def body(dq, xs):
+    k_j, v_j, j = xs
+    s, allowed = _chunk_scores(q, k_j, j, chunk)
+    p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
+    dv_j = jnp.einsum("btkgc,btkgh->bckh", p.astype(do.dtype), do,
+                      preferred_element_type=jnp.float32)
+    dp = jnp.einsum("btkgh,bckh->btkgc", do, v_j, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * H ** -0.5).astype(q.dtype)
+    dq = dq + jnp.einsum("btkgc,bckh->btkgh", ds, k_j, preferred_element_type=jnp.float32)
+    dk_j = jnp.einsum("btkgc,btkgh->bckh", ds, q, preferred_element_type=jnp.float32)
+    return dq, (dk_j, dv_j)
+
+  dq, (dk_c, dv_c) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32),
+                                  (k_c, v_c, jnp.arange(k_c.shape[0])))
+  unchunk = lambda x_c: x_c.transpose(1, 0, 2, 3, 4).reshape(
+      (k.shape[0], -1) + k.shape[2:])[:, :S]
+  return (dq.astype(q.dtype), unchunk(dk_c).astype(k.dtype), unchunk(dv_c).astype(v.dtype))
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# ------------------------------------------------------------------------- decode
+
+def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
+                     v_cache_LxBxKxSxH, layer, past_B, block: int) -> jax.Array:
+  """One query per row over its first past_B[b] entries of the cache's layer `layer`,
+  plus its own new key. The whole [L, B, K, S, H] cache comes in and blocks of `block`
+  keys are sliced from it, only as many as the longest row needs: nothing else of the
+  cache is read or copied. Returns [B, K, G, H] in the cache's dtype.
+  """
+  _, B, K, S, H = k_cache_LxBxKxSxH.shape
+  block = min(block, S)
+  q = q_BxKxGxH.astype(k_cache_LxBxKxSxH.dtype)
+  scale = H ** -0.5
+  # The row's own key opens the online softmax: m = its score, l = 1, o = its value.
+  m = jnp.einsum("bkgh,bkh->bkg", q, k_new_BxKxH.astype(q.dtype),
+                 preferred_element_type=jnp.float32) * scale
+  o = jnp.broadcast_to(v_new_BxKxH.astype(jnp.float32)[:, :, None, :], q.shape)
+  l = jnp.ones(m.shape, jnp.float32)
+
+  def body(j, carry):
+    o, m, l = carry
+    # The last block may start early so it stays inside the cache; keys already
+    # counted by block j-1 are masked out.
+    start = jnp.minimum(j * block, S - block)
+    at = (layer, 0, 0, start, 0)
+    k_b = jax.lax.dynamic_slice(k_cache_LxBxKxSxH, at, (1, B, K, block, H))[0]
+    v_b = jax.lax.dynamic_slice(v_cache_LxBxKxSxH, at, (1, B, K, block, H))[0]
+    s = jnp.einsum("bkgh,bksh->bkgs", q, k_b, preferred_element_type=jnp.float32) * scale
+    key = start + jnp.arange(block)
+    valid = (key[None, :] >= j * block) & (key[None, :] < past_B[:, None])  # [B, block]
+    s = jnp.where(valid[:, None, None, :], s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(valid[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_b.dtype), v_b,
+                    preferred_element_type=jnp.float32)
+    return o * corr[..., None] + pv, m_new, l * corr + jnp.sum(p, axis=-1)
+
+  num_blocks = (jnp.max(past_B) + block - 1) // block
+  o, m, l = jax.lax.fori_loop(0, num_blocks, body, (o, m, l))
+  return (o / l[..., None]).astype(k_cache_LxBxKxSxH.dtype)
