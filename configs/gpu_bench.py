@@ -8,13 +8,9 @@ precision are set; the scheduler and resume modes draw their own prompts and len
 """
 
 from april_jax.configs import base
+from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
-SHAPES = {
-    "qwen3_0_6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128),
-    "qwen3_4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128),
-}
+SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_4b")}
 
 
 def get_config(arg=None):
@@ -23,7 +19,6 @@ def get_config(arg=None):
     raise ValueError(f"configs/gpu_bench.py variant {shape!r}: one of {sorted(SHAPES)}")
   c = base.get_config()
   c.model.init.update(SHAPES[shape])
-  c.model.init.tie_word_embeddings = True
   c.model.dtype = "bfloat16"
   c.model.kv_dtype = "bfloat16"
   c.rollout.batch_size = 16
@@ -32,4 +27,7 @@ def get_config(arg=None):
   c.rollout.num_slots = 64
   c.rollout.sync_every = 64
   c.rollout.max_response_len = 2048
+  # The learner at these shapes fits one GPU too (python -m april_jax.plan --compile).
+  c.model.remat = True
+  c.train.num_microbatches = 16
   return c

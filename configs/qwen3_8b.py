@@ -13,6 +13,7 @@ only the model. Params in bfloat16, sharded fully (FSDP) over every device.
 """
 
 from april_jax.configs import base
+from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 
 def get_config(arg=None):
@@ -24,6 +25,7 @@ def get_config(arg=None):
   c.eval_every = 20
 
   c.model.path = ""                 # required: a Qwen3-8B HF folder
+  c.model.init.update(QWEN3_SHAPES["qwen3_8b"])  # its shape, for the planner
   c.model.dtype = "bfloat16"
   c.model.kv_dtype = "bfloat16"
   c.model.remat = True
@@ -59,7 +61,7 @@ def get_config(arg=None):
   c.train.warmup_steps = 10
   c.train.weight_decay = 0.1
   c.train.num_minibatches = 4
-  c.train.num_microbatches = 16
+  c.train.num_microbatches = 8          # 8 rows: one per device on 8 GPUs
   c.train.logprob_chunk = 1024
 
   c.eval.num_prompts = 30

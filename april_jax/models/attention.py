@@ -152,15 +152,18 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 # ------------------------------------------------------------------------- decode
 
 def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
-                     v_cache_LxBxKxSxH, layer, past_B, block: int) -> jax.Array:
+                     v_cache_LxBxKxSxH, layer, past_B, block: int,
+                     view=lambda x: x) -> jax.Array:
   """One query per row over its first past_B[b] entries of the cache's layer `layer`,
   plus its own new key. The whole [L, B, K, S, H] cache comes in and blocks of `block`
   keys are sliced from it, only as many as the longest row needs: nothing else of the
-  cache is read or copied. Returns [B, K, G, H] in the cache's dtype.
+  cache is read or copied. `view` turns the cache's storage into values (see
+  qwen3.kv_view). Returns [B, K, G, H] in the cache's value dtype.
   """
   _, B, K, S, H = k_cache_LxBxKxSxH.shape
   block = min(block, S)
-  q = q_BxKxGxH.astype(k_cache_LxBxKxSxH.dtype)
+  dtype = view(k_cache_LxBxKxSxH[:0]).dtype
+  q = q_BxKxGxH.astype(dtype)
   scale = H ** -0.5
   # The row's own key opens the online softmax: m = its score, l = 1, o = its value.
   m = jnp.einsum("bkgh,bkh->bkg", q, k_new_BxKxH.astype(q.dtype),
@@ -174,8 +177,8 @@ def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
     # counted by block j-1 are masked out.
     start = jnp.minimum(j * block, S - block)
     at = (layer, 0, 0, start, 0)
-    k_b = jax.lax.dynamic_slice(k_cache_LxBxKxSxH, at, (1, B, K, block, H))[0]
-    v_b = jax.lax.dynamic_slice(v_cache_LxBxKxSxH, at, (1, B, K, block, H))[0]
+    k_b = view(jax.lax.dynamic_slice(k_cache_LxBxKxSxH, at, (1, B, K, block, H))[0])
+    v_b = view(jax.lax.dynamic_slice(v_cache_LxBxKxSxH, at, (1, B, K, block, H))[0])
     s = jnp.einsum("bkgh,bksh->bkgs", q, k_b, preferred_element_type=jnp.float32) * scale
     key = start + jnp.arange(block)
     valid = (key[None, :] >= j * block) & (key[None, :] < past_B[:, None])  # [B, block]
@@ -189,4 +192,4 @@ def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
 
   num_blocks = (jnp.max(past_B) + block - 1) // block
   o, m, l = jax.lax.fori_loop(0, num_blocks, body, (o, m, l))
-  return (o / l[..., None]).astype(k_cache_LxBxKxSxH.dtype)
+  return (o / l[..., None]).astype(dtype)

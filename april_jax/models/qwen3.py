@@ -127,6 +127,27 @@ def param_logical_axes(cfg: Qwen3Config) -> Params:
   return axes
 
 
+def kv_storage_dtype(dtype) -> jnp.dtype:
+  """How a slot cache of `dtype` is stored: bfloat16 as its uint16 bit pattern.
+
+  Reads and writes are free bitcasts. Stored as a float, XLA's CPU backend computes a
+  bfloat16 cache update in float32, which copies the whole cache at every update.
+  """
+  return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def kv_view(x: jax.Array) -> jax.Array:
+  """Cache storage -> values (uint16 bit patterns are bfloat16)."""
+  return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
+def kv_store(x: jax.Array, storage_dtype) -> jax.Array:
+  """Values -> cache storage of `storage_dtype`."""
+  if jnp.dtype(storage_dtype) == jnp.uint16:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+  return x.astype(storage_dtype)
+
+
 KV_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 _X = ("batch", "seq", "act_embed")  # activations [B, T, D]
 
@@ -185,6 +206,31 @@ def _head_weight_DxV(cfg: Qwen3Config, params: Params) -> jax.Array:
   return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
+def _in_dtype(cfg: Qwen3Config, params: Params, dtype, *path: str):
+  """The weights at `path` cast to the compute dtype where they lie (each device its
+  shard, so FSDP gathers 16-bit weights); unchanged when dtype is None."""
+  if dtype is None:
+    return params
+  axes = param_logical_axes(cfg)
+  for key in path:
+    axes = axes[key]
+  if isinstance(params, dict):  # one layer's weights: axes without the leading "layers"
+    return {k: sharding.constrain(v.astype(dtype), axes[k][1:]) for k, v in params.items()}
+  return sharding.constrain(params.astype(dtype), axes)
+
+
+def compute_view(cfg: Qwen3Config, params: Params, dtype) -> Params:
+  """The top-level weights (embedding, final norm, head) in the compute dtype; layers are
+  cast one at a time inside the layer scan (`hidden_states(..., compute_dtype=)`)."""
+  if dtype is None:
+    return params
+  out = dict(params)
+  for key in ("embed", "final_norm", "lm_head"):
+    if key in params:
+      out[key] = _in_dtype(cfg, params[key], dtype, key)
+  return out
+
+
 def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
   """The output head, in float32."""
   logits = jnp.einsum("btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params),
@@ -195,13 +241,20 @@ def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
 # ------------------------------------------------------------------------- the four uses
 
 def hidden_states(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
-                  remat: bool = False, return_kv: bool = False):
-  """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H])."""
+                  remat: bool = False, return_kv: bool = False, compute_dtype=None):
+  """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H]).
+
+  With compute_dtype, float32 (master) params are cast one layer at a time inside the
+  scan: no whole-model copy in the compute dtype exists, and gradients flow back to
+  the float32 params.
+  """
   B, T = tokens_BxT.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  params = compute_view(cfg, params, compute_dtype)
   x = sharding.constrain(params["embed"][tokens_BxT], _X)
 
   def body(x, lp):
+    lp = _in_dtype(cfg, lp, compute_dtype, "layers")
     x, kv = _causal_layer(cfg, lp, x, positions_BxT)
     return x, (kv if return_kv else None)
 
@@ -233,14 +286,15 @@ def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
 
 def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
                 positions_B: jax.Array, cache: KVCache, live_B: jax.Array | None = None,
-                block: int = 1024) -> tuple[jax.Array, KVCache]:
+                block: int = 1024, write=None) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
   cache: k, v [L, B, K, S, H]. Row b attends to cache entries 0..positions_B[b]-1 and
   to itself (rows not in live_B attend to nothing past themselves); the cache is read
   in blocks up to the longest row (attention.decode_attention), never copied. Each
-  row's k, v are written at index positions_B[b] after all layers ran (one batched
-  update, in place when the cache is donated). The caller keeps positions below S.
+  row's k, v are written at index positions_B[b] after all layers ran, in place when
+  the cache is donated, by `write` (default `write_positions`; the sampler passes one
+  that runs per device on its own slots). The caller keeps positions below S.
   """
   x = sharding.constrain(params["embed"][tokens_B][:, None, :], _X)  # [B, 1, D]
   pos_Bx1 = positions_B[:, None]
@@ -252,43 +306,47 @@ def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
     B, _, N, H = q.shape
     q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
     attn = attention_lib.decode_attention(q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v,
-                                          index, past_B, block)
+                                          index, past_B, block, kv_view)
     attn = sharding.constrain(attn.reshape(B, 1, N, H), ("batch", "seq", "heads", "head_dim"))
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
   L = cache.k.shape[0]
   x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
       body, x, (params["layers"], jnp.arange(L)))
-  cache = KVCache(write_positions(cache.k, k_new_LxBxKxH, positions_B),
-                  write_positions(cache.v, v_new_LxBxKxH, positions_B))
+  cache = (write or write_positions)(cache, k_new_LxBxKxH, v_new_LxBxKxH, positions_B)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, params, h)[:, 0], cache
 
 
-def write_positions(cache_LxBxKxSxH: jax.Array, new_LxBxKxH: jax.Array,
-                    positions_B: jax.Array) -> jax.Array:
-  """cache with row b's new entry written at position positions_B[b], every layer.
+def write_positions(cache: KVCache, new_k_LxBxKxH: jax.Array, new_v_LxBxKxH: jax.Array,
+                    positions_B: jax.Array) -> KVCache:
+  """cache with row b's new k, v written at position positions_B[b], every layer.
 
-  A per-row update (vmapped dynamic_update_slice: a scatter whose batch dimension is
-  the row), so a row-sharded cache is written where it lies, nothing gathered.
+  One dynamic_update_slice per row, unrolled: each is in place on a donated cache.
+  (A scatter over rows makes XLA copy the whole cache, twice on CPU.)
   """
-  def one_row(c_LxKxSxH, n_LxKxH, p):
-    return jax.lax.dynamic_update_slice_in_dim(
-        c_LxKxSxH, n_LxKxH[:, :, None].astype(c_LxKxSxH.dtype), p, axis=2)
-  return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(cache_LxBxKxSxH, new_LxBxKxH,
-                                                           positions_B)
+  k, v = cache
+  new_k_LxBxKxH, new_v_LxBxKxH = kv_store(new_k_LxBxKxH, k.dtype), kv_store(new_v_LxBxKxH,
+                                                                             v.dtype)
+  for b in range(k.shape[1]):
+    at = (0, b, 0, positions_B[b], 0)
+    k = jax.lax.dynamic_update_slice(k, new_k_LxBxKxH[:, b:b + 1, :, None, :], at)
+    v = jax.lax.dynamic_update_slice(v, new_v_LxBxKxH[:, b:b + 1, :, None, :], at)
+  return KVCache(k, v)
 
 
 def token_logprobs(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
                    targets_BxT: jax.Array, *, chunk_size: int = 512,
-                   temperature: float = 1.0, remat: bool = False):
+                   temperature: float = 1.0, remat: bool = False, compute_dtype=None):
   """log p(targets[:, t] | tokens[:, :t+1]) and the entropy at t, both float32 [B, T].
 
   Logits exist for `chunk_size` positions at a time (forward and backward: each
   chunk is rematerialized), never as [B, T, V]. Logits are divided by
-  `temperature`, as the sampler's behavior logprobs are.
+  `temperature`, as the sampler's behavior logprobs are. compute_dtype: see
+  hidden_states.
   """
-  h = hidden_states(cfg, params, tokens_BxT, remat=remat)
+  h = hidden_states(cfg, params, tokens_BxT, remat=remat, compute_dtype=compute_dtype)
+  params = compute_view(cfg, params, compute_dtype)
   B, T, D = h.shape
   chunk = min(chunk_size, T)
   pad = -T % chunk

@@ -92,8 +92,8 @@ def cast(params, dtype):
 
 def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT):
   """Logprobs and entropy for microbatches [M, b, T], one microbatch at a time."""
-  params = cast(params, static.compute_dtype)
   fn = lambda xs: qwen3.token_logprobs(static.model, params, xs[0], xs[1],
+                                       compute_dtype=static.compute_dtype,
                                        chunk_size=static.chunk,
                                        temperature=static.temperature)
   return jax.lax.map(fn, (tokens_MxbxT, targets_MxbxT))
@@ -107,8 +107,9 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
   running sum (zeros at first): one gradient buffer is carried through every call.
   """
   def micro_loss(p, micro):
-    p = cast(p, static.compute_dtype)  # the gradient flows back to the float32 masters
+    # Cast layer by layer inside the model; the gradient flows back to the float32 masters.
     logp, entropy = qwen3.token_logprobs(static.model, p, micro["tokens"], micro["targets"],
+                                         compute_dtype=static.compute_dtype,
                                          chunk_size=static.chunk,
                                          temperature=static.temperature, remat=static.remat)
     return losses.policy_loss(
@@ -168,6 +169,73 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_s
                                transform_non_params=lambda _: replicated)
 
 
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The learner's jitted programs and the shardings they pin (None without a mesh).
+  Built from shapes alone, so they can be compiled at real shapes with no weights
+  (april_jax/compile_check.py)."""
+  param_sh: Any
+  opt_sh: Any
+  decode_sh: Any
+  to_masters: Any      # params -> float32 masters in the learner's layout
+  init_opt: Any        # masters -> optimizer state, sharded like them
+  to_reference: Any    # masters -> reference params in the compute dtype
+  decode_params: Any   # masters -> compute-dtype copy in the sampler's layout
+  logprobs: Any        # (params, tokens [M, b, T], targets) -> logprobs, entropy
+  update: Any          # one fused optimizer update over microbatches of one length
+  zeros: Any
+  grads: Any           # gradients of microbatches of one length, added to a running sum
+  add: Any
+  apply: Any           # the optimizer update from summed gradients
+
+
+def build_programs(static: _Static, optimizer, params_shape, mesh=None,
+                   rules=sharding.TRAIN_RULES, decode_rules=sharding.DECODE_RULES) -> Programs:
+  if mesh is None:
+    param_sh = opt_sh = decode_sh = None
+    pin = lambda sh: {}
+  else:
+    param_sh = sharding.param_shardings(static.model, mesh, rules)
+    opt_sh = optimizer_shardings(optimizer, params_shape, param_sh, mesh)
+    decode_sh = sharding.param_shardings(static.model, mesh, decode_rules)
+    pin = lambda sh: {"out_shardings": sh}
+  to_compute = functools.partial(cast, dtype=static.compute_dtype)
+  traced = lambda fn: sharding.traced_under(fn, mesh, rules)
+
+  def to_decode(p):  # cast where the masters lie, then move the 16-bit copy
+    p = to_compute(p)
+    return p if param_sh is None else jax.lax.with_sharding_constraint(p, param_sh)
+
+  return Programs(
+      param_sh=param_sh, opt_sh=opt_sh, decode_sh=decode_sh,
+      to_masters=jax.jit(lambda p: cast(p, jnp.float32), **pin(param_sh)),
+      init_opt=jax.jit(optimizer.init, **pin(opt_sh)),
+      to_reference=jax.jit(to_compute, **pin(param_sh)),
+      decode_params=jax.jit(to_decode, **pin(decode_sh)),
+      logprobs=jax.jit(traced(functools.partial(_logprobs, static))),
+      update=jax.jit(traced(functools.partial(_minibatch_update, static, optimizer)),
+                     donate_argnums=(0, 1), **pin((param_sh, opt_sh, None))),
+      zeros=jax.jit(_zeros_like, **pin(param_sh)),
+      grads=jax.jit(traced(functools.partial(_grads, static)), donate_argnums=4,
+                    **pin((param_sh, None, None))),
+      add=jax.jit(_add),  # losses and metrics of several calls
+      apply=jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0, 1, 2),
+                    **pin((param_sh, opt_sh, None))))
+
+
+def make_static(model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: bool,
+                compute_dtype: str) -> _Static:
+  return _Static(model_cfg, loss_config(train), int(train.logprob_chunk),
+                 float(temperature) if temperature > 0 else 1.0, bool(remat),
+                 str(compute_dtype))
+
+
+def microbatch_sharding(shape, mesh, rules=sharding.TRAIN_RULES):
+  """Where microbatch arrays [M, b, ...] live: rows b over the batch axes of the mesh."""
+  axes = (None, "batch") + ("seq",) * (len(shape) - 2)
+  return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh, rules))
+
+
 class Learner:
   """Holds float32 master params, optimizer state and the (optional) reference params
   (in the compute dtype); updates them."""
@@ -177,54 +245,32 @@ class Learner:
                remat: bool = False, compute_dtype: str = "float32",
                decode_rules=sharding.DECODE_RULES):
     self.train = train
-    self.loss_cfg = loss_config(train)
-    self.static = _Static(model_cfg, self.loss_cfg, int(train.logprob_chunk),
-                          float(temperature) if temperature > 0 else 1.0, remat,
-                          str(compute_dtype))
+    self.static = make_static(model_cfg, train, temperature, remat, compute_dtype)
+    self.loss_cfg = self.static.loss
     self.optimizer, self.schedule = make_optimizer(train, total_updates)
     self.mesh, self.rules = mesh, rules
-    if mesh is None:
-      param_sh = opt_sh = decode_sh = None
-      pin = lambda sh: {}
-    else:
-      param_sh = sharding.param_shardings(model_cfg, mesh, rules)
-      opt_sh = optimizer_shardings(self.optimizer, params, param_sh, mesh)
-      decode_sh = sharding.param_shardings(model_cfg, mesh, decode_rules)
-      pin = lambda sh: {"out_shardings": sh}
-    self.params = jax.jit(lambda p: cast(p, jnp.float32), **pin(param_sh))(params)
-    self.opt_state = jax.jit(self.optimizer.init, **pin(opt_sh))(self.params)
-    to_compute = functools.partial(cast, dtype=self.static.compute_dtype)
+    shapes = jax.eval_shape(lambda p: cast(p, jnp.float32), params)
+    self.programs = p = build_programs(self.static, self.optimizer, shapes, mesh, rules,
+                                       decode_rules)
+    self.params = p.to_masters(params)
+    self.opt_state = p.init_opt(self.params)
     # No reference params are held unless a KL term needs them.
-    self.ref_params = (jax.jit(to_compute, **pin(param_sh))(self.params)
-                       if train.kl_coef > 0 else None)
-    self._decode_params = jax.jit(to_compute, **pin(decode_sh))
+    self.ref_params = p.to_reference(self.params) if train.kl_coef > 0 else None
     self.updates = 0
     self.skipped_updates = 0
     self.by_length = bool(train.microbatch_by_length)
-    traced = lambda fn: sharding.traced_under(fn, mesh, rules)
-    self._logprobs = jax.jit(traced(functools.partial(_logprobs, self.static)))
-    self._update = jax.jit(
-        traced(functools.partial(_minibatch_update, self.static, self.optimizer)),
-        donate_argnums=(0, 1), **pin((param_sh, opt_sh, None)))
-    # Microbatches of different lengths: gradients one at a time, then one update.
-    self._zeros = jax.jit(_zeros_like, **pin(param_sh))
-    self._grads = jax.jit(traced(functools.partial(_grads, self.static)), donate_argnums=4,
-                          **pin((param_sh, None, None)))
-    self._add = jax.jit(_add)  # losses and metrics of several calls
-    self._apply = jax.jit(functools.partial(_apply, self.optimizer), donate_argnums=(0, 1),
-                          **pin((param_sh, opt_sh, None)))
+    self._logprobs, self._update, self._zeros = p.logprobs, p.update, p.zeros
+    self._grads, self._add, self._apply = p.grads, p.add, p.apply
 
   def decode_params(self):
     """The current params for the sampler: compute dtype, the sampler's layout."""
-    return self._decode_params(self.params)
+    return self.programs.decode_params(self.params)
 
   def _put(self, x: np.ndarray):
     """Places [M, b, ...] arrays with b over the batch axes of the mesh."""
     if self.mesh is None:
       return jnp.asarray(x)
-    axes = (None, "batch") + ("seq",) * (x.ndim - 2)
-    spec = sharding.logical_to_spec(axes, x.shape, self.mesh, self.rules)
-    return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+    return jax.device_put(x, microbatch_sharding(x.shape, self.mesh, self.rules))
 
   def _plan(self, batch: dict[str, np.ndarray]) -> list[list[tuple[np.ndarray, int]]]:
     """Per minibatch, its microbatches as [(batch rows [m, b], padded length)]."""

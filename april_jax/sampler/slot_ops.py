@@ -75,7 +75,7 @@ def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
       out = []
       for c, n in zip(caches, (nk, nv)):
         seq_LxTxKxH = jax.lax.dynamic_index_in_dim(n, i, 1, keepdims=False) if per_row else n
-        new = seq_LxTxKxH.transpose(0, 2, 1, 3)[:, None].astype(c.dtype)  # [L, 1, K, T, H]
+        new = qwen3.kv_store(seq_LxTxKxH.transpose(0, 2, 1, 3)[:, None], c.dtype)  # [L,1,K,T,H]
         start = (0, at, 0, 0, 0)
         old = jax.lax.dynamic_slice(c, start, new.shape)
         out.append(jax.lax.dynamic_update_slice(c, jnp.where(ok, new, old), start))
@@ -90,6 +90,20 @@ def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
   fn = layout.local(local, (cache_spec, cache_spec, new_spec, new_spec, P()),
                     (cache_spec, cache_spec))
   return qwen3.KVCache(*fn(cache.k, cache.v, kv.k, kv.v, slots_W))
+
+
+def _write_positions(layout: _CacheLayout, cache: qwen3.KVCache, new_k_LxBxKxH, new_v_LxBxKxH,
+                     positions_B) -> qwen3.KVCache:
+  """qwen3.write_positions, run per device on its own slots."""
+  def local(ck, cv, nk, nv, pos):
+    return tuple(qwen3.write_positions(qwen3.KVCache(ck, cv), nk, nv, pos))
+
+  P = PartitionSpec
+  cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
+  new_spec = P(None, layout.slot_axes, layout.head_axes, None)
+  fn = layout.local(local, (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes)),
+                    (cache_spec, cache_spec))
+  return qwen3.KVCache(*fn(cache.k, cache.v, new_k_LxBxKxH, new_v_LxBxKxH, positions_B))
 
 
 def _put_slots(layout: _CacheLayout, state: SlotState, slots_W: jax.Array,
@@ -140,7 +154,8 @@ def insert_rows(layout: _CacheLayout, state: SlotState, kv_LxWxTxKxH: qwen3.KVCa
       temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
-def decode(cfg: qwen3.Qwen3Config, sync_every: int, block: int, params, state: SlotState,
+def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block: int, params,
+           state: SlotState,
            version: jax.Array, stop_ids_E: jax.Array, leave_on_finish: jax.Array = True):
   """Up to `sync_every` decode steps; leaves early once any slot finishes, if
   `leave_on_finish` (the host has a sample waiting for the freed slot), else once all do.
@@ -158,7 +173,7 @@ def decode(cfg: qwen3.Qwen3Config, sync_every: int, block: int, params, state: S
     live = ~state.done
     pos = jnp.maximum(state.length - 1, 0)
     logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv,
-                                   live, block)
+                                   live, block, functools.partial(_write_positions, layout))
     keys = jax.vmap(lambda d, t: jax.random.fold_in(jax.random.wrap_key_data(d), t))(
         state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k,
@@ -208,7 +223,7 @@ def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_le
                                   (L, 1, K, kv_len, H))[:, 0]
         return jnp.where(ok, x, jnp.zeros_like(x))
       rows_WxLxKxTxH = jax.vmap(take)(slots)
-      rows = rows_WxLxKxTxH.transpose(1, 0, 3, 2, 4)  # [L, W, T, K, H]
+      rows = qwen3.kv_view(rows_WxLxKxTxH.transpose(1, 0, 3, 2, 4))  # [L, W, T, K, H]
       if layout.mesh is not None and layout.slot_axes is not None:
         rows = jax.lax.psum(rows, layout.slot_axes)
       out.append(rows)
@@ -276,7 +291,7 @@ def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every:
       prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
       insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
       insert_rows=jax.jit(functools.partial(insert_rows, layout), donate_argnums=0, **pin),
-      decode=jax.jit(traced(functools.partial(decode, cfg, sync_every, decode_block)),
+      decode=jax.jit(traced(functools.partial(decode, layout, cfg, sync_every, decode_block)),
                      donate_argnums=1, **pin_first),
       extract_rows=jax.jit(extract_rows),
       extract_kv=jax.jit(functools.partial(extract_kv, layout), static_argnums=2),

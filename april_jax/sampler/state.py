@@ -31,7 +31,7 @@ class SlotState:
   tokens: jax.Array       # int32 [S, M]
   logprobs: jax.Array     # float32 [S, M]
   versions: jax.Array     # int32 [S, M]
-  kv: qwen3.KVCache       # k, v [L, S, K, M, H]
+  kv: qwen3.KVCache       # k, v [L, S, K, M, H], stored as qwen3.kv_storage_dtype
   length: jax.Array       # int32 [S]
   prompt_len: jax.Array   # int32 [S]
   limit: jax.Array        # int32 [S]
@@ -59,7 +59,8 @@ def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
   return SlotState(
       tokens=zeros_i(S, M), logprobs=jnp.zeros((S, M), jnp.float32),
       versions=jnp.full((S, M), -1, jnp.int32),
-      kv=qwen3.KVCache(jnp.zeros(kv_shape, kv_dtype), jnp.zeros(kv_shape, kv_dtype)),
+      kv=qwen3.KVCache(*(jnp.zeros(kv_shape, qwen3.kv_storage_dtype(kv_dtype))
+                         for _ in range(2))),
       length=zeros_i(S), prompt_len=zeros_i(S), limit=zeros_i(S),
       temperature=jnp.zeros((S,), jnp.float32), top_k=zeros_i(S),
       top_p=jnp.ones((S,), jnp.float32), rng=jnp.zeros((S, 2), jnp.uint32),
