@@ -1,24 +1,34 @@
-"""What fits: bytes per device for a config, before anything is allocated.
+"""What fits: bytes per device for a config, by arithmetic or by compiling every program.
 
-  python -m april_jax.plan --config=configs/qwen3_8b.py --devices=8 --device_gb=80
+  python -m april_jax.plan --config=configs/qwen3_8b.py --devices=8 --device_memory_gb=80
+  python -m april_jax.plan --config=configs/qwen3_8b.py --compile --devices=8 \
+      --device_memory_gb=80        # compile at the real shapes on fake CPU devices
 
-Per device: params, optimizer state (AdamW: two moments in the params' dtype), gradients
-(one transient copy), reference params when a KL term needs them, the slots' KV cache,
-training activations for one microbatch (with and without rematerialisation), and the
-logits chunk; on the host: the partial buffer's KV per snapshot, worst case (every slot
-parked at full length in mode kv; partials not resumed in a step keep theirs longer). Sharding follows the default rules: weights over
-fsdp x tensor, slots over data x fsdp, KV heads over tensor, batch over data x fsdp.
-The activation figure is an estimate (the largest tensors a layer keeps for its backward
-pass); everything else is exact arithmetic.
+The arithmetic plan (instant; `main` runs it before allocating anything) follows the
+compiled programs' structure (april_jax/compile_check.py): a resident set held for the
+whole run, exact from the shardings (float32 masters and AdamW moments under the
+learner's rules, the 16-bit decode copy and the slot state under the sampler's), plus,
+per program, what it adds while it runs (its inputs that are not resident, outputs not
+written in place, the largest temporaries). The peak over programs must fit a device. The
+temporaries are estimates; a test keeps each program's peak within 15% of what XLA
+compiles for the Qwen3-8B and 4B configs. `native_16bit=False` adds what a backend
+without 16-bit float arithmetic (XLA's CPU) holds: 16-bit weights upcast to float32
+inside a program. On the host: the partial buffer's KV per snapshot, worst case (every
+slot parked at full length in mode kv).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import sys
+import types
 
 from april_jax import sharding
 from april_jax.models import qwen3
+from april_jax.rl import batch as batch_lib
 
 GB = 1e9
 
@@ -29,23 +39,37 @@ def dtype_bytes(name: str) -> int:
 
 @dataclasses.dataclass
 class Plan:
-  device: dict[str, float]      # bytes per device, by item
+  resident: dict[str, float]    # bytes per device held for the whole run
+  programs: dict[str, float]    # bytes per device each program adds while it runs
   host_buffer_bytes: float      # worst case held by the partial buffer on the host
-  device_total: float
-  device_capacity: float
+  device_capacity: float        # 0 = unknown
+
+  @property
+  def resident_total(self) -> float:
+    return sum(self.resident.values())
+
+  def peak(self, program: str) -> float:
+    return self.resident_total + self.programs[program]
+
+  @property
+  def device_total(self) -> float:
+    return max(self.peak(name) for name in self.programs)
 
   @property
   def fits(self) -> bool:
     return self.device_capacity <= 0 or self.device_total <= self.device_capacity
 
   def table(self) -> str:
-    lines = [f"{'item':<34}{'GB per device':>14}"]
-    lines += [f"{name:<34}{value / GB:>14.2f}" for name, value in self.device.items()]
-    lines.append(f"{'total (with remat if enabled)':<34}{self.device_total / GB:>14.2f}")
+    lines = [f"{'resident (GB per device)':<34}"]
+    lines += [f"  {name:<32}{value / GB:>10.2f}" for name, value in self.resident.items()]
+    lines.append(f"{'program (GB per device)':<34}{'adds':>10}{'peak':>10}")
+    lines += [f"  {name:<32}{added / GB:>10.2f}{self.peak(name) / GB:>10.2f}"
+              for name, added in self.programs.items()]
+    lines.append(f"{'peak':<34}{self.device_total / GB:>20.2f}")
     if self.device_capacity > 0:
-      lines.append(f"{'capacity':<34}{self.device_capacity / GB:>14.2f}")
+      lines.append(f"{'capacity':<34}{self.device_capacity / GB:>20.2f}")
     lines.append(f"{'host: buffer KV per snapshot (max)':<34}"
-                 f"{self.host_buffer_bytes / GB:>14.2f}")
+                 f"{self.host_buffer_bytes / GB:>20.2f}")
     return "\n".join(lines)
 
 
@@ -53,46 +77,91 @@ def kv_bytes_per_token(cfg: qwen3.Qwen3Config, kv_dtype: str) -> int:
   return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(kv_dtype)
 
 
-def make_plan(config, cfg: qwen3.Qwen3Config, num_devices: int,
-              device_bytes: float = 0.0) -> Plan:
-  data, fsdp, tensor = sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)
+def _split(size: int, logical: str, mesh, rules) -> int:
+  """How many ways one dim of this logical axis and size is split on the mesh."""
+  spec = sharding.logical_to_spec((logical,), (size,), mesh, rules)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def params_bytes(cfg: qwen3.Qwen3Config, mesh, rules, itemsize: int) -> float:
+  """Bytes one device holds of the params under these rules."""
+  import jax  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
+  axes = qwen3.param_logical_axes(cfg)
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+  total = 0.0
+  for logical, leaf in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(shapes)):
+    spec = sharding.logical_to_spec(logical, leaf.shape, mesh, rules)
+    split = math.prod(math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
+                      for s in spec if s is not None)
+    total += math.prod(leaf.shape) * itemsize / split
+  return total
+
+
+def make_plan(config, cfg: qwen3.Qwen3Config, num_devices: int, device_bytes: float = 0.0,
+              native_16bit: bool = True) -> Plan:
+  shape = sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)
+  mesh = types.SimpleNamespace(shape=dict(zip(sharding.MESH_AXES, shape)))
+  rules = tuple(tuple(r) for r in config.mesh.rules)
+  decode_rules = tuple(tuple(r) for r in config.mesh.decode_rules)
   r, t, m = config.rollout, config.train, config.model
-  p_bytes = dtype_bytes(m.dtype)
-  weight_shards = fsdp * tensor
-  params = cfg.num_params() * p_bytes / weight_shards
-  kv_heads_split = tensor if cfg.num_kv_heads % tensor == 0 else 1
+  L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  cb, kvb = dtype_bytes(m.dtype), dtype_bytes(m.kv_dtype)
   max_len = config.data.max_prompt_len + r.max_response_len
-  slots_per_device = math.ceil(r.num_slots / (data * fsdp))
-  kv = slots_per_device * max_len * kv_bytes_per_token(cfg, m.kv_dtype) / kv_heads_split
 
-  batch = r.batch_size * r.n_samples_per_prompt
-  micro = math.ceil(batch / (t.num_minibatches * t.num_microbatches) / (data * fsdp))
-  D, F, N, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim
-  # Per layer and token: the residual input, q/k/v/attention output, the MLP's gate, up
-  # and hidden (F-wide) tensors; attention scores are per head, T x T.
-  per_token_layer = (4 * D + 3 * N * H / tensor + 3 * F / tensor) * p_bytes
-  scores = micro * (N / tensor) * max_len * max_len * 4
-  no_remat = cfg.num_layers * (micro * max_len * per_token_layer + scores)
-  remat = cfg.num_layers * micro * max_len * D * p_bytes + micro * max_len * per_token_layer + scores
-  logits_chunk = micro * t.logprob_chunk * cfg.vocab_size * 4 * 3 / tensor  # logits, softmax, grad
+  # ---- resident
+  masters = params_bytes(cfg, mesh, rules, 4)
+  decode_params = params_bytes(cfg, mesh, decode_rules, cb)
+  slots = r.num_slots / _split(r.num_slots, "batch", mesh, decode_rules)
+  kv_heads = K / _split(K, "kv_heads", mesh, decode_rules)
+  kv_cache = 2 * L * slots * kv_heads * max_len * H * kvb
+  resident = {"master params (float32)": masters,
+              "optimizer state (float32)": 2 * masters,
+              "decode params": decode_params,
+              "slot state (KV cache)": kv_cache + slots * max_len * 12}
+  if t.kl_coef > 0:
+    resident["reference params"] = params_bytes(cfg, mesh, rules, cb)
 
-  device = {
-      "params": params,
-      "optimizer state (AdamW)": 2 * params,
-      "gradients (transient)": params,
-      "reference params (KL)": params if t.kl_coef > 0 else 0.0,
-      "KV cache (slots)": kv,
-      "activations, no remat": no_remat,
-      "activations, remat": remat,
-      "logits chunk": logits_chunk,
+  # ---- what each program adds
+  upcast = 0.0 if native_16bit or cb == 4 else 2 * decode_params  # 16-bit weights as f32
+  heads_tp = N / _split(N, "heads", mesh, decode_rules)
+  mlp_tp = F / _split(F, "mlp", mesh, decode_rules)
+  seq_kv = 2 * L * max_len * kv_heads * H * kvb  # one sequence's KV at the longest bucket
+  chunk = min(m.attention_chunk, max_len)
+  prefill_act = max_len * 4 * (3 * heads_tp * chunk + 3 * mlp_tp + 4 * D)
+  snapshot_width = 4
+  logits = slots * V / _split(V, "vocab", mesh, decode_rules) * 4
+  programs = {
+      "prefill": seq_kv + prefill_act + upcast,
+      "insert": seq_kv,
+      "insert_rows (restore)": 3 * snapshot_width * seq_kv,
+      "decode": 3 * logits + 2 * slots * kv_heads * min(1024, max_len) * H * 4 + upcast,
+      "extract_kv (snapshot)": 1.5 * snapshot_width * seq_kv,
+      "decode_params (cast)": decode_params + (masters if num_devices > 1 else 0.0),
   }
-  activations = remat if m.remat else no_remat
-  total = (params * 4 + device["reference params (KL)"] + kv + activations + logits_chunk)
-  # A sample carries KV only if it was in a slot at a snapshot: at most num_slots of them
-  # per step, each at most max_len tokens.
-  host = (r.num_slots * max_len * kv_bytes_per_token(cfg, m.kv_dtype)
-          if r.resume_mode == "kv" else 0.0)
-  return Plan(device=device, host_buffer_bytes=host, device_total=total,
+  # The learner: one microbatch of `rows` rows per device at the longest length bucket.
+  T = batch_lib.bucket_len(max_len, max_len=max_len)
+  batch_devices = _split(1 << 20, "batch", mesh, rules)
+  rows = max(1, r.batch_size * r.n_samples_per_prompt
+             // (t.num_minibatches * t.num_microbatches) // batch_devices)
+  if not (t.microbatch_by_length and t.num_microbatches > 1):
+    rows *= t.num_microbatches  # one fused call over every microbatch
+  heads_t = N / _split(N, "heads", mesh, rules)
+  mlp_t = F / _split(F, "mlp", mesh, rules)
+  vocab_t = V / _split(V, "vocab", mesh, rules)
+  layer_act = rows * T * 4 * (4 * D + 3 * mlp_t + 3 * heads_t * chunk)
+  logits_chunk = 3 * rows * min(t.logprob_chunk, T) * vocab_t * 4
+  saved = (L if m.remat else 3 * L) * rows * T * D * cb
+  full_layer = masters / L * min(num_devices, 8)  # one layer's gathered weights, float32
+  programs["old logprobs"] = layer_act + logits_chunk + full_layer / 2
+  programs["gradients"] = (masters + masters + saved + 2 * layer_act + logits_chunk
+                           + full_layer)
+  programs["optimizer update"] = masters + 1.8 * masters
+  host = r.num_slots * max_len * kv_bytes_per_token(cfg, m.kv_dtype) if (
+      r.resume_mode == "kv") else 0.0
+  return Plan(resident=resident, programs=programs, host_buffer_bytes=host,
               device_capacity=device_bytes)
 
 
@@ -106,31 +175,53 @@ def check_fits(plan: Plan) -> None:
 
 def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
   """From an HF config.json if given, else model.path's, else model.init."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   from april_jax.models import hf_io  # pylint: disable=g-import-not-at-top
   path = hf_config_json or (os.path.join(config.model.path, "config.json")
                             if config.model.path else "")
   if path:
     with open(path, encoding="utf-8") as f:
-      return hf_io.config_from_hf(json.load(f), source=path)
-  from april_jax.trainer import model_config_from_init  # pylint: disable=g-import-not-at-top
-  return model_config_from_init(config.model.init)
+      cfg = hf_io.config_from_hf(json.load(f), source=path)
+  else:
+    init = config.model.init
+    if min(init.vocab_size, init.hidden_size, init.num_layers, init.num_heads) < 1:
+      raise ValueError("the config has no model shape: set config.model.path to an HF "
+                       "folder, pass --model_config=<config.json>, or fill config.model.init")
+    cfg = qwen3.Qwen3Config.from_init(init)
+  return dataclasses.replace(cfg, attention=config.model.attention,
+                             attention_chunk=config.model.attention_chunk)
 
 
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  cfg = model_config(f.config, f.model_config)
+  if f.compile:  # fake CPU devices, before JAX starts its backends
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={f.devices or 8}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = model_config(f.config, f.model_config)
+  except (ValueError, OSError) as e:
+    print(f"april_jax.plan: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   devices = f.devices or len(jax.devices())
-  plan = make_plan(f.config, cfg, devices, f.device_gb * GB)
+  capacity = f.device_memory_gb * GB
   print(f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh "
         f"{sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices)}")
-  print(plan.table())
-  print("fits" if plan.fits else "DOES NOT FIT")
-  if not plan.fits:
+  if f.compile:
+    from april_jax import compile_check  # pylint: disable=g-import-not-at-top
+    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
+    report = compile_check.check(f.config, cfg, mesh, capacity)
+    print(report.table())
+    print(json.dumps(report.to_json(), sort_keys=True))
+    fits = report.fits
+  else:
+    plan = make_plan(f.config, cfg, devices, capacity)
+    print(plan.table())
+    print("fits" if plan.fits else "DOES NOT FIT")
+    fits = plan.fits
+  if not fits:
     raise SystemExit(3)
 
 
@@ -140,7 +231,10 @@ if __name__ == "__main__":
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
   flags.DEFINE_string("model_config", "", "HF config.json giving the model shape.")
-  flags.DEFINE_integer("devices", 0, "Devices to plan for (0 = those JAX sees).")
-  flags.DEFINE_float("device_gb", 0.0, "Memory per device in GB (0 = do not check).")
+  flags.DEFINE_integer("devices", 0, "Devices to plan for (0 = those JAX sees; "
+                       "8 with --compile).")
+  flags.DEFINE_float("device_memory_gb", 0.0, "Memory per device in GB (0 = do not check).")
+  flags.DEFINE_bool("compile", False, "Compile every program at the config's shapes on "
+                    "fake CPU devices and report XLA's memory and collectives.")
   flags.mark_flags_as_required(["config"])
   app.run(main)

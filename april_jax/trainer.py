@@ -41,15 +41,6 @@ from april_jax.shared_stream import SharedPromptStream
 from april_jax.tokenizer import Tokenizer
 
 
-def model_config_from_init(init) -> qwen3.Qwen3Config:
-  return qwen3.Qwen3Config(
-      vocab_size=init.vocab_size, hidden_size=init.hidden_size,
-      intermediate_size=init.intermediate_size, num_layers=init.num_layers,
-      num_heads=init.num_heads, num_kv_heads=init.num_kv_heads, head_dim=init.head_dim,
-      rope_theta=init.rope_theta, rms_norm_eps=init.rms_norm_eps,
-      tie_word_embeddings=init.tie_word_embeddings)
-
-
 class Trainer:
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
@@ -60,7 +51,7 @@ class Trainer:
     self.task = None
     self.model_cfg = dataclasses.replace(
         hf_io.load_config(c.model.path) if c.model.path
-        else model_config_from_init(c.model.init),
+        else qwen3.Qwen3Config.from_init(c.model.init),
         attention=c.model.attention, attention_chunk=c.model.attention_chunk)
     self._check_memory()  # before any weight is allocated
     # Master weights are float32 whatever the compute dtype (see rl/update.py).
@@ -132,7 +123,8 @@ class Trainer:
     if not capacity:
       stats = jax.local_devices()[0].memory_stats() or {}
       capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
-    plan = plan_lib.make_plan(self.config, self.model_cfg, jax.device_count(), capacity)
+    plan = plan_lib.make_plan(self.config, self.model_cfg, jax.device_count(), capacity,
+                              native_16bit=jax.default_backend() != "cpu")
     logging.info("memory plan:\n%s", plan.table())
     plan_lib.check_fits(plan)
 

@@ -90,9 +90,9 @@ def test_paper_configs_need_a_model_and_data_and_say_so():
 
 
 def test_gpu_bench_config_variants_have_real_shapes():
-  from april_jax.trainer import model_config_from_init  # pylint: disable=g-import-not-at-top
-  small = model_config_from_init(load("gpu_bench", "qwen3_0_6b").model.init)
-  large = model_config_from_init(load("gpu_bench", "qwen3_4b").model.init)
+  from april_jax.models.qwen3 import Qwen3Config  # pylint: disable=g-import-not-at-top
+  small = Qwen3Config.from_init(load("gpu_bench", "qwen3_0_6b").model.init)
+  large = Qwen3Config.from_init(load("gpu_bench", "qwen3_4b").model.init)
   assert 0.59e9 < small.num_params() < 0.61e9 and 4.0e9 < large.num_params() < 4.1e9
   with pytest.raises(ValueError, match="variant 'qwen3_9b'"):
     load("gpu_bench", "qwen3_9b")

@@ -14,12 +14,12 @@ import numpy as np
 
 from april_jax.benchmarks import common, sampler_bench, scheduler_bench
 from april_jax.models import qwen3
-from april_jax.trainer import model_config_from_init
+from april_jax.models.qwen3 import Qwen3Config
 
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0, report=None) -> dict:
-  cfg = model_config_from_init(config.model.init)
+  cfg = Qwen3Config.from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
   modes = ("kv", "recompute")
   sides = {m: scheduler_bench.make_side(cfg, params, config, shape, True, ratio, seed,

@@ -20,7 +20,7 @@ from april_jax.models import qwen3
 from april_jax.rollout import (AprilScheduler, PromptItem, RewardRunner, RolloutSettings,
                                rollout_metrics)
 from april_jax.sampler import EngineConfig, SlotEngine
-from april_jax.trainer import model_config_from_init
+from april_jax.models.qwen3 import Qwen3Config
 
 PROMPT_LEN = 16
 
@@ -105,7 +105,7 @@ def add_plots(report, out: dict, results: dict, shape: str, max_len: int) -> Non
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0, report=None) -> dict:
-  cfg = model_config_from_init(config.model.init)
+  cfg = Qwen3Config.from_init(config.model.init)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
   sides = {"april": make_side(cfg, params, config, shape, True, ratio, seed),
            "baseline": make_side(cfg, params, config, shape, False, 1.0, seed)}

@@ -71,6 +71,16 @@ class Qwen3Config:
     if self.attention_chunk < 1:
       raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
 
+  @classmethod
+  def from_init(cls, init) -> "Qwen3Config":
+    """From a config's `model.init` section (a random init, or a known model's shape)."""
+    return cls(vocab_size=init.vocab_size, hidden_size=init.hidden_size,
+               intermediate_size=init.intermediate_size, num_layers=init.num_layers,
+               num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
+               head_dim=init.head_dim, rope_theta=init.rope_theta,
+               rms_norm_eps=init.rms_norm_eps,
+               tie_word_embeddings=init.tie_word_embeddings)
+
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
     attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
