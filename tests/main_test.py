@@ -61,6 +61,18 @@ def test_tiny_run_learns_the_builtin_task(tmp_path, partial):
   assert "step 60/60" in out
 
 
+def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
+  proc = _main(tmp_path, "--config.model.dtype=bfloat16", "--config.model.kv_dtype=bfloat16",
+               "--config.num_steps=2", "--config.eval_every=1", "--config.train.sft_steps=2",
+               "--config.eval.num_prompts=4")
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  metrics = _read_jsonl(tmp_path / "metrics.jsonl")
+  assert [m["step"] for m in metrics] == [0, 1]
+  assert all("eval/pass@1" in m and np.isfinite(m["train/loss"]) for m in metrics)
+  assert "step 2/2" in out
+
+
 def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
   steps = ["--config.num_steps=6", "--config.checkpoint_every=2", "--config.eval_every=0",
            "--config.train.sft_steps=20"]
@@ -120,4 +132,4 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
   proc = _main(tmp_path, "--config.mesh.device_memory_gb=0.001")
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 3, err[-2000:]
-  assert "GB per device but a device holds 0.0 GB" in err and "KV cache (slots)" in err
+  assert "GB per device but a device holds 0.0 GB" in err and "slot state (KV cache)" in err

@@ -1,51 +1,174 @@
-"""The memory planner's exact items against the arithmetic, and its refusal."""
+"""The real configs at their real shapes: every program compiled on 8 fake CPU devices
+(no weights) fits, gathers no KV cache, shards optimizer state and microbatches; the
+arithmetic plan agrees with the compiled programs."""
 
+import dataclasses
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
 import pytest
 
-from april_jax import plan
-from april_jax.models import hf_io
+from april_jax import compile_check, plan, sharding
+from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.models import hf_io, qwen3
+from april_jax.rl import update as update_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "model_configs"
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 
 
-def _config(name):
+def _config(name, arg=None):
   spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(arg)
 
 
-def _qwen3_8b():
-  path = SHARED / "qwen3-8b.config.json"
-  if not path.is_file():
-    pytest.skip("shared model configs are absent")
-  return hf_io.config_from_hf(json.loads(path.read_text()))
+_REPORTS = {}
 
 
-def test_param_and_kv_bytes_match_the_arithmetic():
-  cfg, config = _qwen3_8b(), _config("qwen3_8b")
+def _compiled(name, devices, gb):
+  """The compile check of configs/<name>.py (compiled once per test session)."""
+  if name not in _REPORTS:
+    config = _config(name)
+    cfg = plan.model_config(config)
+    mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:devices])
+    _REPORTS[name] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
+  return _REPORTS[name]
+
+
+def test_shipped_shapes_are_the_released_qwen3_configs():
+  for name in ("qwen3_4b", "qwen3_8b"):
+    path = SHARED / f"{name.replace('_', '-')}.config.json"
+    if not path.is_file():
+      pytest.skip("shared model configs are absent")
+    from_hf = hf_io.config_from_hf(json.loads(path.read_text()))
+    assert plan.model_config(_config(name)) == dataclasses.replace(from_hf, attention="auto")
+    assert QWEN3_SHAPES[name]["hidden_size"] == from_hf.hidden_size
+
+
+def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
+  config = _config("qwen3_8b")
+  cfg = plan.model_config(config)
   p = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
-  # bf16 params, fully sharded over 8 devices (mesh (1, 8, 1)).
-  assert p.device["params"] == cfg.num_params() * 2 / 8
-  assert p.device["optimizer state (AdamW)"] == 2 * p.device["params"]
-  # KV: 128 slots over 8 devices, 1024 + 8192 tokens, 2 x 36 layers x 8 heads x 128 x 2 B.
-  assert p.device["KV cache (slots)"] == 16 * 9216 * (2 * 36 * 8 * 128 * 2)
-  assert p.device["reference params (KL)"] == 0.0  # kl_coef is 0
+  masters = p.resident["master params (float32)"]
+  # Every matrix divides by 8; the RMSNorm weights (L x (2D + 2H) + D) are replicated.
+  norms = 36 * (2 * 4096 + 2 * 128) + 4096
+  assert masters == (cfg.num_params() - norms) * 4 / 8 + norms * 4
+  assert p.resident["optimizer state (float32)"] == 2 * masters
+  assert p.resident["decode params"] == (cfg.num_params() - norms) * 2 / 8 + norms * 2
+  # KV: 128 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
+  # 8192 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
+  assert p.resident["slot state (KV cache)"] == 2 * 36 * 128 * 1 * 9216 * 128 * 2 + 128 * 9216 * 12
   assert p.host_buffer_bytes == 128 * 9216 * 147456
   assert p.fits
 
 
-def test_remat_shrinks_activations_and_a_config_that_cannot_fit_is_refused():
-  cfg, config = _qwen3_8b(), _config("qwen3_8b")
-  p = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
-  assert p.device["activations, remat"] < p.device["activations, no remat"] / 10
+def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
+  config = _config("qwen3_8b")
   config.rollout.num_slots = 4096
-  too_big = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
+  too_big = plan.make_plan(config, plan.model_config(config), 8, 80e9)
   assert not too_big.fits
   with pytest.raises(MemoryError, match="needs .* GB per device but a device holds 80.0 GB"):
     plan.check_fits(too_big)
+
+
+def test_planner_cli_names_a_missing_model_shape():
+  out = subprocess.run([sys.executable, "-m", "april_jax.plan",
+                        "--config=configs/tiny.py", "--config.model.init.hidden_size=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2 and "no model shape" in out.stderr
+
+
+@needs_8
+def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
+  config, cfg, report = _compiled("qwen3_8b", 8, 80)
+  names = [p.name for p in report.programs]
+  for expected in ("prefill", "insert", "insert_rows (restore)", "decode",
+                   "extract_kv (snapshot)", "decode_params (cast)", "old logprobs",
+                   "gradients", "optimizer update"):
+    assert expected in names
+  assert report.fits, report.table()
+  assert report.peak_bytes < 80e9
+
+
+@needs_8
+def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only():
+  _, cfg, report = _compiled("qwen3_8b", 8, 80)
+  cache = report.resident["slot state (KV cache)"]  # one device's share (21.8 GB)
+  sampler = ("prefill", "insert", "insert_rows (restore)", "decode", "extract_kv (snapshot)")
+  for program in report.programs:
+    assert program.largest_collective() < cache / 8, (program.name, program.collectives)
+    if program.name in sampler:
+      # Tensor-parallel decode: activations (at most a prefill's [9216, 4096] float32
+      # all-reduce, 0.15 GB), never weights or KV.
+      assert program.largest_collective() < 0.01 * cache, (program.name, program.collectives)
+  insert = next(p for p in report.programs if p.name == "insert")
+  assert insert.temp_bytes < 0.01 * cache  # written in place, not copied
+  decode = next(p for p in report.programs if p.name == "decode")
+  assert decode.alias_bytes >= cache  # the slot state is updated in place
+
+
+@needs_8
+def test_optimizer_state_is_sharded_like_the_params():
+  config = _config("qwen3_8b")
+  cfg = plan.model_config(config)
+  mesh = sharding.make_mesh(tuple(config.mesh.shape))
+  t = config.train
+  static = update_lib.make_static(cfg, t, 1.0, True, "bfloat16")
+  optimizer, _ = update_lib.make_optimizer(t, 100)
+  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
+  progs = update_lib.build_programs(static, optimizer, shapes, mesh)
+  masters = compile_check._abstract(shapes, progs.param_sh)  # pylint: disable=protected-access
+  opt = compile_check._abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)  # pylint: disable=protected-access
+  params_share = compile_check.device_bytes(masters)
+  norms = 36 * (2 * 4096 + 2 * 128) + 4096  # replicated
+  assert params_share == (cfg.num_params() - norms) * 4 / 8 + norms * 4
+  # mu and nu, each exactly the params' share; step counts are a few bytes.
+  assert 2 * params_share <= compile_check.device_bytes(opt) < 2 * params_share + 1024
+  compiled = progs.init_opt.lower(masters).compile()
+  assert compiled.memory_analysis().output_size_in_bytes < 2 * params_share + 1024
+
+
+@needs_8
+def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
+  config = _config("qwen3_8b")
+  r, t = config.rollout, config.train
+  rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
+  mesh = sharding.make_mesh(tuple(config.mesh.shape))
+  shape = (1, rows, 9216)
+  assert update_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 9216)
+  from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
+  validate.validate_for_devices(config, 8)
+  config.train.num_microbatches = 16  # 4 rows cannot split over 8 devices
+  with pytest.raises(validate.ConfigError, match="4 rows .* multiple of the 8 devices"):
+    validate.validate_for_devices(config, 8)
+
+
+@needs_8
+@pytest.mark.parametrize("name,devices,gb", [("qwen3_8b", 8, 80), ("qwen3_4b", 1, 141)])
+def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, devices, gb):
+  config, cfg, report = _compiled(name, devices, gb)
+  arithmetic = plan.make_plan(config, cfg, devices, gb * 1e9, native_16bit=False)
+  assert arithmetic.resident_total == pytest.approx(report.resident_bytes, rel=1e-6)
+  for program in report.programs:
+    compiled, estimated = report.peak(program), arithmetic.peak(program.name)
+    assert abs(estimated - compiled) <= 0.15 * compiled, (program.name, estimated, compiled)
+  assert report.fits and arithmetic.fits
+
+
+def test_hlo_collectives_are_parsed_with_their_bytes():
+  hlo = """
+  %all-gather.1 = bf16[36,4096,128]{2,1,0} all-gather(%p), dimensions={0}
+  %ar = (f32[4096]{0}, f32[8,2]{1,0}) all-reduce(%a, %b), to_apply=%add
+  %rs = f32[16]{0} reduce-scatter-start(%x)
+  %c = f32[4]{0} add(%x, %y)
+  """
+  assert compile_check.collectives(hlo) == [("all-gather", 36 * 4096 * 128 * 2),
+                                            ("all-reduce", 4096 * 4 + 16 * 4),
+                                            ("reduce-scatter", 64)]

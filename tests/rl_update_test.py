@@ -203,7 +203,37 @@ def test_sharded_update_equals_unsharded(params):
   m_plain, m_sharded = plain.update(batch), sharded.update(batch)
   assert m_plain["train/loss"] == pytest.approx(m_sharded["train/loss"], abs=1e-5)
   q = sharded.params["layers"]["q"]
+  assert q.dtype == jnp.float32  # the masters
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  mu_q = sharded.opt_state[1][0].mu["layers"]["q"]  # AdamW's first moment: like its param
+  assert mu_q.dtype == jnp.float32 and mu_q.sharding.spec == q.sharding.spec
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        atol=2e-5), plain.params,
                sharded.params)
+
+
+def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
+  params = qwen3.init_params(CFG, jax.random.key(1), std=0.02)
+  batch = _rollout_batch(params, seed=3)
+  learner = Learner(CFG, params, _train_config(lr=1e-6), TEMPERATURE, 1,
+                    compute_dtype="bfloat16")
+  masters_before = jax.tree.map(np.asarray, learner.params)
+  decoded_before = jax.tree.map(np.asarray, learner.decode_params())
+  assert learner.params["layers"]["q"].dtype == jnp.float32
+  assert decoded_before["layers"]["q"].dtype == jnp.bfloat16
+  learner.update(batch)
+  masters_after = jax.tree.map(np.asarray, learner.params)
+  decoded_after = jax.tree.map(np.asarray, learner.decode_params())
+  q0, q1 = masters_before["layers"]["q"], masters_after["layers"]["q"]
+  # Adam's first step moves every weight with a gradient by about lr.
+  moved = np.abs(q1 - q0)
+  assert np.mean(moved > 0) > 0.9 and np.median(moved[moved > 0]) == pytest.approx(1e-6, rel=0.2)
+  # The float32 masters carry the change into the bf16 copy wherever it crosses a rounding
+  # boundary; held in bf16 itself (bf16(w) + 1e-6 == bf16(w)) the step would be lost.
+  changed = sum(int(np.sum(a != b)) for a, b in zip(jax.tree.leaves(decoded_after),
+                                                    jax.tree.leaves(decoded_before)))
+  assert changed > 20
+  q16 = np.asarray(jnp.asarray(q0, jnp.bfloat16))
+  lost = np.asarray(jnp.asarray(q16) + jnp.asarray(np.sign(q1 - q0) * 1e-6, jnp.bfloat16))
+  big = np.abs(q0) > 1e-3  # half a bf16 ulp exceeds 1e-6 here
+  assert big.mean() > 0.9 and np.array_equal(lost[big], q16[big])

@@ -43,8 +43,11 @@ def test_sharded_forward_equals_unsharded_and_params_are_sharded(hf_model_dir):
   batch = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))))
   out_sharded = qwen3.forward_jit(cfg, sharded, batch)
   out_single = qwen3.forward_jit(cfg, params, jnp.asarray(tokens))
-  np.testing.assert_allclose(np.asarray(out_sharded), np.asarray(out_single),
-                             atol=1e-5, rtol=1e-6)  # float32 reduction order
+  # Sharding changes only the order of float32 sums: each of the ~8 sums deep in the
+  # network may differ by a few ulp of its magnitude, so the bound scales with the logits.
+  out_single = np.asarray(out_single)
+  atol = 2**6 * np.finfo(np.float32).eps * np.abs(out_single).max()
+  np.testing.assert_allclose(np.asarray(out_sharded), out_single, atol=atol, rtol=0)
 
 
 def test_params_initialised_directly_sharded_match_unsharded_init():

@@ -1,4 +1,5 @@
-"""Mode `sampler`: april_jax decode vs transformers' generate, and snapshot/restore cost.
+"""Mode `sampler`: april_jax decode vs transformers' generate and vs a plain static-batch
+JAX sampler, and snapshot/restore cost.
 
 Same random tiny Qwen3 (saved by april_jax, loaded by transformers), same prompts, same
 batch, greedy, every sequence forced to the same number of new tokens. Both sides are
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
-from april_jax.benchmarks import common
+from april_jax.benchmarks import common, static_sampler
 from april_jax.models import hf_io, qwen3
 
 BENCH_MODELS = {
@@ -109,8 +110,15 @@ def run_one(cfg: qwen3.Qwen3Config, batch: int, prompt_len: int, new_tokens: int
                             sync_every=sync_every, kv_dtype=kv_dtype)
   ours()  # warm-up: compiles
   ours_s, ours_out = common.best_of(repeats, ours)
+  stacked = jnp.asarray(np.stack(prompts))
+  static = lambda: np.asarray(static_sampler.greedy(cfg, params, stacked, new_tokens))
+  static()  # warm-up: compiles
+  static_s, static_out = common.best_of(repeats, static)
   tokens = batch * new_tokens
-  out = {"model_params": cfg.num_params(), "april_jax_tokens_per_s": tokens / ours_s}
+  out = {"model_params": cfg.num_params(), "april_jax_tokens_per_s": tokens / ours_s,
+         "static_tokens_per_s": tokens / static_s, "slots_vs_static": static_s / ours_s,
+         "static_outputs_equal_frac": float(np.mean([np.array_equal(a, b) for a, b in
+                                                     zip(ours_out, static_out)]))}
   if hf:
     with tempfile.TemporaryDirectory() as model_dir:
       hf_io.save_pretrained(model_dir, cfg, params)
@@ -138,8 +146,9 @@ def run(models=("tiny", "small"), batch: int = 16, prompt_len: int = 32,
         hbm_gbps: float = 0.0) -> dict:
   result = {"mode": "sampler", "batch": batch, "prompt_len": prompt_len,
             "new_tokens": new_tokens, "machine": common.machine()}
-  print(f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'transformers tok/s':>19} "
-        f"{'ratio':>6} {'equal':>6} {'kv us/tok':>10} {'recompute us/tok':>17}")
+  print(f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'static tok/s':>13} "
+        f"{'ratio':>6} {'transformers tok/s':>19} {'ratio':>6} {'equal':>6} {'kv us/tok':>10} "
+        f"{'recompute us/tok':>17}")
   for name in models:
     r = run_one(BENCH_MODELS[name], batch, prompt_len, new_tokens, repeats, sync_every, seed,
                 hf=hf, dtype=dtype, hbm_gbps=hbm_gbps)
@@ -148,6 +157,7 @@ def run(models=("tiny", "small"), batch: int = 16, prompt_len: int = 32,
     r.setdefault("greedy_outputs_equal_frac", float("nan"))
     result.update({f"{name}_{k}": v for k, v in r.items()})
     print(f"{name:>6} {r['model_params']:>10,} {r['april_jax_tokens_per_s']:>16.1f} "
+          f"{r['static_tokens_per_s']:>13.1f} {r['slots_vs_static']:>5.2f}x "
           f"{r['transformers_tokens_per_s']:>19.1f} {r['speedup_vs_transformers']:>5.2f}x "
           f"{r['greedy_outputs_equal_frac']:>6.0%} {r['resume_kv_us_per_token']:>10.2f} "
           f"{r['resume_recompute_us_per_token']:>17.2f}", flush=True)
@@ -155,16 +165,19 @@ def run(models=("tiny", "small"), batch: int = 16, prompt_len: int = 32,
       print(f"{'':>6} memory-bandwidth bound {r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s"
             f" -> {r['bandwidth_utilisation']:.0%} of it", flush=True)
   if report is not None:
-    report.table("Decode, april_jax vs transformers", [
-        "model", "params", "april_jax tokens/s", "transformers tokens/s", "ratio",
-        "greedy outputs equal", "kv us/token", "recompute us/token"],
+    report.table("Decode, april_jax vs a static-batch JAX sampler and transformers", [
+        "model", "params", "april_jax tokens/s", "static tokens/s", "ratio",
+        "transformers tokens/s", "ratio", "greedy outputs equal", "kv us/token",
+        "recompute us/token"],
                  [[name] + [result[f"{name}_{k}"] for k in (
-                     "model_params", "april_jax_tokens_per_s", "transformers_tokens_per_s",
+                     "model_params", "april_jax_tokens_per_s", "static_tokens_per_s",
+                     "slots_vs_static", "transformers_tokens_per_s",
                      "speedup_vs_transformers", "greedy_outputs_equal_frac",
                      "resume_kv_us_per_token", "resume_recompute_us_per_token")]
                   for name in models])
     for name in models:
       report.bars(f"decode_{name}", "tokens/s",
                   {"april_jax": result[f"{name}_april_jax_tokens_per_s"],
+                   "static JAX": result[f"{name}_static_tokens_per_s"],
                    "transformers": result[f"{name}_transformers_tokens_per_s"]})
   return result
