@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Every benchmark mode on one NVIDIA GPU at a real Qwen3 shape (random weights), sized to
-# finish within about 10 minutes on an H100/H200; prints a short table at the end.
+# Every benchmark mode on one NVIDIA GPU at real Qwen3 shapes (random weights), sized to
+# finish within about 8 minutes on an H100/H200; prints a short table at the end: decode
+# tokens/s against the memory-bandwidth bound for the Qwen3-0.6B and 4B shapes (and
+# against a plain static-batch JAX sampler), then APRIL vs the baseline and kv vs
+# recompute resume at the MODEL shape.
 #
-#   bash launch/bench_gpu.sh                     # Qwen3-0.6B shape
-#   MODEL=qwen3_4b bash launch/bench_gpu.sh      # Qwen3-4B shape
+#   bash launch/bench_gpu.sh                     # scheduler and resume at Qwen3-0.6B
+#   MODEL=qwen3_4b bash launch/bench_gpu.sh      # ... at Qwen3-4B
 #
-# Install first: bash launch/install_gpu.sh cuda
+# Install first: bash launch/install_gpu.sh cuda (or, offline, the machine's own jax with
+# PYTHONPATH pointing at this checkout).
 #
 # XLA flags used, and why:
 #   --xla_gpu_enable_latency_hiding_scheduler  overlap collectives/copies with compute
@@ -26,8 +30,8 @@ run() {  # mode name, then flags; keeps the JSON line
   tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
 }
 
-run sampler --mode=sampler --models="$MODEL" --hf=false --dtype=bfloat16 --batch=64 \
-    --prompt_len=256 --new_tokens=512 --repeats=2
+run sampler --mode=sampler --models=qwen3_0_6b,qwen3_4b --hf=false --dtype=bfloat16 \
+    --batch=64 --prompt_len=256 --new_tokens=512 --repeats=2
 run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
     --max_response_len=2048
 run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 --max_response_len=1024
@@ -37,11 +41,14 @@ import json, sys
 out, model = sys.argv[1], sys.argv[2]
 load = lambda name: json.load(open(f"{out}/{name}.json"))
 s, sch, res = load("sampler"), load("scheduler"), load("resume")
-print(f"\n{model} on {s['machine']['device_kind']}")
-print(f"  decode tokens/s            {s[model + '_april_jax_tokens_per_s']:>12,.0f}")
-if model + "_bandwidth_bound_tokens_per_s" in s:
-  print(f"  bandwidth bound tokens/s   {s[model + '_bandwidth_bound_tokens_per_s']:>12,.0f}"
-        f"  ({s[model + '_bandwidth_utilisation']:.0%} of it)")
+print(f"\non {s['machine']['device_kind']}")
+for m in ("qwen3_0_6b", "qwen3_4b"):
+  print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
+        f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f})")
+  if m + "_bandwidth_bound_tokens_per_s" in s:
+    print(f"  bandwidth bound tokens/s   {s[m + '_bandwidth_bound_tokens_per_s']:>12,.0f}"
+          f"  ({s[m + '_bandwidth_utilisation']:.0%} of it)")
+print(model)
 print(f"  APRIL vs baseline          {sch['speedup']:>11.2f}x  (occupancy "
       f"{sch['april_slot_occupancy']:.2f} vs {sch['baseline_slot_occupancy']:.2f})")
 print(f"  resume kv vs recompute     {res['kv_us_per_held_token']:.2f} vs "

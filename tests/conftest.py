@@ -1,10 +1,22 @@
 """Shared test set-up: 8 CPU devices for sharding tests, tiny random HF Qwen3 models."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, inherited by the `python -m
+# april_jax.main` subprocesses: each compiles the same small programs, and XLA's compile
+# is most of a tiny run's start-up. Entries are keyed by program, shapes and devices, so a
+# cached executable is the one a fresh compile would give.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 from pathlib import Path  # pylint: disable=g-import-not-at-top
 

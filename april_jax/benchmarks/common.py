@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -10,6 +11,9 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+
+from april_jax.models import qwen3
 
 
 def machine() -> dict[str, Any]:
@@ -26,6 +30,17 @@ def hbm_gbps() -> float:
   """The device's memory bandwidth if its kind is known, else 0 (no roofline)."""
   kind = jax.devices()[0].device_kind
   return next((v for k, v in HBM_GBPS.items() if k in kind), 0.0)
+
+
+def bench_model(config, seed: int):
+  """The config's model shape and random params as the run's sampler holds them: in the
+  compute dtype (`model.dtype`), with the config's attention settings."""
+  cfg = qwen3.Qwen3Config.from_init(config.model.init)
+  cfg = dataclasses.replace(cfg, attention=config.model.attention,
+                            attention_chunk=config.model.attention_chunk)
+  params = qwen3.init_params(cfg, jax.random.key(seed), dtype=jnp.dtype(config.model.dtype),
+                             std=config.model.init.std)
+  return cfg, params
 
 
 def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:

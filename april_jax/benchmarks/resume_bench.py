@@ -9,18 +9,14 @@ token (snapshot + restore alone, from the sampler benchmark's measurement).
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from april_jax.benchmarks import common, sampler_bench, scheduler_bench
-from april_jax.models import qwen3
-from april_jax.models.qwen3 import Qwen3Config
 
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0, report=None) -> dict:
-  cfg = Qwen3Config.from_init(config.model.init)
-  params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
+  cfg, params = common.bench_model(config, seed)
   modes = ("kv", "recompute")
   sides = {m: scheduler_bench.make_side(cfg, params, config, shape, True, ratio, seed,
                                         resume_mode=m) for m in modes}

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import itertools
 
-import jax
 import numpy as np
 
 from april_jax.benchmarks import common, length_dists
-from april_jax.models import qwen3
 from april_jax.rollout import (AprilScheduler, PromptItem, RewardRunner, RolloutSettings,
                                rollout_metrics)
 from april_jax.sampler import EngineConfig, SlotEngine
-from april_jax.models.qwen3 import Qwen3Config
 
 PROMPT_LEN = 16
 
@@ -105,8 +102,7 @@ def add_plots(report, out: dict, results: dict, shape: str, max_len: int) -> Non
 
 def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
         seed: int = 0, report=None) -> dict:
-  cfg = Qwen3Config.from_init(config.model.init)
-  params = qwen3.init_params(cfg, jax.random.key(seed), std=config.model.init.std)
+  cfg, params = common.bench_model(config, seed)
   sides = {"april": make_side(cfg, params, config, shape, True, ratio, seed),
            "baseline": make_side(cfg, params, config, shape, False, 1.0, seed)}
   results = {name: [] for name in sides}
