@@ -44,7 +44,8 @@ s, sch, res = load("sampler"), load("scheduler"), load("resume")
 print(f"\non {s['machine']['device_kind']}")
 for m in ("qwen3_0_6b", "qwen3_4b"):
   print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
-        f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f})")
+        f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f}); decode step "
+        f"{s[m + '_decode_step_ms']:.2f} ms vs {s[m + '_static_decode_step_ms']:.2f} ms static")
   if m + "_bandwidth_bound_tokens_per_s" in s:
     print(f"  bandwidth bound tokens/s   {s[m + '_bandwidth_bound_tokens_per_s']:>12,.0f}"
           f"  ({s[m + '_bandwidth_utilisation']:.0%} of it)")

@@ -74,6 +74,8 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
                           sync_every=8, hf=False, hbm_gbps=100.0)
   assert out["tiny_april_jax_tokens_per_s"] > 0
   assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
+  assert out["tiny_decode_step_ms"] > 0 and out["tiny_static_decode_step_ms"] > 0
+  assert out["tiny_static_outputs_equal_frac"] == 1.0  # same greedy tokens as the yardstick
   assert out["tiny_speedup_vs_transformers"] != out["tiny_speedup_vs_transformers"]  # NaN
 
 

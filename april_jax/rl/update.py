@@ -219,7 +219,7 @@ def build_programs(static: _Static, optimizer, params_shape, mesh=None,
       grads=jax.jit(traced(functools.partial(_grads, static)), donate_argnums=4,
                     **pin((param_sh, None, None))),
       add=jax.jit(_add),  # losses and metrics of several calls
-      apply=jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0, 1, 2),
+      apply=jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0, 1),
                     **pin((param_sh, opt_sh, None))))
 
 
