@@ -7,6 +7,8 @@
 #
 #   bash launch/bench_gpu.sh                     # scheduler and resume at Qwen3-0.6B
 #   MODEL=qwen3_4b bash launch/bench_gpu.sh      # ... at Qwen3-4B
+#   SAMPLER_MODELS=tiny CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 \
+#       bash launch/bench_gpu.sh                 # a one-minute smoke run on a CPU
 #
 # Install first: bash launch/install_gpu.sh cuda (or, offline, the machine's own jax with
 # PYTHONPATH pointing at this checkout).
@@ -21,7 +23,9 @@ OUT=${OUT:-bench_out/gpu_${MODEL}}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-CONFIG="configs/gpu_bench.py:${MODEL}"
+CONFIG=${CONFIG:-configs/gpu_bench.py:${MODEL}}
+SAMPLER_MODELS=${SAMPLER_MODELS:-qwen3_0_6b,qwen3_4b}
+MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
 
 run() {  # mode name, then flags; keeps the JSON line
   local name=$1; shift
@@ -30,19 +34,20 @@ run() {  # mode name, then flags; keeps the JSON line
   tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
 }
 
-run sampler --mode=sampler --models=qwen3_0_6b,qwen3_4b --hf=false --dtype=bfloat16 \
+run sampler --mode=sampler --models="$SAMPLER_MODELS" --hf=false --dtype=bfloat16 \
     --batch=64 --prompt_len=256 --new_tokens=512 --repeats=2
 run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
-    --max_response_len=2048
-run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 --max_response_len=1024
+    --max_response_len="$MAX_RESPONSE_LEN"
+run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
+    --max_response_len=$((MAX_RESPONSE_LEN / 2))
 
-python - "$OUT" "$MODEL" <<'PY'
+python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" <<'PY'
 import json, sys
-out, model = sys.argv[1], sys.argv[2]
+out, model, sampler_models = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 load = lambda name: json.load(open(f"{out}/{name}.json"))
 s, sch, res = load("sampler"), load("scheduler"), load("resume")
 print(f"\non {s['machine']['device_kind']}")
-for m in ("qwen3_0_6b", "qwen3_4b"):
+for m in sampler_models:
   print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
         f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f}); decode step "
         f"{s[m + '_decode_step_ms']:.2f} ms vs {s[m + '_static_decode_step_ms']:.2f} ms static")

@@ -312,3 +312,17 @@ def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_heads_over_th
   engine = SlotEngine(CFG, sharded_params, EngineConfig(num_slots=4, max_len=32), mesh=mesh)
   spec = engine.state.kv.k.sharding.spec  # [L, S, K, M, H]
   assert spec[1] == "data" and spec[2] == "fsdp"
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_bfloat16_params_decode_over_a_cache_of_either_dtype(params, kv_dtype):
+  """model.dtype=bfloat16 with the default float32 KV cache (or a bf16 one) decodes, and
+  greedily agrees with the float32 model on most tokens."""
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  prompts = _prompts(11, [5, 9, 3, 7])
+  outs16 = sampler.generate(CFG, params16, prompts, max_new_tokens=12, num_slots=4,
+                            kv_dtype=kv_dtype)
+  outs32 = sampler.generate(CFG, params, prompts, max_new_tokens=12, num_slots=4)
+  assert [len(o) for o in outs16] == [12] * 4
+  first_tokens_equal = np.mean([a[0] == b[0] for a, b in zip(outs16, outs32)])
+  assert first_tokens_equal >= 0.75

@@ -69,12 +69,12 @@ def _transformers_side(model_dir, prompts, new_tokens, repeats):
   return common.best_of(repeats, run)
 
 
-def resume_costs(cfg, params, prompts, new_tokens, sync_every):
+def resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype="float32"):
   """Seconds per held token to snapshot + restore unfinished samples, kv vs recompute."""
   out = {}
   for mode in ("kv", "recompute"):
     config = sampler.EngineConfig(num_slots=len(prompts), max_len=len(prompts[0]) + new_tokens,
-                                  sync_every=sync_every)
+                                  sync_every=sync_every, kv_dtype=kv_dtype)
     engine = sampler.SlotEngine(cfg, params, config)
     keys = sampler.sample_keys(0, len(prompts))
     timings = []
@@ -182,7 +182,7 @@ def run_one(cfg: qwen3.Qwen3Config, batch: int, prompt_len: int, new_tokens: int
                                       jnp.dtype(kv_dtype).itemsize, hbm_gbps)
     out.update(bandwidth_bound_tokens_per_s=bound,
                bandwidth_utilisation=out["april_jax_tokens_per_s"] / bound)
-  resume = resume_costs(cfg, params, prompts, new_tokens, sync_every)
+  resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
   out.update(resume_kv_us_per_token=resume["kv"]["us_per_token"],
              resume_recompute_us_per_token=resume["recompute"]["us_per_token"],
              resume_kv_host_bytes=resume["kv"]["host_bytes"],

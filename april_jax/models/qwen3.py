@@ -317,7 +317,8 @@ def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
     q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
     attn = attention_lib.decode_attention(q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v,
                                           index, past_B, block, kv_view)
-    attn = sharding.constrain(attn.reshape(B, 1, N, H), ("batch", "seq", "heads", "head_dim"))
+    attn = attn.reshape(B, 1, N, H).astype(x.dtype)  # a cache may be wider than the params
+    attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
   L = cache.k.shape[0]
