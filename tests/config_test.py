@@ -79,6 +79,55 @@ def test_all_problems_are_reported_together():
   assert "rollout.batch_size" in str(info.value) and "rollout.temperature" in str(info.value)
 
 
+def test_the_baseline_admits_exactly_the_groups_it_trains():
+  config = load("tiny")  # N = 8, N' = 16
+  config.rollout.partial_rollout = False
+  with pytest.raises(ConfigError, match=r"partial_rollout=False is the synchronous baseline"
+                                        r".*over_sampling_batch_size=8 \(= rollout.batch_size\)"
+                                        r", not 16"):
+    validate(config)
+  config.rollout.over_sampling_batch_size = 8
+  validate(config)
+
+
+def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up():
+  config = load("tiny")  # responses up to 64 tokens
+  config.train.overlong_buffer_len = 65
+  with pytest.raises(ConfigError, match=r"train.overlong_buffer_len \(65\) must be in \[0, "
+                                        r"rollout.max_response_len \(64\)\]"):
+    validate(config)
+  config.train.overlong_buffer_len = 64
+  validate(config)
+
+
+def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refused_together():
+  from april_jax.rl import losses  # pylint: disable=g-import-not-at-top
+  from april_jax.rl.update import loss_config  # pylint: disable=g-import-not-at-top
+  config = load("tiny")
+  config.train.eps_clip_high = None  # the tiny config sets DAPO's 0.28
+  config.train.policy_loss = "gspo"
+  validate(config)
+  cfg = loss_config(config.train)
+  assert (cfg.policy_loss, cfg.eps_clip, cfg.clip_high, cfg.aggregation) == (
+      "gspo", losses.GSPO_EPS_CLIP, losses.GSPO_EPS_CLIP_HIGH, "seq_mean_token_mean")
+  config.train.eps_clip_high = 1e-3  # overridable
+  assert loss_config(config.train).clip_high == 1e-3
+  # PPO by name keeps PPO's defaults.
+  config.train.policy_loss, config.train.eps_clip_high = "ppo_clip", None
+  cfg = loss_config(config.train)
+  assert (cfg.eps_clip, cfg.clip_high, cfg.aggregation) == (0.2, 0.2, "token_mean")
+  # A token-level clip or a token-weighted mean is not GSPO: every problem, in one error.
+  config.train.policy_loss, config.train.eps_clip = "gspo", 0.2
+  config.train.aggregation = "token_mean"
+  config.train.overlong_buffer_len = 100
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  for message in ("eps_clip=0.2: GSPO clips a sequence-level ratio",
+                  "aggregation='token_mean': GSPO averages over sequences",
+                  "train.overlong_buffer_len (100)"):
+    assert message in str(info.value)
+
+
 def test_paper_configs_need_a_model_and_data_and_say_so():
   for name in ("qwen3_8b", "qwen3_4b"):
     config = load(name)

@@ -77,16 +77,18 @@ def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():
   for step in range(5):
     result = sched.step(step, version=step)
     assert len(result.groups) == 2 and len(sched.buffer) == 0
+    # Every step generates its whole batch, all of it by this step's policy.
+    trained_tokens = sum(len(s.response) for g in result.groups for s in g.samples)
+    assert result.stats["new_tokens"] == trained_tokens > 0
     for s in (s for g in result.groups for s in g.samples):
       assert set(s.versions.tolist()) == {step}  # all on-policy
     assert rollout_metrics(result, step)["rollout/off_policy_token_frac"] == 0.0
 
 
-def test_synchronous_baseline_with_oversampling_buffers_only_complete_groups():
-  sched, _ = _make(_longtail_budgets, N=1, Np=3, partial_rollout=False)
-  for step in range(4):
-    sched.step(step, version=step)
-    assert all(g.complete and g.scored for g in sched.buffer)
+def test_synchronous_baseline_refuses_to_over_sample():
+  # N' > N would complete surplus groups and train them a step later, off-policy.
+  with pytest.raises(ValueError, match="over_sampling_batch_size == batch_size"):
+    _make(_longtail_budgets, N=2, Np=4, partial_rollout=False)
 
 
 def test_resumed_sample_carries_one_version_per_update_and_metrics_match_hand_count():

@@ -8,6 +8,7 @@ compiles, and names the field at fault.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from april_jax import sharding
 
@@ -84,10 +85,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.advantage = "grpo"                 # grpo | drgrpo
   c.train.policy_loss = "ppo_clip"           # ppo_clip | gspo
-  c.train.eps_clip = 0.2
-  c.train.eps_clip_high = 0.0                # 0 = eps_clip; DAPO: 0.28
+  # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
+  # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.
+  c.train.eps_clip = config_dict.placeholder(float)
+  c.train.eps_clip_high = config_dict.placeholder(float)  # DAPO's clip-higher: 0.28
   c.train.dual_clip_c = 0.0                  # 0 = off; e.g. 3.0
-  c.train.aggregation = "token_mean"         # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  c.train.aggregation = config_dict.placeholder(str)  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.train.norm_len = 0                       # Dr.GRPO's constant normaliser (tokens)
   c.train.kl_coef = 0.0                      # 0: no reference params are held
   c.train.kl_type = "low_var_kl"             # k1 | k3 | low_var_kl

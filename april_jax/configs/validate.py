@@ -26,6 +26,10 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
   if r.over_sampling_batch_size < r.batch_size:
     err(f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
         f"rollout.batch_size ({r.batch_size})")
+  elif not r.partial_rollout and r.over_sampling_batch_size != r.batch_size:
+    err(f"rollout.partial_rollout=False is the synchronous baseline, which admits exactly "
+        f"the groups it trains: set rollout.over_sampling_batch_size="
+        f"{r.batch_size} (= rollout.batch_size), not {r.over_sampling_batch_size}")
   if r.resume_mode not in RESUME_MODES:
     err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
   if r.temperature < 0:
@@ -126,10 +130,14 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
   elif t.advantage == "grpo" and r.n_samples_per_prompt < 2:
     err(f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
         f"must be >= 2, got {r.n_samples_per_prompt}")
-  try:
-    losses.validate_loss_config(loss_config(t), r.n_samples_per_prompt)
-  except (ValueError, KeyError) as e:
-    err(f"train: {e}")
+  for problem in losses.loss_config_problems(loss_config(t), r.n_samples_per_prompt):
+    err(f"train: {problem}")
+  if t.overlong_buffer_len < 0 or t.overlong_buffer_len > r.max_response_len:
+    err(f"train.overlong_buffer_len ({t.overlong_buffer_len}) must be in [0, "
+        f"rollout.max_response_len ({r.max_response_len})]: DAPO's overlong penalty ramps "
+        f"over the last overlong_buffer_len tokens of the response budget")
+  if t.overlong_penalty_factor < 0:
+    err(f"train.overlong_penalty_factor must be >= 0, got {t.overlong_penalty_factor}")
   if t.lr <= 0:
     err(f"train.lr must be > 0, got {t.lr}")
   if t.lr_schedule not in ("constant", "cosine"):

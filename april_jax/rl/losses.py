@@ -35,6 +35,7 @@ from april_jax.registry import Registry
 
 GSPO_EPS_CLIP = 3e-4
 GSPO_EPS_CLIP_HIGH = 4e-4
+GSPO_MAX_CLIP = 0.01       # larger clips on a sequence ratio are token-level clips by mistake
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,11 +288,12 @@ def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
 
 # ------------------------------------------------------------------------------ checking
 
-def validate_loss_config(cfg: LossConfig, n_samples: int) -> None:
-  """Raises ValueError naming the offending LossConfig field (or n_samples)."""
+def loss_config_problems(cfg: LossConfig, n_samples: int) -> list[str]:
+  """Every problem of a LossConfig, each naming its field (empty: the config is valid)."""
+  problems = []
   def need(ok: bool, field: str, why: str):
     if not ok:
-      raise ValueError(f"LossConfig.{field}={getattr(cfg, field, None)!r}: {why}")
+      problems.append(f"LossConfig.{field}={getattr(cfg, field, None)!r}: {why}")
 
   need(cfg.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {sorted(POLICY_LOSSES)}")
   need(cfg.aggregation in AGGREGATIONS, "aggregation", f"must be one of {sorted(AGGREGATIONS)}")
@@ -306,5 +308,24 @@ def validate_loss_config(cfg: LossConfig, n_samples: int) -> None:
        "seq_mean_token_sum_norm needs a constant norm_len > 0 (e.g. the max response length)")
   need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
   need(cfg.entropy_coef >= 0, "entropy_coef", "must be >= 0")
+  if cfg.policy_loss == "gspo":
+    # GSPO clips a length-normalised sequence ratio, which moves about 1000x less than a
+    # token ratio: a PPO-size clip never binds, and a token-weighted mean is not GSPO.
+    need(cfg.eps_clip < GSPO_MAX_CLIP, "eps_clip",
+         f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
+         f"(GSPO's default {GSPO_EPS_CLIP}; leave it unset for that)")
+    need(cfg.clip_high < GSPO_MAX_CLIP, "eps_clip_high",
+         f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
+         f"(GSPO's default {GSPO_EPS_CLIP_HIGH}; leave it unset for that)")
+    need(cfg.aggregation == "seq_mean_token_mean", "aggregation",
+         "GSPO averages over sequences: must be 'seq_mean_token_mean' (leave it unset)")
   if n_samples < 1:
-    raise ValueError(f"n_samples={n_samples}: need at least 1 sample per prompt")
+    problems.append(f"n_samples={n_samples}: need at least 1 sample per prompt")
+  return problems
+
+
+def validate_loss_config(cfg: LossConfig, n_samples: int) -> None:
+  """Raises ValueError listing every problem (see loss_config_problems)."""
+  problems = loss_config_problems(cfg, n_samples)
+  if problems:
+    raise ValueError("; ".join(problems))

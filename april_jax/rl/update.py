@@ -40,13 +40,17 @@ from april_jax.rl import losses
 
 
 def loss_config(train) -> losses.LossConfig:
-  """LossConfig from the config's train section (0 means off for optional knobs)."""
-  return losses.LossConfig(
-      policy_loss=train.policy_loss, eps_clip=train.eps_clip,
-      eps_clip_high=train.eps_clip_high or None, dual_clip_c=train.dual_clip_c or None,
-      aggregation=train.aggregation, norm_len=int(train.norm_len),
-      kl_coef=train.kl_coef, kl_type=train.kl_type, entropy_coef=train.entropy_coef,
-      tis_cap=train.tis_cap or None, mask_stale_tokens=train.mask_stale_tokens)
+  """LossConfig from the config's train section. Clips and aggregation left unset (None)
+  take the policy loss's own defaults: PPO's 0.2 / eps_clip / token_mean, GSPO's 3e-4 /
+  4e-4 / seq_mean_token_mean (LossConfig.for_gspo). 0 means off for the optional knobs."""
+  chosen = {k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation")
+            if train[k] is not None}
+  rest = dict(dual_clip_c=train.dual_clip_c or None, norm_len=int(train.norm_len),
+              kl_coef=train.kl_coef, kl_type=train.kl_type, entropy_coef=train.entropy_coef,
+              tis_cap=train.tis_cap or None, mask_stale_tokens=train.mask_stale_tokens)
+  if train.policy_loss == "gspo":
+    return losses.LossConfig.for_gspo(**chosen, **rest)
+  return losses.LossConfig(policy_loss=train.policy_loss, **chosen, **rest)
 
 
 def make_schedule(train, total_updates: int) -> optax.Schedule:

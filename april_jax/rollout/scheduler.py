@@ -13,8 +13,10 @@
              groups completed so far before deciding (counted, removed), so a run is
              deterministic for a seed whatever the reward threads' timing.
   4. Stop    partial_rollout=True: as soon as batch_size groups are accepted.
-             partial_rollout=False (the synchronous baseline): once every admitted
-             group is complete and batch_size are accepted.
+             partial_rollout=False (the synchronous baseline, N' = N): once every
+             admitted group is complete and batch_size are accepted. It admits only
+             what it trains (plus one per DAPO rejection), so every trained token was
+             drawn in this step by the current params: on-policy.
   5. Snapshot every unfinished slot goes back to its group on the host (with its KV in
              resume mode kv). The groups not trained stay in the buffer, whole.
 
@@ -81,6 +83,11 @@ class AprilScheduler:
                seed: int = 0):
     if settings.over_sampling_batch_size < settings.batch_size:
       raise ValueError("over_sampling_batch_size must be >= batch_size")
+    if not settings.partial_rollout and settings.over_sampling_batch_size != settings.batch_size:
+      # A baseline that over-samples either trains surplus groups a step late (off-policy)
+      # or throws finished work away; it admits exactly what it trains instead.
+      raise ValueError("the synchronous baseline (partial_rollout=False) needs "
+                       "over_sampling_batch_size == batch_size")
     self.engine, self.settings, self.rewards = engine, settings, rewards
     self._prompt_source = prompt_source
     self._seed = seed
