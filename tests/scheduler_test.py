@@ -109,8 +109,12 @@ def test_resumed_sample_carries_one_version_per_update_and_metrics_match_hand_co
   assert np.all(np.diff(long_sample.versions) >= 0)
   metrics = rollout_metrics(result, step)
   all_versions = np.concatenate([s.versions for s in group.samples])
-  assert metrics["rollout/off_policy_token_frac"] == pytest.approx(
+  assert metrics["rollout/stale_token_frac"] == pytest.approx(
       np.sum(all_versions < step) / len(all_versions))
+  # The paper's measure: the long sample was cut at k step ends and continued; its short
+  # sibling finished in the step it started, so its token is not counted.
+  assert long_sample.meta["cuts"] == k and "cuts" not in group.samples[1].meta
+  assert metrics["rollout/off_policy_token_frac"] == pytest.approx(24 / 25)
   assert metrics["rollout/staleness_max"] == step  # its first token was drawn at version 0
   assert metrics["rollout/staleness_mean"] == pytest.approx(
       np.mean([step - s.versions.min() for s in group.samples]))

@@ -94,6 +94,7 @@ def _summarize(all_metrics: list[dict], num_steps: int) -> dict:
       "eval_reward": float(metrics[-1].get("eval/reward_mean", np.nan)),
       "tokens_per_s": mean("rollout/tokens_per_s"),
       "off_policy_token_frac": mean("rollout/off_policy_token_frac"),
+      "stale_token_frac": mean("rollout/stale_token_frac"),
       "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
       "rollout_ms_per_step": 1e3 * mean("time/rollout_s"),
       "train_ms_per_step": 1e3 * mean("time/train_s"),

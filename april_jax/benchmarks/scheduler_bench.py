@@ -60,6 +60,7 @@ def summarize(results: list, versions: list[int]) -> dict[str, float]:
       "rollout_s_per_step": st("rollout_s") / len(results),
       "off_policy_token_frac": float(np.mean([m["rollout/off_policy_token_frac"]
                                               for m in metrics])),
+      "stale_token_frac": float(np.mean([m["rollout/stale_token_frac"] for m in metrics])),
       "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
       "buffer_groups_end": float(results[-1].stats["buffer_groups"]),
   }
@@ -124,6 +125,7 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
   out.update({f"april_{k}": v for k, v in april.items()})
   out.update({f"baseline_{k}": v for k, v in base.items()})
   out["off_policy_token_frac"] = april["off_policy_token_frac"]
+  out["stale_token_frac"] = april["stale_token_frac"]
   out["staleness_max"] = april["staleness_max"]
   if report is not None:
     add_plots(report, out, results, shape, r.max_response_len)

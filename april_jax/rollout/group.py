@@ -53,8 +53,9 @@ class Group:
   def restart_sample(self, index: int) -> None:
     """Discards a sample's tokens so it starts again from the prompt (same rng)."""
     old = self.samples[index]
+    meta = {k: v for k, v in old.meta.items() if k != "cuts"}  # a new, uncut sample
     self.samples[index] = SampleRecord(
         prompt=old.prompt, max_new_tokens=old.max_new_tokens, rng=old.rng,
-        temperature=old.temperature, top_k=old.top_k, top_p=old.top_p, meta=old.meta)
+        temperature=old.temperature, top_k=old.top_k, top_p=old.top_p, meta=meta)
     self.rewards = None
     self.reward_info = {}

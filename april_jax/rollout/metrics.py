@@ -5,8 +5,13 @@ Definitions (exact; tests check them against hand counts):
                          of samples that finish in a later step) / rollout wall time
   trained_tokens_per_s   response tokens in the training batch / rollout wall time
   slot_occupancy         kept tokens / (num_slots x decode steps)
-  off_policy_token_frac  batch response tokens drawn under a version older than the
-                         current one / all batch response tokens
+  off_policy_token_frac  the APRIL paper's measure (its Figure 4): batch response tokens
+                         of samples cut at an earlier step's end and continued / all
+                         batch response tokens
+  stale_token_frac       batch response tokens drawn under a version older than the
+                         current one / all batch response tokens (finished siblings and
+                         surplus groups from earlier steps count; a continuation drawn
+                         by the current params does not)
   staleness_{max,mean}   per trained sample: current version - its oldest token's version
 """
 
@@ -23,6 +28,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   lengths = np.array([len(s.response) for s in samples], np.float64)
   versions = (np.concatenate([s.versions for s in samples]) if samples
               else np.zeros((0,), np.int32))
+  continued = sum(len(s.response) for s in samples if s.meta.get("cuts", 0) > 0)
   staleness = np.array([version - int(s.versions.min()) if len(s.versions) else 0
                         for s in samples], np.float64)
   rewards = np.array([r for g in result.groups for r in (g.rewards or [])], np.float64)
@@ -34,7 +40,8 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
       "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
       "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
-      "rollout/off_policy_token_frac": stat(np.mean, versions < version),
+      "rollout/off_policy_token_frac": continued / lengths.sum() if lengths.sum() else 0.0,
+      "rollout/stale_token_frac": stat(np.mean, versions < version),
       "rollout/staleness_max": stat(np.max, staleness),
       "rollout/staleness_mean": stat(np.mean, staleness),
       "rollout/partial_samples": float(st.get("partial_samples", 0)),

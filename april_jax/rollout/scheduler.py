@@ -245,7 +245,9 @@ class AprilScheduler:
       for group in newly_complete.values():
         completed(group)
 
-    engine.snapshot(with_kv=(s.resume_mode == "kv"))
+    for record in engine.snapshot(with_kv=(s.resume_mode == "kv")):
+      if record.started:  # cut at this step's end, to be continued: the paper's off-policy
+        record.meta["cuts"] = record.meta.get("cuts", 0) + 1
     self.rewards.wait_all()  # every complete group keeps its rewards, buffered ones too
     batch, surplus = accepted[:s.batch_size], accepted[s.batch_size:]
     for group in batch:
