@@ -94,7 +94,8 @@ def test_e2e_bench_trains_both_sides_and_reports_the_spread():
   assert len(out["april_wall_to_baseline_final_reward_s"]) == 1
   # APRIL may run 1.5x the steps to be compared at the baseline's wall time.
   assert out["april_max_steps"] == 6 and out["num_steps"] == 4
-  assert 1 <= out["april_steps_in_baseline_wall_mean"] <= 6
+  # How many fit in the baseline's wall time is a timing, reported, not asserted.
+  assert 0 <= out["april_steps_in_baseline_wall_mean"] <= 6
 
 
 def test_time_to_reach_uses_the_first_window_whose_mean_reaches_the_target():
