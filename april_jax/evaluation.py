@@ -13,7 +13,8 @@ from april_jax import sampler
 
 
 def evaluate(engine, items, decode, reward_fn, *, k: int, max_new_tokens: int,
-             temperature: float, seed: int, correct_at: float = 1.0) -> dict[str, float]:
+             temperature: float, seed: int, top_p: float = 1.0,
+             correct_at: float = 1.0) -> dict[str, float]:
   """items: PromptItems (tokens, answer). Generates with `engine` (empty; its current
   params and stop tokens) and returns eval/* metrics."""
   prompts = [item.tokens.tolist() for item in items]
@@ -30,6 +31,7 @@ def evaluate(engine, items, decode, reward_fn, *, k: int, max_new_tokens: int,
   if k > 0:
     repeated = [p for p in prompts for _ in range(k)]
     sampled = score(sampler.generate_on(engine, repeated, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, seed=seed + 1), k)
+                                        temperature=temperature, top_p=top_p,
+                                        seed=seed + 1), k)
     out[f"eval/avg@{k}"] = float(np.mean(sampled >= correct_at))
   return out

@@ -194,7 +194,7 @@ class Trainer:
     c = self.config
     return evaluate(self.engine, self._eval_items(), self.decode, self.reward_fn,
                     k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
-                    temperature=c.eval.temperature, seed=c.seed)
+                    temperature=c.eval.temperature, top_p=c.eval.top_p, seed=c.seed)
 
   # ---------------------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):

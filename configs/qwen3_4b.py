@@ -13,23 +13,27 @@ from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 
 def get_config(arg=None):
-  """Variants: `gpu` (default) one 141 GB GPU; `node` 8 x 80 GB GPUs, the paper's slots."""
-  variant = arg or "gpu"
-  if variant not in ("gpu", "node"):
-    raise ValueError(f"configs/qwen3_4b.py variant {variant!r}: one of 'gpu', 'node'")
+  """Variants, joined by '+': `gpu` (default) one 141 GB GPU or `node` 8 x 80 GB GPUs;
+  and any of configs/qwen3_8b.py's (`node+baseline`, `tis+overlong`, ...)."""
+  names = list(filter(None, (arg or "").split("+")))
+  shapes = [n for n in names if n in ("gpu", "node")]
+  if len(shapes) > 1:
+    raise ValueError(f"configs/qwen3_4b.py variants {shapes}: 'gpu' or 'node', not both")
+  variant = shapes[0] if shapes else "gpu"
   spec = importlib.util.spec_from_file_location(
       "qwen3_8b", Path(__file__).resolve().parent / "qwen3_8b.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config()
+  c = module.apply_variants(module.get_config(), "+".join(n for n in names if n not in shapes),
+                            path="configs/qwen3_4b.py")
   c.model.init.update(QWEN3_SHAPES["qwen3_4b"])
   if variant == "gpu":
-    # One H200: float32 masters and AdamW (48 GB), the decode copy (8 GB), 24 slots of
-    # 9,216 tokens (33 GB of KV) and one row's gradients, or the optimizer update's
-    # temporaries (29 GB), fit 141 GB (python -m april_jax.plan
-    # --config=configs/qwen3_4b.py --compile --devices=1 --device_memory_gb=141).
-    c.rollout.num_slots = 24
-    c.train.num_microbatches = 64
+    # One H200: float32 masters and AdamW (48 GB), the decode copy (8 GB), 6 slots of
+    # 17,408 tokens (15 GB of KV) and one row's gradients (63 GB with its temporaries)
+    # fit 141 GB (python -m april_jax.plan --config=configs/qwen3_4b.py --compile
+    # --devices=1 --device_memory_gb=141).
+    c.rollout.num_slots = 6
+    c.train.num_microbatches = 256
   else:
-    c.rollout.num_slots = 192   # a smaller model than 8B leaves room for more KV
+    c.rollout.num_slots = 128   # a smaller model than 8B leaves room for more KV
   return c

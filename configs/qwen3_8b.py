@@ -1,23 +1,62 @@
-"""Qwen3-8B with DAPO on DAPO-Math-17k, the APRIL paper's settings.
+"""Qwen3-8B with DAPO on DAPO-Math-17k: APRIL's own DAPO setting, exactly.
 
   python -m april_jax.main --config=configs/qwen3_8b.py --workdir=runs/qwen3_8b \
       --config.model.path=/models/Qwen3-8B \
       --config.data.source=/data/dapo-math-17k.parquet \
       --config.eval.path=/data/aime24.jsonl
 
-N = 32 prompt groups of n = 8 per step, N' = 64 admitted (APRIL), learning rate 1e-6, DAPO
-clip-higher 0.2 / 0.28, dynamic sampling, token-mean loss, overlong shaping. The synchronous
-baseline is the same config with --config.rollout.partial_rollout=False
---config.rollout.over_sampling_batch_size=32. Variant `4b` (configs/qwen3_4b.py) changes
-only the model. Params in bfloat16, sharded fully (FSDP) over every device.
+As APRIL's DAPO scripts: N = 32 prompt groups of n = 8 per step, N' = 64 admitted,
+responses up to 16,384 tokens at temperature 0.8, DAPO's dynamic sampling and
+clip-higher 0.2 / 0.28, GRPO advantages, a per-sample mean of token means, one optimizer
+step per rollout (the whole 256-sample batch), Adam lr 1e-6 constant, beta2 0.98,
+weight decay 0.1; no KL, no importance-sampling correction, no overlong shaping and no
+staleness limit. Evaluation: avg@16 on AIME-2024 at temperature 0.8, top-p 0.7 (and
+greedy pass@1). Params in bfloat16, sharded fully (FSDP) over every device.
+
+Variants, joined by '+' (`--config=configs/qwen3_8b.py:baseline`, `...:tis+overlong`):
+  baseline   the synchronous baseline: partial_rollout=False, N' = N = 32
+  tis        truncated importance sampling, weights capped at 2 (partial samples were
+             drawn by older params)
+  overlong   DAPO's overlong shaping over the last 1,024 tokens of the budget
+  stale4     the staleness limit: no trained token more than 4 versions old
+configs/qwen3_4b.py takes the same variants with the 4B model.
 """
 
 from april_jax.configs import base
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 
+def _baseline(c):
+  c.rollout.partial_rollout = False
+  c.rollout.over_sampling_batch_size = c.rollout.batch_size
+
+
+def _tis(c):
+  c.train.tis_cap = 2.0
+
+
+def _overlong(c):
+  c.train.overlong_buffer_len = 1024
+  c.train.overlong_penalty_factor = 1.0
+
+
+def _stale4(c):
+  c.rollout.max_staleness = 4
+
+
+VARIANTS = {"baseline": _baseline, "tis": _tis, "overlong": _overlong, "stale4": _stale4}
+
+
+def apply_variants(c, arg, path="configs/qwen3_8b.py"):
+  """Applies the '+'-joined variants of `arg` ('' or None: none) to config c."""
+  for name in filter(None, (arg or "").split("+")):
+    if name not in VARIANTS:
+      raise ValueError(f"{path} variant {name!r}: one of {sorted(VARIANTS)}, joined by '+'")
+    VARIANTS[name](c)
+  return c
+
+
 def get_config(arg=None):
-  del arg
   c = base.get_config()
   c.seed = 0
   c.num_steps = 400
@@ -41,11 +80,11 @@ def get_config(arg=None):
   c.rollout.over_sampling_batch_size = 64
   c.rollout.partial_rollout = True
   c.rollout.resume_mode = "kv"
-  c.rollout.max_staleness = 4
-  c.rollout.num_slots = 128
+  c.rollout.max_staleness = -1
+  c.rollout.num_slots = 64          # 17,408-token slots: what 8 x 80 GB hold beside training
   c.rollout.sync_every = 32
-  c.rollout.max_response_len = 8192
-  c.rollout.temperature = 1.0
+  c.rollout.max_response_len = 16384
+  c.rollout.temperature = 0.8
   c.rollout.dynamic_sampling = True
   c.rollout.reward = "math_dapo"
   c.rollout.reward_workers = 8
@@ -54,17 +93,22 @@ def get_config(arg=None):
   c.train.policy_loss = "ppo_clip"
   c.train.eps_clip = 0.2
   c.train.eps_clip_high = 0.28
-  c.train.aggregation = "token_mean"
-  c.train.tis_cap = 2.0
-  c.train.overlong_buffer_len = 1024
+  c.train.aggregation = "seq_mean_token_mean"
+  c.train.kl_coef = 0.0
+  c.train.tis_cap = 0.0
+  c.train.overlong_buffer_len = 0
   c.train.lr = 1e-6
-  c.train.warmup_steps = 10
+  c.train.lr_schedule = "constant"
+  c.train.warmup_steps = 0
   c.train.weight_decay = 0.1
-  c.train.num_minibatches = 4
-  c.train.num_microbatches = 8          # 8 rows: one per device on 8 GPUs
+  c.train.b1 = 0.9
+  c.train.b2 = 0.98
+  c.train.num_minibatches = 1           # one optimizer step per rollout
+  c.train.num_microbatches = 32         # 8 rows each: one per device on 8 GPUs
   c.train.logprob_chunk = 1024
 
-  c.eval.num_prompts = 30
-  c.eval.k = 8
-  c.eval.temperature = 0.6
-  return c
+  c.eval.num_prompts = 30          # AIME-2024
+  c.eval.k = 16
+  c.eval.temperature = 0.8
+  c.eval.top_p = 0.7
+  return apply_variants(c, arg)

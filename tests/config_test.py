@@ -138,6 +138,31 @@ def test_paper_configs_need_a_model_and_data_and_say_so():
       validate(config)
 
 
+def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
+  c = load("qwen3_8b")
+  r, t = c.rollout, c.train
+  assert (r.temperature, r.max_response_len, r.dynamic_sampling, r.max_staleness) == (
+      0.8, 16384, True, -1)
+  # One optimizer step over the whole 32 x 8 batch (APRIL's global batch of 256).
+  assert t.num_minibatches == 1 and t.ppo_epochs == 1
+  assert (t.aggregation, t.tis_cap, t.overlong_buffer_len, t.kl_coef) == (
+      "seq_mean_token_mean", 0.0, 0, 0.0)
+  assert (t.lr, t.lr_schedule, t.warmup_steps, t.b1, t.b2, t.weight_decay) == (
+      1e-6, "constant", 0, 0.9, 0.98, 0.1)
+  more = load("qwen3_8b", "tis+overlong+stale4")
+  assert (more.train.tis_cap, more.train.overlong_buffer_len, more.rollout.max_staleness) == (
+      2.0, 1024, 4)
+  base = load("qwen3_8b", "baseline")
+  assert not base.rollout.partial_rollout and base.rollout.over_sampling_batch_size == 32
+  node = load("qwen3_4b", "node+baseline")
+  assert node.rollout.num_slots == 128 and not node.rollout.partial_rollout
+  assert node.rollout.temperature == 0.8 and node.model.init.hidden_size == 2560
+  with pytest.raises(ValueError, match="variant 'tls': one of"):
+    load("qwen3_8b", "tis+tls")
+  with pytest.raises(ValueError, match="'gpu' or 'node', not both"):
+    load("qwen3_4b", "gpu+node")
+
+
 def test_gpu_bench_config_variants_have_real_shapes():
   from april_jax.models.qwen3 import Qwen3Config  # pylint: disable=g-import-not-at-top
   small = Qwen3Config.from_init(load("gpu_bench", "qwen3_0_6b").model.init)

@@ -62,10 +62,11 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   assert masters == (cfg.num_params() - norms) * 4 / 8 + norms * 4
   assert p.resident["optimizer state (float32)"] == 2 * masters
   assert p.resident["decode params"] == (cfg.num_params() - norms) * 2 / 8 + norms * 2
-  # KV: 128 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
-  # 8192 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
-  assert p.resident["slot state (KV cache)"] == 2 * 36 * 128 * 1 * 9216 * 128 * 2 + 128 * 9216 * 12
-  assert p.host_buffer_bytes == 128 * 9216 * 147456
+  # KV: 64 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
+  # 16384 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
+  assert p.resident["slot state (KV cache)"] == (2 * 36 * 64 * 1 * 17408 * 128 * 2
+                                                 + 64 * 17408 * 12)
+  assert p.host_buffer_bytes == 64 * 17408 * 147456
   assert p.fits
 
 
@@ -100,16 +101,18 @@ def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
 @needs_8
 def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only():
   _, cfg, report = _compiled("qwen3_8b", 8, 80)
-  cache = report.resident["slot state (KV cache)"]  # one device's share (21.8 GB)
+  cache = report.resident["slot state (KV cache)"]  # one device's share (20.5 GB)
   sampler = ("prefill", "insert", "insert_rows (restore)", "decode", "extract_kv (snapshot)")
   for program in report.programs:
     assert program.largest_collective() < cache / 8, (program.name, program.collectives)
     if program.name in sampler:
-      # Tensor-parallel decode: activations (at most a prefill's [9216, 4096] float32
-      # all-reduce, 0.15 GB), never weights or KV.
-      assert program.largest_collective() < 0.01 * cache, (program.name, program.collectives)
+      # Tensor-parallel decode: activations (at most a prefill's [17408, 4096] float32
+      # all-reduce, 0.29 GB), never weights or KV.
+      assert program.largest_collective() < 0.02 * cache, (program.name, program.collectives)
   insert = next(p for p in report.programs if p.name == "insert")
-  assert insert.temp_bytes < 0.01 * cache  # written in place, not copied
+  # Written in place, not copied: the scratch is the incoming sequence's KV (its
+  # transpose into the cache layout: 2 x 36 layers x 17,408 x 1 local head x 128 x 2 B).
+  assert insert.temp_bytes <= 1.05 * 2 * 36 * 17408 * 1 * 128 * 2
   decode = next(p for p in report.programs if p.name == "decode")
   assert decode.alias_bytes >= cache  # the slot state is updated in place
 
@@ -141,11 +144,11 @@ def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
   r, t = config.rollout, config.train
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
-  shape = (1, rows, 9216)
-  assert update_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 9216)
+  shape = (1, rows, 17408)
+  assert update_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
   from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
   validate.validate_for_devices(config, 8)
-  config.train.num_microbatches = 16  # 4 rows cannot split over 8 devices
+  config.train.num_microbatches = 64  # 4 rows cannot split over 8 devices
   with pytest.raises(validate.ConfigError, match="4 rows .* multiple of the 8 devices"):
     validate.validate_for_devices(config, 8)
 

@@ -186,17 +186,55 @@ def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
     np.testing.assert_array_equal(r.versions, 0)
 
 
-def test_versions_record_the_policy_that_drew_each_token(params):
+def _teacher_forced_logprobs(params, record, temperature):
+  tokens = np.concatenate([record.prompt, record.response])
+  logits = qwen3.forward(CFG, params, jnp.asarray(tokens[None, :-1]))[0]
+  logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
+  P = len(record.prompt)
+  return logp[np.arange(P - 1, len(tokens) - 1), record.response]
+
+
+@pytest.mark.parametrize("mode", ["kv", "recompute"])
+def test_a_token_is_tagged_current_only_if_current_params_drew_it_over_current_kv(params,
+                                                                                 mode):
+  """Params A draw 4 tokens; snapshot; params B (version 1) continue the sample. In mode
+  kv the new tokens attend to A's KV: they keep A's version. In mode recompute the KV is
+  B's: they are tagged 1, and their logged logprobs are B's."""
+  params_b = qwen3.init_params(CFG, jax.random.key(5), std=0.35)
+  temperature = 1.0
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=64, sync_every=4))
+  engine.add_group(_records(_prompts(5, [6]), 20, temperature=temperature)[:1])
+  engine.step()
+  (partial,) = engine.snapshot(with_kv=(mode == "kv"))
+  assert partial.kv_version == (0 if mode == "kv" else None)
+  engine.params, engine.version = params_b, 1
+  engine.add(partial, mode=mode)
+  (done,) = _drain(engine)
+  expected_tags = [0] * 4 + [0 if mode == "kv" else 1] * 16
+  np.testing.assert_array_equal(done.versions, expected_tags)
+  under_b = _teacher_forced_logprobs(params_b, done, temperature)
+  current = done.versions == 1
+  np.testing.assert_allclose(done.logprobs[current], under_b[current], atol=1e-4)
+  # The old tags are earned: those tokens' logged logprobs are not B's.
+  assert np.max(np.abs(done.logprobs[~current] - under_b[~current])) > 0.05
+
+
+def test_new_params_over_a_live_slot_keep_the_kv_s_version(params):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=64, sync_every=4))
   engine.add_group(_records(_prompts(5, [6]), 30)[:1])
   engine.step()
-  engine.version = 1
+  engine.version = 1           # the slot's KV is still version 0's
   engine.step()
-  (partial,) = engine.snapshot()
+  (partial,) = engine.snapshot(with_kv=False)
   engine.version = 2
-  engine.add(partial)
+  engine.add(partial, mode="recompute")   # recomputed: the KV is version 2's
+  engine.step()
+  (partial,) = engine.snapshot(with_kv=True)
+  assert partial.kv_version == 2
+  engine.version = 3
+  engine.add(partial, mode="kv")          # put back: still version 2's KV
   (done,) = _drain(engine)
-  np.testing.assert_array_equal(done.versions, [0] * 4 + [1] * 4 + [2] * 22)
+  np.testing.assert_array_equal(done.versions, [0] * 8 + [2] * 22)
 
 
 def test_token_budget_holds_across_snapshots_and_restores(params):

@@ -10,7 +10,8 @@ import pytest
 from april_jax.models import qwen3
 from april_jax.rollout import (AprilScheduler, PartialBuffer, PromptItem, RewardRunner,
                                RolloutSettings, rollout_metrics)
-from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.rollout.group import Group
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 
 CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=16)
@@ -91,11 +92,13 @@ def test_synchronous_baseline_refuses_to_over_sample():
     _make(_longtail_budgets, N=2, Np=4, partial_rollout=False)
 
 
-def test_resumed_sample_carries_one_version_per_update_and_metrics_match_hand_count():
+@pytest.mark.parametrize("resume_mode", ["recompute", "kv"])
+def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_match_hand_count(
+    resume_mode):
   # Group 0 has one long sample; every other group is short, so each step stops early
   # and group 0's long sample is carried over across updates.
   budgets = lambda i, n: [24, 1] if i == 0 else [2, 2]
-  sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4)
+  sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4, resume_mode=resume_mode)
   for step in range(40):
     result = sched.step(step, version=step)
     (group,) = result.groups
@@ -104,31 +107,89 @@ def test_resumed_sample_carries_one_version_per_update_and_metrics_match_hand_co
   else:
     pytest.fail("group 0 was never trained")
   long_sample = group.samples[0]
-  k = int(long_sample.versions.max())  # updates that happened while it was decoding
-  assert k >= 2 and set(long_sample.versions.tolist()) == set(range(k + 1))
-  assert np.all(np.diff(long_sample.versions) >= 0)
+  k = long_sample.meta["cuts"]  # step ends it was cut at, and continued after
+  assert k >= 2
+  if resume_mode == "recompute":  # each continuation recomputes its KV: one tag per update
+    assert set(long_sample.versions.tolist()) == set(range(k + 1))
+    assert np.all(np.diff(long_sample.versions) >= 0)
+  else:  # every token attended to the KV version 0 computed
+    assert set(long_sample.versions.tolist()) == {0}
   metrics = rollout_metrics(result, step)
   all_versions = np.concatenate([s.versions for s in group.samples])
   assert metrics["rollout/stale_token_frac"] == pytest.approx(
       np.sum(all_versions < step) / len(all_versions))
   # The paper's measure: the long sample was cut at k step ends and continued; its short
   # sibling finished in the step it started, so its token is not counted.
-  assert long_sample.meta["cuts"] == k and "cuts" not in group.samples[1].meta
+  assert "cuts" not in group.samples[1].meta
   assert metrics["rollout/off_policy_token_frac"] == pytest.approx(24 / 25)
   assert metrics["rollout/staleness_max"] == step  # its first token was drawn at version 0
   assert metrics["rollout/staleness_mean"] == pytest.approx(
       np.mean([step - s.versions.min() for s in group.samples]))
 
 
-def test_max_staleness_holds_and_stale_samples_restart():
-  sched, _ = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=2)
-  restarts = 0
+@pytest.mark.parametrize("limit", [0, 2])
+def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit):
+  sched, handed_out = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4,
+                            max_staleness=limit)
+  restarts, trained = 0, []
   for step in range(25):
     result = sched.step(step, version=step)
     restarts += result.stats.get("stale_restarts", 0)
-    for s in (s for g in result.groups for s in g.samples):
-      assert step - s.versions.min() <= 2
-  assert restarts > 0
+    for g in result.groups:
+      # Live: an overdue group trains in its step unless older overdue groups fill the
+      # batch; with N' = 3N that costs at most two more steps.
+      assert step - g.first_step <= limit + 3
+      trained.append(g.prompt_id)
+      for s in g.samples:
+        assert step - s.versions.min() <= limit
+  assert restarts > 0 and sched.totals["stale_restarts"] == restarts
+  assert sorted(trained + [g.prompt_id for g in sched.buffer]) == sorted(handed_out)
+
+
+@pytest.mark.parametrize("resume_mode", ["kv", "recompute"])
+def test_a_response_longer_than_the_staleness_limit_restarts_once_and_trains(resume_mode):
+  # Prompt 0 needs 36 tokens; every step ends after ~2, so it crosses the limit of 2
+  # versions. With the old rule it restarted every third step, forever.
+  budgets = lambda i, n: [36, 1] if i == 0 else [2, 2]
+  sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4, sync_every=4, max_staleness=2,
+                   resume_mode=resume_mode)
+  first_keys = None
+  for step in range(60):
+    result = sched.step(step, version=step)
+    if step == 0:
+      first_keys = [s.rng.copy() for s in sched.buffer.get(0).samples]
+    (group,) = result.groups
+    if group.prompt_id == 0:
+      break
+  else:
+    pytest.fail("the long prompt was never trained")
+  assert step == 3 and result.stats["overdue_groups"] == 1
+  assert sched.totals["stale_restarts"] == 2  # both samples once, then never again
+  for sample, key in zip(group.samples, first_keys):
+    assert sample.meta["restarts"] == 1 and not np.array_equal(sample.rng, key)
+    assert set(sample.versions.tolist()) == {step}  # redrawn within this step: on-policy
+  assert [len(s.response) for s in group.samples] == [36, 1]
+
+
+def test_a_stale_sample_restarts_but_its_siblings_within_the_limit_are_kept():
+  sched, _ = _make(lambda i, n: [6, 6], N=1, n=2, Np=1, num_slots=2, max_staleness=1)
+  prompt = np.array([3, 4, 5], np.int32)
+  old = SampleRecord(prompt=prompt, max_new_tokens=6, rng=np.array([1, 2], np.uint32),
+                     response=[7, 8], logprobs=[-1.0, -1.0], versions=[0, 0],
+                     meta={"group": 0, "index": 0, "cuts": 2})
+  recent = SampleRecord(prompt=prompt, max_new_tokens=6, rng=np.array([3, 4], np.uint32),
+                        response=[9] * 6, logprobs=[-1.0] * 6, versions=[2] * 6,
+                        finish_reason="length", meta={"group": 0, "index": 1})
+  sched.buffer.add(Group(group_id=0, prompt_id="p", prompt=prompt, answer="",
+                         samples=[old, recent], first_step=0))
+  sched.next_group_id = 1
+  result = sched.step(3, version=3)
+  (group,) = result.groups
+  assert result.stats["stale_restarts"] == 1
+  assert group.samples[1] is recent  # finished two versions ago: within the limit, kept
+  restarted = group.samples[0]
+  assert set(restarted.versions.tolist()) == {3} and len(restarted.response) == 6
+  assert "cuts" not in restarted.meta and restarted.meta["restarts"] == 1
 
 
 def test_dapo_filter_keeps_all_equal_groups_out_and_still_delivers_n_groups():
@@ -190,12 +251,14 @@ def test_buffer_round_trips_through_numpy_state_and_resumes_identically():
       assert sa.has_kv == sb.has_kv and sa.finish_reason == sb.finish_reason
       if sa.has_kv:
         np.testing.assert_array_equal(sa.kv_k, sb.kv_k)
+        assert sa.kv_version == sb.kv_version == 0
   assert b.buffer.host_bytes() == a.buffer.host_bytes() > 0
   ra, rb = a.step(1, version=1), b.step(1, version=1)
   for ga, gb in zip(ra.groups, rb.groups):
     for sa, sb in zip(ga.samples, gb.samples):
       np.testing.assert_array_equal(sa.response, sb.response)
       np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-6)
+      np.testing.assert_array_equal(sa.versions, sb.versions)
 
 
 def test_occupancy_and_throughput_follow_their_definitions():

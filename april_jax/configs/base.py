@@ -124,4 +124,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.num_prompts = 32
   c.eval.k = 4                               # avg@k samples per prompt; 0 = greedy only
   c.eval.temperature = 0.6
+  c.eval.top_p = 1.0                         # nucleus of the avg@k samples
   return c

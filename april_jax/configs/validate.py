@@ -84,6 +84,9 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
   if c.data.max_prompt_len < 1:
     err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
+  if c.eval.temperature < 0 or not 0 < c.eval.top_p <= 1:
+    err(f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got "
+        f"{c.eval.temperature}, {c.eval.top_p}")
   if c.data.source == "longtail":
     if c.data.max_prompt_len < 5:
       err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in "

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from april_jax.sampler import SampleRecord
+from april_jax.sampler import SampleRecord, sample_keys
 
 
 @dataclasses.dataclass
@@ -51,11 +51,14 @@ class Group:
     return self.prompt.nbytes + sum(s.host_bytes() for s in self.samples)
 
   def restart_sample(self, index: int) -> None:
-    """Discards a sample's tokens so it starts again from the prompt (same rng)."""
+    """Discards a sample's tokens so it starts again from the prompt, with a fresh key
+    derived from its old one (a restart does not regrow the same response)."""
     old = self.samples[index]
     meta = {k: v for k, v in old.meta.items() if k != "cuts"}  # a new, uncut sample
+    meta["restarts"] = meta.get("restarts", 0) + 1
+    rng = sample_keys([int(x) for x in old.rng] + [meta["restarts"]], 1)[0]
     self.samples[index] = SampleRecord(
-        prompt=old.prompt, max_new_tokens=old.max_new_tokens, rng=old.rng,
+        prompt=old.prompt, max_new_tokens=old.max_new_tokens, rng=rng,
         temperature=old.temperature, top_k=old.top_k, top_p=old.top_p, meta=meta)
     self.rewards = None
     self.reward_info = {}

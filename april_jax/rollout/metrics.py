@@ -8,11 +8,16 @@ Definitions (exact; tests check them against hand counts):
   off_policy_token_frac  the APRIL paper's measure (its Figure 4): batch response tokens
                          of samples cut at an earlier step's end and continued / all
                          batch response tokens
-  stale_token_frac       batch response tokens drawn under a version older than the
-                         current one / all batch response tokens (finished siblings and
-                         surplus groups from earlier steps count; a continuation drawn
-                         by the current params does not)
-  staleness_{max,mean}   per trained sample: current version - its oldest token's version
+  stale_token_frac       batch response tokens whose version tag is older than the
+                         current version / all batch response tokens. The tag is the
+                         oldest params a token's forward pass saw (sampler/state.py):
+                         finished siblings and surplus groups from earlier steps count,
+                         and so does a continuation drawn by the current params over KV
+                         that older params computed (resume mode kv); one whose KV was
+                         recomputed by the current params does not
+  staleness_{max,mean}   per trained sample: current version - its oldest token's tag
+  stale_restarts         samples restarted from the prompt for exceeding max_staleness
+  overdue_groups         groups holding such a restart: the step waited for them
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/truncated_frac": stat(np.mean, np.array(
           [s.finish_reason == "length" for s in samples])),
       "rollout/stale_restarts": float(st.get("stale_restarts", 0)),
+      "rollout/overdue_groups": float(st.get("overdue_groups", 0)),
       "rollout/prompts_skipped": float(st.get("prompts_skipped", 0)),
       "rollout/reward_errors": float(st.get("reward_errors", 0)),
       "rollout/reward_timeouts": float(st.get("reward_timeouts", 0)),

@@ -20,9 +20,18 @@
   5. Snapshot every unfinished slot goes back to its group on the host (with its KV in
              resume mode kv). The groups not trained stay in the buffer, whole.
 
-Staleness: at admission, a sample (partial or finished) holding a token older than
-max_staleness versions is restarted from its prompt (counted as stale_restarts), so no
-trained sample is ever staler than max_staleness. The prompt itself is never lost.
+Staleness (max_staleness >= 0): a token's version tag is the oldest policy version its
+forward pass saw (sampler/state.py), so a sample's staleness is `version` minus its
+oldest tag: in resume mode kv, the version it started at (AReaL's measure); in mode
+recompute, that of its oldest token. At admission, each sample (partial or finished)
+staler than max_staleness is restarted from its prompt with a fresh key (counted as
+stale_restarts); its siblings within the limit are kept. The group is then overdue:
+  - the stop rule also waits until every overdue group is complete (the other slots
+    keep decoding meanwhile; what they finish is surplus for the next step), and
+  - the batch takes overdue groups first, oldest first.
+A restart is never cut: it finishes in the step it restarts, at the current version.
+The oldest overdue group always trains in its step, so no prompt restarts forever; no
+trained token is staler than max_staleness, and the prompt itself is never lost.
 """
 
 from __future__ import annotations
@@ -127,14 +136,18 @@ class AprilScheduler:
       return group
 
   # -------------------------------------------------------------------- staleness
-  def _enforce_staleness(self, group: Group, version: int, stats) -> None:
+  def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
+    """Restarts the group's samples staler than max_staleness; True if any was."""
     limit = self.settings.max_staleness
     if limit < 0:
-      return
-    for i, sample in enumerate(group.samples):
-      if len(sample.versions) and version - int(sample.versions.min()) > limit:
-        group.restart_sample(i)
-        stats["stale_restarts"] += 1
+      return False
+    stale = [i for i, sample in enumerate(group.samples)
+             if len(sample.versions) and version - int(sample.versions.min()) > limit]
+    for i in stale:
+      group.restart_sample(i)
+    stats["stale_restarts"] += len(stale)
+    self.totals["stale_restarts"] += len(stale)
+    return bool(stale)
 
   # ------------------------------------------------------------------------- step
   def step(self, step: int, version: int) -> RolloutResult:
@@ -147,9 +160,11 @@ class AprilScheduler:
     active: list[Group] = []
     active_ids: set[int] = set()
     in_slot: set[tuple[int, int]] = set()
-    accepted: list[Group] = []     # in completion order: the first N are trained
+    accepted: list[Group] = []     # in completion order (overdue ones train first)
     awaiting: list[Group] = []     # complete, waiting for the DAPO filter's verdict
     rejected: list[Group] = []
+    decided: set[int] = set()      # accepted or rejected
+    overdue: set[int] = set()      # a sample restarted for staleness: finish this step
     budget = s.over_sampling_batch_size
     errors0, timeouts0, reward_s0 = (self.rewards.errors, self.rewards.timeouts,
                                      self.rewards.seconds)
@@ -159,7 +174,8 @@ class AprilScheduler:
         return False
       group = next((g for g in self.buffer if g.group_id not in active_ids), None)
       if group is not None:
-        self._enforce_staleness(group, version, stats)
+        if self._enforce_staleness(group, version, stats):
+          overdue.add(group.group_id)
       else:
         group = self._next_fresh_group(step, stats)
         if group is None:
@@ -179,6 +195,7 @@ class AprilScheduler:
         awaiting.append(group)
       else:
         accepted.append(group)
+        decided.add(group.group_id)
 
     def judge_awaiting() -> None:
       """DAPO filter: needs the rewards of the groups completed so far."""
@@ -192,6 +209,7 @@ class AprilScheduler:
           budget += 1  # rejected groups do not count toward the batch: admit another
         else:
           accepted.append(group)
+        decided.add(group.group_id)
       awaiting.clear()
 
     def fill_slots() -> None:
@@ -221,7 +239,7 @@ class AprilScheduler:
           judge_awaiting()
 
     def stop_now() -> bool:
-      if len(accepted) < s.batch_size:
+      if len(accepted) < s.batch_size or not overdue <= decided:
         return False
       return s.partial_rollout or all(g.complete for g in active if g.group_id in self.buffer)
 
@@ -249,6 +267,8 @@ class AprilScheduler:
       if record.started:  # cut at this step's end, to be continued: the paper's off-policy
         record.meta["cuts"] = record.meta.get("cuts", 0) + 1
     self.rewards.wait_all()  # every complete group keeps its rewards, buffered ones too
+    # Overdue groups first, oldest first; then the rest in completion order (stable).
+    accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in overdue else (1, 0))
     batch, surplus = accepted[:s.batch_size], accepted[s.batch_size:]
     for group in batch:
       self.buffer.pop(group.group_id)
@@ -260,6 +280,7 @@ class AprilScheduler:
         num_slots=engine.config.num_slots,
         buffer_groups=len(self.buffer), buffer_bytes=self.buffer.host_bytes(),
         surplus_groups=len(surplus), admitted_groups=len(active),
+        overdue_groups=len(overdue),
         reward_errors=self.rewards.errors - errors0,
         reward_timeouts=self.rewards.timeouts - timeouts0,
         reward_s=self.rewards.seconds - reward_s0)

@@ -10,7 +10,9 @@ The engine owns the device `SlotState` and knows which record each slot holds.
 Sequence lengths for prefill and KV copies are bucketed (powers of two from
 `min_bucket`, capped at `max_len`), so a long run compiles a fixed, small set of
 programs. Assign `engine.params` and `engine.version` after each update: the next
-tokens are drawn under the new params and tagged with the new version.
+tokens are drawn under the new params. A token is tagged with the oldest version its
+forward pass saw: a sample put back with its KV (mode kv) keeps its KV's version, a
+recomputed or fresh one takes the new version (see state.py).
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class SlotEngine:
       kv = self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32))
       self.state = self.fns.insert(
           self.state, kv, no_slots, np.zeros(M, np.int32), np.zeros(M, np.float32),
-          np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.zeros(W, np.int32),
+          np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.int32(0),
+          np.zeros(W, np.int32),
           np.zeros(W, np.float32), np.zeros(W, np.int32), np.ones(W, np.float32),
           np.zeros((W, 2), np.uint32))
       jax.block_until_ready(self.fns.extract_kv(
@@ -134,11 +137,12 @@ class SlotEngine:
     return len(self._buckets)
 
   # ---------------------------------------------------------------------- admit
-  def _insert(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
+  def _insert(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
+              records: list[SampleRecord]):
     """Copies one sequence into slots, `insert_width` slots per device call."""
     W = self.config.insert_width
     for i in range(0, len(slots), W):
-      self._insert_chunk(kv, slots[i:i + W], records[i:i + W])
+      self._insert_chunk(kv, kv_version, slots[i:i + W], records[i:i + W])
     self._own(slots, records)
 
   def _own(self, slots: list[int], records: list[SampleRecord]) -> None:
@@ -157,7 +161,8 @@ class SlotEngine:
     logprobs[P:record.length] = record.logprobs
     versions[P:record.length] = record.versions
 
-  def _insert_chunk(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord]):
+  def _insert_chunk(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
+                    records: list[SampleRecord]):
     first = records[0]
     M = self.config.max_len
     tokens, logprobs = np.zeros(M, np.int32), np.zeros(M, np.float32)
@@ -168,7 +173,7 @@ class SlotEngine:
     padded = lambda values, dtype, fill=0: np.asarray(list(values) + [fill] * pad, dtype)
     self.state = self.fns.insert(
         self.state, kv, padded(slots, np.int32, -1), tokens, logprobs, versions,
-        np.int32(first.length), np.int32(P),
+        np.int32(first.length), np.int32(P), np.int32(kv_version),
         padded([P + r.max_new_tokens for r in records], np.int32),
         padded([r.temperature for r in records], np.float32),
         padded([r.top_k for r in records], np.int32),
@@ -183,7 +188,7 @@ class SlotEngine:
     slots = np.full(W, -1, np.int32)
     tokens, logprobs = np.zeros((W, M), np.int32), np.zeros((W, M), np.float32)
     versions = np.full((W, M), -1, np.int32)
-    ints = np.zeros((4, W), np.int32)  # length, prompt_len, limit, top_k
+    ints = np.zeros((5, W), np.int32)  # length, prompt_len, kv_version, limit, top_k
     floats = np.stack([np.zeros(W, np.float32), np.ones(W, np.float32)])  # temp, top_p
     rng = np.zeros((W, 2), np.uint32)
     for j, (slot, r) in enumerate(chunk):
@@ -191,14 +196,21 @@ class SlotEngine:
       slots[j] = slot
       k[:, j, :used], v[:, j, :used] = r.kv_k, r.kv_v
       self._fill_row(r, tokens[j], logprobs[j], versions[j])
-      ints[:, j] = (r.length, P, P + r.max_new_tokens, r.top_k)
+      ints[:, j] = (r.length, P, self._kv_version(r), P + r.max_new_tokens, r.top_k)
       floats[:, j] = (r.temperature, r.top_p)
       rng[j] = r.rng
     kv = qwen3.KVCache(k, v)
     if self.fns.kv_rows_sharding is not None:
       kv = jax.device_put(kv, self.fns.kv_rows_sharding)
-    return (kv, slots, tokens, logprobs, versions, ints[0], ints[1], ints[2], floats[0],
-            ints[3], floats[1], rng)
+    return (kv, slots, tokens, logprobs, versions, ints[0], ints[1], ints[2], ints[3],
+            floats[0], ints[4], floats[1], rng)
+
+  @staticmethod
+  def _kv_version(record: SampleRecord) -> int:
+    """The oldest version in a record's host KV (its oldest token's, if not recorded)."""
+    if record.kv_version is not None:
+      return record.kv_version
+    return int(record.versions.min()) if record.started else 0
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
     """Continues several partial samples; in mode kv, snapshot_width per device call.
@@ -245,7 +257,7 @@ class SlotEngine:
       if r.started or not np.array_equal(r.prompt, records[0].prompt):
         raise ValueError("add_group takes fresh samples of one and the same prompt")
     slots = self._take_slots(len(records))
-    self._insert(self._prefill(records[0].prompt), slots, records)
+    self._insert(self._prefill(records[0].prompt), self.version, slots, records)
     return slots
 
   def add(self, record: SampleRecord, mode: str = "kv") -> int:
@@ -261,9 +273,11 @@ class SlotEngine:
       kv = qwen3.KVCache(np.pad(record.kv_k, pad), np.pad(record.kv_v, pad))
       if self.fns.kv_sharding is not None:
         kv = jax.device_put(kv, self.fns.kv_sharding)
+      kv_version = self._kv_version(record)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill(np.concatenate([record.prompt, record.response]))
-    self._insert(kv, slot, [record])
+      kv_version = self.version
+    self._insert(kv, kv_version, slot, [record])
     return slot[0]
 
   # ------------------------------------------------------------------ decode, harvest
@@ -315,6 +329,8 @@ class SlotEngine:
         record.response = tokens[j, P:length].copy()
         record.logprobs = logprobs[j, P:length].copy()
         record.versions = versions[j, P:length].copy()
+        if with_kv:
+          record.kv_version = int(meta[j, 2])
     if with_kv:
       self._read_back_kv(items)
 

@@ -1,9 +1,11 @@
 """Samples on the host: requests not started, partial samples, finished samples.
 
 A `SampleRecord` is what leaves a slot and what goes back into one. Its response so
-far carries, token by token, the behavior logprob and the policy version that drew
-it. A partial snapshotted in mode `kv` also keeps its KV cache for the used length
-only (positions 0 .. prompt+response-2: the last token is pending, see state.py).
+far carries, token by token, the behavior logprob and a version tag: the oldest
+policy version that token's forward pass saw (the drawing params, or older params
+whose KV it attended to; see state.py). A partial snapshotted in mode `kv` also keeps
+its KV cache for the used length only (positions 0 .. prompt+response-2: the last
+token is pending), with `kv_version`, the oldest version among those KV entries.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SampleRecord:
   versions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
   kv_k: np.ndarray | None = None      # [L, P+R-1, K, H] when snapshotted with KV
   kv_v: np.ndarray | None = None
+  kv_version: int | None = None       # the oldest policy version in kv_k / kv_v
   finish_reason: str | None = None    # "stop", "length", or None while unfinished
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the caller's ids
 
@@ -69,7 +72,7 @@ class SampleRecord:
     return self.kv_k is not None
 
   def drop_kv(self) -> None:
-    self.kv_k = self.kv_v = None
+    self.kv_k = self.kv_v = self.kv_version = None
 
   def host_bytes(self) -> int:
     arrays = [self.prompt, self.rng, self.response, self.logprobs, self.versions]

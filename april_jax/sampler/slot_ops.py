@@ -121,10 +121,12 @@ def _put_slots(layout: _CacheLayout, state: SlotState, slots_W: jax.Array,
 def insert(layout: _CacheLayout, state: SlotState, kv_LxTxKxH: qwen3.KVCache,
            slots_W: jax.Array,
            tokens_M: jax.Array, logprobs_M: jax.Array, versions_M: jax.Array,
-           length: jax.Array, prompt_len: jax.Array, limit_W: jax.Array,
-           temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
+           length: jax.Array, prompt_len: jax.Array, kv_version: jax.Array,
+           limit_W: jax.Array, temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
            rng_Wx2: jax.Array) -> SlotState:
   """Copies one sequence (its KV for positions < T, its rows) into the slots `slots_W`.
+
+  kv_version is the oldest policy version among the KV entries (see state.py).
 
   slots_W has a fixed width W (one compile per T bucket, whatever the group size);
   entries < 0 are padding and change nothing.
@@ -133,15 +135,16 @@ def insert(layout: _CacheLayout, state: SlotState, kv_LxTxKxH: qwen3.KVCache,
   row = lambda a: jnp.broadcast_to(a, (W,) + a.shape)
   return _put_slots(
       layout, state, slots_W, kv_LxTxKxH, False, tokens=row(tokens_M),
-      logprobs=row(logprobs_M), versions=row(versions_M), length=row(length), prompt_len=row(prompt_len), limit=limit_W,
+      logprobs=row(logprobs_M), versions=row(versions_M), length=row(length),
+      prompt_len=row(prompt_len), kv_version=row(kv_version), limit=limit_W,
       temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
 def insert_rows(layout: _CacheLayout, state: SlotState, kv_LxWxTxKxH: qwen3.KVCache,
                 slots_W: jax.Array,
                 tokens_WxM: jax.Array, logprobs_WxM: jax.Array, versions_WxM: jax.Array,
-                length_W: jax.Array, prompt_len_W: jax.Array, limit_W: jax.Array,
-                temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
+                length_W: jax.Array, prompt_len_W: jax.Array, kv_version_W: jax.Array,
+                limit_W: jax.Array, temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
                 rng_Wx2: jax.Array) -> SlotState:
   """Puts W partial samples back, each with its own KV (positions < T) and rows.
 
@@ -150,7 +153,8 @@ def insert_rows(layout: _CacheLayout, state: SlotState, kv_LxWxTxKxH: qwen3.KVCa
   """
   return _put_slots(
       layout, state, slots_W, kv_LxWxTxKxH, True, tokens=tokens_WxM, logprobs=logprobs_WxM,
-      versions=versions_WxM, length=length_W, prompt_len=prompt_len_W, limit=limit_W,
+      versions=versions_WxM, length=length_W, prompt_len=prompt_len_W,
+      kv_version=kv_version_W, limit=limit_W,
       temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
@@ -160,7 +164,8 @@ def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block:
   """Up to `sync_every` decode steps; leaves early once any slot finishes, if
   `leave_on_finish` (the host has a sample waiting for the freed slot), else once all do.
 
-  Returns (state, steps run, tokens kept). A slot finishes on a stop token or when its
+  Returns (state, steps run, tokens kept). Each token is tagged
+  min(version, kv_version): the oldest params its forward pass saw. A slot finishes on a stop token or when its
   length reaches its limit; both are checked here, on device. Attention reads the
   cache in blocks of `block` keys up to the longest live slot (qwen3.decode_step), so
   short sequences do not pay for max_len and no length compiles a new program.
@@ -184,7 +189,7 @@ def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block:
     finished = live & (jnp.isin(new_tok, stop_ids_E) | (length >= state.limit))
     state = state.replace(
         tokens=write(state.tokens, new_tok), logprobs=write(state.logprobs, new_lp),
-        versions=write(state.versions, jnp.broadcast_to(version, (S,))), kv=kv,
+        versions=write(state.versions, jnp.minimum(version, state.kv_version)), kv=kv,
         length=length, done=state.done | finished)
     return state, i + 1, kept + jnp.sum(live), jnp.any(finished)
 
@@ -200,9 +205,11 @@ def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block:
 
 def extract_rows(state: SlotState, slots_W: jax.Array):
   """Rows of W slots at once (entries < 0 are padding): tokens, logprobs, versions
-  [W, M] and int32 [W, 2] (length, prompt_len). One transfer for many samples."""
+  [W, M] and int32 [W, 3] (length, prompt_len, kv_version). One transfer for many
+  samples."""
   idx = jnp.maximum(slots_W, 0)
-  meta = jnp.stack([state.length[idx], state.prompt_len[idx]], axis=-1)
+  meta = jnp.stack([state.length[idx], state.prompt_len[idx], state.kv_version[idx]],
+                   axis=-1)
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 

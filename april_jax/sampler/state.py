@@ -5,8 +5,14 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
   kv.k/kv.v[:, s, :, :length-1]  the KV of all but the last token; the last token is
                                  "pending": the next decode step feeds it at position
                                  length-1, writes its KV and samples token `length`
-  logprobs/versions[s, t]        for each response token t: its behavior logprob and the
-                                 policy version that drew it (-1 for prompt tokens)
+  logprobs/versions[s, t]        for each response token t: its behavior logprob and its
+                                 version tag (-1 for prompt tokens): the oldest policy
+                                 version that token's forward pass saw, i.e.
+                                 min(the drawing version, kv_version[s])
+  kv_version[s]                  the oldest policy version whose KV the slot holds: the
+                                 version of its prefill, kept when KV is put back (mode
+                                 kv), renewed by a recompute. A token drawn by new params
+                                 over old KV is not on-policy, and is not tagged as such.
   limit[s]                       the length at which the sample stops (prompt + budget)
   rng[s]                         the sample's own key; the token at position t is drawn
                                  with fold_in(rng, t), so a sample's draws do not depend
@@ -34,6 +40,7 @@ class SlotState:
   kv: qwen3.KVCache       # k, v [L, S, K, M, H], stored as qwen3.kv_storage_dtype
   length: jax.Array       # int32 [S]
   prompt_len: jax.Array   # int32 [S]
+  kv_version: jax.Array   # int32 [S]
   limit: jax.Array        # int32 [S]
   temperature: jax.Array  # float32 [S]; 0 = greedy
   top_k: jax.Array        # int32 [S]; 0 = off
@@ -61,7 +68,7 @@ def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
       versions=jnp.full((S, M), -1, jnp.int32),
       kv=qwen3.KVCache(*(jnp.zeros(kv_shape, qwen3.kv_storage_dtype(kv_dtype))
                          for _ in range(2))),
-      length=zeros_i(S), prompt_len=zeros_i(S), limit=zeros_i(S),
+      length=zeros_i(S), prompt_len=zeros_i(S), kv_version=zeros_i(S), limit=zeros_i(S),
       temperature=jnp.zeros((S,), jnp.float32), top_k=zeros_i(S),
       top_p=jnp.ones((S,), jnp.float32), rng=jnp.zeros((S, 2), jnp.uint32),
       done=jnp.ones((S,), bool))
@@ -74,5 +81,5 @@ def state_logical_axes() -> SlotState:
   return SlotState(
       tokens=row, logprobs=row, versions=row,
       kv=qwen3.KVCache(qwen3.KV_LOGICAL_AXES, qwen3.KV_LOGICAL_AXES),
-      length=vec, prompt_len=vec, limit=vec, temperature=vec, top_k=vec, top_p=vec,
+      length=vec, prompt_len=vec, kv_version=vec, limit=vec, temperature=vec, top_k=vec, top_p=vec,
       rng=("batch", None), done=vec)
