@@ -1,16 +1,26 @@
 """Next-token sampling with per-row parameters: greedy, temperature, top-k, top-p.
 
 Every row (slot) carries its own temperature, top_k and top_p as device arrays, so one
-compiled function serves any mix. The recorded behavior logprob is
-log_softmax(logits / T)[token], the temperature-scaled distribution before any top-k /
-top-p truncation; that is the quantity the learner recomputes (as verl and slime do).
-For greedy rows (T == 0) it is log_softmax(logits)[token].
+compiled function serves any mix. A sampled row draws exactly from softmax(masked / T),
+the mask being its top-k / top-p truncation, and the recorded behavior logprob is that of
+the distribution sampled: log_softmax of the truncated, temperature-scaled logits at the
+drawn token. Importance weights against the learner's full distribution are therefore
+exact; with top_k = 0 and top_p = 1 the two distributions are the same. For greedy rows
+(T == 0) it is log_softmax(logits)[token].
+
+The draw stays in log space (float32 Gumbel-max) without noise over the whole vocabulary:
+a block of _BLOCK tokens is drawn with its share of the mass (from the blocks'
+logsumexps, by the same draw one level up), then a token within it. P(block) *
+P(token | block) is the softmax, so the levels make one exact draw, with at most _BLOCK
+noise values per level (three levels for a 152k vocabulary) instead of one per token.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+_BLOCK = 64
 
 
 def _truncation_mask(scaled_SxV, top_k_S, top_p_S):
@@ -30,16 +40,39 @@ def _truncation_mask(scaled_SxV, top_k_S, top_p_S):
   return keep & (scaled_SxV >= cutoff)
 
 
-def _inverse_cdf_draw(masked_SxV, keys_S):
-  """One uniform per row through the CDF: exact, and far cheaper than Gumbel noise
-  over the whole vocabulary. u is in (0, 1], so a token of probability 0 (masked) can
-  never be the first whose cumulative mass reaches u * total."""
-  probs = jax.nn.softmax(masked_SxV, axis=-1)
-  cdf = jnp.cumsum(probs, axis=-1)
-  u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_S)
-  target = u * cdf[:, -1]
-  index = jnp.sum(cdf < target[:, None], axis=-1)
-  return jnp.minimum(index, masked_SxV.shape[-1] - 1).astype(jnp.int32)
+def _gumbel_max(key, logits_N):
+  """argmax(logits_N + Gumbel noise): an exact draw from softmax(logits_N). int32 [].
+
+  mode="high" resolves the noise's upper tail to ~2^-46 (the default mode, to 2^-23), so
+  even a candidate far less likely than 2^-23 is drawn at its own rate.
+  """
+  return jax.random.categorical(key, logits_N, mode="high").astype(jnp.int32)
+
+
+def draw_token(logits_V: jax.Array, key: jax.Array) -> jax.Array:
+  """One exact draw from softmax(logits_V); -inf entries are never drawn. int32 [].
+
+  The row is cut into blocks of _BLOCK (padded with -inf, which has probability 0); a
+  block is drawn from the blocks' logsumexps by this same draw, one level up, then a token
+  from that block's logits by Gumbel-max. Vmapped over keys with logits_V unbatched, the
+  logsumexps are computed once.
+  """
+  V = logits_V.shape[-1]
+  if V <= _BLOCK:
+    return _gumbel_max(key, logits_V)
+  n_blocks = -(-V // _BLOCK)
+  blocks_NxB = jnp.pad(logits_V, (0, n_blocks * _BLOCK - V),
+                       constant_values=-jnp.inf).reshape(n_blocks, _BLOCK)
+  block_key, token_key = jax.random.split(key)
+  # An all -inf block has logsumexp -inf: it is never drawn.
+  block = draw_token(jax.nn.logsumexp(blocks_NxB, axis=-1), block_key)
+  return block * _BLOCK + _gumbel_max(token_key, blocks_NxB[block])
+
+
+def _logprob_at(logits_SxV, tokens_S):
+  """log_softmax(logits_SxV)[row, tokens_S[row]], without materialising log_softmax."""
+  picked_S = jnp.take_along_axis(logits_SxV, tokens_S[:, None], axis=-1)[:, 0]
+  return picked_S - jax.nn.logsumexp(logits_SxV, axis=-1)
 
 
 def sample_tokens(logits_SxV: jax.Array, keys_S: jax.Array, temperature_S: jax.Array,
@@ -47,19 +80,20 @@ def sample_tokens(logits_SxV: jax.Array, keys_S: jax.Array, temperature_S: jax.A
   """Draws one token per row; returns (tokens int32 [S], behavior logprobs float32 [S]).
 
   keys_S are typed PRNG keys, one per row. The sort needed for top-k / top-p only runs
-  when some row asks for truncation.
+  when some row asks for truncation, and the draw only when some row samples.
   """
   logits_SxV = logits_SxV.astype(jnp.float32)
   greedy_S = temperature_S <= 0.0
+  # Greedy rows keep T = 1 and no truncation, so their masked row is the raw logits.
   safe_t = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
-  scaled = logits_SxV / safe_t
+  scaled_SxV = logits_SxV / safe_t
   truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
-  keep = jax.lax.cond(truncate, _truncation_mask,
-                      lambda s, k, p: jnp.ones(s.shape, bool), scaled, top_k_S, top_p_S)
-  masked = jnp.where(keep, scaled, -jnp.inf)
-  drawn = jax.lax.cond(jnp.all(greedy_S), lambda m, k: jnp.zeros(m.shape[:1], jnp.int32),
-                       _inverse_cdf_draw, masked, keys_S)
-  tokens = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn).astype(jnp.int32)
-  logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None],
-                                 axis=-1)[:, 0]
-  return tokens, logprobs
+  keep_SxV = jax.lax.cond(truncate, _truncation_mask,
+                          lambda s, k, p: jnp.ones(s.shape, bool), scaled_SxV, top_k_S,
+                          top_p_S)
+  masked_SxV = jnp.where(keep_SxV | greedy_S[:, None], scaled_SxV, -jnp.inf)
+  drawn_S = jax.lax.cond(jnp.all(greedy_S),
+                         lambda m, k: jnp.zeros(m.shape[:1], jnp.int32),
+                         jax.vmap(draw_token), masked_SxV, keys_S)
+  tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
+  return tokens_S, _logprob_at(masked_SxV, tokens_S)
