@@ -120,7 +120,7 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
   out = {"mode": "e2e", "seeds": list(seeds), "num_steps": num_steps,
          "april_max_steps": extended, "eval_every": eval_every, "machine": common.machine()}
   keys = ("final_reward", "wall_s", "eval_reward", "tokens_per_s", "off_policy_token_frac",
-          "staleness_max", "rollout_ms_per_step", "train_ms_per_step")
+          "stale_token_frac", "staleness_max", "rollout_ms_per_step", "train_ms_per_step")
   for side in SIDES:
     for k in keys:
       _spread(out, f"{side}_{k}", [r[k] for r in runs[side]])
@@ -169,13 +169,14 @@ def run(config, seeds=(0, 1), report=None, **unused) -> dict:
 
 def _print(out: dict, num_steps: int) -> None:
   print(f"{'':>9} {'final reward':>14} {'eval reward':>13} {'wall s':>8} {'tokens/s':>9} "
-        f"{'off-policy':>10} {'staleness':>9} {'rollout ms':>10} {'train ms':>8}")
+        f"{'off-policy':>10} {'stale tok':>9} {'staleness':>9} {'rollout ms':>10} "
+        f"{'train ms':>8}")
   for side in SIDES:
     g = lambda k: (out[f"{side}_{k}_mean"], out[f"{side}_{k}_std"])
     print(f"{side:>9} {g('final_reward')[0]:>7.3f}±{g('final_reward')[1]:.3f} "
           f"{g('eval_reward')[0]:>6.3f}±{g('eval_reward')[1]:.3f} {g('wall_s')[0]:>8.1f} "
           f"{g('tokens_per_s')[0]:>9.0f} {g('off_policy_token_frac')[0]:>10.3f} "
-          f"{g('staleness_max')[0]:>9.0f} {g('rollout_ms_per_step')[0]:>10.1f} "
+          f"{g('stale_token_frac')[0]:>9.3f} {g('staleness_max')[0]:>9.0f} {g('rollout_ms_per_step')[0]:>10.1f} "
           f"{g('train_ms_per_step')[0]:>8.1f}")
   fmt = lambda xs: [round(x, 2) for x in xs]
   for what, key in (("training reward", "reward"), ("eval reward", "eval")):
