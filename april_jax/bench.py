@@ -11,14 +11,15 @@ stdout line, one JSON object with every number.
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
 """
 
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-import sys
-
-from april_jax.benchmarks import common
+from april_jax.benchmarks import (common, e2e_bench, resume_bench, sampler_bench,
+                                  scheduler_bench)
 from april_jax.benchmarks.report import Report
 
 _MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler", "resume", "e2e"],
@@ -55,7 +56,6 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tables on stdout; libraries stay quiet
   report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
-    from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
     result = sampler_bench.run(models=_MODELS.value, batch=_BATCH.value,
                                prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
                                repeats=_REPEATS.value, seed=_SEED.value, report=report,
@@ -71,17 +71,13 @@ def main(argv):
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value,
                        report=report)
     if _MODE.value == "e2e":
-      from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
       result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
     elif _MODE.value == "resume":
-      from april_jax.benchmarks import resume_bench  # pylint: disable=g-import-not-at-top
       result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
     elif _RATIOS.value:
-      from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
       result = scheduler_bench.sweep(config, ratios=[float(r) for r in _RATIOS.value],
                                      **common_args)
     else:
-      from april_jax.benchmarks import scheduler_bench  # pylint: disable=g-import-not-at-top
       result = scheduler_bench.run(config, ratio=_RATIO.value, **common_args)
   if report is not None:
     print(f"report: {report.write('python -m april_jax.bench ' + ' '.join(sys.argv[1:]), result)}")

@@ -42,10 +42,13 @@ class Checkpointer:
            host: dict[str, Any]) -> None:
     arrays, specs = _pack_buffer(buffer_state)
     host = dict(host, buffer_specs=specs)
+    # Asynchronous: save returns once the arrays are copied off the devices (they may be
+    # donated next) and writes on in the background; the next save or close() waits for
+    # it. A checkpoint only counts once committed, so a kill mid-write resumes from the
+    # one before.
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), buffer=ocp.args.StandardSave(arrays),
         host=ocp.args.JsonSave(host)), force=True)
-    self.manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state: Any):
     """Returns (state in the shardings of abstract_state, buffer arrays, host JSON)."""

@@ -171,29 +171,23 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
                             mesh, decode_rules, econf.decode_block)
   state = _abstract(jax.eval_shape(fns.init), fns.state_sharding)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-  T = max(engine_lib.buckets(econf.min_bucket, max_len))  # the longest prefill / KV copy
+  T = max_len  # the longest prefill / KV copy
   kv_dtype = jnp.dtype(m.kv_dtype)
   rep = functools.partial(_replicated, mesh)
   W, Wr = econf.insert_width, econf.snapshot_width
-  seq_kv = jax.ShapeDtypeStruct((L, T, K, H), kv_dtype, sharding=fns.kv_sharding)
-  rows_kv = jax.ShapeDtypeStruct((L, Wr, T, K, H), kv_dtype, sharding=fns.kv_rows_sharding)
-  i32, f32 = jnp.int32, jnp.float32
-  sample = lambda w: (rep((w,), i32), rep((w,), f32), rep((w,), i32), rep((w,), f32),
-                      rep((w, 2), jnp.uint32))  # limit, temperature, top_k, top_p, rng
+  kv = lambda r: qwen3.KVCache(*(jax.ShapeDtypeStruct((L, r, T, K, H), kv_dtype,
+                                                      sharding=fns.kv_sharding)
+                                 for _ in range(2)))
+  i32 = jnp.int32
+  rows = lambda w: jax.tree.map(lambda x: rep(x.shape, x.dtype),
+                                engine_lib.rows_from_records([], w, max_len, []))
   programs = [
       compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)),
                       (True, False)),
-      compile_program("insert", fns.insert,
-                      (state, qwen3.KVCache(seq_kv, seq_kv), rep((W,), i32),
-                       rep((max_len,), i32), rep((max_len,), f32), rep((max_len,), i32),
-                       rep((), i32), rep((), i32), rep((), i32)) + sample(W),
-                      (True,) + (False,) * 13),
-      compile_program("insert_rows (restore)", fns.insert_rows,
-                      (state, qwen3.KVCache(rows_kv, rows_kv), rep((Wr,), i32),
-                       rep((Wr, max_len), i32), rep((Wr, max_len), f32),
-                       rep((Wr, max_len), i32), rep((Wr,), i32), rep((Wr,), i32),
-                       rep((Wr,), i32)) + sample(Wr),
-                      (True,) + (False,) * 13),
+      compile_program("insert", fns.insert, (state, kv(1), rows(W), rep((W,), i32)),
+                      (True, False, False, False)),
+      compile_program("insert_rows (restore)", fns.insert,
+                      (state, kv(Wr), rows(Wr), rep((Wr,), i32)), (True, False, False, False)),
       compile_program("decode", fns.decode,
                       (decode_params, state, rep((), i32), rep((1,), i32), rep((), bool)),
                       (True, True, False, False, False)),

@@ -22,16 +22,26 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+import dataclasses
+
 import numpy as np
 from absl import logging
 
 from april_jax.rewards.longtail_task import LongTailTask
-from april_jax.rollout.scheduler import PromptItem
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PROMPT_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 ID_KEYS = ("id", "unique_id", "idx")
+
+
+@dataclasses.dataclass
+class PromptItem:
+  """One prompt as the scheduler admits it."""
+  prompt_id: Any
+  tokens: np.ndarray                     # int32 [P]
+  answer: str
+  budgets: list[int] | None = None       # per-sample response budgets (default: config)
 
 
 class _BadRow(Exception):
@@ -202,14 +212,14 @@ class PromptIterator:
   """Dataset records as an endless stream of tokenized PromptItems, checkpointable.
 
   Epoch e visits every record once, in the order
-  `np.random.default_rng([seed, e]).permutation(n)` (file order without shuffle). With
-  `shard=(i, k)` it visits only positions i, i + k, i + 2k, ... of that order (process i
-  of k in a multi-host run; see shared_stream.py).
+  `np.random.default_rng([seed, e]).permutation(n)` (file order without shuffle). In a
+  multi-host run every process reads the whole file and walks the same order, so all
+  see one stream with no exchange (an RL prompt set is small: DAPO-Math-17k is 17k rows).
   """
 
   def __init__(self, records: Sequence[dict], tokenizer: Any, max_prompt_len: int,
                seed: int = 0, shuffle: bool = True, system_prompt: str = "",
-               enable_thinking: bool = False, shard: tuple[int, int] = (0, 1)) -> None:
+               enable_thinking: bool = False) -> None:
     if not records:
       raise ValueError("PromptIterator needs at least one record")
     if max_prompt_len < 1:
@@ -221,7 +231,6 @@ class PromptIterator:
     self.system_prompt = system_prompt
     self.enable_thinking = enable_thinking
     self.seed = int(seed)
-    self.shard = _check_shard(shard)
     self.epoch = 0
     self.offset = 0                       # position within the epoch's order
     self.skipped_too_long = 0             # skips so far, each time a long prompt comes up
@@ -231,9 +240,8 @@ class PromptIterator:
   def _epoch_order(self) -> np.ndarray:
     if self._order_epoch != self.epoch:
       n = len(self.records)
-      order = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
-               if self.shuffle else np.arange(n))
-      self._order = order[self.shard[0]::self.shard[1]]
+      self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
+                     if self.shuffle else np.arange(n))
       self._order_epoch = self.epoch
     return self._order
 
@@ -288,7 +296,6 @@ class PromptIterator:
     Raises:
       ValueError: If the state was saved over a different number of records.
     """
-    _check_not_multiprocess(state)
     num_records = int(state.get("num_records", len(self.records)))
     if num_records != len(self.records):
       raise ValueError(f"Prompt state saved over {num_records} records, but the data now "
@@ -299,32 +306,16 @@ class PromptIterator:
     self._order_epoch = -1
 
 
-def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
-  index, count = (int(x) for x in shard)
-  if not 0 <= index < count:
-    raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
-  return index, count
-
-
-def _check_not_multiprocess(state: dict[str, Any]) -> None:
-  if "processes" in state:
-    raise ValueError(f"the prompt position was saved by {len(state['processes'])} "
-                     "processes; resume with that many")
-
-
 class LongTailSource:
-  """The built-in synthetic task as a prompt source: item 0, 1, 2, ... of the stream
-  (with `shard=(i, k)`: items i, i + k, i + 2k, ...)."""
+  """The built-in synthetic task as a prompt source: item 0, 1, 2, ... of the stream."""
 
-  def __init__(self, task: LongTailTask, tokenizer: Any, seed: int = 0,
-               shard: tuple[int, int] = (0, 1)) -> None:
+  def __init__(self, task: LongTailTask, tokenizer: Any, seed: int = 0) -> None:
     self.task, self.tokenizer, self.seed = task, tokenizer, int(seed)
-    self.shard = _check_shard(shard)
-    self.index = self.shard[0]
+    self.index = 0
 
   def __call__(self) -> PromptItem:
     item = self.task.item(self.index, self.seed)
-    self.index += self.shard[1]
+    self.index += 1
     tokens = np.asarray(self.tokenizer.encode(item["prompt"]), np.int32)
     return PromptItem(prompt_id=item["id"], tokens=tokens, answer=item["answer"])
 
@@ -332,13 +323,11 @@ class LongTailSource:
     return {"index": self.index, "seed": self.seed}
 
   def restore(self, state: dict[str, Any]) -> None:
-    _check_not_multiprocess(state)
     self.index, self.seed = int(state["index"]), int(state["seed"])
 
 
 def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
-                       task: LongTailTask | None = None,
-                       shard: tuple[int, int] = (0, 1)) -> PromptIterator | LongTailSource:
+                       task: LongTailTask | None = None) -> PromptIterator | LongTailSource:
   """The prompt source the `data` config section asks for.
 
   Args:
@@ -347,7 +336,6 @@ def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
     tokenizer: Tokenizer for the prompts (the task's CharTokenizer for "longtail").
     seed: Seed of the shuffle (or of the task's stream).
     task: The built-in task; required when source is "longtail".
-    shard: (process index, process count): read only this process's share.
 
   Returns:
     A LongTailSource for "longtail", else a PromptIterator over the file's records.
@@ -356,10 +344,10 @@ def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
   if c["source"] == "longtail":
     if task is None:
       raise ValueError('data.source "longtail" needs the LongTailTask (task=...)')
-    return LongTailSource(task, tokenizer, seed, shard)
+    return LongTailSource(task, tokenizer, seed)
   records, skipped = load_records(c["source"], c.get("prompt_key", ""), c.get("answer_key", ""))
   logging.info("loaded %d prompts from %s; skipped %d rows%s", len(records), c["source"],
                sum(skipped.values()), f" ({_describe(skipped)})" if skipped else "")
   return PromptIterator(records, tokenizer, c.get("max_prompt_len", 512), seed=seed,
                         shuffle=c.get("shuffle", True), system_prompt=c.get("system_prompt", ""),
-                        enable_thinking=c.get("enable_thinking", False), shard=shard)
+                        enable_thinking=c.get("enable_thinking", False))

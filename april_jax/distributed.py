@@ -1,7 +1,7 @@
 """Multi-host runs on JAX's multi-controller runtime: one process per host, one program.
 
 Every process runs the whole loop on the same config, seed and prompt stream (each reads
-its share of the data and they exchange prompts: shared_stream.py); the mesh
+all of the data and walks the same seeded order; data.py); the mesh
 spans the devices of all processes, so each process holds its share of the params and
 of the sampler's slots (slots lie along the mesh's data axis: a process owns the slots
 on its own devices), and XLA's collectives (NCCL, RCCL, or gloo on CPUs) join them.

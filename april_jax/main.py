@@ -21,9 +21,12 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
+from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
+from april_jax.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
@@ -41,15 +44,12 @@ def main(argv):
     sys.exit(2)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
-  from april_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
-  import jax  # pylint: disable=g-import-not-at-top
   try:
     validate_for_devices(_CONFIG.value, jax.device_count())
   except ConfigError as e:
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)
-  from april_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
   logging.info("config:\n%s", _CONFIG.value)
   try:
     try:

@@ -26,8 +26,8 @@ import os
 import sys
 import types
 
-from april_jax import sharding
-from april_jax.models import qwen3
+from april_jax import compile_check, sharding
+from april_jax.models import hf_io, qwen3
 from april_jax.rl import batch as batch_lib
 
 GB = 1e9
@@ -173,24 +173,6 @@ def check_fits(plan: Plan) -> None:
         "max_response_len, enable model.remat, add microbatches, or shard over more devices.")
 
 
-def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
-  """From an HF config.json if given, else model.path's, else model.init."""
-  from april_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-  path = hf_config_json or (os.path.join(config.model.path, "config.json")
-                            if config.model.path else "")
-  if path:
-    with open(path, encoding="utf-8") as f:
-      cfg = hf_io.config_from_hf(json.load(f), source=path)
-  else:
-    init = config.model.init
-    if min(init.vocab_size, init.hidden_size, init.num_layers, init.num_heads) < 1:
-      raise ValueError("the config has no model shape: set config.model.path to an HF "
-                       "folder, pass --model_config=<config.json>, or fill config.model.init")
-    cfg = qwen3.Qwen3Config.from_init(init)
-  return dataclasses.replace(cfg, attention=config.model.attention,
-                             attention_chunk=config.model.attention_chunk)
-
-
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -201,7 +183,7 @@ def main(argv):
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   try:
-    cfg = model_config(f.config, f.model_config)
+    cfg = hf_io.model_config(f.config, f.model_config)
   except (ValueError, OSError) as e:
     print(f"april_jax.plan: {e}", file=sys.stderr)
     raise SystemExit(2) from None
@@ -210,7 +192,6 @@ def main(argv):
   print(f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh "
         f"{sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices)}")
   if f.compile:
-    from april_jax import compile_check  # pylint: disable=g-import-not-at-top
     mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
     report = compile_check.check(f.config, cfg, mesh, capacity)
     print(report.table())

@@ -36,7 +36,6 @@ from typing import Any, Sequence
 from absl import logging
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -99,11 +98,11 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all devices)."""
   devices = jax.devices() if devices is None else list(devices)
   shape = resolve_mesh_shape(shape, len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # sharding by annotation, as XLA's
   try:
-    grid = mesh_utils.create_device_mesh(shape, devices)
-  except (AssertionError, NotImplementedError, ValueError):
-    grid = np.asarray(devices).reshape(shape)
-  return Mesh(grid, MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  except (AssertionError, NotImplementedError, ValueError):  # a topology it cannot lay out
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
@@ -135,22 +134,6 @@ def named_shardings(logical_tree, shape_tree, mesh: Mesh, rules=DEFAULT_RULES):
   return jax.tree.map(
       lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules)),
       logical_tree, shape_tree, is_leaf=is_axes)
-
-
-def param_shardings(cfg, mesh: Mesh, rules=DEFAULT_RULES, dtype="float32"):
-  """NamedShardings of a Qwen3 params pytree."""
-  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
-  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
-  return named_shardings(qwen3.param_logical_axes(cfg), shapes, mesh, rules)
-
-
-def init_params_sharded(cfg, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES,
-                        dtype="float32"):
-  """Random Qwen3 params created directly in their shardings (never whole on one device)."""
-  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
-  shardings = param_shardings(cfg, mesh, rules, dtype)
-  init = jax.jit(lambda key: qwen3.init_params(cfg, key, dtype), out_shardings=shardings)
-  return init(rng)
 
 
 # ------------------------------------------------------------ activation constraints

@@ -13,7 +13,6 @@ with a fixed seed the continuation equals the uninterrupted run (timings aside).
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 
@@ -21,7 +20,6 @@ from absl import logging
 import jax
 import numpy as np
 
-from april_jax import data as data_lib
 from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import sharding
@@ -29,15 +27,14 @@ from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, qwen3
-from april_jax.rewards import get_reward, longtail_task
+from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import sft
 from april_jax.rl.update import Learner
-from april_jax.rollout import (AprilScheduler, PartialBuffer, RewardRunner, RolloutSettings,
-                               rollout_metrics)
+from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
 from april_jax.sampler import EngineConfig, SlotEngine
-from april_jax.shared_stream import SharedPromptStream
+from april_jax.task import make_task
 from april_jax.tokenizer import Tokenizer
 
 
@@ -48,30 +45,19 @@ class Trainer:
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
-    self.task = None
-    self.model_cfg = dataclasses.replace(
-        hf_io.load_config(c.model.path) if c.model.path
-        else qwen3.Qwen3Config.from_init(c.model.init),
-        attention=c.model.attention, attention_chunk=c.model.attention_chunk)
+    self.model_cfg = hf_io.model_config(c)
     self._check_memory()  # before any weight is allocated
     # Master weights are float32 whatever the compute dtype (see rl/update.py).
     if c.model.path:
       _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
       self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
     else:
-      params = sharding.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
-                                            self.rules, "float32")
+      params = qwen3.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
+                                         self.rules, "float32", c.model.init.std)
       self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
-    if c.data.source == "longtail":
-      # Walks fill at most the ring; a longer cap leaves room for responses that miss the stop.
-      t = c.data.task
-      self.task = longtail_task.LongTailTask(
-          max_answer_len=min(c.rollout.max_response_len - 1, t.ring_size),
-          median=t.median, sigma=t.sigma, ring_size=t.ring_size)
-    shard = (jax.process_index(), jax.process_count())
-    self.source = data_lib.make_prompt_source(c.data, self.tokenizer, c.seed, self.task, shard)
-    if jax.process_count() > 1:  # each process reads its share; all see one stream
-      self.source = SharedPromptStream(self.source, *shard)
+    self.task = make_task(c, self.tokenizer)
+    # Every process reads all of the data and walks the same seeded order: one stream.
+    self.source = self.task.prompts
     self.checkpointer = Checkpointer(workdir)
     self._check_same_checkpoints()
     resuming = self.checkpointer.latest_step() is not None
@@ -91,8 +77,7 @@ class Trainer:
         kv_dtype=c.model.kv_dtype), mesh=self.mesh, rules=self.decode_rules)
     decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
     self.decode = decode
-    self.reward_fn = get_reward(r.reward)
-    self.rewards = RewardRunner(self.reward_fn, decode, num_workers=r.reward_workers,
+    self.rewards = RewardRunner(self.task.reward, decode, num_workers=r.reward_workers,
                                 timeout_s=r.reward_timeout_s, fallback=r.reward_fallback,
                                 agree=distributed.agree if jax.process_count() > 1 else None)
     self.scheduler = AprilScheduler(self.engine, RolloutSettings.from_config(r), self.source,
@@ -129,46 +114,26 @@ class Trainer:
     plan_lib.check_fits(plan)
 
   def _warm_start(self, params):
-    c = self.config
-    seq_len = c.data.max_prompt_len + c.rollout.max_response_len
-    bs = c.train.sft_batch_size
-    batches = (longtail_task.sft_batch(self.task, self.tokenizer,
-                                       range(i * bs, (i + 1) * bs), seed=c.seed + 1,
-                                       seq_len=seq_len)
-               for i in range(c.train.sft_steps))
-    params, losses = sft.warm_start(self.model_cfg, params, batches, c.train.sft_lr)
+    params, losses = sft.warm_start(self.model_cfg, params, self.task.warm_start(),
+                                    self.config.train.sft_lr)
     logging.info("supervised warm-start: %d steps, loss %.3f -> %.3f", len(losses),
                  losses[0], losses[-1])
     return params
 
-  def _train_state(self):
-    state = {"params": self.learner.params, "opt_state": self.learner.opt_state}
-    if self.learner.ref_params is not None:
-      state["ref_params"] = self.learner.ref_params
-    return state
-
   def save(self, step: int) -> float:
     start = time.perf_counter()
+    arrays, learner = self.learner.state()
+    buffer, scheduler = self.scheduler.state()
     host = {"step": step, "version": step + 1, "data": self.source.state(),
-            "scheduler": {"next_group_id": self.scheduler.next_group_id,
-                          "totals": dict(self.scheduler.totals)},
-            "learner": {"updates": self.learner.updates,
-                        "skipped_updates": self.learner.skipped_updates}}
-    self.checkpointer.save(step, self._train_state(), self.scheduler.buffer.to_state(), host)
+            "scheduler": scheduler, "learner": learner}
+    self.checkpointer.save(step, arrays, buffer, host)
     return time.perf_counter() - start
 
   def _restore(self, step: int) -> None:
-    state, buffer_state, host = self.checkpointer.restore(step,
-                                                          abstract_like(self._train_state()))
-    self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
-    self.learner.ref_params = state.get("ref_params")
-    self.learner.updates = host["learner"]["updates"]
-    self.learner.skipped_updates = host["learner"]["skipped_updates"]
+    arrays, buffer, host = self.checkpointer.restore(step, abstract_like(self.learner.state()[0]))
+    self.learner.restore(arrays, host["learner"])
     self.engine.params = self.learner.decode_params()
-    self.scheduler.buffer = PartialBuffer.from_state(buffer_state)
-    self.scheduler.next_group_id = host["scheduler"]["next_group_id"]
-    self.scheduler.totals.clear()
-    self.scheduler.totals.update(host["scheduler"]["totals"])
+    self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
     self.writer.truncate_after(step)
     self.next_step = step + 1
@@ -177,22 +142,10 @@ class Trainer:
             "buffer)", flush=True)
 
   # ---------------------------------------------------------------------------- eval
-  def _eval_items(self):
-    c = self.config
-    if c.eval.path:
-      records, _ = data_lib.load_records(c.eval.path, c.data.prompt_key, c.data.answer_key)
-      source = data_lib.PromptIterator(records[:c.eval.num_prompts], self.tokenizer,
-                                       c.data.max_prompt_len, seed=0, shuffle=False,
-                                       system_prompt=c.data.system_prompt,
-                                       enable_thinking=c.data.enable_thinking)
-      return [source() for _ in range(min(c.eval.num_prompts, len(records)))]
-    held_out = data_lib.LongTailSource(self.task, self.tokenizer, seed=c.seed + 10_000)
-    return [held_out() for _ in range(c.eval.num_prompts)]
-
   def evaluate(self) -> dict[str, float]:
     """On the run's own engine (empty between steps) and its current params."""
     c = self.config
-    return evaluate(self.engine, self._eval_items(), self.decode, self.reward_fn,
+    return evaluate(self.engine, self.task.eval_items(), self.decode, self.task.reward,
                     k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
                     temperature=c.eval.temperature, top_p=c.eval.top_p, seed=c.seed)
 

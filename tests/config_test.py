@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from april_jax.configs.validate import ConfigError, validate
+from april_jax.rl.losses import LossConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -49,6 +50,24 @@ def test_task_fields_are_checked():
   config.data.task.ring_size = 200  # needs 205 token ids, the model has 72
   with pytest.raises(ConfigError, match=r"vocab_size \(72\) is smaller than the built-in "
                                         r"task's tokenizer \(205 tokens\)"):
+    validate(config)
+
+
+def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tmp_path):
+  rows = tmp_path / "train.jsonl"
+  rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+  config = load("tiny")
+  config.data.source = str(rows)
+  config.train.sft_steps = 5
+  config.eval_every = 10
+  config.eval.path = str(tmp_path / "missing.jsonl")
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  message = str(info.value)
+  assert "train.sft_steps (5) > 0 needs reference answers" in message
+  assert f"eval.path '{tmp_path / 'missing.jsonl'}': no such file" in message
+  config.eval.path = ""
+  with pytest.raises(ConfigError, match="eval_every > 0 with a dataset needs eval.path"):
     validate(config)
 
 
@@ -102,7 +121,7 @@ def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up(
 
 def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refused_together():
   from april_jax.rl import losses  # pylint: disable=g-import-not-at-top
-  from april_jax.rl.update import loss_config  # pylint: disable=g-import-not-at-top
+  loss_config = LossConfig.from_config
   config = load("tiny")
   config.train.eps_clip_high = None  # the tiny config sets DAPO's 0.28
   config.train.policy_loss = "gspo"

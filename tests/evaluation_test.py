@@ -5,7 +5,7 @@ import numpy as np
 
 from april_jax.evaluation import evaluate
 from april_jax.models import qwen3
-from april_jax.rollout import PromptItem
+from april_jax.data import PromptItem
 from april_jax.sampler import EngineConfig, SlotEngine
 
 CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,

@@ -36,7 +36,7 @@ def _compiled(name, devices, gb):
   """The compile check of configs/<name>.py (compiled once per test session)."""
   if name not in _REPORTS:
     config = _config(name)
-    cfg = plan.model_config(config)
+    cfg = hf_io.model_config(config)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:devices])
     _REPORTS[name] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
   return _REPORTS[name]
@@ -48,13 +48,13 @@ def test_shipped_shapes_are_the_released_qwen3_configs():
     if not path.is_file():
       pytest.skip("shared model configs are absent")
     from_hf = hf_io.config_from_hf(json.loads(path.read_text()))
-    assert plan.model_config(_config(name)) == dataclasses.replace(from_hf, attention="auto")
+    assert hf_io.model_config(_config(name)) == dataclasses.replace(from_hf, attention="auto")
     assert QWEN3_SHAPES[name]["hidden_size"] == from_hf.hidden_size
 
 
 def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   config = _config("qwen3_8b")
-  cfg = plan.model_config(config)
+  cfg = hf_io.model_config(config)
   p = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
   masters = p.resident["master params (float32)"]
   # Every matrix divides by 8; the RMSNorm weights (L x (2D + 2H) + D) are replicated.
@@ -73,7 +73,7 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
   config = _config("qwen3_8b")
   config.rollout.num_slots = 4096
-  too_big = plan.make_plan(config, plan.model_config(config), 8, 80e9)
+  too_big = plan.make_plan(config, hf_io.model_config(config), 8, 80e9)
   assert not too_big.fits
   with pytest.raises(MemoryError, match="needs .* GB per device but a device holds 80.0 GB"):
     plan.check_fits(too_big)
@@ -120,7 +120,7 @@ def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only(
 @needs_8
 def test_optimizer_state_is_sharded_like_the_params():
   config = _config("qwen3_8b")
-  cfg = plan.model_config(config)
+  cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   t = config.train
   static = update_lib.make_static(cfg, t, 1.0, True, "bfloat16")

@@ -13,7 +13,8 @@ from april_jax.configs import base
 from april_jax.models import qwen3
 from april_jax.rl import advantages, batch as batch_lib
 from april_jax.rl.update import Learner
-from april_jax.rollout import AprilScheduler, PromptItem, RewardRunner, RolloutSettings
+from april_jax.data import PromptItem
+from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
 
 CFG = qwen3.Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -197,7 +198,7 @@ def test_sharded_update_equals_unsharded(params):
   batch = _rollout_batch(params, seed=6)
   mesh = sharding.make_mesh((2, 2, 2))
   sharded_params = jax.device_put(jax.tree.map(jnp.copy, params),
-                                  sharding.param_shardings(CFG, mesh))
+                                  qwen3.param_shardings(CFG, mesh))
   plain = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
   sharded = Learner(CFG, sharded_params, _train_config(), TEMPERATURE, 1, mesh=mesh)
   m_plain, m_sharded = plain.update(batch), sharded.update(batch)

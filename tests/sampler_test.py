@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax import sampler, sharding
+from april_jax import buckets, sampler, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.sampler import EngineConfig, PromptError, SampleRecord, SlotEngine
 
@@ -299,13 +299,13 @@ def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape):
     if len(jax.devices()) < 8:
       pytest.skip("needs 8 (CPU) devices")
     mesh = sharding.make_mesh(mesh_shape)
-    params = jax.device_put(params, sharding.param_shardings(CFG, mesh))
+    params = jax.device_put(params, qwen3.param_shardings(CFG, mesh))
   # A slot shape no other test uses, so nothing is cached before warm_up.
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5),
                       mesh=mesh)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    assert engine.warm_up() == len(sampler.buckets(16, 80))
+    assert engine.warm_up() == len(buckets.all_buckets(16, 80))
     before = len(compiles)
     assert before > 0
     records = _records(_prompts(11, [3, 30, 12, 61, 7, 20, 45]), 19, temperature=1.0)
@@ -341,7 +341,7 @@ def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_heads_over_th
     pytest.skip("needs 8 (CPU) devices")
   # The sampler's rules: slots over data, KV heads (2 here) over fsdp x tensor.
   mesh = sharding.make_mesh((2, 2, 1), jax.devices()[:4])
-  sharded_params = jax.device_put(params, sharding.param_shardings(CFG, mesh))
+  sharded_params = jax.device_put(params, qwen3.param_shardings(CFG, mesh))
   prompts = [p.tolist() for p in _prompts(8, [3, 7, 12, 5, 9, 4])]
   plain = sampler.generate(CFG, params, prompts, max_new_tokens=10, num_slots=4)
   ours = sampler.generate(CFG, sharded_params, prompts, max_new_tokens=10, num_slots=4,

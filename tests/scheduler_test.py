@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from april_jax.models import qwen3
-from april_jax.rollout import (AprilScheduler, PartialBuffer, PromptItem, RewardRunner,
+from april_jax.data import PromptItem
+from april_jax.rollout import (AprilScheduler, PartialBuffer, RewardRunner,
                                RolloutSettings, rollout_metrics)
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine

@@ -54,7 +54,7 @@ def test_params_initialised_directly_sharded_match_unsharded_init():
   mesh = sharding.make_mesh((1, 4, 2))
   cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
-  sharded = sharding.init_params_sharded(cfg, jax.random.key(3), mesh)
+  sharded = qwen3.init_params_sharded(cfg, jax.random.key(3), mesh)
   plain = qwen3.init_params(cfg, jax.random.key(3))
   assert sharded["layers"]["gate"].sharding.spec == P(None, "fsdp", "tensor")
   # Same random stream; jit vs eager may differ by an ulp in the normal transform.

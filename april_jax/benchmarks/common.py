@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -13,7 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from april_jax.models import qwen3
+from april_jax.models import hf_io, qwen3
 
 
 def machine() -> dict[str, Any]:
@@ -35,9 +34,7 @@ def hbm_gbps() -> float:
 def bench_model(config, seed: int):
   """The config's model shape and random params as the run's sampler holds them: in the
   compute dtype (`model.dtype`), with the config's attention settings."""
-  cfg = qwen3.Qwen3Config.from_init(config.model.init)
-  cfg = dataclasses.replace(cfg, attention=config.model.attention,
-                            attention_chunk=config.model.attention_chunk)
+  cfg = hf_io.model_config(config)
   params = qwen3.init_params(cfg, jax.random.key(seed), dtype=jnp.dtype(config.model.dtype),
                              std=config.model.init.std)
   return cfg, params

@@ -15,8 +15,8 @@ import itertools
 import numpy as np
 
 from april_jax.benchmarks import common, length_dists
-from april_jax.rollout import (AprilScheduler, PromptItem, RewardRunner, RolloutSettings,
-                               rollout_metrics)
+from april_jax.data import PromptItem
+from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
 from april_jax.sampler import EngineConfig, SlotEngine
 
 PROMPT_LEN = 16

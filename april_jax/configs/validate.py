@@ -9,7 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-RESUME_MODES = ("kv", "recompute")
+from april_jax import sharding
+from april_jax.models import attention
+from april_jax.rewards import REWARDS, longtail_task
+from april_jax.rl import advantages, losses
+from april_jax.sampler.engine import RESUME_MODES
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -40,7 +45,6 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
     err(f"rollout.top_k must be >= 0, got {r.top_k}")
   if r.reward_timeout_s <= 0:
     err(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
-  from april_jax.rewards import REWARDS  # pylint: disable=g-import-not-at-top
   if r.reward not in REWARDS:
     err(f"rollout.reward {r.reward!r} is not a registered reward ({sorted(REWARDS)})")
 
@@ -51,7 +55,6 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
     err(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
   if m.kv_dtype not in DTYPES:
     err(f"model.kv_dtype must be one of {DTYPES}, got {m.kv_dtype!r}")
-  from april_jax.models import attention  # pylint: disable=g-import-not-at-top
   if m.attention not in attention.IMPLEMENTATIONS:
     err(f"model.attention must be one of {attention.IMPLEMENTATIONS}, got {m.attention!r}")
   if m.attention_chunk < 1:
@@ -68,7 +71,6 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
       err(f"data.source {c.data.source!r} needs a pretrained model and its tokenizer: set "
           "model.path (a random init only runs the built-in task, data.source='longtail')")
     else:
-      from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
       ring_size = min(max(int(c.data.task.ring_size), 2), longtail_task.MAX_RING_SIZE)
       needed = longtail_task.tokenizer(ring_size).vocab_size
       if 0 < m.init.vocab_size < needed:
@@ -91,7 +93,6 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     if c.data.max_prompt_len < 5:
       err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in "
           "task")
-    from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
     t = c.data.task
     if not 2 <= t.ring_size <= longtail_task.MAX_RING_SIZE:
       err(f"data.task.ring_size must be in [2, {longtail_task.MAX_RING_SIZE}], got "
@@ -101,8 +102,17 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
     if c.rollout.max_response_len < 2:
       err(f"rollout.max_response_len ({c.rollout.max_response_len}) must be >= 2 for the "
           "built-in task (a walk of at least one symbol, plus the stop token)")
-  elif not Path(c.data.source).is_file():
-    err(f"data.source {c.data.source!r}: no such file")
+  else:
+    if not Path(c.data.source).is_file():
+      err(f"data.source {c.data.source!r}: no such file")
+    if c.train.sft_steps > 0:
+      err(f"train.sft_steps ({c.train.sft_steps}) > 0 needs reference answers to imitate: "
+          "the built-in task has them, a dataset's prompts do not (set it to 0)")
+    if c.eval_every and not c.eval.path:
+      err("eval_every > 0 with a dataset needs eval.path (a math file to evaluate on); "
+          "the held-out prompts exist for the built-in task only")
+  if c.eval.path and not Path(c.eval.path).is_file():
+    err(f"eval.path {c.eval.path!r}: no such file")
 
 
 def _checks_distributed(c, err: Callable[[str], None]) -> None:
@@ -126,14 +136,13 @@ def _checks_distributed(c, err: Callable[[str], None]) -> None:
 
 def _checks_train(c, err: Callable[[str], None]) -> None:
   t, r = c.train, c.rollout
-  from april_jax.rl import advantages, losses  # pylint: disable=g-import-not-at-top
-  from april_jax.rl.update import loss_config  # pylint: disable=g-import-not-at-top
   if t.advantage not in advantages.ADVANTAGES:
     err(f"train.advantage {t.advantage!r} is not one of {sorted(advantages.ADVANTAGES)}")
   elif t.advantage == "grpo" and r.n_samples_per_prompt < 2:
     err(f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
         f"must be >= 2, got {r.n_samples_per_prompt}")
-  for problem in losses.loss_config_problems(loss_config(t), r.n_samples_per_prompt):
+  for problem in losses.loss_config_problems(losses.LossConfig.from_config(t),
+                                             r.n_samples_per_prompt):
     err(f"train: {problem}")
   if t.overlong_buffer_len < 0 or t.overlong_buffer_len > r.max_response_len:
     err(f"train.overlong_buffer_len ({t.overlong_buffer_len}) must be in [0, "
@@ -161,7 +170,6 @@ CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_d
 
 def batch_shards(config, num_devices: int) -> int:
   """Devices a training microbatch's rows are split over (the mesh axes of `batch`)."""
-  from april_jax import sharding  # pylint: disable=g-import-not-at-top
   shape = dict(zip(sharding.MESH_AXES,
                    sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)))
   axes = dict(tuple(r) for r in config.mesh.rules).get("batch") or ()

@@ -10,6 +10,7 @@ config.json and size-capped safetensors shards that transformers loads as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from april_jax import sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
 
@@ -114,6 +116,24 @@ def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
     return config_from_hf(json.load(f), source=str(config_path))
 
 
+def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
+  """The run's model: from an HF config.json if given, else model.path's, else the
+  config's model.init; with the config's attention settings."""
+  if hf_config_json:
+    with open(hf_config_json, encoding="utf-8") as f:
+      cfg = config_from_hf(json.load(f), source=hf_config_json)
+  elif config.model.path:
+    cfg = load_config(config.model.path)
+  else:
+    init = config.model.init
+    if min(init.vocab_size, init.hidden_size, init.num_layers, init.num_heads) < 1:
+      raise ValueError("the config has no model shape: set config.model.path to an HF "
+                       "folder, pass --model_config=<config.json>, or fill config.model.init")
+    cfg = qwen3.Qwen3Config.from_init(init)
+  return dataclasses.replace(cfg, attention=config.model.attention,
+                             attention_chunk=config.model.attention_chunk)
+
+
 # ------------------------------------------------------------------------- name mapping
 
 # Our layer param -> (HF name template, HF shape fn, HF->ours fn, ours->HF fn).
@@ -199,7 +219,6 @@ def _np_dtype(dtype) -> np.dtype:
 def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
                     rules=None) -> tuple[qwen3.Qwen3Config, qwen3.Params]:
   """Reads an HF Qwen3 folder into params of `dtype`, sharded over `mesh` if given."""
-  from april_jax import sharding  # pylint: disable=g-import-not-at-top
   path = Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f"model folder {path} does not exist")
@@ -207,7 +226,7 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
   reader = _TensorReader(path)
   np_dtype = _np_dtype(dtype)
   if mesh is not None:
-    shardings = sharding.param_shardings(cfg, mesh, rules or sharding.DEFAULT_RULES, dtype)
+    shardings = qwen3.param_shardings(cfg, mesh, rules or sharding.DEFAULT_RULES, dtype)
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, qwen3.param_logical_axes(cfg),

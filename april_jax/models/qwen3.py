@@ -137,6 +137,20 @@ def param_logical_axes(cfg: Qwen3Config) -> Params:
   return axes
 
 
+def param_shardings(cfg: Qwen3Config, mesh, rules=sharding.DEFAULT_RULES, dtype="float32"):
+  """NamedShardings of a params pytree under `rules` (see sharding.py)."""
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+  return sharding.named_shardings(param_logical_axes(cfg), shapes, mesh, rules)
+
+
+def init_params_sharded(cfg: Qwen3Config, rng: jax.Array, mesh, rules=sharding.DEFAULT_RULES,
+                        dtype="float32", std: float = 0.02) -> Params:
+  """Random params created directly in their shardings (never whole on one device)."""
+  init = jax.jit(lambda key: init_params(cfg, key, dtype, std),
+                 out_shardings=param_shardings(cfg, mesh, rules, dtype))
+  return init(rng)
+
+
 def kv_storage_dtype(dtype) -> jnp.dtype:
   """How a slot cache of `dtype` is stored: bfloat16 as its uint16 bit pattern.
 

@@ -14,32 +14,28 @@ token t+1; a row's response occupies t in [P-1, P+R-2]:
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
+from april_jax import buckets
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rollout.group import Group
 
 
 def bucket_len(n: int, min_bucket: int = 32, max_len: int | None = None) -> int:
-  """min_bucket * 2^i >= n, capped at max_len rounded up to a multiple of 8."""
-  b = min_bucket
-  while b < n:
-    b *= 2
-  if max_len is not None:
-    b = min(b, -(-max_len // 8) * 8)
-  return b
+  """A training row's padded length (buckets.py), capped at max_len rounded up to a
+  multiple of 8."""
+  return buckets.bucket(n, min_bucket, sys.maxsize if max_len is None else _cap(max_len))
 
 
 def all_bucket_lens(max_len: int, min_bucket: int = 32) -> list[int]:
   """Every padded length build_batch can produce for sequences up to max_len."""
-  out, n = [], 1
-  while True:
-    b = bucket_len(n, min_bucket, max_len)
-    if b not in out:
-      out.append(b)
-    if b >= max_len:
-      return out
-    n = b + 1
+  return buckets.all_buckets(min_bucket, _cap(max_len))
+
+
+def _cap(max_len: int) -> int:
+  return -(-max_len // 8) * 8
 
 
 def row_lengths(mask_BxT: np.ndarray) -> np.ndarray:

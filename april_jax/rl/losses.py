@@ -71,6 +71,21 @@ class LossConfig:
     kw.update(overrides)
     return cls(**kw)
 
+  @classmethod
+  def from_config(cls, train) -> LossConfig:
+    """From the config's train section. Clips and aggregation left unset (None) take the
+    policy loss's own defaults: PPO's 0.2 / eps_clip / token_mean, GSPO's (for_gspo).
+    0 means off for the optional knobs."""
+    chosen = {k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation")
+              if train[k] is not None}
+    rest = dict(dual_clip_c=train.dual_clip_c or None, norm_len=int(train.norm_len),
+                kl_coef=train.kl_coef, kl_type=train.kl_type,
+                entropy_coef=train.entropy_coef, tis_cap=train.tis_cap or None,
+                mask_stale_tokens=train.mask_stale_tokens)
+    if train.policy_loss == "gspo":
+      return cls.for_gspo(**chosen, **rest)
+    return cls(policy_loss=train.policy_loss, **chosen, **rest)
+
 
 # --------------------------------------------------------------------------- aggregation
 

@@ -39,20 +39,6 @@ from april_jax.rl import batch as batch_lib
 from april_jax.rl import losses
 
 
-def loss_config(train) -> losses.LossConfig:
-  """LossConfig from the config's train section. Clips and aggregation left unset (None)
-  take the policy loss's own defaults: PPO's 0.2 / eps_clip / token_mean, GSPO's 3e-4 /
-  4e-4 / seq_mean_token_mean (LossConfig.for_gspo). 0 means off for the optional knobs."""
-  chosen = {k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation")
-            if train[k] is not None}
-  rest = dict(dual_clip_c=train.dual_clip_c or None, norm_len=int(train.norm_len),
-              kl_coef=train.kl_coef, kl_type=train.kl_type, entropy_coef=train.entropy_coef,
-              tis_cap=train.tis_cap or None, mask_stale_tokens=train.mask_stale_tokens)
-  if train.policy_loss == "gspo":
-    return losses.LossConfig.for_gspo(**chosen, **rest)
-  return losses.LossConfig(policy_loss=train.policy_loss, **chosen, **rest)
-
-
 def make_schedule(train, total_updates: int) -> optax.Schedule:
   warmup = int(train.warmup_steps)
   if train.lr_schedule == "constant":
@@ -199,9 +185,9 @@ def build_programs(static: _Static, optimizer, params_shape, mesh=None,
     param_sh = opt_sh = decode_sh = None
     pin = lambda sh: {}
   else:
-    param_sh = sharding.param_shardings(static.model, mesh, rules)
+    param_sh = qwen3.param_shardings(static.model, mesh, rules)
     opt_sh = optimizer_shardings(optimizer, params_shape, param_sh, mesh)
-    decode_sh = sharding.param_shardings(static.model, mesh, decode_rules)
+    decode_sh = qwen3.param_shardings(static.model, mesh, decode_rules)
     pin = lambda sh: {"out_shardings": sh}
   to_compute = functools.partial(cast, dtype=static.compute_dtype)
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
@@ -229,7 +215,7 @@ def build_programs(static: _Static, optimizer, params_shape, mesh=None,
 
 def make_static(model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: bool,
                 compute_dtype: str) -> _Static:
-  return _Static(model_cfg, loss_config(train), int(train.logprob_chunk),
+  return _Static(model_cfg, losses.LossConfig.from_config(train), int(train.logprob_chunk),
                  float(temperature) if temperature > 0 else 1.0, bool(remat),
                  str(compute_dtype))
 
@@ -265,6 +251,20 @@ class Learner:
     self.by_length = bool(train.microbatch_by_length)
     self._logprobs, self._update, self._zeros = p.logprobs, p.update, p.zeros
     self._grads, self._add, self._apply = p.grads, p.add, p.apply
+
+  def state(self) -> tuple[dict[str, Any], dict]:
+    """What a checkpoint keeps: the device arrays (masters, optimizer state, reference
+    params if held) and the host counters (JSON)."""
+    arrays = {"params": self.params, "opt_state": self.opt_state}
+    if self.ref_params is not None:
+      arrays["ref_params"] = self.ref_params
+    return arrays, {"updates": self.updates, "skipped_updates": self.skipped_updates}
+
+  def restore(self, arrays: dict[str, Any], host: dict) -> None:
+    """Back to a `state()` (arrays restored in the shardings of this learner's own)."""
+    self.params, self.opt_state = arrays["params"], arrays["opt_state"]
+    self.ref_params = arrays.get("ref_params")
+    self.updates, self.skipped_updates = host["updates"], host["skipped_updates"]
 
   def decode_params(self):
     """The current params for the sampler: compute dtype, the sampler's layout."""

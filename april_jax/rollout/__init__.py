@@ -4,8 +4,7 @@ from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.metrics import rollout_metrics
 from april_jax.rollout.reward_runner import RewardRunner
-from april_jax.rollout.scheduler import (AprilScheduler, PromptItem, RolloutResult,
-                                         RolloutSettings)
+from april_jax.rollout.scheduler import AprilScheduler, RolloutResult, RolloutSettings
 
-__all__ = ["AprilScheduler", "Group", "PartialBuffer", "PromptItem", "RewardRunner",
+__all__ = ["AprilScheduler", "Group", "PartialBuffer", "RewardRunner",
            "RolloutResult", "RolloutSettings", "rollout_metrics"]

@@ -60,9 +60,6 @@ class RewardRunner:
     self.timeouts = 0
     self.seconds = 0.0       # reward compute time, summed over samples
 
-  def pending(self) -> int:
-    return len(self._jobs)
-
   def submit(self, group: Group) -> None:
     if group.group_id in self._jobs:
       return

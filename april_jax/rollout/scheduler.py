@@ -39,22 +39,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from april_jax.data import PromptItem
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import PromptError, SampleRecord, SlotEngine, sample_keys
-
-
-@dataclasses.dataclass
-class PromptItem:
-  prompt_id: Any
-  tokens: np.ndarray                     # int32 [P]
-  answer: str
-  budgets: list[int] | None = None       # per-sample response budgets (default: config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +97,19 @@ class AprilScheduler:
     self.next_group_id = 0
     self.totals = collections.Counter()   # over the run: admitted, trained, rejected, ...
 
+  # ---------------------------------------------------------------- checkpoints
+  def state(self) -> tuple[dict[str, np.ndarray], dict]:
+    """What a checkpoint keeps: the partial buffer as numpy arrays, and the rest
+    (group ids, run totals) as JSON."""
+    return self.buffer.to_state(), {"next_group_id": self.next_group_id,
+                                    "totals": dict(self.totals)}
+
+  def restore(self, arrays: dict[str, np.ndarray], host: dict) -> None:
+    """Back to a `state()`: the buffer exactly, KV included."""
+    self.buffer = PartialBuffer.from_state(arrays)
+    self.next_group_id = host["next_group_id"]
+    self.totals = collections.Counter(host["totals"])
+
   # ----------------------------------------------------------------- fresh prompts
   def _new_group(self, item: PromptItem, step: int) -> Group:
     s, n = self.settings, self.settings.n_samples_per_prompt
@@ -152,136 +158,166 @@ class AprilScheduler:
   # ------------------------------------------------------------------------- step
   def step(self, step: int, version: int) -> RolloutResult:
     """Generates until the stop rule holds; returns the training batch and stats."""
-    s, engine = self.settings, self.engine
-    start = time.perf_counter()
-    engine.version = version
-    tokens0, steps0 = engine.tokens_generated, engine.decode_steps
-    stats = collections.Counter()
-    active: list[Group] = []
-    active_ids: set[int] = set()
-    in_slot: set[tuple[int, int]] = set()
-    accepted: list[Group] = []     # in completion order (overdue ones train first)
-    awaiting: list[Group] = []     # complete, waiting for the DAPO filter's verdict
-    rejected: list[Group] = []
-    decided: set[int] = set()      # accepted or rejected
-    overdue: set[int] = set()      # a sample restarted for staleness: finish this step
-    budget = s.over_sampling_batch_size
-    errors0, timeouts0, reward_s0 = (self.rewards.errors, self.rewards.timeouts,
-                                     self.rewards.seconds)
-
-    def admit() -> bool:
-      if len(active) >= budget:
-        return False
-      group = next((g for g in self.buffer if g.group_id not in active_ids), None)
-      if group is not None:
-        if self._enforce_staleness(group, version, stats):
-          overdue.add(group.group_id)
-      else:
-        group = self._next_fresh_group(step, stats)
-        if group is None:
-          return False
-        self.buffer.add(group)
-      active.append(group)
-      active_ids.add(group.group_id)
-      if group.complete:
-        completed(group)  # a surplus group from an earlier step
-      return True
-
-    def completed(group: Group) -> None:
-      """A group's n samples are done: score it; accept it (or let the filter judge)."""
-      if not group.scored:
-        self.rewards.submit(group)
-      if s.dynamic_sampling:
-        awaiting.append(group)
-      else:
-        accepted.append(group)
-        decided.add(group.group_id)
-
-    def judge_awaiting() -> None:
-      """DAPO filter: needs the rewards of the groups completed so far."""
-      nonlocal budget
-      for group in self.rewards.wait_for(awaiting):
-        if group.rewards_all_equal():
-          self.buffer.pop(group.group_id)
-          rejected.append(group)
-          stats["zero_std_groups_dropped"] += 1
-          self.totals["rejected"] += 1
-          budget += 1  # rejected groups do not count toward the batch: admit another
-        else:
-          accepted.append(group)
-        decided.add(group.group_id)
-      awaiting.clear()
-
-    def fill_slots() -> None:
-      while engine.num_free and not stop_now():
-        started = False
-        for group in active:
-          free = engine.num_free
-          if not free:
-            return
-          waiting = [i for i, r in enumerate(group.samples)
-                     if not r.finished and (group.group_id, i) not in in_slot]
-          partial = [i for i in waiting if group.samples[i].started][:free]
-          if partial:
-            engine.add_partials([group.samples[i] for i in partial], mode=s.resume_mode)
-            in_slot.update((group.group_id, i) for i in partial)
-            stats["partial_samples"] += len(partial)
-            started = True
-          fresh = [i for i in waiting if not group.samples[i].started]
-          fresh = fresh[:engine.num_free]
-          if fresh:
-            engine.add_group([group.samples[i] for i in fresh])
-            in_slot.update((group.group_id, i) for i in fresh)
-            started = True
-        if not started:
-          if not admit():
-            return
-          judge_awaiting()
-
-    def stop_now() -> bool:
-      if len(accepted) < s.batch_size or not overdue <= decided:
-        return False
-      return s.partial_rollout or all(g.complete for g in active if g.group_id in self.buffer)
-
+    st = self._begin(step, version)
     while True:
-      judge_awaiting()
-      if stop_now():
+      self._judge(st)
+      if self._stop(st):
         break
-      fill_slots()
-      if stop_now():  # filling can judge awaiting groups and complete the batch
+      self._fill(st)
+      if self._stop(st):  # filling can judge awaiting groups and complete the batch
         break
-      if engine.num_live == 0:
+      if self.engine.num_live == 0:
         break  # nothing live and nothing admissible: the prompts ran out
-      newly_complete: dict[int, Group] = {}  # ordered, once per group
-      # Free slots after filling mean nothing is waiting: decode on through finishes.
-      # (Under the DAPO filter a rejected group admits another, so keep the early exit.)
-      for record in engine.step(refill=engine.num_free == 0 or s.dynamic_sampling):
-        group = self.buffer.get(record.meta["group"])
-        in_slot.discard((group.group_id, record.meta["index"]))
-        if group.complete:
-          newly_complete[group.group_id] = group
-      for group in newly_complete.values():
-        completed(group)
+      self._decode(st)
+    self._snapshot()
+    return self._end(st)
 
-    for record in engine.snapshot(with_kv=(s.resume_mode == "kv")):
-      if record.started:  # cut at this step's end, to be continued: the paper's off-policy
+  def _begin(self, step: int, version: int) -> "_Step":
+    self.engine.version = version
+    r = self.rewards
+    return _Step(step=step, version=version, budget=self.settings.over_sampling_batch_size,
+                 start=time.perf_counter(), tokens0=self.engine.tokens_generated,
+                 steps0=self.engine.decode_steps,
+                 rewards0=(r.errors, r.timeouts, r.seconds))
+
+  def _admit(self, st: "_Step") -> bool:
+    """Admits one more group (buffered first, else fresh), if the budget allows."""
+    if len(st.active) >= st.budget:
+      return False
+    group = next((g for g in self.buffer if g.group_id not in st.active_ids), None)
+    if group is not None:
+      if self._enforce_staleness(group, st.version, st.stats):
+        st.overdue.add(group.group_id)
+    else:
+      group = self._next_fresh_group(st.step, st.stats)
+      if group is None:
+        return False
+      self.buffer.add(group)
+    st.active.append(group)
+    st.active_ids.add(group.group_id)
+    if group.complete:
+      self._completed(st, group)  # a surplus group from an earlier step
+    return True
+
+  def _completed(self, st: "_Step", group: Group) -> None:
+    """A group's n samples are done: score it; accept it (or let the filter judge)."""
+    if not group.scored:
+      self.rewards.submit(group)
+    if self.settings.dynamic_sampling:
+      st.awaiting.append(group)
+    else:
+      st.accept(group)
+
+  def _judge(self, st: "_Step") -> None:
+    """The DAPO filter: needs the rewards of the groups completed so far."""
+    for group in self.rewards.wait_for(st.awaiting):
+      if not group.rewards_all_equal():
+        st.accept(group)
+        continue
+      self.buffer.pop(group.group_id)
+      st.rejected.append(group)
+      st.decided.add(group.group_id)
+      st.stats["zero_std_groups_dropped"] += 1
+      self.totals["rejected"] += 1
+      st.budget += 1  # rejected groups do not count toward the batch: admit another
+    st.awaiting.clear()
+
+  def _fill(self, st: "_Step") -> None:
+    """Free slots take the admitted groups' waiting samples (partials first), then
+    admit another group, until no slot is free or the stop rule holds."""
+    engine = self.engine
+    while engine.num_free and not self._stop(st):
+      started = False
+      for group in st.active:
+        if not engine.num_free:
+          return
+        waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
+        partial = [r for r in waiting if r.started][:engine.num_free]
+        if partial:
+          engine.add_partials(partial, mode=self.settings.resume_mode)
+          st.stats["partial_samples"] += len(partial)
+        fresh = [r for r in waiting if not r.started][:engine.num_free]
+        if fresh:
+          engine.add_group(fresh)
+        started = started or bool(partial or fresh)
+      if not started:
+        if not self._admit(st):
+          return
+        self._judge(st)
+
+  def _decode(self, st: "_Step") -> None:
+    """One engine step; the groups it completed, in completion order, once each.
+
+    Free slots after filling mean nothing is waiting: decode on through finishes.
+    (Under the DAPO filter a rejected group admits another, so keep the early exit.)
+    """
+    refill = self.engine.num_free == 0 or self.settings.dynamic_sampling
+    done: dict[int, Group] = {}
+    for record in self.engine.step(refill=refill):
+      group = self.buffer.get(record.meta["group"])
+      if group.complete:
+        done[group.group_id] = group
+    for group in done.values():
+      self._completed(st, group)
+
+  def _stop(self, st: "_Step") -> bool:
+    """batch_size groups accepted and every overdue one decided; the baseline also
+    waits for every admitted group."""
+    if len(st.accepted) < self.settings.batch_size or not st.overdue <= st.decided:
+      return False
+    return self.settings.partial_rollout or all(
+        g.complete for g in st.active if g.group_id in self.buffer)
+
+  def _snapshot(self) -> None:
+    """Every unfinished slot back to its group; a started one was cut at this step's
+    end, to be continued (the paper's off-policy measure counts it)."""
+    for record in self.engine.snapshot(with_kv=(self.settings.resume_mode == "kv")):
+      if record.started:
         record.meta["cuts"] = record.meta.get("cuts", 0) + 1
-    self.rewards.wait_all()  # every complete group keeps its rewards, buffered ones too
-    # Overdue groups first, oldest first; then the rest in completion order (stable).
-    accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in overdue else (1, 0))
-    batch, surplus = accepted[:s.batch_size], accepted[s.batch_size:]
+
+  def _end(self, st: "_Step") -> RolloutResult:
+    """Takes the batch out of the buffer (overdue groups first, oldest first; then the
+    rest in completion order); the step's stats."""
+    engine, r = self.engine, self.rewards
+    r.wait_all()  # every complete group keeps its rewards, buffered ones too
+    st.accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in st.overdue else (1, 0))
+    N = self.settings.batch_size
+    batch, surplus = st.accepted[:N], st.accepted[N:]
     for group in batch:
       self.buffer.pop(group.group_id)
     self.totals["trained"] += len(batch)
-    stats.update(
-        rollout_s=time.perf_counter() - start,
-        new_tokens=engine.tokens_generated - tokens0,
-        decode_steps=engine.decode_steps - steps0,
+    st.stats.update(
+        rollout_s=time.perf_counter() - st.start,
+        new_tokens=engine.tokens_generated - st.tokens0,
+        decode_steps=engine.decode_steps - st.steps0,
         num_slots=engine.config.num_slots,
         buffer_groups=len(self.buffer), buffer_bytes=self.buffer.host_bytes(),
-        surplus_groups=len(surplus), admitted_groups=len(active),
-        overdue_groups=len(overdue),
-        reward_errors=self.rewards.errors - errors0,
-        reward_timeouts=self.rewards.timeouts - timeouts0,
-        reward_s=self.rewards.seconds - reward_s0)
-    return RolloutResult(groups=batch, rejected=rejected, stats=dict(stats))
+        surplus_groups=len(surplus), admitted_groups=len(st.active),
+        overdue_groups=len(st.overdue),
+        reward_errors=r.errors - st.rewards0[0], reward_timeouts=r.timeouts - st.rewards0[1],
+        reward_s=r.seconds - st.rewards0[2])
+    return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
+
+
+@dataclasses.dataclass
+class _Step:
+  """What one RL step has admitted and decided so far (AprilScheduler.step)."""
+  step: int
+  version: int
+  budget: int                    # groups it may admit: N', plus one per DAPO rejection
+  start: float
+  tokens0: int
+  steps0: int
+  rewards0: tuple
+  active: list[Group] = dataclasses.field(default_factory=list)       # admitted
+  active_ids: set[int] = dataclasses.field(default_factory=set)
+  accepted: list[Group] = dataclasses.field(default_factory=list)     # completion order
+  awaiting: list[Group] = dataclasses.field(default_factory=list)     # the filter's verdict
+  rejected: list[Group] = dataclasses.field(default_factory=list)
+  decided: set[int] = dataclasses.field(default_factory=set)          # accepted or rejected
+  overdue: set[int] = dataclasses.field(default_factory=set)          # finish this step
+  stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def accept(self, group: Group) -> None:
+    self.accepted.append(group)
+    self.decided.add(group.group_id)

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from april_jax import sharding
+from april_jax import buckets, sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
 from april_jax.sampler import slot_ops
 from april_jax.sampler.records import PromptError, SampleRecord
+from april_jax.sampler.state import SlotRows
 
 RESUME_MODES = ("kv", "recompute")
 
@@ -51,13 +52,32 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def buckets(min_bucket: int, max_len: int) -> list[int]:
-  """Padded lengths used for prefill and KV copies: min_bucket * 2^i, then max_len."""
-  out, b = [], min_bucket
-  while b < max_len:
-    out.append(b)
-    b *= 2
-  return out + [max_len]
+def kv_version_of(record: SampleRecord) -> int:
+  """The oldest version in a record's host KV (its oldest token's, if not recorded)."""
+  if record.kv_version is not None:
+    return record.kv_version
+  return int(record.versions.min()) if record.started else 0
+
+
+def rows_from_records(records: list[SampleRecord], width: int, max_len: int,
+                      kv_versions: list[int]) -> SlotRows:
+  """The slot rows of up to `width` records (fresh, partial or recomputed alike), padded
+  to `width` with inert rows; numpy, for one insert call."""
+  W, M = width, max_len
+  tokens, logprobs = np.zeros((W, M), np.int32), np.zeros((W, M), np.float32)
+  versions = np.full((W, M), -1, np.int32)
+  ints = np.zeros((5, W), np.int32)  # length, prompt_len, kv_version, limit, top_k
+  temperature, top_p = np.zeros(W, np.float32), np.ones(W, np.float32)
+  rng = np.zeros((W, 2), np.uint32)
+  for j, (r, kv_version) in enumerate(zip(records, kv_versions)):
+    P = len(r.prompt)
+    tokens[j, :r.length] = np.concatenate([r.prompt, r.response])
+    logprobs[j, P:r.length], versions[j, P:r.length] = r.logprobs, r.versions
+    ints[:, j] = (r.length, P, kv_version, P + r.max_new_tokens, r.top_k)
+    temperature[j], top_p[j], rng[j] = r.temperature, r.top_p, r.rng
+  return SlotRows(tokens=tokens, logprobs=logprobs, versions=versions, length=ints[0],
+                  prompt_len=ints[1], kv_version=ints[2], limit=ints[3],
+                  temperature=temperature, top_k=ints[4], top_p=top_p, rng=rng)
 
 
 class SlotEngine:
@@ -70,8 +90,9 @@ class SlotEngine:
                                    config.kv_dtype, mesh, tuple(rules), config.decode_block)
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
-    self._buckets = buckets(config.min_bucket, config.max_len)
+    self._buckets = buckets.all_buckets(config.min_bucket, config.max_len)
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
+    self._held: set[int] = set()  # id() of the records in _owner
     self._lengths = np.zeros(config.num_slots, np.int64)  # host copy, as of the last sync
     self.decode_steps = 0        # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0    # tokens kept, summed over slots
@@ -79,6 +100,10 @@ class SlotEngine:
   # ------------------------------------------------------------------ bookkeeping
   def free_slots(self) -> list[int]:
     return [s for s, r in enumerate(self._owner) if r is None]
+
+  def holds(self, record: SampleRecord) -> bool:
+    """Whether the record is in a slot now."""
+    return id(record) in self._held
 
   @property
   def num_free(self) -> int:
@@ -89,10 +114,9 @@ class SlotEngine:
     return self.config.num_slots - self.num_free
 
   def bucket(self, n: int) -> int:
-    for b in self._buckets:
-      if b >= n:
-        return b
-    raise PromptError(f"{n} tokens exceed the slot capacity max_len={self.config.max_len}")
+    if n > self.config.max_len:
+      raise PromptError(f"{n} tokens exceed the slot capacity max_len={self.config.max_len}")
+    return buckets.bucket(n, self.config.min_bucket, self.config.max_len)
 
   def check(self, record: SampleRecord) -> None:
     """Raises PromptError if the record cannot run in a slot."""
@@ -112,37 +136,44 @@ class SlotEngine:
                         f"top_k={record.top_k} top_p={record.top_p}")
 
   def warm_up(self) -> int:
-    """Compiles every program a run can use: per length bucket, prefill, insert and KV
-    extract; then decode. Runs on the engine's own state, as no-ops (no memory for a
-    second state), so the engine must be empty. Returns the number of buckets."""
+    """Compiles every program a run can use: per length bucket, prefill, insert (one
+    shared KV, and one KV per row) and KV extract; then decode. Runs on the engine's own
+    state, as no-ops (no memory for a second state), so the engine must be empty.
+    Returns the number of buckets."""
     if self.num_live:
       raise RuntimeError("warm_up needs an empty engine")
-    W, M = self.config.insert_width, self.config.max_len
-    no_slots = np.full(W, -1, np.int32)
+    cfg, Wr = self.cfg, self.config.snapshot_width
     for b in self._buckets:
-      kv = self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32))
-      self.state = self.fns.insert(
-          self.state, kv, no_slots, np.zeros(M, np.int32), np.zeros(M, np.float32),
-          np.full(M, -1, np.int32), np.int32(1), np.int32(1), np.int32(0),
-          np.zeros(W, np.int32),
-          np.zeros(W, np.float32), np.zeros(W, np.int32), np.ones(W, np.float32),
-          np.zeros((W, 2), np.uint32))
-      jax.block_until_ready(self.fns.extract_kv(
-          self.state, np.full(self.config.snapshot_width, -1, np.int32), b))
-      self.state = self.fns.insert_rows(self.state, *self._rows_args([], b))
+      self._insert(self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32)), [], [], [])
+      jax.block_until_ready(self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b))
+      zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim),
+                       self.config.kv_dtype)
+      self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), [], [], [])
     self.state, _, _ = self.fns.decode(self.params, self.state, np.int32(self.version),
                                        self._stop_ids, np.bool_(True))
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
+    no_slots = np.full(self.config.insert_width, -1, np.int32)
     jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
     return len(self._buckets)
 
   # ---------------------------------------------------------------------- admit
-  def _insert(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
-              records: list[SampleRecord]):
-    """Copies one sequence into slots, `insert_width` slots per device call."""
+  def _insert(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord],
+              kv_versions: list[int]) -> None:
+    """One insert call: up to W records into slots, with their KV [L, R, T, K, H]: one
+    row each (R = W = snapshot_width), or one shared (R = 1, W = insert_width)."""
+    W = kv.k.shape[1] if kv.k.shape[1] > 1 else self.config.insert_width
+    padded = np.full(W, -1, np.int32)
+    padded[:len(slots)] = slots
+    rows = rows_from_records(records, W, self.config.max_len, kv_versions)
+    self.state = self.fns.insert(self.state, kv, rows, padded)
+
+  def _insert_shared(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
+                     records: list[SampleRecord]) -> None:
+    """One sequence's KV [L, 1, T, K, H] into slots, `insert_width` slots per call."""
     W = self.config.insert_width
     for i in range(0, len(slots), W):
-      self._insert_chunk(kv, kv_version, slots[i:i + W], records[i:i + W])
+      chunk = records[i:i + W]
+      self._insert(kv, slots[i:i + W], chunk, [kv_version] * len(chunk))
     self._own(slots, records)
 
   def _own(self, slots: list[int], records: list[SampleRecord]) -> None:
@@ -150,67 +181,21 @@ class SlotEngine:
     for slot, record in zip(slots, records):
       record.drop_kv()
       self._owner[slot] = record
+      self._held.add(id(record))
       self._lengths[slot] = record.length
 
-  @staticmethod
-  def _fill_row(record: SampleRecord, tokens: np.ndarray, logprobs: np.ndarray,
-                versions: np.ndarray) -> None:
-    """Writes a sample's tokens, behaviour logprobs and versions into [M] host rows."""
-    P = len(record.prompt)
-    tokens[:record.length] = np.concatenate([record.prompt, record.response])
-    logprobs[P:record.length] = record.logprobs
-    versions[P:record.length] = record.versions
+  def _on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
+    return kv if self.fns.kv_sharding is None else jax.device_put(kv, self.fns.kv_sharding)
 
-  def _insert_chunk(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
-                    records: list[SampleRecord]):
-    first = records[0]
-    M = self.config.max_len
-    tokens, logprobs = np.zeros(M, np.int32), np.zeros(M, np.float32)
-    versions = np.full(M, -1, np.int32)
-    self._fill_row(first, tokens, logprobs, versions)
-    P = len(first.prompt)
-    pad = self.config.insert_width - len(slots)
-    padded = lambda values, dtype, fill=0: np.asarray(list(values) + [fill] * pad, dtype)
-    self.state = self.fns.insert(
-        self.state, kv, padded(slots, np.int32, -1), tokens, logprobs, versions,
-        np.int32(first.length), np.int32(P), np.int32(kv_version),
-        padded([P + r.max_new_tokens for r in records], np.int32),
-        padded([r.temperature for r in records], np.float32),
-        padded([r.top_k for r in records], np.int32),
-        padded([r.top_p for r in records], np.float32, 1.0),
-        np.concatenate([np.stack([r.rng for r in records]), np.zeros((pad, 2), np.uint32)]))
-
-  def _rows_args(self, chunk: list[tuple[int, SampleRecord]], kv_len: int) -> tuple:
-    """insert_rows' arguments for up to snapshot_width (slot, sample with KV) pairs."""
-    W, M, cfg = self.config.snapshot_width, self.config.max_len, self.cfg
-    kv_shape = (cfg.num_layers, W, kv_len, cfg.num_kv_heads, cfg.head_dim)
-    k, v = np.zeros(kv_shape, self.config.kv_dtype), np.zeros(kv_shape, self.config.kv_dtype)
-    slots = np.full(W, -1, np.int32)
-    tokens, logprobs = np.zeros((W, M), np.int32), np.zeros((W, M), np.float32)
-    versions = np.full((W, M), -1, np.int32)
-    ints = np.zeros((5, W), np.int32)  # length, prompt_len, kv_version, limit, top_k
-    floats = np.stack([np.zeros(W, np.float32), np.ones(W, np.float32)])  # temp, top_p
-    rng = np.zeros((W, 2), np.uint32)
-    for j, (slot, r) in enumerate(chunk):
-      P, used = len(r.prompt), r.length - 1
-      slots[j] = slot
-      k[:, j, :used], v[:, j, :used] = r.kv_k, r.kv_v
-      self._fill_row(r, tokens[j], logprobs[j], versions[j])
-      ints[:, j] = (r.length, P, self._kv_version(r), P + r.max_new_tokens, r.top_k)
-      floats[:, j] = (r.temperature, r.top_p)
-      rng[j] = r.rng
-    kv = qwen3.KVCache(k, v)
-    if self.fns.kv_rows_sharding is not None:
-      kv = jax.device_put(kv, self.fns.kv_rows_sharding)
-    return (kv, slots, tokens, logprobs, versions, ints[0], ints[1], ints[2], ints[3],
-            floats[0], ints[4], floats[1], rng)
-
-  @staticmethod
-  def _kv_version(record: SampleRecord) -> int:
-    """The oldest version in a record's host KV (its oldest token's, if not recorded)."""
-    if record.kv_version is not None:
-      return record.kv_version
-    return int(record.versions.min()) if record.started else 0
+  def _host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
+    """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads,
+             cfg.head_dim)
+    k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
+    for j, r in enumerate(records):
+      k[:, j, :r.length - 1], v[:, j, :r.length - 1] = r.kv_k, r.kv_v
+    return self._on_device(qwen3.KVCache(k, v))
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
     """Continues several partial samples; in mode kv, snapshot_width per device call.
@@ -230,7 +215,9 @@ class SlotEngine:
     W = self.config.snapshot_width
     for kv_len, pairs in by_bucket.items():
       for i in range(0, len(pairs), W):
-        self.state = self.fns.insert_rows(self.state, *self._rows_args(pairs[i:i + W], kv_len))
+        chunk = [r for _, r in pairs[i:i + W]]
+        self._insert(self._host_kv(chunk, kv_len), [slot for slot, _ in pairs[i:i + W]],
+                     chunk, [kv_version_of(r) for r in chunk])
     self._own(slots, with_kv)
     slot_of = dict(zip(map(id, with_kv), slots))
     slot_of.update((id(r), self.add(r, mode)) for r in rest)
@@ -257,7 +244,7 @@ class SlotEngine:
       if r.started or not np.array_equal(r.prompt, records[0].prompt):
         raise ValueError("add_group takes fresh samples of one and the same prompt")
     slots = self._take_slots(len(records))
-    self._insert(self._prefill(records[0].prompt), self.version, slots, records)
+    self._insert_shared(self._prefill(records[0].prompt), self.version, slots, records)
     return slots
 
   def add(self, record: SampleRecord, mode: str = "kv") -> int:
@@ -268,16 +255,14 @@ class SlotEngine:
     slot = self._take_slots(1)
     if mode == "kv" and record.has_kv:
       used = record.length - 1
-      kv_len = self.bucket(max(used, 1))
-      pad = ((0, 0), (0, kv_len - used), (0, 0), (0, 0))
-      kv = qwen3.KVCache(np.pad(record.kv_k, pad), np.pad(record.kv_v, pad))
-      if self.fns.kv_sharding is not None:
-        kv = jax.device_put(kv, self.fns.kv_sharding)
-      kv_version = self._kv_version(record)
+      pad = ((0, 0), (0, self.bucket(max(used, 1)) - used), (0, 0), (0, 0))
+      kv = self._on_device(qwen3.KVCache(np.pad(record.kv_k, pad)[:, None],
+                                         np.pad(record.kv_v, pad)[:, None]))
+      kv_version = kv_version_of(record)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill(np.concatenate([record.prompt, record.response]))
       kv_version = self.version
-    self._insert(kv, kv_version, slot, [record])
+    self._insert_shared(kv, kv_version, slot, [record])
     return slot[0]
 
   # ------------------------------------------------------------------ decode, harvest
@@ -304,7 +289,7 @@ class SlotEngine:
     for slot, record in finished:
       last = record.response[-1]
       record.finish_reason = "stop" if last in self.config.stop_ids else "length"
-      self._owner[slot] = None
+      self._release(slot)
     return [record for _, record in finished]
 
   def snapshot(self, with_kv: bool = True) -> list[SampleRecord]:
@@ -312,9 +297,13 @@ class SlotEngine:
     held = [(slot, r) for slot, r in enumerate(self._owner) if r is not None]
     self._read_back(held, with_kv)
     for slot, _ in held:
-      self._owner[slot] = None
+      self._release(slot)
     self.state = self.fns.mark_done(self.state, np.array([r is None for r in self._owner]))
     return [record for _, record in held]
+
+  def _release(self, slot: int) -> None:
+    self._held.discard(id(self._owner[slot]))
+    self._owner[slot] = None
 
   def _read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
     """Copies the slots' responses (and KV) into their records, W slots per transfer."""

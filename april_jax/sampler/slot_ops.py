@@ -1,17 +1,18 @@
 """The sampler's device functions: prefill, insert, decode, extract (all pure).
 
-  prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, T, K, H]
-  insert(state, kv, slots[W], rows...)      -> state with one sequence copied into slots
-  insert_rows(state, kv, slots[W], rows...) -> state with W sequences (own KV) put back
+  prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, 1, T, K, H]
+  insert(state, kv, rows, slots[W])         -> state with W slots written: their rows
+                                               (SlotRows) and KV, [L, W, T, K, H] (each
+                                               its own) or [L, 1, T, K, H] (one shared)
   decode(params, state, version, stop_ids, leave_on_finish)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
   extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
   mark_done(state, mask)                    -> state with those slots stopped
 
-A sequence's KV travels as [L, T, K, H] (prefill's output, the host buffer's format);
-the slot cache is [L, S, K, M, H]. Writes into and reads out of the cache run per device
-on its own slots (`shard_map` with local slot indices): a slot index is traced, and a
+Sequences' KV travel as [L, R, T, K, H] (R rows: prefill's output, the host buffer's
+format); the slot cache is [L, S, K, M, H]. Writes into and reads out of the cache run
+per device on its own slots (`shard_map` with local slot indices): a slot index is traced, and a
 dynamic slice at a traced index along a sharded axis would make XLA gather the whole
 cache onto every device. `DeviceFns` jits them once per (model config, slot shapes,
 mesh): T is bucketed by the caller, so steady state compiles nothing new. The state is
@@ -31,13 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from april_jax import sharding
 from april_jax.models import qwen3
 from april_jax.sampler.sampling import sample_tokens
-from april_jax.sampler.state import SlotState, init_state, state_logical_axes
+from april_jax.sampler.state import SlotRows, SlotState, init_state, state_logical_axes
 
 
 def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.KVCache:
-  """The KV of one (right-padded) sequence: k, v [L, T, K, H]."""
+  """The KV of one (right-padded) sequence: k, v [L, 1, T, K, H]."""
   _, kv = qwen3.hidden_states(cfg, params, tokens_1xT, return_kv=True)
-  return qwen3.KVCache(kv.k[:, 0], kv.v[:, 0])
+  return kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,10 @@ class _CacheLayout:
 
 
 def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
-              slots_W: jax.Array, per_row: bool) -> qwen3.KVCache:
-  """Copies sequences' KV ([L, T, K, H], or [L, W, T, K, H] with per_row) into the slots
-  slots_W (entries < 0 are padding), positions < T, each device into its own slots."""
+              slots_W: jax.Array) -> qwen3.KVCache:
+  """Copies sequences' KV [L, R, T, K, H] into the slots slots_W (entries < 0 are
+  padding), positions < T, each device into its own slots. Slot i takes KV row
+  min(i, R - 1): R = W gives each its own, R = 1 shares one (a prompt's samples)."""
   def local(ck, cv, nk, nv, slots):
     S_local = ck.shape[1]
     first = layout.first_local_slot(S_local)
@@ -74,7 +76,8 @@ def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
       at = jnp.clip(at, 0, S_local - 1)
       out = []
       for c, n in zip(caches, (nk, nv)):
-        seq_LxTxKxH = jax.lax.dynamic_index_in_dim(n, i, 1, keepdims=False) if per_row else n
+        row = jnp.minimum(i, n.shape[1] - 1)
+        seq_LxTxKxH = jax.lax.dynamic_index_in_dim(n, row, 1, keepdims=False)
         new = qwen3.kv_store(seq_LxTxKxH.transpose(0, 2, 1, 3)[:, None], c.dtype)  # [L,1,K,T,H]
         start = (0, at, 0, 0, 0)
         old = jax.lax.dynamic_slice(c, start, new.shape)
@@ -85,8 +88,7 @@ def _write_kv(layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache,
 
   P = PartitionSpec
   cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
-  new_spec = (P(None, None, None, layout.head_axes, None) if per_row
-              else P(None, None, layout.head_axes, None))
+  new_spec = P(None, None, None, layout.head_axes, None)
   fn = layout.local(local, (cache_spec, cache_spec, new_spec, new_spec, P()),
                     (cache_spec, cache_spec))
   return qwen3.KVCache(*fn(cache.k, cache.v, kv.k, kv.v, slots_W))
@@ -106,56 +108,20 @@ def _write_positions(layout: _CacheLayout, cache: qwen3.KVCache, new_k_LxBxKxH, 
   return qwen3.KVCache(*fn(cache.k, cache.v, new_k_LxBxKxH, new_v_LxBxKxH, positions_B))
 
 
-def _put_slots(layout: _CacheLayout, state: SlotState, slots_W: jax.Array,
-               kv: qwen3.KVCache, per_row: bool, **rows_W) -> SlotState:
-  """Writes W slots: their KV (see _write_kv) and rows_W, [W, ...] per state field.
-  Entries of slots_W < 0 are padding and change nothing. The slots start undone."""
+def insert(layout: _CacheLayout, state: SlotState, kv_LxRxTxKxH: qwen3.KVCache,
+           rows: SlotRows, slots_W: jax.Array) -> SlotState:
+  """Writes W slots: their KV (positions < T; see _write_kv) and their rows. Entries of
+  slots_W < 0 are padding and change nothing. The slots start undone.
+
+  W and R are fixed per call site (one compile per T bucket, whatever the group size).
+  """
   S = state.tokens.shape[0]
-  rows = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
-  put = lambda a, v: a.at[rows].set(v, mode="drop")
-  fields = {name: put(getattr(state, name), value) for name, value in rows_W.items()}
-  return state.replace(kv=_write_kv(layout, state.kv, kv, slots_W, per_row),
+  at = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
+  put = lambda a, v: a.at[at].set(v, mode="drop")
+  fields = {f.name: put(getattr(state, f.name), getattr(rows, f.name))
+            for f in dataclasses.fields(rows)}
+  return state.replace(kv=_write_kv(layout, state.kv, kv_LxRxTxKxH, slots_W),
                        done=put(state.done, False), **fields)
-
-
-def insert(layout: _CacheLayout, state: SlotState, kv_LxTxKxH: qwen3.KVCache,
-           slots_W: jax.Array,
-           tokens_M: jax.Array, logprobs_M: jax.Array, versions_M: jax.Array,
-           length: jax.Array, prompt_len: jax.Array, kv_version: jax.Array,
-           limit_W: jax.Array, temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
-           rng_Wx2: jax.Array) -> SlotState:
-  """Copies one sequence (its KV for positions < T, its rows) into the slots `slots_W`.
-
-  kv_version is the oldest policy version among the KV entries (see state.py).
-
-  slots_W has a fixed width W (one compile per T bucket, whatever the group size);
-  entries < 0 are padding and change nothing.
-  """
-  W = slots_W.shape[0]
-  row = lambda a: jnp.broadcast_to(a, (W,) + a.shape)
-  return _put_slots(
-      layout, state, slots_W, kv_LxTxKxH, False, tokens=row(tokens_M),
-      logprobs=row(logprobs_M), versions=row(versions_M), length=row(length),
-      prompt_len=row(prompt_len), kv_version=row(kv_version), limit=limit_W,
-      temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
-
-
-def insert_rows(layout: _CacheLayout, state: SlotState, kv_LxWxTxKxH: qwen3.KVCache,
-                slots_W: jax.Array,
-                tokens_WxM: jax.Array, logprobs_WxM: jax.Array, versions_WxM: jax.Array,
-                length_W: jax.Array, prompt_len_W: jax.Array, kv_version_W: jax.Array,
-                limit_W: jax.Array, temperature_W: jax.Array, top_k_W: jax.Array, top_p_W: jax.Array,
-                rng_Wx2: jax.Array) -> SlotState:
-  """Puts W partial samples back, each with its own KV (positions < T) and rows.
-
-  The batched path for resuming held samples: one call (and one host-to-device copy)
-  per W samples. Entries of slots_W < 0 are padding and change nothing.
-  """
-  return _put_slots(
-      layout, state, slots_W, kv_LxWxTxKxH, True, tokens=tokens_WxM, logprobs=logprobs_WxM,
-      versions=versions_WxM, length=length_W, prompt_len=prompt_len_W,
-      kv_version=kv_version_W, limit=limit_W,
-      temperature=temperature_W, top_k=top_k_W, top_p=top_p_W, rng=rng_Wx2)
 
 
 def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block: int, params,
@@ -253,14 +219,12 @@ class DeviceFns:
   init: Any
   prefill_kv: Any
   insert: Any
-  insert_rows: Any
   decode: Any
   extract_rows: Any
   extract_kv: Any
   mark_done: Any
   state_sharding: Any = None    # SlotState of NamedShardings (None without a mesh)
-  kv_sharding: Any = None       # where one sequence's KV [L, T, K, H] lives before insert
-  kv_rows_sharding: Any = None  # where W restored sequences' KV [L, W, T, K, H] lands
+  kv_sharding: Any = None       # where sequences' KV [L, R, T, K, H] lie before insert
 
   def cache_sizes(self) -> dict[str, int]:
     """Compiled variants per function (to check that steady state compiles nothing)."""
@@ -278,26 +242,24 @@ def device_fns(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, sync_every:
   init = lambda: init_state(cfg, num_slots, max_len, jnp.dtype(kv_dtype))
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
   if mesh is None:
-    layout, state_sh, kv_sh, kv_rows_sh = _CacheLayout(), None, None, None
+    layout, state_sh, kv_sh = _CacheLayout(), None, None
   else:
     state_sh = sharding.named_shardings(state_logical_axes(), jax.eval_shape(init), mesh,
                                         rules)
     cache_spec = state_sh.kv.k.spec
     layout = _CacheLayout(mesh, cache_spec[1], cache_spec[2])
     # Prefilled KV and KV restored from the host arrive in one sharding (KV heads as in
-    # the cache, replicated over slots), so `insert` compiles once per bucket whichever
-    # path the sequence came by, and each device receives only its heads.
-    kv_sh = NamedSharding(mesh, PartitionSpec(None, None, layout.head_axes, None))
-    kv_rows_sh = NamedSharding(mesh, PartitionSpec(None, None, None, layout.head_axes, None))
+    # the cache, replicated over slots), so `insert` compiles once per bucket and row
+    # count whichever path the sequences came by, and each device receives only its heads.
+    kv_sh = NamedSharding(mesh, PartitionSpec(None, None, None, layout.head_axes, None))
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
   return DeviceFns(
-      state_sharding=state_sh, kv_sharding=kv_sh, kv_rows_sharding=kv_rows_sh,
+      state_sharding=state_sh, kv_sharding=kv_sh,
       init=jax.jit(init, **pin),
       prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
       insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
-      insert_rows=jax.jit(functools.partial(insert_rows, layout), donate_argnums=0, **pin),
       decode=jax.jit(traced(functools.partial(decode, layout, cfg, sync_every, decode_block)),
                      donate_argnums=1, **pin_first),
       extract_rows=jax.jit(extract_rows),

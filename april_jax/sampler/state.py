@@ -48,13 +48,22 @@ class SlotState:
   rng: jax.Array          # uint32 [S, 2], raw threefry key data
   done: jax.Array         # bool [S]
 
-  @property
-  def num_slots(self) -> int:
-    return self.tokens.shape[0]
 
-  @property
-  def max_len(self) -> int:
-    return self.tokens.shape[1]
+@flax.struct.dataclass
+class SlotRows:
+  """W slots' rows as `insert` writes them (the SlotState fields of W slots but KV and
+  done); built on the host from SampleRecords by engine.rows_from_records."""
+  tokens: jax.Array       # int32 [W, M]
+  logprobs: jax.Array     # float32 [W, M]
+  versions: jax.Array     # int32 [W, M]
+  length: jax.Array       # int32 [W]
+  prompt_len: jax.Array   # int32 [W]
+  kv_version: jax.Array   # int32 [W]
+  limit: jax.Array        # int32 [W]
+  temperature: jax.Array  # float32 [W]
+  top_k: jax.Array        # int32 [W]
+  top_p: jax.Array        # float32 [W]
+  rng: jax.Array          # uint32 [W, 2]
 
 
 def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
