@@ -47,16 +47,14 @@ def _reward_curve(workdir):
   return np.mean(rewards[:5]), np.mean(rewards[-10:])
 
 
-@pytest.mark.parametrize("partial", ["True", "False"])
-def test_tiny_run_learns_the_builtin_task(tmp_path, partial):
-  extra = [] if partial == "True" else ["--config.rollout.over_sampling_batch_size=8"]
-  proc = _main(tmp_path, "--config.eval_every=0", f"--config.rollout.partial_rollout={partial}",
-               *extra)
+def test_tiny_run_learns_the_builtin_task(tmp_path):
+  # APRIL, the default. The synchronous baseline learns the same per step (the e2e
+  # benchmark's 10-seed curves); its stop rule is tested in scheduler_test.py.
+  proc = _main(tmp_path, "--config.eval_every=0")
   out, err = proc.communicate(timeout=900)
   assert proc.returncode == 0, err[-3000:]
   first, last = _reward_curve(tmp_path)
-  # Seeded, so deterministic on a given platform; measured here: 0.33 -> 0.42 (sync) and
-  # 0.34 -> 0.43 (APRIL).
+  # Seeded, so deterministic on a given platform; measured here: 0.33 -> 0.40.
   assert last > first + 0.06, (first, last)
   assert "step 60/60" in out
 

@@ -36,7 +36,9 @@ def _free_port() -> int:
 def _launch(workdir, devices: int, *flags):
   cmd = [sys.executable, "-m", "april_jax.main", f"--config={TINY}", f"--workdir={workdir}",
          *RUN, *flags]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  # Backend optimisations off: these runs are mostly compiling (see main_test.py).
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                                   "--xla_backend_optimization_level=0")
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -105,12 +107,17 @@ def test_two_processes_give_the_metrics_and_params_of_one(runs):
   assert _metrics(two)[-1]["rollout/buffer_groups"] > 0  # partials crossed steps (and hosts)
   p1, p2 = _params(one, 4), _params(two, 4)
   assert p1.keys() == p2.keys() and len(p1) > 5
-  # gloo sums across processes in another order than one process does; Adam, which
-  # divides by sqrt(v), turns those last-bit gradient differences into update differences
-  # of up to ~1e-5 where gradients are near zero (lr 3e-4, 5 updates).
+  # gloo sums across processes in another order than one process does. Adam divides by
+  # sqrt(v), so where a gradient is itself at rounding level its update's size and sign
+  # are noise: up to lr per update apart (lr 3e-4, 5 updates, 2 sides). Elsewhere the
+  # difference stays at float32 rounding; a wrong shard or a missed reduction would move
+  # most elements, not a few.
+  bound = 2 * 3e-4 * 5
   for name in p1:
-    np.testing.assert_allclose(p2[name], p1[name], rtol=1e-4, atol=3e-5, err_msg=name)
-    assert np.abs(p2[name] - p1[name]).mean() < 1e-6, name
+    diff = np.abs(p2[name] - p1[name])
+    assert diff.max() <= bound, (name, diff.max())
+    off = ~np.isclose(p2[name], p1[name], rtol=1e-4, atol=1e-5)
+    assert off.mean() < 1e-3 and diff.mean() < 1e-6, (name, off.sum(), diff.mean())
   # Only process 0 prints progress (and writes metrics: one file, one line per step).
   assert "step 5/5" in one_out and "step 5/5" in outs[0][0] and "step" not in outs[1][0]
 

@@ -177,18 +177,19 @@ def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
                                                              sync_every=4)),
                         _records(_prompts(4, [5, 8, 2, 12]), 15, temperature=temperature))
   for r in records.values():
-    tokens = np.concatenate([r.prompt, r.response])
-    logits = qwen3.forward(CFG, params, jnp.asarray(tokens[None, :-1]))[0]
-    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-    P = len(r.prompt)
-    expected = np.asarray(logp)[np.arange(P - 1, len(tokens) - 1), r.response]
-    np.testing.assert_allclose(r.logprobs, expected, atol=1e-4)
+    np.testing.assert_allclose(r.logprobs, _teacher_forced_logprobs(params, r, temperature),
+                               atol=1e-4)
     np.testing.assert_array_equal(r.versions, 0)
 
 
-def _teacher_forced_logprobs(params, record, temperature):
+def _teacher_forced_logprobs(params, record, temperature, padded_len=64):
+  """The record's response logprobs under params, from one forward over the whole
+  sequence (right-padded to one length, so one compile serves every record: causal
+  attention keeps the padding out of the positions that count)."""
   tokens = np.concatenate([record.prompt, record.response])
-  logits = qwen3.forward(CFG, params, jnp.asarray(tokens[None, :-1]))[0]
+  padded = np.zeros(padded_len, np.int32)
+  padded[:len(tokens) - 1] = tokens[:-1]
+  logits = qwen3.forward(CFG, params, jnp.asarray(padded[None]))[0]
   logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
   P = len(record.prompt)
   return logp[np.arange(P - 1, len(tokens) - 1), record.response]
