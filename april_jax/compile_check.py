@@ -202,9 +202,11 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   rules = tuple(tuple(x) for x in config.mesh.rules)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype)
-  optimizer, _ = update_lib.make_optimizer(t, max(config.num_steps, 1) * t.num_minibatches)
+  optimizer, schedule = update_lib.make_optimizer(t, max(config.num_steps, 1) *
+                                                  t.num_minibatches)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
-  progs = update_lib.build_programs(static, optimizer, shapes, mesh, rules, decode_rules)
+  progs = update_lib.build_programs(static, optimizer, shapes, mesh, rules, decode_rules,
+                                    schedule=schedule)
   masters = _abstract(shapes, progs.param_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
   decode_params = _abstract(jax.eval_shape(progs.decode_params, shapes), progs.decode_sh)
@@ -234,20 +236,17 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
     programs.append(compile_program("reference logprobs", progs.logprobs,
                                     (reference, tokens, tokens), (True, False, False)))
   scalar = _replicated(mesh, (), jnp.float32)
-  if by_length:
-    grads = masters  # the running gradient sum: float32, sharded like the masters
-    programs.append(compile_program("gradients", progs.grads,
-                                    (masters, mb, scalar, scalar, grads),
-                                    (True, False, False, False, False)))
-    _, loss, metrics = jax.eval_shape(progs.grads, masters, mb, scalar, scalar, grads)
-    rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
-    programs.append(compile_program(
-        "optimizer update", progs.apply,
-        (masters, opt_state, grads, rep_like(loss), jax.tree.map(rep_like, metrics)),
-        (True, True, False, False, False)))
-  else:
-    programs.append(compile_program("update", progs.update, (masters, opt_state, mb),
-                                    (True, True, False)))
+  grads = masters  # the running gradient sum: float32, sharded like the masters
+  programs.append(compile_program("gradients", progs.grads,
+                                  (masters, mb, scalar, scalar, grads),
+                                  (True, False, False, False, False)))
+  _, loss, metrics = jax.eval_shape(progs.grads, masters, mb, scalar, scalar, grads)
+  rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
+  programs.append(compile_program(
+      "optimizer update", progs.apply,
+      (masters, opt_state, grads, rep_like(loss), jax.tree.map(rep_like, metrics),
+       _replicated(mesh, (), jnp.int32)),
+      (True, True, False, False, False, False)))
   resident = {"master params (float32)": device_bytes(masters),
               "optimizer state (float32)": device_bytes(opt_state),
               "decode params": device_bytes(decode_params)}

@@ -124,9 +124,9 @@ def test_optimizer_state_is_sharded_like_the_params():
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   t = config.train
   static = update_lib.make_static(cfg, t, 1.0, True, "bfloat16")
-  optimizer, _ = update_lib.make_optimizer(t, 100)
+  optimizer, schedule = update_lib.make_optimizer(t, 100)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
-  progs = update_lib.build_programs(static, optimizer, shapes, mesh)
+  progs = update_lib.build_programs(static, optimizer, shapes, mesh, schedule=schedule)
   masters = compile_check._abstract(shapes, progs.param_sh)  # pylint: disable=protected-access
   opt = compile_check._abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)  # pylint: disable=protected-access
   params_share = compile_check.device_bytes(masters)

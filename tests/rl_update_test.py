@@ -206,7 +206,7 @@ def test_sharded_update_equals_unsharded(params):
   q = sharded.params["layers"]["q"]
   assert q.dtype == jnp.float32  # the masters
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-  mu_q = sharded.opt_state[1][0].mu["layers"]["q"]  # AdamW's first moment: like its param
+  mu_q = sharded.opt_state.inner_state[1][0].mu["layers"]["q"]  # AdamW's 1st moment: like q
   assert mu_q.dtype == jnp.float32 and mu_q.sharding.spec == q.sharding.spec
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        atol=2e-5), plain.params,

@@ -9,8 +9,10 @@ One RL step's batch (rl/batch.py) goes through:
      rows are sorted by length and each microbatch is cut to its own padded length (one
      call per microbatch, so a long tail's padding is paid by its own rows only);
      otherwise all microbatches share the batch's length and go through one lax.scan;
-  3. a guard: a non-finite loss or gradient skips the update (params and optimizer state
-     kept) and is counted.
+     one path either way: gradient calls into one buffer, then one optimizer update;
+  3. a guard: a non-finite gradient skips the update (params and moments kept), counted
+     in the optimizer state (optax.apply_if_finite), so checkpoints carry the count.
+Metrics and the learning rate stay on device and are read once per RL step.
 Precision: the learner owns float32 master weights and float32 AdamW moments, sharded
 FSDP x tensor (sharding.TRAIN_RULES); the forward and backward run in the compute dtype
 (`model.dtype`, cast inside the jitted step, so gradients flow back into float32).
@@ -56,13 +58,15 @@ def make_schedule(train, total_updates: int) -> optax.Schedule:
 
 def make_optimizer(train, total_updates: int) -> tuple[optax.GradientTransformation,
                                                        optax.Schedule]:
+  """Clipped AdamW that skips (and counts) every update whose gradient is not finite."""
   schedule = make_schedule(train, total_updates)
   chain = []
   if train.max_grad_norm > 0:
     chain.append(optax.clip_by_global_norm(train.max_grad_norm))
   chain.append(optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
                            weight_decay=train.weight_decay))
-  return optax.chain(*chain), schedule
+  # Never give up skipping: a run of non-finite steps must not be applied after N of them.
+  return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=2**30), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,27 +132,17 @@ def _zeros_like(tree):
   return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _apply(optimizer, params, opt_state, grads, loss, metrics):
-  """The optimizer update from summed gradients; skipped if anything is non-finite."""
-  grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, new_opt_state = optimizer.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  out = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
-  return keep(new_params, params), keep(new_opt_state, opt_state), out
+def _apply(optimizer, schedule, params, opt_state, grads, loss, metrics, attempted):
+  """The optimizer update from summed gradients (skipped if they are not finite); its
+  metrics, the learning rate it used among them. `attempted`: updates tried before."""
+  applied = attempted - opt_state.total_notfinite  # the schedule's step for this update
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  out = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(applied))
+  return optax.apply_updates(params, updates), opt_state, out
 
 
 def _totals(loss_cfg: losses.LossConfig, mask_BxT, stale_BxT):
   return losses.batch_totals(losses.effective_mask(loss_cfg, mask_BxT, stale_BxT))
-
-
-def _minibatch_update(static: _Static, optimizer, params, opt_state, mb: dict[str, Any]):
-  """One optimizer update from microbatches [M, b, T] of one padded length."""
-  flat = lambda x: x.reshape((-1,) + x.shape[2:])
-  totals = _totals(static.loss, flat(mb["mask"]), flat(mb["stale"]))
-  grads, loss, metrics = _grads(static, params, mb, *totals, _zeros_like(params))
-  return _apply(optimizer, params, opt_state, grads, loss, metrics)
 
 
 def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_sh, mesh):
@@ -172,7 +166,6 @@ class Programs:
   to_reference: Any    # masters -> reference params in the compute dtype
   decode_params: Any   # masters -> compute-dtype copy in the sampler's layout
   logprobs: Any        # (params, tokens [M, b, T], targets) -> logprobs, entropy
-  update: Any          # one fused optimizer update over microbatches of one length
   zeros: Any
   grads: Any           # gradients of microbatches of one length, added to a running sum
   add: Any
@@ -180,7 +173,8 @@ class Programs:
 
 
 def build_programs(static: _Static, optimizer, params_shape, mesh=None,
-                   rules=sharding.TRAIN_RULES, decode_rules=sharding.DECODE_RULES) -> Programs:
+                   rules=sharding.TRAIN_RULES, decode_rules=sharding.DECODE_RULES, *,
+                   schedule: optax.Schedule) -> Programs:
   if mesh is None:
     param_sh = opt_sh = decode_sh = None
     pin = lambda sh: {}
@@ -203,13 +197,11 @@ def build_programs(static: _Static, optimizer, params_shape, mesh=None,
       to_reference=jax.jit(to_compute, **pin(param_sh)),
       decode_params=jax.jit(to_decode, **pin(decode_sh)),
       logprobs=jax.jit(traced(functools.partial(_logprobs, static))),
-      update=jax.jit(traced(functools.partial(_minibatch_update, static, optimizer)),
-                     donate_argnums=(0, 1), **pin((param_sh, opt_sh, None))),
       zeros=jax.jit(_zeros_like, **pin(param_sh)),
       grads=jax.jit(traced(functools.partial(_grads, static)), donate_argnums=4,
                     **pin((param_sh, None, None))),
       add=jax.jit(_add),  # losses and metrics of several calls
-      apply=jax.jit(functools.partial(_apply, optimizer), donate_argnums=(0, 1),
+      apply=jax.jit(functools.partial(_apply, optimizer, schedule), donate_argnums=(0, 1),
                     **pin((param_sh, opt_sh, None))))
 
 
@@ -241,30 +233,38 @@ class Learner:
     self.mesh, self.rules = mesh, rules
     shapes = jax.eval_shape(lambda p: cast(p, jnp.float32), params)
     self.programs = p = build_programs(self.static, self.optimizer, shapes, mesh, rules,
-                                       decode_rules)
+                                       decode_rules, schedule=self.schedule)
     self.params = p.to_masters(params)
     self.opt_state = p.init_opt(self.params)
     # No reference params are held unless a KL term needs them.
     self.ref_params = p.to_reference(self.params) if train.kl_coef > 0 else None
-    self.updates = 0
-    self.skipped_updates = 0
+    self.attempted = 0  # optimizer updates tried; the skipped ones are in opt_state
     self.by_length = bool(train.microbatch_by_length)
-    self._logprobs, self._update, self._zeros = p.logprobs, p.update, p.zeros
+    self._logprobs, self._zeros = p.logprobs, p.zeros
     self._grads, self._add, self._apply = p.grads, p.add, p.apply
 
+  @property
+  def skipped_updates(self) -> int:
+    return int(to_host(self.opt_state.total_notfinite))
+
+  @property
+  def updates(self) -> int:
+    """Optimizer updates applied (tried and finite)."""
+    return self.attempted - self.skipped_updates
+
   def state(self) -> tuple[dict[str, Any], dict]:
-    """What a checkpoint keeps: the device arrays (masters, optimizer state, reference
-    params if held) and the host counters (JSON)."""
+    """What a checkpoint keeps: the device arrays (masters, optimizer state with its
+    skip count, reference params if held) and the host counter (JSON)."""
     arrays = {"params": self.params, "opt_state": self.opt_state}
     if self.ref_params is not None:
       arrays["ref_params"] = self.ref_params
-    return arrays, {"updates": self.updates, "skipped_updates": self.skipped_updates}
+    return arrays, {"attempted": self.attempted}
 
   def restore(self, arrays: dict[str, Any], host: dict) -> None:
     """Back to a `state()` (arrays restored in the shardings of this learner's own)."""
     self.params, self.opt_state = arrays["params"], arrays["opt_state"]
     self.ref_params = arrays.get("ref_params")
-    self.updates, self.skipped_updates = host["updates"], host["skipped_updates"]
+    self.attempted = host["attempted"]
 
   def decode_params(self):
     """The current params for the sampler: compute dtype, the sampler's layout."""
@@ -293,25 +293,24 @@ class Learner:
             for k, v in batch.items()}
 
   def warm_up(self, batch_size: int, lengths) -> None:
-    """Compiles the update for each padded length, on copies (params are untouched).
+    """Compiles an update for each padded length, on copies (params are untouched).
 
     Needs memory for a second copy of params and optimizer state while it runs.
     """
     for T in lengths:
-      zeros_i = np.zeros((batch_size, T), np.int32)
-      zeros_f = np.zeros((batch_size, T), np.float32)
-      mask = zeros_f.copy()
+      mask = np.zeros((batch_size, T), np.float32)
       mask[:, T - 2] = 1.0  # every row full length: every microbatch compiles at T
-      batch = {"tokens": zeros_i, "targets": zeros_i, "mask": mask, "behavior": zeros_f,
-               "stale": np.zeros((batch_size, T), bool),
+      batch = {"tokens": np.zeros((batch_size, T), np.int32), "mask": mask,
+               "behavior": np.zeros_like(mask), "stale": np.zeros((batch_size, T), bool),
                "advantages": np.zeros((batch_size,), np.float32)}
-      saved = self.params, self.opt_state, self.updates, self.skipped_updates
+      batch["targets"] = batch["tokens"]
+      saved = self.params, self.opt_state, self.attempted
       self.params = jax.tree.map(jnp.copy, saved[0])
       self.opt_state = jax.tree.map(jnp.copy, saved[1])
       try:
         self.update(batch)
       finally:
-        self.params, self.opt_state, self.updates, self.skipped_updates = saved
+        self.params, self.opt_state, self.attempted = saved
 
   def logprobs(self, params, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
     """Logprobs [B, T] of the targets under params (0 past a microbatch's cut). Needs the
@@ -326,12 +325,8 @@ class Learner:
     return out
 
   def _minibatch(self, batch: dict[str, np.ndarray], pieces) -> dict:
-    """One optimizer update over one minibatch's microbatches; its metrics (device)."""
-    if len(pieces) == 1:  # one padded length: one fused call
-      rows, T = pieces[0]
-      self.params, self.opt_state, m = self._update(self.params, self.opt_state,
-                                                    self._piece(batch, rows, T))
-      return m
+    """One optimizer update over one minibatch: its microbatches' gradients summed into
+    one buffer (one call per padded length), then the update. Its metrics, on device."""
     rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
     totals = [np.float32(x) for x in _totals(self.loss_cfg, batch["mask"][rows],
                                              batch["stale"][rows])]
@@ -340,11 +335,13 @@ class Learner:
       grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals,
                                          grads)
       acc = (loss, metrics) if acc is None else self._add(acc, (loss, metrics))
-    self.params, self.opt_state, m = self._apply(self.params, self.opt_state, grads, *acc)
+    self.params, self.opt_state, m = self._apply(self.params, self.opt_state, grads, *acc,
+                                                 np.int32(self.attempted))
+    self.attempted += 1
     return m
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """All of one RL step's optimizer updates; returns train/* metrics."""
+    """All of one RL step's optimizer updates; returns train/* metrics (one host read)."""
     t = self.train
     plan = self._plan(batch)
     old_logp = self.logprobs(self.params, batch, plan)
@@ -353,17 +350,8 @@ class Learner:
       batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
     same_version = (batch["mask"] > 0) & ~batch["stale"]
     diff = np.abs(batch["behavior"] - old_logp)[same_version]
-    metrics: list[dict] = []
-    for _ in range(t.ppo_epochs):
-      for pieces in plan:
-        lr = float(self.schedule(self.updates))
-        m = to_host(self._minibatch(batch, pieces))
-        if bool(m["finite"]):
-          self.updates += 1
-        else:
-          self.skipped_updates += 1
-        m["lr"] = lr
-        metrics.append(m)
+    metrics = [self._minibatch(batch, pieces) for _ in range(t.ppo_epochs) for pieces in plan]
+    metrics, skipped = to_host((metrics, self.opt_state.total_notfinite))
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
     return {
         "train/loss": mean("loss"), "train/pg_loss": mean("pg_loss"),
@@ -372,6 +360,6 @@ class Learner:
         "train/lr": mean("lr"), "train/ratio_mean": mean("ratio_mean"),
         "train/tis_mean": mean("tis_mean"),
         "train/logprob_diff_mean": float(diff.mean()) if diff.size else 0.0,
-        "train/skipped_updates": float(self.skipped_updates),
-        "train/updates": float(self.updates),
+        "train/skipped_updates": float(skipped),
+        "train/updates": float(self.attempted - int(skipped)),
     }
