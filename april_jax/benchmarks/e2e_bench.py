@@ -176,8 +176,8 @@ def _print(out: dict, num_steps: int) -> None:
     print(f"{side:>9} {g('final_reward')[0]:>7.3f}±{g('final_reward')[1]:.3f} "
           f"{g('eval_reward')[0]:>6.3f}±{g('eval_reward')[1]:.3f} {g('wall_s')[0]:>8.1f} "
           f"{g('tokens_per_s')[0]:>9.0f} {g('off_policy_token_frac')[0]:>10.3f} "
-          f"{g('stale_token_frac')[0]:>9.3f} {g('staleness_max')[0]:>9.0f} {g('rollout_ms_per_step')[0]:>10.1f} "
-          f"{g('train_ms_per_step')[0]:>8.1f}")
+          f"{g('stale_token_frac')[0]:>9.3f} {g('staleness_max')[0]:>9.0f} "
+          f"{g('rollout_ms_per_step')[0]:>10.1f} {g('train_ms_per_step')[0]:>8.1f}")
   fmt = lambda xs: [round(x, 2) for x in xs]
   for what, key in (("training reward", "reward"), ("eval reward", "eval")):
     print(f"wall s to reach the baseline's final {what}, per seed: APRIL "

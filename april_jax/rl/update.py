@@ -243,15 +243,6 @@ class Learner:
     self._logprobs, self._zeros = p.logprobs, p.zeros
     self._grads, self._add, self._apply = p.grads, p.add, p.apply
 
-  @property
-  def skipped_updates(self) -> int:
-    return int(to_host(self.opt_state.total_notfinite))
-
-  @property
-  def updates(self) -> int:
-    """Optimizer updates applied (tried and finite)."""
-    return self.attempted - self.skipped_updates
-
   def state(self) -> tuple[dict[str, Any], dict]:
     """What a checkpoint keeps: the device arrays (masters, optimizer state with its
     skip count, reference params if held) and the host counter (JSON)."""

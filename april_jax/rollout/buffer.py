@@ -57,7 +57,8 @@ class PartialBuffer:
         "first_step": g.first_step, "rewards": g.rewards, "reward_info": g.reward_info,
         "samples": [{"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                      "top_k": s.top_k, "top_p": s.top_p, "finish_reason": s.finish_reason,
-                     "has_kv": s.has_kv, "kv_version": s.kv_version, "meta": s.meta} for s in g.samples],
+                     "has_kv": s.has_kv, "kv_version": s.kv_version, "meta": s.meta}
+                    for s in g.samples],
     } for g in groups]
     cat = lambda arrays, dtype: (np.concatenate(arrays).astype(dtype) if arrays
                                  else np.zeros((0,), dtype))

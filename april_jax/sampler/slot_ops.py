@@ -130,8 +130,8 @@ def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block:
   """Up to `sync_every` decode steps; leaves early once any slot finishes, if
   `leave_on_finish` (the host has a sample waiting for the freed slot), else once all do.
 
-  Returns (state, steps run, tokens kept). Each token is tagged
-  min(version, kv_version): the oldest params its forward pass saw. A slot finishes on a stop token or when its
+  Returns (state, steps run, tokens kept). Each token is tagged min(version, kv_version):
+  the oldest params its forward pass saw. A slot finishes on a stop token or when its
   length reaches its limit; both are checked here, on device. Attention reads the
   cache in blocks of `block` keys up to the longest live slot (qwen3.decode_step), so
   short sequences do not pay for max_len and no length compiles a new program.
