@@ -123,7 +123,7 @@ def device_bytes(tree) -> int:
   total = 0
   for leaf in jax.tree.leaves(tree):
     shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+    total += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize  # typed keys too
   return total
 
 

@@ -104,7 +104,7 @@ class Trainer:
 
   def _check_memory(self) -> None:
     """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
-    capacity = self.config.mesh.device_memory_gb * 1e9
+    capacity = (self.config.mesh.device_memory_gb or 0) * 1e9
     if not capacity:
       stats = jax.local_devices()[0].memory_stats() or {}
       capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
@@ -114,10 +114,12 @@ class Trainer:
     plan_lib.check_fits(plan)
 
   def _warm_start(self, params):
-    params, losses = sft.warm_start(self.model_cfg, params, self.task.warm_start(),
-                                    self.config.train.sft_lr)
-    logging.info("supervised warm-start: %d steps, loss %.3f -> %.3f", len(losses),
-                 losses[0], losses[-1])
+    c = self.config
+    params, (first, last) = sft.warm_start(self.model_cfg, params, self.task.warm_start(),
+                                           c.train, mesh=self.mesh, rules=self.rules,
+                                           compute_dtype=c.model.dtype)
+    logging.info("supervised warm-start: %d steps, cross-entropy %.3f -> %.3f",
+                 c.train.sft_steps, first, last)
     return params
 
   def save(self, step: int) -> float:

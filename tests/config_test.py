@@ -119,6 +119,20 @@ def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up(
   validate(config)
 
 
+def test_optional_knobs_are_off_while_unset_and_a_negative_staleness_limit_is_refused():
+  config = load("tiny")
+  t = config.train
+  assert (t.dual_clip_c, t.norm_len, t.overlong_buffer_len, config.rollout.max_staleness) == (
+      None, None, None, None)
+  loss = LossConfig.from_config(t)
+  assert loss.dual_clip_c is None and loss.norm_len is None
+  config.rollout.max_staleness = -1
+  with pytest.raises(ConfigError, match=r"rollout.max_staleness must be >= 0 .* got -1"):
+    validate(config)
+  config.rollout.max_staleness = 0  # a limit of 0: every token from the current version
+  validate(config)
+
+
 def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refused_together():
   from april_jax.rl import losses  # pylint: disable=g-import-not-at-top
   loss_config = LossConfig.from_config
@@ -161,11 +175,11 @@ def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
   c = load("qwen3_8b")
   r, t = c.rollout, c.train
   assert (r.temperature, r.max_response_len, r.dynamic_sampling, r.max_staleness) == (
-      0.8, 16384, True, -1)
+      0.8, 16384, True, None)
   # One optimizer step over the whole 32 x 8 batch (APRIL's global batch of 256).
   assert t.num_minibatches == 1 and t.ppo_epochs == 1
   assert (t.aggregation, t.tis_cap, t.overlong_buffer_len, t.kl_coef) == (
-      "seq_mean_token_mean", 0.0, 0, 0.0)
+      "seq_mean_token_mean", 0.0, None, 0.0)
   assert (t.lr, t.lr_schedule, t.warmup_steps, t.b1, t.b2, t.weight_decay) == (
       1e-6, "constant", 0, 0.9, 0.98, 0.1)
   more = load("qwen3_8b", "tis+overlong+stale4")

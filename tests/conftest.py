@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 from pathlib import Path  # pylint: disable=g-import-not-at-top
 
+import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -68,3 +69,26 @@ def hf_model_dir(request, tmp_path_factory):
   """A folder with a tiny random transformers-saved Qwen3, one per TINY_HF_CONFIGS entry."""
   path = tmp_path_factory.mktemp(f"hf_{request.param}")
   return save_random_hf_qwen3(path, **TINY_HF_CONFIGS[request.param])
+
+
+@pytest.fixture
+def compiles():
+  """The XLA compilations that happen while the test runs, one entry each."""
+  import jax  # pylint: disable=g-import-not-at-top
+  events = []
+  listener = lambda name, *_, **__: (
+      events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  yield events
+  jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def mesh_or_skip(shape):
+  """A mesh of CPU devices of this shape (None: no mesh); skips when too few devices."""
+  if shape is None:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+  from april_jax import sharding  # pylint: disable=g-import-not-at-top
+  if len(jax.devices()) < int(np.prod(shape)):
+    pytest.skip(f"needs {int(np.prod(shape))} (CPU) devices")
+  return sharding.make_mesh(shape)

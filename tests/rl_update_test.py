@@ -16,6 +16,7 @@ from april_jax.rl.update import Learner
 from april_jax.data import PromptItem
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
+from conftest import mesh_or_skip
 
 CFG = qwen3.Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=8)
@@ -152,15 +153,24 @@ def test_microbatch_plan_keeps_every_row_and_token():
   assert len(plain) == 1 and plain[0][1] == 72 and plain[0][0].shape == (3, 4)
 
 
-def test_warm_up_compiles_every_length_sorted_microbatch_shape(params):
+@pytest.mark.parametrize("kl_coef,mesh_shape", [(0.0, None), (0.05, None), (0.0, (2, 2, 2))])
+def test_warm_up_compiles_every_update_program_ahead_of_time_without_running(
+    params, kl_coef, mesh_shape, compiles):
+  mesh = mesh_or_skip(mesh_shape)
   batch = _long_tail_batch(params, seed=8)
-  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(num_microbatches=4),
-                    TEMPERATURE, 2)
-  learner.warm_up(batch["tokens"].shape[0], batch_lib.all_bucket_lens(48))
-  compiled = (learner._grads._cache_size(), learner._logprobs._cache_size())
-  assert compiled[0] >= 2  # one per padded length
-  learner.update(batch)
-  assert (learner._grads._cache_size(), learner._logprobs._cache_size()) == compiled
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params),
+                    _train_config(num_microbatches=4, kl_coef=kl_coef), TEMPERATURE, 2,
+                    mesh=mesh)
+  before = jax.tree.map(lambda x: np.array(x, copy=True), (learner.params, learner.opt_state))
+  shapes = learner.warm_up(batch["tokens"].shape[0], batch_lib.all_bucket_lens(48))
+  assert shapes >= 2 and compiles  # one per padded length; the listener sees compiles
+  # Nothing ran: params and optimizer state are as they were, no update was counted.
+  jax.tree.map(np.testing.assert_array_equal, (learner.params, learner.opt_state), before)
+  assert learner.attempted == 0
+  compiled = len(compiles)
+  metrics = learner.update(batch)
+  assert len(compiles) == compiled, compiles[compiled:]  # every program was ready
+  assert metrics["train/updates"] == 1
 
 
 def test_non_finite_update_is_skipped_and_counted(params):

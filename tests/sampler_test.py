@@ -8,6 +8,7 @@ import pytest
 from april_jax import buckets, sampler, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.sampler import EngineConfig, PromptError, SampleRecord, SlotEngine
+from conftest import mesh_or_skip
 
 CFG = qwen3.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16)
@@ -259,11 +260,7 @@ def test_group_prefills_once_and_siblings_differ_by_rng(params):
   assert len(responses) == 4  # same prompt and KV, different draws
 
 
-def test_no_compilation_after_warm_up(params):
-  compiles = []
-  listener = lambda name, *_, **__: (
-      compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
-  jax.monitoring.register_event_duration_secs_listener(listener)
+def test_no_compilation_after_warm_up(params, compiles):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
 
   def workload(seed):
@@ -278,51 +275,38 @@ def test_no_compilation_after_warm_up(params):
       engine.step()
     return _run_to_end(engine, records[3:])
 
-  try:
-    workload(0)  # warm-up: every bucket and resume path once
-    before, sizes = len(compiles), engine.fns.cache_sizes()
-    assert before > 0  # the listener sees compiles
-    for seed in (1, 2, 3):
-      workload(seed)
-    assert len(compiles) == before, compiles[before:]
-    assert engine.fns.cache_sizes() == sizes
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+  workload(0)  # warm-up: every bucket and resume path once
+  before, sizes = len(compiles), engine.fns.cache_sizes()
+  assert before > 0  # the listener sees compiles
+  for seed in (1, 2, 3):
+    workload(seed)
+  assert len(compiles) == before, compiles[before:]
+  assert engine.fns.cache_sizes() == sizes
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape):
-  compiles = []
-  listener = lambda name, *_, **__: (
-      compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
-  mesh = None
-  if mesh_shape is not None:
-    if len(jax.devices()) < 8:
-      pytest.skip("needs 8 (CPU) devices")
-    mesh = sharding.make_mesh(mesh_shape)
+def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape, compiles):
+  mesh = mesh_or_skip(mesh_shape)
+  if mesh is not None:
     params = jax.device_put(params, qwen3.param_shardings(CFG, mesh))
   # A slot shape no other test uses, so nothing is cached before warm_up.
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5),
                       mesh=mesh)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    assert engine.warm_up() == len(buckets.all_buckets(16, 80))
-    before = len(compiles)
-    assert before > 0
-    records = _records(_prompts(11, [3, 30, 12, 61, 7, 20, 45]), 19, temperature=1.0)
-    engine.add_group(records[:1] * 1)
-    for mode in ("kv", "recompute"):
-      engine.step()
-      for partial in engine.snapshot(with_kv=(mode == "kv")):
-        engine.add(partial, mode=mode)
-    engine.add_group(records[1:2] * 1)
+  assert engine.warm_up() == len(buckets.all_buckets(16, 80))
+  before = len(compiles)
+  assert before > 0
+  records = _records(_prompts(11, [3, 30, 12, 61, 7, 20, 45]), 19, temperature=1.0)
+  engine.add_group(records[:1] * 1)
+  for mode in ("kv", "recompute"):
     engine.step()
-    engine.add_partials(engine.snapshot(with_kv=True), mode="kv")  # batched resume path
-    _drain(engine)
-    _run_to_end(engine, records[2:])
-    assert compiles[before:] == []
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
+    for partial in engine.snapshot(with_kv=(mode == "kv")):
+      engine.add(partial, mode=mode)
+  engine.add_group(records[1:2] * 1)
+  engine.step()
+  engine.add_partials(engine.snapshot(with_kv=True), mode="kv")  # batched resume path
+  _drain(engine)
+  _run_to_end(engine, records[2:])
+  assert compiles[before:] == []
 
 
 def test_bad_prompts_raise_naming_the_prompt_or_are_counted_when_skipped(params):

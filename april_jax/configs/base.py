@@ -39,7 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.shape = (1, -1, 1)      # (data, fsdp, tensor); -1 takes the devices left
   c.mesh.rules = sharding.TRAIN_RULES          # the learner: FSDP x tensor
   c.mesh.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
-  c.mesh.device_memory_gb = 0.0  # memory per device for the start-up plan; 0 = ask the device
+  c.mesh.device_memory_gb = config_dict.placeholder(float)  # per device, for the start-up
+                                                           # plan; None = ask the device
 
   c.distributed = ml_collections.ConfigDict()  # one process per host (april_jax/distributed.py)
   c.distributed.auto = False              # jax.distributed from the cluster env (SLURM, Open MPI)
@@ -69,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.over_sampling_batch_size = 16    # N' >= N: groups admitted per step
   c.rollout.partial_rollout = True           # False: the synchronous baseline
   c.rollout.resume_mode = "kv"               # kv | recompute
-  c.rollout.max_staleness = -1               # policy versions; < 0 = unlimited
+  c.rollout.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
   c.rollout.num_slots = 32
   c.rollout.sync_every = 16                  # decode steps per host round trip
   c.rollout.max_response_len = 256
@@ -89,15 +90,16 @@ def get_config() -> ml_collections.ConfigDict:
   # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.
   c.train.eps_clip = config_dict.placeholder(float)
   c.train.eps_clip_high = config_dict.placeholder(float)  # DAPO's clip-higher: 0.28
-  c.train.dual_clip_c = 0.0                  # 0 = off; e.g. 3.0
+  c.train.dual_clip_c = config_dict.placeholder(float)  # None = off; e.g. 3.0
   c.train.aggregation = config_dict.placeholder(str)  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-  c.train.norm_len = 0                       # Dr.GRPO's constant normaliser (tokens)
+  c.train.norm_len = config_dict.placeholder(int)  # Dr.GRPO's constant normaliser (tokens)
   c.train.kl_coef = 0.0                      # 0: no reference params are held
   c.train.kl_type = "low_var_kl"             # k1 | k3 | low_var_kl
   c.train.entropy_coef = 0.0
   c.train.tis_cap = 2.0                      # truncated importance sampling cap; 0 = off
   c.train.mask_stale_tokens = False          # drop tokens of older policy versions from the loss
-  c.train.overlong_buffer_len = 0            # DAPO overlong shaping (tokens); 0 = off
+  c.train.overlong_buffer_len = config_dict.placeholder(int)  # DAPO overlong shaping
+                                                              # (tokens); None = off
   c.train.overlong_penalty_factor = 1.0
   c.train.lr = 1e-6
   c.train.lr_schedule = "constant"           # constant | cosine
@@ -114,7 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.ppo_epochs = 1
   c.train.logprob_chunk = 512                # sequence chunk for logits (memory bound)
   c.train.warm_up = False                    # compile the update for every length bucket
-                                             # first (needs a second params copy briefly)
+                                             # ahead of time (from shapes; nothing runs)
   c.train.sft_steps = 0                      # supervised warm-start steps (built-in task)
   c.train.sft_lr = 1e-3
   c.train.sft_batch_size = 32

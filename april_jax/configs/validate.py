@@ -37,6 +37,9 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
         f"{r.batch_size} (= rollout.batch_size), not {r.over_sampling_batch_size}")
   if r.resume_mode not in RESUME_MODES:
     err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
+  if r.max_staleness is not None and r.max_staleness < 0:
+    err(f"rollout.max_staleness must be >= 0 policy versions (unset: no limit), got "
+        f"{r.max_staleness}")
   if r.temperature < 0:
     err(f"rollout.temperature must be >= 0, got {r.temperature}")
   if not 0 < r.top_p <= 1:
@@ -144,7 +147,7 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
   for problem in losses.loss_config_problems(losses.LossConfig.from_config(t),
                                              r.n_samples_per_prompt):
     err(f"train: {problem}")
-  if t.overlong_buffer_len < 0 or t.overlong_buffer_len > r.max_response_len:
+  if t.overlong_buffer_len is not None and not 0 <= t.overlong_buffer_len <= r.max_response_len:
     err(f"train.overlong_buffer_len ({t.overlong_buffer_len}) must be in [0, "
         f"rollout.max_response_len ({r.max_response_len})]: DAPO's overlong penalty ramps "
         f"over the last overlong_buffer_len tokens of the response budget")

@@ -66,8 +66,8 @@ def microbatches(mask_BxT: np.ndarray, parts: int, by_length: bool,
 def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.ndarray:
   """Rewards [G, n], with DAPO's overlong penalty (counted in tokens) when enabled."""
   rewards = np.array([g.rewards for g in groups], np.float32)
-  buffer_len = int(train_cfg.overlong_buffer_len)
-  if buffer_len > 0:
+  buffer_len = train_cfg.overlong_buffer_len
+  if buffer_len:
     lengths = np.array([[len(s.response) for s in g.samples] for g in groups], np.float32)
     penalty = advantages_lib.overlong_penalty(lengths.reshape(-1), max_response_len,
                                               buffer_len, train_cfg.overlong_penalty_factor)

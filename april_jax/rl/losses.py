@@ -52,7 +52,7 @@ class LossConfig:
   eps_clip_high: float | None = None
   dual_clip_c: float | None = None         # e.g. 3.0: caps the loss at -A*c for A < 0
   aggregation: str = "token_mean"          # see AGGREGATIONS
-  norm_len: int = 0                        # Dr. GRPO constant, for seq_mean_token_sum_norm
+  norm_len: int | None = None              # Dr. GRPO constant, for seq_mean_token_sum_norm
   kl_coef: float = 0.0
   kl_type: str = "low_var_kl"              # "k1" | "k3" | "low_var_kl"
   entropy_coef: float = 0.0
@@ -75,10 +75,11 @@ class LossConfig:
   def from_config(cls, train) -> LossConfig:
     """From the config's train section. Clips and aggregation left unset (None) take the
     policy loss's own defaults: PPO's 0.2 / eps_clip / token_mean, GSPO's (for_gspo).
-    0 means off for the optional knobs."""
+    Unset (None) optional knobs are off; tis_cap is off at 0 too (the command line cannot
+    set None, and TIS is on by default)."""
     chosen = {k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation")
               if train[k] is not None}
-    rest = dict(dual_clip_c=train.dual_clip_c or None, norm_len=int(train.norm_len),
+    rest = dict(dual_clip_c=train.dual_clip_c, norm_len=train.norm_len,
                 kl_coef=train.kl_coef, kl_type=train.kl_type,
                 entropy_coef=train.entropy_coef, tis_cap=train.tis_cap or None,
                 mask_stale_tokens=train.mask_stale_tokens)
@@ -118,7 +119,7 @@ def _seq_mean_token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
 
 def _seq_mean_token_sum_norm(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
   del total_tokens
-  if norm_len <= 0:
+  if not norm_len or norm_len <= 0:
     raise ValueError(f"seq_mean_token_sum_norm needs norm_len > 0; got norm_len={norm_len}")
   return jnp.sum(x_BxT * mask_BxT) / (jnp.maximum(total_seqs, 1.0) * norm_len)
 
@@ -131,7 +132,7 @@ AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
 
 
 def aggregate(x_BxT: jax.Array, mask_BxT: jax.Array, mode: str, *, total_tokens=None,
-              total_seqs=None, norm_len: int = 0) -> jax.Array:
+              total_seqs=None, norm_len: int | None = None) -> jax.Array:
   """Reduces per-token values to a scalar; totals default to this batch's (batch_totals).
 
   Masked-out positions contribute nothing, even when they hold inf or NaN.
@@ -319,7 +320,7 @@ def loss_config_problems(cfg: LossConfig, n_samples: int) -> list[str]:
   need(cfg.tis_cap is None or cfg.tis_cap > 1, "tis_cap", "must be > 1 (or None for no TIS)")
   need(cfg.dual_clip_c is None or cfg.dual_clip_c > 1, "dual_clip_c",
        "must be > 1 (or None for no dual clip)")
-  need(cfg.aggregation != "seq_mean_token_sum_norm" or cfg.norm_len > 0, "norm_len",
+  need(cfg.aggregation != "seq_mean_token_sum_norm" or (cfg.norm_len or 0) > 0, "norm_len",
        "seq_mean_token_sum_norm needs a constant norm_len > 0 (e.g. the max response length)")
   need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
   need(cfg.entropy_coef >= 0, "entropy_coef", "must be >= 0")

@@ -141,8 +141,13 @@ def _apply(optimizer, schedule, params, opt_state, grads, loss, metrics, attempt
   return optax.apply_updates(params, updates), opt_state, out
 
 
-def _totals(loss_cfg: losses.LossConfig, mask_BxT, stale_BxT):
-  return losses.batch_totals(losses.effective_mask(loss_cfg, mask_BxT, stale_BxT))
+def _totals(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
+  """A minibatch's (total_tokens, total_seqs), counted on the host as losses.batch_totals
+  counts them on losses.effective_mask (no device op, so nothing compiles here)."""
+  mask_BxT = mask_BxT > 0
+  if loss_cfg.mask_stale_tokens:
+    mask_BxT = mask_BxT & ~stale_BxT
+  return np.float32(mask_BxT.sum()), np.float32((mask_BxT.sum(-1) > 0).sum())
 
 
 def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_sh, mesh):
@@ -210,6 +215,25 @@ def make_static(model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: 
   return _Static(model_cfg, losses.LossConfig.from_config(train), int(train.logprob_chunk),
                  float(temperature) if temperature > 0 else 1.0, bool(remat),
                  str(compute_dtype))
+
+
+def _abstract(tree, on_mesh: bool):
+  """Shapes, dtypes and (on a mesh) shardings of arrays: what `lower` needs, no data.
+  Off a mesh arrays are uncommitted, and so are their stand-ins."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=x.sharding if on_mesh else None), tree)
+
+
+def _dummy_batch(B: int, T: int, with_ref: bool) -> dict[str, np.ndarray]:
+  """A batch [B, T] of the update's arrays whose rows are all full length, so every
+  microbatch is cut at T."""
+  mask = np.zeros((B, T), np.float32)
+  mask[:, T - 2] = 1.0
+  tokens = np.zeros((B, T), np.int32)
+  batch = {"tokens": tokens, "targets": tokens, "mask": mask, "behavior": mask,
+           "old_logp": mask, "stale": np.zeros((B, T), bool),
+           "advantages": np.zeros((B,), np.float32)}
+  return dict(batch, ref_logp=mask) if with_ref else batch
 
 
 def microbatch_sharding(shape, mesh, rules=sharding.TRAIN_RULES):
@@ -283,25 +307,37 @@ class Learner:
     return {k: self._put(v[rows][..., :T] if v.ndim == 2 else v[rows])
             for k, v in batch.items()}
 
-  def warm_up(self, batch_size: int, lengths) -> None:
-    """Compiles an update for each padded length, on copies (params are untouched).
+  def warm_up(self, batch_size: int, lengths) -> int:
+    """Compiles, ahead of time, every program an update at these padded lengths calls.
 
-    Needs memory for a second copy of params and optimizer state while it runs.
+    Nothing runs: each program is lowered on the abstract shapes and shardings of the
+    arrays it will be given (the next program's inputs are the last one's `out_info`), so
+    params and optimizer state are untouched and no second copy is held. The compiled
+    executables fill the jit caches that `update` then hits. Returns how many microbatch
+    shapes were compiled.
     """
+    on_mesh = self.mesh is not None
+    compile_ = lambda fn, *args: _abstract(fn.lower(*args).compile().out_info, on_mesh)
+    params, opt_state = _abstract((self.params, self.opt_state), on_mesh)
+    logprob_params = [params] + ([_abstract(self.ref_params, on_mesh)]
+                                 if self.ref_params is not None else [])
+    grads0, seen = compile_(self._zeros, params), set()
+    totals = (np.float32(1), np.float32(1))
     for T in lengths:
-      mask = np.zeros((batch_size, T), np.float32)
-      mask[:, T - 2] = 1.0  # every row full length: every microbatch compiles at T
-      batch = {"tokens": np.zeros((batch_size, T), np.int32), "mask": mask,
-               "behavior": np.zeros_like(mask), "stale": np.zeros((batch_size, T), bool),
-               "advantages": np.zeros((batch_size,), np.float32)}
-      batch["targets"] = batch["tokens"]
-      saved = self.params, self.opt_state, self.attempted
-      self.params = jax.tree.map(jnp.copy, saved[0])
-      self.opt_state = jax.tree.map(jnp.copy, saved[1])
-      try:
-        self.update(batch)
-      finally:
-        self.params, self.opt_state, self.attempted = saved
+      batch = _dummy_batch(batch_size, T, with_ref=self.ref_params is not None)
+      for pieces in self._plan(batch):
+        acc = None
+        for rows, length in pieces:
+          seen.add((rows.shape, length))
+          piece = self._piece(batch, rows, length)
+          for p in logprob_params:
+            compile_(self._logprobs, p, piece["tokens"], piece["targets"])
+          grads, loss, metrics = compile_(self._grads, params, piece, *totals, grads0)
+          out = (loss, metrics)  # as _minibatch sums them
+          acc = out if acc is None else compile_(self._add, acc, out)
+        if acc is not None:
+          compile_(self._apply, params, opt_state, grads, *acc, np.int32(0))
+    return len(seen)
 
   def logprobs(self, params, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
     """Logprobs [B, T] of the targets under params (0 past a microbatch's cut). Needs the
@@ -319,8 +355,7 @@ class Learner:
     """One optimizer update over one minibatch: its microbatches' gradients summed into
     one buffer (one call per padded length), then the update. Its metrics, on device."""
     rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
-    totals = [np.float32(x) for x in _totals(self.loss_cfg, batch["mask"][rows],
-                                             batch["stale"][rows])]
+    totals = _totals(self.loss_cfg, batch["mask"][rows], batch["stale"][rows])
     grads, acc = self._zeros(self.params), None
     for rows, T in pieces:
       grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals,

@@ -20,7 +20,7 @@
   5. Snapshot every unfinished slot goes back to its group on the host (with its KV in
              resume mode kv). The groups not trained stay in the buffer, whole.
 
-Staleness (max_staleness >= 0): a token's version tag is the oldest policy version its
+Staleness (max_staleness set): a token's version tag is the oldest policy version its
 forward pass saw (sampler/state.py), so a sample's staleness is `version` minus its
 oldest tag: in resume mode kv, the version it started at (AReaL's measure); in mode
 recompute, that of its oldest token. At admission, each sample (partial or finished)
@@ -57,7 +57,7 @@ class RolloutSettings:
   over_sampling_batch_size: int          # N' >= N: groups admitted per step
   partial_rollout: bool = True
   resume_mode: str = "kv"                # kv | recompute
-  max_staleness: int = -1                # versions; < 0: unlimited
+  max_staleness: int | None = None       # versions; None: unlimited
   max_response_len: int = 256
   temperature: float = 1.0
   top_p: float = 1.0
@@ -145,7 +145,7 @@ class AprilScheduler:
   def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
     """Restarts the group's samples staler than max_staleness; True if any was."""
     limit = self.settings.max_staleness
-    if limit < 0:
+    if limit is None:
       return False
     stale = [i for i, sample in enumerate(group.samples)
              if len(sample.versions) and version - int(sample.versions.min()) > limit]

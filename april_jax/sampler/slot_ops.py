@@ -118,6 +118,7 @@ def insert(layout: _CacheLayout, state: SlotState, kv_LxRxTxKxH: qwen3.KVCache,
   S = state.tokens.shape[0]
   at = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
   put = lambda a, v: a.at[at].set(v, mode="drop")
+  rows = rows.replace(rng=jax.random.wrap_key_data(rows.rng))  # host key data -> typed keys
   fields = {f.name: put(getattr(state, f.name), getattr(rows, f.name))
             for f in dataclasses.fields(rows)}
   return state.replace(kv=_write_kv(layout, state.kv, kv_LxRxTxKxH, slots_W),
@@ -145,8 +146,7 @@ def decode(layout: _CacheLayout, cfg: qwen3.Qwen3Config, sync_every: int, block:
     pos = jnp.maximum(state.length - 1, 0)
     logits, kv = qwen3.decode_step(cfg, params, state.tokens[rows, pos], pos, state.kv,
                                    live, block, functools.partial(_write_positions, layout))
-    keys = jax.vmap(lambda d, t: jax.random.fold_in(jax.random.wrap_key_data(d), t))(
-        state.rng, state.length)
+    keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k,
                                     state.top_p)
     at = jnp.minimum(state.length, M - 1)

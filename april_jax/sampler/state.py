@@ -45,7 +45,7 @@ class SlotState:
   temperature: jax.Array  # float32 [S]; 0 = greedy
   top_k: jax.Array        # int32 [S]; 0 = off
   top_p: jax.Array        # float32 [S]; 1 = off
-  rng: jax.Array          # uint32 [S, 2], raw threefry key data
+  rng: jax.Array          # key [S], typed PRNG keys (threefry)
   done: jax.Array         # bool [S]
 
 
@@ -63,7 +63,7 @@ class SlotRows:
   temperature: jax.Array  # float32 [W]
   top_k: jax.Array        # int32 [W]
   top_p: jax.Array        # float32 [W]
-  rng: jax.Array          # uint32 [W, 2]
+  rng: jax.Array          # uint32 [W, 2], raw key data (typed on insert)
 
 
 def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
@@ -79,7 +79,7 @@ def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
                          for _ in range(2))),
       length=zeros_i(S), prompt_len=zeros_i(S), kv_version=zeros_i(S), limit=zeros_i(S),
       temperature=jnp.zeros((S,), jnp.float32), top_k=zeros_i(S),
-      top_p=jnp.ones((S,), jnp.float32), rng=jnp.zeros((S, 2), jnp.uint32),
+      top_p=jnp.ones((S,), jnp.float32), rng=jax.random.wrap_key_data(jnp.zeros((S, 2), jnp.uint32)),
       done=jnp.ones((S,), bool))
 
 
@@ -91,4 +91,4 @@ def state_logical_axes() -> SlotState:
       tokens=row, logprobs=row, versions=row,
       kv=qwen3.KVCache(qwen3.KV_LOGICAL_AXES, qwen3.KV_LOGICAL_AXES),
       length=vec, prompt_len=vec, kv_version=vec, limit=vec, temperature=vec, top_k=vec, top_p=vec,
-      rng=("batch", None), done=vec)
+      rng=vec, done=vec)
