@@ -21,8 +21,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # CPU-only torch (the 2.13.0 CPU build) and transformers, for parity tests.
-    "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.51"],
+    # CPU-only torch (the 2.13.0 CPU build) and transformers, for parity tests; the
+    # formatter the tests check the tree with (pinned: its output is part of the check).
+    "test": ["pytest>=8", "torch==2.13.0", "transformers>=4.51", "pyink==26.5.1"],
     # NVIDIA GPUs: jax's CUDA 12 wheels. AMD GPUs: see README.md (ROCm wheels).
     "cuda": ["jax[cuda12]>=0.6"],
 }

@@ -18,36 +18,49 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from april_jax.benchmarks import (common, e2e_bench, resume_bench, sampler_bench,
-                                  scheduler_bench)
+from april_jax.benchmarks import (common, e2e_bench, resume_bench, sampler_bench, scheduler_bench)
 from april_jax.benchmarks.report import Report
 
-_MODE = flags.DEFINE_enum("mode", "sampler", ["sampler", "scheduler", "resume", "e2e"],
-                          "What to measure.")
+_MODE = flags.DEFINE_enum(
+    "mode", "sampler", ["sampler", "scheduler", "resume", "e2e"], "What to measure."
+)
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "e2e: seeds (one pair of runs each).")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (scheduler mode).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (scheduler mode).", lock_config=True
+)
 _DIST = flags.DEFINE_string("dist", "deepmath", "scheduler: response length distribution.")
 _STEPS = flags.DEFINE_integer("steps", 8, "scheduler: RL steps per side.")
 _RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler: N'/N for APRIL.")
-_RATIOS = flags.DEFINE_list("ratios", [], "scheduler: sweep these N'/N values instead "
-                            "(e.g. 1,1.5,2,3), each against its own baseline run.")
+_RATIOS = flags.DEFINE_list(
+    "ratios",
+    [],
+    "scheduler: sweep these N'/N values instead "
+    "(e.g. 1,1.5,2,3), each against its own baseline run.",
+)
 _RESPONSE_LEN = flags.DEFINE_integer(
-    "max_response_len", 512, "scheduler: the length cap the distribution is scaled to "
+    "max_response_len",
+    512,
+    "scheduler: the length cap the distribution is scaled to "
     "(0 = the config's). Longer than the tiny task's 64 so that decoding, not Python "
-    "bookkeeping, dominates a step on a CPU, as it does on a GPU at real lengths.")
+    "bookkeeping, dominates a step on a CPU, as it does on a GPU at real lengths.",
+)
 _MODELS = flags.DEFINE_list("models", ["tiny", "small"], "sampler: model sizes to run.")
 _HF = flags.DEFINE_bool("hf", True, "sampler: also time transformers' generate (CPU torch).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "sampler: params.")
-_HBM = flags.DEFINE_float("hbm_gbps", 0.0, "sampler: memory bandwidth (GB/s) for the decode "
-                          "roofline; 0 = guess from the device kind, or skip.")
+_HBM = flags.DEFINE_float(
+    "hbm_gbps",
+    0.0,
+    "sampler: memory bandwidth (GB/s) for the decode "
+    "roofline; 0 = guess from the device kind, or skip.",
+)
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and prompts.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "bench_out", "Markdown report and PNG plots go "
-                               "here ('' = none).")
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", "bench_out", "Markdown report and PNG plots go " "here ('' = none)."
+)
 
 
 def main(argv):
@@ -56,11 +69,18 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tables on stdout; libraries stay quiet
   report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
-    result = sampler_bench.run(models=_MODELS.value, batch=_BATCH.value,
-                               prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
-                               repeats=_REPEATS.value, seed=_SEED.value, report=report,
-                               hf=_HF.value, dtype=_DTYPE.value,
-                               hbm_gbps=_HBM.value or common.hbm_gbps())
+    result = sampler_bench.run(
+        models=_MODELS.value,
+        batch=_BATCH.value,
+        prompt_len=_PROMPT_LEN.value,
+        new_tokens=_NEW_TOKENS.value,
+        repeats=_REPEATS.value,
+        seed=_SEED.value,
+        report=report,
+        hf=_HF.value,
+        dtype=_DTYPE.value,
+        hbm_gbps=_HBM.value or common.hbm_gbps(),
+    )
   else:
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
@@ -68,15 +88,15 @@ def main(argv):
     if _RESPONSE_LEN.value and _MODE.value != "e2e":
       with config.unlocked():
         config.rollout.max_response_len = _RESPONSE_LEN.value
-    common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value,
-                       report=report)
+    common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
     if _MODE.value == "e2e":
       result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
     elif _MODE.value == "resume":
       result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
     elif _RATIOS.value:
-      result = scheduler_bench.sweep(config, ratios=[float(r) for r in _RATIOS.value],
-                                     **common_args)
+      result = scheduler_bench.sweep(
+          config, ratios=[float(r) for r in _RATIOS.value], **common_args
+      )
     else:
       result = scheduler_bench.run(config, ratio=_RATIO.value, **common_args)
   if report is not None:

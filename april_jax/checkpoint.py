@@ -29,40 +29,52 @@ def _pack_buffer(buffer_state: dict[str, np.ndarray]):
 
 
 class Checkpointer:
+
   def __init__(self, workdir: str, max_to_keep: int = 3):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                             create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    )
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state: Any, buffer_state: dict[str, np.ndarray],
-           host: dict[str, Any]) -> None:
+  def save(
+      self, step: int, state: Any, buffer_state: dict[str, np.ndarray], host: dict[str, Any]
+  ) -> None:
     arrays, specs = _pack_buffer(buffer_state)
     host = dict(host, buffer_specs=specs)
     # Asynchronous: save returns once the arrays are copied off the devices (they may be
     # donated next) and writes on in the background; the next save or close() waits for
     # it. A checkpoint only counts once committed, so a kill mid-write resumes from the
     # one before.
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), buffer=ocp.args.StandardSave(arrays),
-        host=ocp.args.JsonSave(host)), force=True)
+    self.manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            buffer=ocp.args.StandardSave(arrays),
+            host=ocp.args.JsonSave(host),
+        ),
+        force=True,
+    )
 
   def restore(self, step: int, abstract_state: Any):
     """Returns (state in the shardings of abstract_state, buffer arrays, host JSON)."""
-    host = self.manager.restore(step, args=ocp.args.Composite(
-        host=ocp.args.JsonRestore())).host
+    host = self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
     specs = host["buffer_specs"]
-    target = {k: np.zeros(shape, dtype) for k, (shape, dtype) in specs.items()
-              if int(np.prod(shape))}
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        buffer=ocp.args.StandardRestore(target)))
-    buffer_state = {k: (np.asarray(restored.buffer[k]) if k in target
-                        else np.zeros(shape, dtype))
-                    for k, (shape, dtype) in specs.items()}
+    target = {
+        k: np.zeros(shape, dtype) for k, (shape, dtype) in specs.items() if int(np.prod(shape))
+    }
+    restored = self.manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), buffer=ocp.args.StandardRestore(target)
+        ),
+    )
+    buffer_state = {
+        k: (np.asarray(restored.buffer[k]) if k in target else np.zeros(shape, dtype))
+        for k, (shape, dtype) in specs.items()
+    }
     return restored.state, buffer_state, host
 
   def close(self) -> None:
@@ -72,5 +84,4 @@ class Checkpointer:
 
 def abstract_like(tree: Any) -> Any:
   """ShapeDtypeStructs with the shardings of a live pytree (the restore target)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -35,10 +35,22 @@ from april_jax.rl import update as update_lib
 from april_jax.sampler import engine as engine_lib
 from april_jax.sampler import slot_ops
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-               "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
@@ -46,6 +58,7 @@ _OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-star
 @dataclasses.dataclass
 class Program:
   """One compiled program's per-device memory (bytes) and collectives."""
+
   name: str
   argument_bytes: int
   output_bytes: int
@@ -57,8 +70,13 @@ class Program:
   @property
   def added_bytes(self) -> int:
     """What the program holds beyond the resident set while it runs."""
-    return (self.argument_bytes - self.resident_argument_bytes + self.output_bytes
-            - self.alias_bytes + self.temp_bytes)
+    return (
+        self.argument_bytes
+        - self.resident_argument_bytes
+        + self.output_bytes
+        - self.alias_bytes
+        + self.temp_bytes
+    )
 
   def largest_collective(self) -> int:
     return max((b for _, b in self.collectives), default=0)
@@ -66,9 +84,9 @@ class Program:
 
 @dataclasses.dataclass
 class Report:
-  resident: dict[str, int]       # bytes per device of each resident item
+  resident: dict[str, int]  # bytes per device of each resident item
   programs: list[Program]
-  device_bytes: float            # 0 = unknown
+  device_bytes: float  # 0 = unknown
 
   @property
   def resident_bytes(self) -> int:
@@ -90,33 +108,47 @@ class Report:
     lines = ["resident per device (GB)"]
     lines += [f"  {name:<32}{gb(b)}" for name, b in self.resident.items()]
     lines.append(f"  {'total':<32}{gb(self.resident_bytes)}")
-    lines.append(f"{'program (GB per device)':<22}{'args':>9}{'outputs':>9}{'temps':>9}"
-                 f"{'aliased':>9}{'peak':>9}  collectives (count, largest GB)")
+    lines.append(
+        f"{'program (GB per device)':<22}{'args':>9}{'outputs':>9}{'temps':>9}"
+        f"{'aliased':>9}{'peak':>9}  collectives (count, largest GB)"
+    )
     for p in self.programs:
       kinds = {}
       for kind, b in p.collectives:
         count, largest = kinds.get(kind, (0, 0))
         kinds[kind] = (count + 1, max(largest, b))
       coll = ", ".join(f"{k} {n} x <= {b / 1e9:.3f}" for k, (n, b) in sorted(kinds.items()))
-      lines.append(f"{p.name:<22}{gb(p.argument_bytes)}{gb(p.output_bytes)}"
-                   f"{gb(p.temp_bytes)}{gb(p.alias_bytes)}{gb(self.peak(p))}  {coll or '-'}")
+      lines.append(
+          f"{p.name:<22}{gb(p.argument_bytes)}{gb(p.output_bytes)}"
+          f"{gb(p.temp_bytes)}{gb(p.alias_bytes)}{gb(self.peak(p))}  {coll or '-'}"
+      )
     verdict = "fits" if self.fits else "DOES NOT FIT"
     capacity = f" of {self.device_bytes / 1e9:.1f} GB" if self.device_bytes > 0 else ""
     lines.append(f"peak {self.peak_bytes / 1e9:.2f} GB per device{capacity}: {verdict}")
     return "\n".join(lines)
 
   def to_json(self) -> dict:
-    return {"fits": self.fits, "peak_bytes_per_device": self.peak_bytes,
-            "device_bytes": self.device_bytes, "resident_bytes": self.resident,
-            "programs": {p.name: {"peak_bytes": self.peak(p),
-                                  "argument_bytes": p.argument_bytes,
-                                  "output_bytes": p.output_bytes,
-                                  "temp_bytes": p.temp_bytes, "alias_bytes": p.alias_bytes,
-                                  "largest_collective_bytes": p.largest_collective()}
-                         for p in self.programs}}
+    return {
+        "fits": self.fits,
+        "peak_bytes_per_device": self.peak_bytes,
+        "device_bytes": self.device_bytes,
+        "resident_bytes": self.resident,
+        "programs": {
+            p.name: {
+                "peak_bytes": self.peak(p),
+                "argument_bytes": p.argument_bytes,
+                "output_bytes": p.output_bytes,
+                "temp_bytes": p.temp_bytes,
+                "alias_bytes": p.alias_bytes,
+                "largest_collective_bytes": p.largest_collective(),
+            }
+            for p in self.programs
+        },
+    }
 
 
 # ------------------------------------------------------------------------- helpers
+
 
 def device_bytes(tree) -> int:
   """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard)."""
@@ -131,128 +163,162 @@ def collectives(hlo_text: str) -> list[tuple[str, int]]:
   """(kind, result bytes) of every collective op in an HLO module's text."""
   out = []
   for types, kind, _ in _OP.findall(hlo_text):
-    size = sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-               * _DTYPE_BYTES[dt] for dt, dims in _SHAPE.findall(types))
+    size = sum(
+        int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _DTYPE_BYTES[dt]
+        for dt, dims in _SHAPE.findall(types)
+    )
     out.append((kind, size))
   return out
 
 
 def _abstract(shapes, shardings):
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, shardings)
+  return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
 
 
 def _replicated(mesh, shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
-def compile_program(name: str, fn, args: tuple, resident: tuple[bool, ...],
-                    static_args: tuple = ()) -> Program:
+def compile_program(
+    name: str, fn, args: tuple, resident: tuple[bool, ...], static_args: tuple = ()
+) -> Program:
   """Lowers and compiles fn(*static_args, *args); `resident` marks the resident args."""
   compiled = fn.lower(*static_args, *args).compile()
   memory = compiled.memory_analysis()
   return Program(
-      name=name, argument_bytes=int(memory.argument_size_in_bytes),
+      name=name,
+      argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes),
-      temp_bytes=int(memory.temp_size_in_bytes), alias_bytes=int(memory.alias_size_in_bytes),
+      temp_bytes=int(memory.temp_size_in_bytes),
+      alias_bytes=int(memory.alias_size_in_bytes),
       resident_argument_bytes=sum(device_bytes(a) for a, r in zip(args, resident) if r),
-      collectives=collectives(compiled.as_text()))
+      collectives=collectives(compiled.as_text()),
+  )
 
 
 # ------------------------------------------------------------------------ programs
 
+
 def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tuple:
   r, m = config.rollout, config.model
   max_len = config.data.max_prompt_len + r.max_response_len
-  econf = engine_lib.EngineConfig(num_slots=r.num_slots, max_len=max_len,
-                                  sync_every=r.sync_every, kv_dtype=m.kv_dtype)
+  econf = engine_lib.EngineConfig(
+      num_slots=r.num_slots, max_len=max_len, sync_every=r.sync_every, kv_dtype=m.kv_dtype
+  )
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
-  fns = slot_ops.device_fns(cfg, econf.num_slots, max_len, econf.sync_every, econf.kv_dtype,
-                            mesh, decode_rules, econf.decode_block)
+  fns = slot_ops.device_fns(
+      cfg,
+      econf.num_slots,
+      max_len,
+      econf.sync_every,
+      econf.kv_dtype,
+      mesh,
+      decode_rules,
+      econf.decode_block,
+  )
   state = _abstract(jax.eval_shape(fns.init), fns.state_sharding)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   T = max_len  # the longest prefill / KV copy
   kv_dtype = jnp.dtype(m.kv_dtype)
   rep = functools.partial(_replicated, mesh)
   W, Wr = econf.insert_width, econf.snapshot_width
-  kv = lambda r: qwen3.KVCache(*(jax.ShapeDtypeStruct((L, r, T, K, H), kv_dtype,
-                                                      sharding=fns.kv_sharding)
-                                 for _ in range(2)))
+  kv = lambda r: qwen3.KVCache(
+      *(jax.ShapeDtypeStruct((L, r, T, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
+  )
   i32 = jnp.int32
-  rows = lambda w: jax.tree.map(lambda x: rep(x.shape, x.dtype),
-                                engine_lib.rows_from_records([], w, max_len, []))
+  rows = lambda w: jax.tree.map(
+      lambda x: rep(x.shape, x.dtype), engine_lib.rows_from_records([], w, max_len, [])
+  )
   programs = [
-      compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)),
-                      (True, False)),
-      compile_program("insert", fns.insert, (state, kv(1), rows(W), rep((W,), i32)),
-                      (True, False, False, False)),
-      compile_program("insert_rows (restore)", fns.insert,
-                      (state, kv(Wr), rows(Wr), rep((Wr,), i32)), (True, False, False, False)),
-      compile_program("decode", fns.decode,
-                      (decode_params, state, rep((), i32), rep((1,), i32), rep((), bool)),
-                      (True, True, False, False, False)),
-      compile_program("extract_kv (snapshot)", fns.extract_kv, (state, rep((Wr,), i32), T),
-                      (True, False, False)),
+      compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)), (True, False)),
+      compile_program(
+          "insert", fns.insert, (state, kv(1), rows(W), rep((W,), i32)), (True, False, False, False)
+      ),
+      compile_program(
+          "insert_rows (restore)",
+          fns.insert,
+          (state, kv(Wr), rows(Wr), rep((Wr,), i32)),
+          (True, False, False, False),
+      ),
+      compile_program(
+          "decode",
+          fns.decode,
+          (decode_params, state, rep((), i32), rep((1,), i32), rep((), bool)),
+          (True, True, False, False, False),
+      ),
+      compile_program(
+          "extract_kv (snapshot)", fns.extract_kv, (state, rep((Wr,), i32), T), (True, False, False)
+      ),
   ]
   return programs, device_bytes(state)
 
 
-def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
+def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
+  """The learner's programs, and its resident arrays as sharded shapes: masters, optimizer
+  state, decode params and (with KL) reference params."""
   r, t, m = config.rollout, config.train, config.model
   rules = tuple(tuple(x) for x in config.mesh.rules)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype)
-  optimizer, schedule = update_lib.make_optimizer(t, max(config.num_steps, 1) *
-                                                  t.num_minibatches)
+  optimizer, schedule = update_lib.make_optimizer(t, max(config.num_steps, 1) * t.num_minibatches)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
-  progs = update_lib.build_programs(static, optimizer, shapes, mesh, rules, decode_rules,
-                                    schedule=schedule)
-  masters = _abstract(shapes, progs.param_sh)
-  opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
-  decode_params = _abstract(jax.eval_shape(progs.decode_params, shapes), progs.decode_sh)
-  reference = (_abstract(jax.eval_shape(progs.to_reference, shapes), progs.param_sh)
-               if t.kl_coef > 0 else None)
+  progs = update_lib.build_programs(
+      static, optimizer, shapes, mesh, rules, decode_rules, schedule=schedule
+  )
+  arrays = {
+      "master params (float32)": _abstract(shapes, progs.param_sh),
+      "optimizer state (float32)": _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh),
+      "decode params": _abstract(jax.eval_shape(progs.decode_params, shapes), progs.decode_sh),
+  }
+  if t.kl_coef > 0:
+    reference = jax.eval_shape(progs.to_reference, shapes)
+    arrays["reference params"] = _abstract(reference, progs.param_sh)
+  return progs, arrays
 
+
+def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
+  """One gradient call's arrays [M, rows, T] at the longest training row, as placed."""
+  r, t = config.rollout, config.train
   max_len = config.data.max_prompt_len + r.max_response_len
-  T = batch_lib.bucket_len(max_len, max_len=max_len)  # the longest training row
+  T = batch_lib.bucket_len(max_len, max_len=max_len)
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
-  by_length = bool(t.microbatch_by_length) and t.num_microbatches > 1
-  M = 1 if by_length else t.num_microbatches
-  place = lambda shape, dtype: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=update_lib.microbatch_sharding(shape, mesh, rules))
-  tokens = place((M, rows, T), jnp.int32)
-  mb = {"tokens": tokens, "targets": tokens, "mask": place((M, rows, T), jnp.float32),
-        "behavior": place((M, rows, T), jnp.float32), "stale": place((M, rows, T), bool),
-        "advantages": place((M, rows), jnp.float32),
-        "old_logp": place((M, rows, T), jnp.float32)}
-  if reference is not None:
-    mb["ref_logp"] = place((M, rows, T), jnp.float32)
+  M = 1 if bool(t.microbatch_by_length) and t.num_microbatches > 1 else t.num_microbatches
+  rules = tuple(tuple(x) for x in config.mesh.rules)
+  place = lambda dtype, *shape: jax.ShapeDtypeStruct(
+      shape, dtype, sharding=update_lib.microbatch_sharding(shape, mesh, rules)
+  )
+  f32 = jnp.float32
+  mb = dict(tokens=place(jnp.int32, M, rows, T), mask=place(f32, M, rows, T))
+  mb.update(targets=mb["tokens"], behavior=mb["mask"], old_logp=mb["mask"])
+  mb.update(stale=place(bool, M, rows, T), advantages=place(f32, M, rows))
+  return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
+
+
+def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
+  progs, arrays = _learner_arrays(config, cfg, mesh)
+  masters, opt_state = arrays["master params (float32)"], arrays["optimizer state (float32)"]
+  reference = arrays.get("reference params")
+  mb = _longest_microbatch(config, mesh, with_ref=reference is not None)
+  tokens, resident = mb["tokens"], (True, False, False)
   programs = [
       compile_program("decode_params (cast)", progs.decode_params, (masters,), (True,)),
-      compile_program("old logprobs", progs.logprobs, (masters, tokens, tokens),
-                      (True, False, False)),
+      compile_program("old logprobs", progs.logprobs, (masters, tokens, tokens), resident),
   ]
   if reference is not None:
-    programs.append(compile_program("reference logprobs", progs.logprobs,
-                                    (reference, tokens, tokens), (True, False, False)))
+    args = (reference, tokens, tokens)
+    programs.append(compile_program("reference logprobs", progs.logprobs, args, resident))
   scalar = _replicated(mesh, (), jnp.float32)
-  grads = masters  # the running gradient sum: float32, sharded like the masters
-  programs.append(compile_program("gradients", progs.grads,
-                                  (masters, mb, scalar, scalar, grads),
-                                  (True, False, False, False, False)))
-  _, loss, metrics = jax.eval_shape(progs.grads, masters, mb, scalar, scalar, grads)
+  args = (masters, mb, scalar, scalar, masters)  # the gradient sum: sharded like the masters
+  programs.append(compile_program("gradients", progs.grads, args, (True,) + (False,) * 4))
+  _, loss, metrics = jax.eval_shape(progs.grads, *args)
   rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
-  programs.append(compile_program(
-      "optimizer update", progs.apply,
-      (masters, opt_state, grads, rep_like(loss), jax.tree.map(rep_like, metrics),
-       _replicated(mesh, (), jnp.int32)),
-      (True, True, False, False, False, False)))
-  resident = {"master params (float32)": device_bytes(masters),
-              "optimizer state (float32)": device_bytes(opt_state),
-              "decode params": device_bytes(decode_params)}
-  if reference is not None:
-    resident["reference params"] = device_bytes(reference)
-  return programs, resident, decode_params
+  acc = (rep_like(loss), jax.tree.map(rep_like, metrics))
+  args = (masters, opt_state, masters, *acc, _replicated(mesh, (), jnp.int32))
+  resident = (True, True) + (False,) * 4
+  programs.append(compile_program("optimizer update", progs.apply, args, resident))
+  return programs, {k: device_bytes(v) for k, v in arrays.items()}, arrays["decode params"]
 
 
 def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0) -> Report:
@@ -260,5 +326,4 @@ def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0)
   learner, resident, decode_params = _learner_programs(config, cfg, mesh)
   sampler, state_bytes = _sampler_programs(config, cfg, mesh, decode_params)
   resident["slot state (KV cache)"] = state_bytes
-  return Report(resident=resident, programs=sampler + learner,
-                device_bytes=device_bytes_limit)
+  return Report(resident=resident, programs=sampler + learner, device_bytes=device_bytes_limit)

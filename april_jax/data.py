@@ -38,10 +38,11 @@ ID_KEYS = ("id", "unique_id", "idx")
 @dataclasses.dataclass
 class PromptItem:
   """One prompt as the scheduler admits it."""
+
   prompt_id: Any
-  tokens: np.ndarray                     # int32 [P]
+  tokens: np.ndarray  # int32 [P]
   answer: str
-  budgets: list[int] | None = None       # per-sample response budgets (default: config)
+  budgets: list[int] | None = None  # per-sample response budgets (default: config)
 
 
 class _BadRow(Exception):
@@ -83,6 +84,7 @@ def _read_json(path: Path) -> list[Any]:
 def _read_parquet(path: Path) -> list[Any]:
   """Rows of a parquet file; nested columns come back as Python lists and dicts."""
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
   return pq.read_table(path).to_pylist()
 
 
@@ -157,12 +159,16 @@ def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict
   messages = _messages(prompt)
   answer = _answer(_lookup(row, answer_key) if answer_key else _first_present(row, ANSWER_KEYS))
   record_id = _first_present(row, ID_KEYS)
-  return {"id": default_id if record_id is None else record_id, "messages": messages,
-          "answer": answer}
+  return {
+      "id": default_id if record_id is None else record_id,
+      "messages": messages,
+      "answer": answer,
+  }
 
 
-def load_records(path: str | Path, prompt_key: str = "",
-                 answer_key: str = "") -> tuple[list[dict], collections.Counter]:
+def load_records(
+    path: str | Path, prompt_key: str = "", answer_key: str = ""
+) -> tuple[list[dict], collections.Counter]:
   """Reads a dataset file into records {"id", "messages", "answer"}.
 
   Args:
@@ -183,8 +189,9 @@ def load_records(path: str | Path, prompt_key: str = "",
   """
   path = Path(path)
   if path.suffix not in SUFFIXES:
-    raise ValueError(f"Unsupported data file extension {path.suffix!r} of {path}; "
-                     f"expected one of {SUFFIXES}")
+    raise ValueError(
+        f"Unsupported data file extension {path.suffix!r} of {path}; " f"expected one of {SUFFIXES}"
+    )
   if not path.is_file():
     raise FileNotFoundError(f"Data file not found: {path}")
   skipped: collections.Counter = collections.Counter()
@@ -198,8 +205,10 @@ def load_records(path: str | Path, prompt_key: str = "",
       if skipped[e.reason] == 1:
         logging.warning("%s row %d skipped: %s", path, index, e.reason)
   if not records:
-    raise ValueError(f"No usable rows in {path}: {sum(skipped.values())} skipped "
-                     f"({_describe(skipped) or 'the file is empty'})")
+    raise ValueError(
+        f"No usable rows in {path}: {sum(skipped.values())} skipped "
+        f"({_describe(skipped) or 'the file is empty'})"
+    )
   return records, skipped
 
 
@@ -217,9 +226,16 @@ class PromptIterator:
   see one stream with no exchange (an RL prompt set is small: DAPO-Math-17k is 17k rows).
   """
 
-  def __init__(self, records: Sequence[dict], tokenizer: Any, max_prompt_len: int,
-               seed: int = 0, shuffle: bool = True, system_prompt: str = "",
-               enable_thinking: bool = False) -> None:
+  def __init__(
+      self,
+      records: Sequence[dict],
+      tokenizer: Any,
+      max_prompt_len: int,
+      seed: int = 0,
+      shuffle: bool = True,
+      system_prompt: str = "",
+      enable_thinking: bool = False,
+  ) -> None:
     if not records:
       raise ValueError("PromptIterator needs at least one record")
     if max_prompt_len < 1:
@@ -232,16 +248,19 @@ class PromptIterator:
     self.enable_thinking = enable_thinking
     self.seed = int(seed)
     self.epoch = 0
-    self.offset = 0                       # position within the epoch's order
-    self.skipped_too_long = 0             # skips so far, each time a long prompt comes up
+    self.offset = 0  # position within the epoch's order
+    self.skipped_too_long = 0  # skips so far, each time a long prompt comes up
     self._order_epoch, self._order = -1, np.arange(0)
     self._logged_too_long: set[Any] = set()
 
   def _epoch_order(self) -> np.ndarray:
     if self._order_epoch != self.epoch:
       n = len(self.records)
-      self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
-                     if self.shuffle else np.arange(n))
+      self._order = (
+          np.random.default_rng([self.seed, self.epoch]).permutation(n)
+          if self.shuffle
+          else np.arange(n)
+      )
       self._order_epoch = self.epoch
     return self._order
 
@@ -250,17 +269,21 @@ class PromptIterator:
     messages = list(record["messages"])
     if self.system_prompt:
       messages = [{"role": "system", "content": self.system_prompt}] + messages
-    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             enable_thinking=self.enable_thinking,
-                                             tokenize=True)
+    ids = self.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=self.enable_thinking, tokenize=True
+    )
     return np.asarray(ids, np.int32)
 
   def _skip_too_long(self, record: dict, length: int) -> None:
     self.skipped_too_long += 1
     if record["id"] not in self._logged_too_long:
       self._logged_too_long.add(record["id"])
-      logging.warning("prompt %r skipped: %d tokens > max_prompt_len %d", record["id"],
-                      length, self.max_prompt_len)
+      logging.warning(
+          "prompt %r skipped: %d tokens > max_prompt_len %d",
+          record["id"],
+          length,
+          self.max_prompt_len,
+      )
 
   def __call__(self) -> PromptItem:
     """The next prompt that fits max_prompt_len.
@@ -273,8 +296,10 @@ class PromptIterator:
       order = self._epoch_order()
       if self.offset >= len(order):
         if whole_epoch_seen:
-          raise ValueError(f"No prompt of the {len(order)} records fits max_prompt_len "
-                           f"{self.max_prompt_len} ({self.skipped_too_long} skipped)")
+          raise ValueError(
+              f"No prompt of the {len(order)} records fits max_prompt_len "
+              f"{self.max_prompt_len} ({self.skipped_too_long} skipped)"
+          )
         self.epoch, self.offset, whole_epoch_seen = self.epoch + 1, 0, True
         continue
       record = self.records[order[self.offset]]
@@ -287,8 +312,13 @@ class PromptIterator:
 
   def state(self) -> dict[str, int]:
     """Where the stream stands; JSON-serialisable."""
-    return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-            "skipped_too_long": self.skipped_too_long, "num_records": len(self.records)}
+    return {
+        "epoch": self.epoch,
+        "offset": self.offset,
+        "seed": self.seed,
+        "skipped_too_long": self.skipped_too_long,
+        "num_records": len(self.records),
+    }
 
   def restore(self, state: dict[str, Any]) -> None:
     """Continues from `state()`: the items that follow are those the saved stream had next.
@@ -298,8 +328,10 @@ class PromptIterator:
     """
     num_records = int(state.get("num_records", len(self.records)))
     if num_records != len(self.records):
-      raise ValueError(f"Prompt state saved over {num_records} records, but the data now "
-                       f"has {len(self.records)}")
+      raise ValueError(
+          f"Prompt state saved over {num_records} records, but the data now "
+          f"has {len(self.records)}"
+      )
     self.seed = int(state["seed"])
     self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
     self.skipped_too_long = int(state["skipped_too_long"])
@@ -326,8 +358,9 @@ class LongTailSource:
     self.index, self.seed = int(state["index"]), int(state["seed"])
 
 
-def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
-                       task: LongTailTask | None = None) -> PromptIterator | LongTailSource:
+def make_prompt_source(
+    data_config: Any, tokenizer: Any, seed: int, task: LongTailTask | None = None
+) -> PromptIterator | LongTailSource:
   """The prompt source the `data` config section asks for.
 
   Args:
@@ -346,8 +379,19 @@ def make_prompt_source(data_config: Any, tokenizer: Any, seed: int,
       raise ValueError('data.source "longtail" needs the LongTailTask (task=...)')
     return LongTailSource(task, tokenizer, seed)
   records, skipped = load_records(c["source"], c.get("prompt_key", ""), c.get("answer_key", ""))
-  logging.info("loaded %d prompts from %s; skipped %d rows%s", len(records), c["source"],
-               sum(skipped.values()), f" ({_describe(skipped)})" if skipped else "")
-  return PromptIterator(records, tokenizer, c.get("max_prompt_len", 512), seed=seed,
-                        shuffle=c.get("shuffle", True), system_prompt=c.get("system_prompt", ""),
-                        enable_thinking=c.get("enable_thinking", False))
+  logging.info(
+      "loaded %d prompts from %s; skipped %d rows%s",
+      len(records),
+      c["source"],
+      sum(skipped.values()),
+      f" ({_describe(skipped)})" if skipped else "",
+  )
+  return PromptIterator(
+      records,
+      tokenizer,
+      c.get("max_prompt_len", 512),
+      seed=seed,
+      shuffle=c.get("shuffle", True),
+      system_prompt=c.get("system_prompt", ""),
+      enable_thinking=c.get("enable_thinking", False),
+  )

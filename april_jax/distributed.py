@@ -36,7 +36,7 @@ PEER_FAILURE_EXIT = 4
 
 
 def parse_device_ids(text: str) -> list[int] | None:
-  """"0,1,2,3" -> [0, 1, 2, 3]; "" -> None (JAX's default)."""
+  """ "0,1,2,3" -> [0, 1, 2, 3]; "" -> None (JAX's default)."""
   text = text.strip()
   return [int(x) for x in text.split(",")] if text else None
 
@@ -47,19 +47,29 @@ def initialize(c) -> None:
   `c.local_device_ids` ("0,1,...,7") gives one process all of its host's GPUs: under
   SLURM, JAX otherwise assumes one process per GPU and hands each only GPU SLURM_LOCALID.
   """
-  options = dict(initialization_timeout=int(c.initialization_timeout_s),
-                  heartbeat_timeout_seconds=int(c.heartbeat_timeout_s),
-                  local_device_ids=parse_device_ids(c.local_device_ids))
+  options = dict(
+      initialization_timeout=int(c.initialization_timeout_s),
+      heartbeat_timeout_seconds=int(c.heartbeat_timeout_s),
+      local_device_ids=parse_device_ids(c.local_device_ids),
+  )
   if c.auto:
     jax.distributed.initialize(**options)
   elif c.coordinator_address:
-    jax.distributed.initialize(coordinator_address=c.coordinator_address,
-                               num_processes=int(c.num_processes),
-                               process_id=int(c.process_id), **options)
+    jax.distributed.initialize(
+        coordinator_address=c.coordinator_address,
+        num_processes=int(c.num_processes),
+        process_id=int(c.process_id),
+        **options,
+    )
   else:
     return
-  logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+      "process %d of %d: %d local devices, %d in all",
+      jax.process_index(),
+      jax.process_count(),
+      jax.local_device_count(),
+      jax.device_count(),
+  )
 
 
 def is_primary() -> bool:
@@ -76,8 +86,11 @@ def to_host(tree):
   if all(_local(x) for x in jax.tree.leaves(tree)):
     return jax.tree.map(np.asarray, jax.device_get(tree))  # one batched transfer
   return jax.tree.map(
-      lambda x: np.asarray(jax.device_get(x) if _local(x)
-                           else multihost_utils.process_allgather(x, tiled=True)), tree)
+      lambda x: np.asarray(
+          jax.device_get(x) if _local(x) else multihost_utils.process_allgather(x, tiled=True)
+      ),
+      tree,
+  )
 
 
 def gather(values: np.ndarray) -> np.ndarray:
@@ -105,8 +118,18 @@ def any_process(flag: bool) -> bool:
 
 
 # What XLA's runtime says when a collective or the coordination service loses a peer.
-_PEER_LOST = ("gloo", "nccl", "rccl", "connection", "unavailable", "heartbeat",
-              "deadline_exceeded", "coordination", "barrier", "peer")
+_PEER_LOST = (
+    "gloo",
+    "nccl",
+    "rccl",
+    "connection",
+    "unavailable",
+    "heartbeat",
+    "deadline_exceeded",
+    "coordination",
+    "barrier",
+    "peer",
+)
 
 
 def is_collective_failure(error: BaseException) -> bool:

@@ -12,26 +12,49 @@ import numpy as np
 from april_jax import sampler
 
 
-def evaluate(engine, items, decode, reward_fn, *, k: int, max_new_tokens: int,
-             temperature: float, seed: int, top_p: float = 1.0,
-             correct_at: float = 1.0) -> dict[str, float]:
+def evaluate(
+    engine,
+    items,
+    decode,
+    reward_fn,
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    top_p: float = 1.0,
+    correct_at: float = 1.0,
+) -> dict[str, float]:
   """items: PromptItems (tokens, answer). Generates with `engine` (empty; its current
   params and stop tokens) and returns eval/* metrics."""
   prompts = [item.tokens.tolist() for item in items]
 
   def score(responses, repeat):
-    rewards = [reward_fn(decode(r), items[i // repeat].answer)
-               for i, r in enumerate(responses)]
+    rewards = [reward_fn(decode(r), items[i // repeat].answer) for i, r in enumerate(responses)]
     return np.array(rewards, np.float64)
 
-  greedy = score(sampler.generate_on(engine, prompts, max_new_tokens=max_new_tokens,
-                                     temperature=0.0, seed=seed), 1)
-  out = {"eval/pass@1": float(np.mean(greedy >= correct_at)),
-         "eval/reward_mean": float(np.mean(greedy))}
+  greedy = score(
+      sampler.generate_on(
+          engine, prompts, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed
+      ),
+      1,
+  )
+  out = {
+      "eval/pass@1": float(np.mean(greedy >= correct_at)),
+      "eval/reward_mean": float(np.mean(greedy)),
+  }
   if k > 0:
     repeated = [p for p in prompts for _ in range(k)]
-    sampled = score(sampler.generate_on(engine, repeated, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p,
-                                        seed=seed + 1), k)
+    sampled = score(
+        sampler.generate_on(
+            engine,
+            repeated,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + 1,
+        ),
+        k,
+    )
     out[f"eval/avg@{k}"] = float(np.mean(sampled >= correct_at))
   return out

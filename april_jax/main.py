@@ -28,8 +28,9 @@ from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.trainer import Trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -62,11 +63,16 @@ def main(argv):
     if not distributed.is_collective_failure(e):
       raise
     import traceback  # pylint: disable=g-import-not-at-top
+
     traceback.print_exc()
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f"april_jax: process {jax.process_index()} of {jax.process_count()}: a collective "
-          f"failed, most likely because another process died ({first_line}). Restart all "
-          "processes to resume from the last checkpoint.", file=sys.stderr, flush=True)
+    print(
+        f"april_jax: process {jax.process_index()} of {jax.process_count()}: a collective "
+        f"failed, most likely because another process died ({first_line}). Restart all "
+        "processes to resume from the last checkpoint.",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(distributed.PEER_FAILURE_EXIT)  # skip the shutdown barrier: the peer is gone
 

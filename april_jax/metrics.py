@@ -45,6 +45,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def truncate_after(self, step: int) -> None:
@@ -69,14 +70,24 @@ class MetricsWriter:
       return
     with open(self.rollouts_path, "a", encoding="utf-8") as f:
       for g in groups:
-        f.write(json.dumps({
-            "step": step, "prompt_id": g.prompt_id, "group_id": g.group_id,
-            "first_step": g.first_step, "rewards": g.rewards,
-            "response_lens": [len(s.response) for s in g.samples],
-            "versions": [[int(s.versions.min()), int(s.versions.max())] if len(s.versions)
-                         else [] for s in g.samples],
-            "finish_reasons": [s.finish_reason for s in g.samples],
-        }) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "prompt_id": g.prompt_id,
+                    "group_id": g.group_id,
+                    "first_step": g.first_step,
+                    "rewards": g.rewards,
+                    "response_lens": [len(s.response) for s in g.samples],
+                    "versions": [
+                        [int(s.versions.min()), int(s.versions.max())] if len(s.versions) else []
+                        for s in g.samples
+                    ],
+                    "finish_reasons": [s.finish_reason for s in g.samples],
+                }
+            )
+            + "\n"
+        )
 
   def close(self) -> None:
     if self._tb is not None:
@@ -84,12 +95,14 @@ class MetricsWriter:
 
 
 def progress_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
-  line = (f"step {step + 1}/{num_steps}  reward {m.get('rollout/reward_mean', 0):.3f}  "
-          f"tok/s {m.get('rollout/tokens_per_s', 0):,.0f}  "
-          f"occupancy {m.get('rollout/slot_occupancy', 0):.2f}  "
-          f"buffer {m.get('rollout/buffer_groups', 0):.0f}  "
-          f"off-policy {m.get('rollout/off_policy_token_frac', 0):.2f}  "
-          f"loss {m.get('train/loss', 0):+.4f}")
+  line = (
+      f"step {step + 1}/{num_steps}  reward {m.get('rollout/reward_mean', 0):.3f}  "
+      f"tok/s {m.get('rollout/tokens_per_s', 0):,.0f}  "
+      f"occupancy {m.get('rollout/slot_occupancy', 0):.2f}  "
+      f"buffer {m.get('rollout/buffer_groups', 0):.0f}  "
+      f"off-policy {m.get('rollout/off_policy_token_frac', 0):.2f}  "
+      f"loss {m.get('train/loss', 0):+.4f}"
+  )
   if "eval/pass@1" in m:
     line += f"  eval pass@1 {m['eval/pass@1']:.3f}"
   return line

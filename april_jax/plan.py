@@ -39,10 +39,10 @@ def dtype_bytes(name: str) -> int:
 
 @dataclasses.dataclass
 class Plan:
-  resident: dict[str, float]    # bytes per device held for the whole run
-  programs: dict[str, float]    # bytes per device each program adds while it runs
-  host_buffer_bytes: float      # worst case held by the partial buffer on the host
-  device_capacity: float        # 0 = unknown
+  resident: dict[str, float]  # bytes per device held for the whole run
+  programs: dict[str, float]  # bytes per device each program adds while it runs
+  host_buffer_bytes: float  # worst case held by the partial buffer on the host
+  device_capacity: float  # 0 = unknown
 
   @property
   def resident_total(self) -> float:
@@ -63,13 +63,16 @@ class Plan:
     lines = [f"{'resident (GB per device)':<34}"]
     lines += [f"  {name:<32}{value / GB:>10.2f}" for name, value in self.resident.items()]
     lines.append(f"{'program (GB per device)':<34}{'adds':>10}{'peak':>10}")
-    lines += [f"  {name:<32}{added / GB:>10.2f}{self.peak(name) / GB:>10.2f}"
-              for name, added in self.programs.items()]
+    lines += [
+        f"  {name:<32}{added / GB:>10.2f}{self.peak(name) / GB:>10.2f}"
+        for name, added in self.programs.items()
+    ]
     lines.append(f"{'peak':<34}{self.device_total / GB:>20.2f}")
     if self.device_capacity > 0:
       lines.append(f"{'capacity':<34}{self.device_capacity / GB:>20.2f}")
-    lines.append(f"{'host: buffer KV per snapshot (max)':<34}"
-                 f"{self.host_buffer_bytes / GB:>20.2f}")
+    lines.append(
+        f"{'host: buffer KV per snapshot (max)':<34}" f"{self.host_buffer_bytes / GB:>20.2f}"
+    )
     return "\n".join(lines)
 
 
@@ -87,82 +90,120 @@ def _split(size: int, logical: str, mesh, rules) -> int:
 def params_bytes(cfg: qwen3.Qwen3Config, mesh, rules, itemsize: int) -> float:
   """Bytes one device holds of the params under these rules."""
   import jax  # pylint: disable=g-import-not-at-top
+
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
   axes = qwen3.param_logical_axes(cfg)
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
   total = 0.0
   for logical, leaf in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(shapes)):
     spec = sharding.logical_to_spec(logical, leaf.shape, mesh, rules)
-    split = math.prod(math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
-                      for s in spec if s is not None)
+    split = math.prod(
+        math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
+        for s in spec
+        if s is not None
+    )
     total += math.prod(leaf.shape) * itemsize / split
   return total
 
 
-def make_plan(config, cfg: qwen3.Qwen3Config, num_devices: int, device_bytes: float = 0.0,
-              native_16bit: bool = True) -> Plan:
+def make_plan(
+    config,
+    cfg: qwen3.Qwen3Config,
+    num_devices: int,
+    device_bytes: float = 0.0,
+    native_16bit: bool = True,
+) -> Plan:
   shape = sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)
-  mesh = types.SimpleNamespace(shape=dict(zip(sharding.MESH_AXES, shape)))
-  rules = tuple(tuple(r) for r in config.mesh.rules)
-  decode_rules = tuple(tuple(r) for r in config.mesh.decode_rules)
-  r, t, m = config.rollout, config.train, config.model
-  L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  cb, kvb = dtype_bytes(m.dtype), dtype_bytes(m.kv_dtype)
-  max_len = config.data.max_prompt_len + r.max_response_len
+  x = types.SimpleNamespace(
+      config=config,
+      cfg=cfg,
+      num_devices=num_devices,
+      mesh=types.SimpleNamespace(shape=dict(zip(sharding.MESH_AXES, shape))),
+      rules=tuple(tuple(r) for r in config.mesh.rules),
+      decode_rules=tuple(tuple(r) for r in config.mesh.decode_rules),
+      cb=dtype_bytes(config.model.dtype),
+      max_len=config.data.max_prompt_len + config.rollout.max_response_len,
+  )
+  resident = _resident(x)
+  programs = dict(_sampler_programs(x, native_16bit), **_learner_programs(x))
+  r = config.rollout
+  host = r.num_slots * x.max_len * kv_bytes_per_token(cfg, config.model.kv_dtype)
+  host = host if r.resume_mode == "kv" else 0.0
+  return Plan(
+      resident=resident, programs=programs, host_buffer_bytes=host, device_capacity=device_bytes
+  )
 
-  # ---- resident
-  masters = params_bytes(cfg, mesh, rules, 4)
-  decode_params = params_bytes(cfg, mesh, decode_rules, cb)
-  slots = r.num_slots / _split(r.num_slots, "batch", mesh, decode_rules)
-  kv_heads = K / _split(K, "kv_heads", mesh, decode_rules)
-  kv_cache = 2 * L * slots * kv_heads * max_len * H * kvb
-  resident = {"master params (float32)": masters,
-              "optimizer state (float32)": 2 * masters,
-              "decode params": decode_params,
-              "slot state (KV cache)": kv_cache + slots * max_len * 12}
-  if t.kl_coef > 0:
-    resident["reference params"] = params_bytes(cfg, mesh, rules, cb)
 
-  # ---- what each program adds
-  upcast = 0.0 if native_16bit or cb == 4 else 2 * decode_params  # 16-bit weights as f32
-  heads_tp = N / _split(N, "heads", mesh, decode_rules)
-  mlp_tp = F / _split(F, "mlp", mesh, decode_rules)
-  seq_kv = 2 * L * max_len * kv_heads * H * kvb  # one sequence's KV at the longest bucket
-  chunk = min(m.attention_chunk, max_len)
-  prefill_act = max_len * 4 * (3 * heads_tp * chunk + 3 * mlp_tp + 4 * D)
+def _resident(x) -> dict[str, float]:
+  """What stays on each device for the whole run."""
+  cfg, r, m = x.cfg, x.config.rollout, x.config.model
+  masters = params_bytes(cfg, x.mesh, x.rules, 4)
+  slots = r.num_slots / _split(r.num_slots, "batch", x.mesh, x.decode_rules)
+  kv_heads = cfg.num_kv_heads / _split(cfg.num_kv_heads, "kv_heads", x.mesh, x.decode_rules)
+  kv_cache = 2 * cfg.num_layers * slots * kv_heads * x.max_len * cfg.head_dim
+  resident = {
+      "master params (float32)": masters,
+      "optimizer state (float32)": 2 * masters,
+      "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
+      "slot state (KV cache)": kv_cache * dtype_bytes(m.kv_dtype) + slots * x.max_len * 12,
+  }
+  if x.config.train.kl_coef > 0:
+    resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)
+  return resident
+
+
+def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
+  """What each sampler program adds on a device, beyond the resident arrays."""
+  cfg, r, m = x.cfg, x.config.rollout, x.config.model
+  split = lambda n, axis: n / _split(n, axis, x.mesh, x.decode_rules)
+  masters = params_bytes(cfg, x.mesh, x.rules, 4)
+  decode_params = params_bytes(cfg, x.mesh, x.decode_rules, x.cb)
+  upcast = 0.0 if native_16bit or x.cb == 4 else 2 * decode_params  # 16-bit weights as f32
+  slots, kv_heads = split(r.num_slots, "batch"), split(cfg.num_kv_heads, "kv_heads")
+  # One sequence's KV at the longest bucket.
+  seq_kv = 2 * cfg.num_layers * x.max_len * kv_heads * cfg.head_dim * dtype_bytes(m.kv_dtype)
+  chunk = min(m.attention_chunk, x.max_len)
+  heads, mlp, D = (
+      split(cfg.num_heads, "heads"),
+      split(cfg.intermediate_size, "mlp"),
+      cfg.hidden_size,
+  )
+  prefill_act = x.max_len * 4 * (3 * heads * chunk + 3 * mlp + 4 * D)
   snapshot_width = 4
-  logits = slots * V / _split(V, "vocab", mesh, decode_rules) * 4
-  programs = {
+  logits = slots * split(cfg.vocab_size, "vocab") * 4
+  attention = 2 * slots * kv_heads * min(1024, x.max_len) * cfg.head_dim * 4
+  return {
       "prefill": seq_kv + prefill_act + upcast,
       "insert": seq_kv,
       "insert_rows (restore)": 3 * snapshot_width * seq_kv,
-      "decode": 3 * logits + 2 * slots * kv_heads * min(1024, max_len) * H * 4 + upcast,
+      "decode": 3 * logits + attention + upcast,
       "extract_kv (snapshot)": 1.5 * snapshot_width * seq_kv,
-      "decode_params (cast)": decode_params + (masters if num_devices > 1 else 0.0),
+      "decode_params (cast)": decode_params + (masters if x.num_devices > 1 else 0.0),
   }
-  # The learner: one microbatch of `rows` rows per device at the longest length bucket.
-  T = batch_lib.bucket_len(max_len, max_len=max_len)
-  batch_devices = _split(1 << 20, "batch", mesh, rules)
-  rows = max(1, r.batch_size * r.n_samples_per_prompt
-             // (t.num_minibatches * t.num_microbatches) // batch_devices)
+
+
+def _learner_programs(x) -> dict[str, float]:
+  """The learner: one microbatch of `rows` rows per device at the longest length bucket."""
+  cfg, r, t, m = x.cfg, x.config.rollout, x.config.train, x.config.model
+  split = lambda n, axis: n / _split(n, axis, x.mesh, x.rules)
+  L, D = cfg.num_layers, cfg.hidden_size
+  masters = params_bytes(cfg, x.mesh, x.rules, 4)
+  T = batch_lib.bucket_len(x.max_len, max_len=x.max_len)
+  per_call = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
+  rows = max(1, per_call // _split(1 << 20, "batch", x.mesh, x.rules))
   if not (t.microbatch_by_length and t.num_microbatches > 1):
     rows *= t.num_microbatches  # one fused call over every microbatch
-  heads_t = N / _split(N, "heads", mesh, rules)
-  mlp_t = F / _split(F, "mlp", mesh, rules)
-  vocab_t = V / _split(V, "vocab", mesh, rules)
-  layer_act = rows * T * 4 * (4 * D + 3 * mlp_t + 3 * heads_t * chunk)
-  logits_chunk = 3 * rows * min(t.logprob_chunk, T) * vocab_t * 4
-  saved = (L if m.remat else 3 * L) * rows * T * D * cb
-  full_layer = masters / L * min(num_devices, 8)  # one layer's gathered weights, float32
-  programs["old logprobs"] = layer_act + logits_chunk + full_layer / 2
-  programs["gradients"] = (masters + masters + saved + 2 * layer_act + logits_chunk
-                           + full_layer)
-  programs["optimizer update"] = masters + 1.8 * masters
-  host = r.num_slots * max_len * kv_bytes_per_token(cfg, m.kv_dtype) if (
-      r.resume_mode == "kv") else 0.0
-  return Plan(resident=resident, programs=programs, host_buffer_bytes=host,
-              device_capacity=device_bytes)
+  chunk = min(m.attention_chunk, x.max_len)
+  heads, mlp = split(cfg.num_heads, "heads"), split(cfg.intermediate_size, "mlp")
+  layer_act = rows * T * 4 * (4 * D + 3 * mlp + 3 * heads * chunk)
+  logits_chunk = 3 * rows * min(t.logprob_chunk, T) * split(cfg.vocab_size, "vocab") * 4
+  saved = (L if m.remat else 3 * L) * rows * T * D * x.cb
+  full_layer = masters / L * min(x.num_devices, 8)  # one layer's gathered weights, float32
+  return {
+      "old logprobs": layer_act + logits_chunk + full_layer / 2,
+      "gradients": masters + masters + saved + 2 * layer_act + logits_chunk + full_layer,
+      "optimizer update": masters + 1.8 * masters,
+  }
 
 
 def check_fits(plan: Plan) -> None:
@@ -170,18 +211,23 @@ def check_fits(plan: Plan) -> None:
     raise MemoryError(
         f"the config needs {plan.device_total / GB:.1f} GB per device but a device holds "
         f"{plan.device_capacity / GB:.1f} GB:\n{plan.table()}\nLower rollout.num_slots or "
-        "max_response_len, enable model.remat, add microbatches, or shard over more devices.")
+        "max_response_len, enable model.remat, add microbatches, or shard over more devices."
+    )
 
 
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   f = flags.FLAGS
   if f.compile:  # fake CPU devices, before JAX starts its backends
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={f.devices or 8}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={f.devices or 8}"
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
+
   try:
     cfg = hf_io.model_config(f.config, f.model_config)
   except (ValueError, OSError) as e:
@@ -189,8 +235,10 @@ def main(argv):
     raise SystemExit(2) from None
   devices = f.devices or len(jax.devices())
   capacity = f.device_memory_gb * GB
-  print(f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh "
-        f"{sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices)}")
+  print(
+      f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh "
+      f"{sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices)}"
+  )
   if f.compile:
     mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
     report = compile_check.check(f.config, cfg, mesh, capacity)
@@ -210,12 +258,18 @@ if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
   flags.DEFINE_string("model_config", "", "HF config.json giving the model shape.")
-  flags.DEFINE_integer("devices", 0, "Devices to plan for (0 = those JAX sees; "
-                       "8 with --compile).")
+  flags.DEFINE_integer(
+      "devices", 0, "Devices to plan for (0 = those JAX sees; " "8 with --compile)."
+  )
   flags.DEFINE_float("device_memory_gb", 0.0, "Memory per device in GB (0 = do not check).")
-  flags.DEFINE_bool("compile", False, "Compile every program at the config's shapes on "
-                    "fake CPU devices and report XLA's memory and collectives.")
+  flags.DEFINE_bool(
+      "compile",
+      False,
+      "Compile every program at the config's shapes on "
+      "fake CPU devices and report XLA's memory and collectives.",
+  )
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -1,9 +1,9 @@
 """A name -> function table filled by a decorator: rewards, advantage estimators, losses.
 
-    REWARDS = Registry("reward")
-    @REWARDS.register("math")
-    def math_reward(response, answer): ...
-    REWARDS.lookup("math")   # KeyError listing the known names when unknown
+REWARDS = Registry("reward")
+@REWARDS.register("math")
+def math_reward(response, answer): ...
+REWARDS.lookup("math")   # KeyError listing the known names when unknown
 """
 
 from __future__ import annotations
@@ -14,18 +14,22 @@ Fn = TypeVar("Fn", bound=Callable)
 
 
 class Registry(dict):
+
   def __init__(self, kind: str):
     super().__init__()
     self.kind = kind
 
   def register(self, name: str) -> Callable[[Fn], Fn]:
     """Decorator: adds the function under `name`; a name already taken is a ValueError."""
+
     def add(fn: Fn) -> Fn:
       if name in self:
-        raise ValueError(f"{self.kind} {name!r} is already registered (by "
-                         f"{self[name].__module__})")
+        raise ValueError(
+            f"{self.kind} {name!r} is already registered (by " f"{self[name].__module__})"
+        )
       self[name] = fn
       return fn
+
     return add
 
   def lookup(self, name: str) -> Callable:

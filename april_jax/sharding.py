@@ -89,8 +89,7 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
       raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if math.prod(shape) != num_devices:
-    raise ValueError(
-        f"mesh shape {shape} uses {math.prod(shape)} devices but {num_devices} exist")
+    raise ValueError(f"mesh shape {shape} uses {math.prod(shape)} devices but {num_devices} exist")
   return shape
 
 
@@ -105,8 +104,9 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules=DEFAULT_RULES) -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES
+) -> PartitionSpec:
   """The PartitionSpec for an array with these logical axes and this shape."""
   rule_map = dict(rules)
   used: set[str] = set()
@@ -120,8 +120,13 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], me
       key = (name, size, axes)
       if key not in _warned:
         _warned.add(key)
-        logging.warning("logical axis %r of size %d does not divide mesh axes %s (%d); "
-                        "replicating it", name, size, axes, span)
+        logging.warning(
+            "logical axis %r of size %d does not divide mesh axes %s (%d); " "replicating it",
+            name,
+            size,
+            axes,
+            span,
+        )
       axes = ()
     used.update(axes)
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -133,10 +138,14 @@ def named_shardings(logical_tree, shape_tree, mesh: Mesh, rules=DEFAULT_RULES):
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
   return jax.tree.map(
       lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules)),
-      logical_tree, shape_tree, is_leaf=is_axes)
+      logical_tree,
+      shape_tree,
+      is_leaf=is_axes,
+  )
 
 
 # ------------------------------------------------------------ activation constraints
+
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh | None, rules=DEFAULT_RULES):
@@ -168,4 +177,5 @@ def traced_under(fn, mesh: Mesh | None, rules=DEFAULT_RULES):
   def wrapped(*args, **kwargs):
     with activation_rules(mesh, rules):
       return fn(*args, **kwargs)
+
   return wrapped

@@ -27,9 +27,9 @@ Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # tokens, targets, loss mask 
 
 @dataclasses.dataclass
 class Task:
-  prompts: Any                                    # () -> PromptItem; state() / restore()
-  eval_items: Callable[[], list[PromptItem]]      # the evaluation prompts
-  reward: Callable[[str, str], float]             # (response text, answer) -> reward
+  prompts: Any  # () -> PromptItem; state() / restore()
+  eval_items: Callable[[], list[PromptItem]]  # the evaluation prompts
+  reward: Callable[[str, str], float]  # (response text, answer) -> reward
   warm_start: Callable[[], Iterator[Batch]] | None = None  # supervised batches, one a step
 
 
@@ -38,16 +38,22 @@ def make_task(config, tokenizer) -> Task:
   c = config
   if c.data.source == "longtail":
     return _builtin_task(c, tokenizer)
-  return Task(prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed),
-              eval_items=lambda: _file_items(c, tokenizer), reward=get_reward(c.rollout.reward))
+  return Task(
+      prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed),
+      eval_items=lambda: _file_items(c, tokenizer),
+      reward=get_reward(c.rollout.reward),
+  )
 
 
 def _builtin_task(c, tokenizer) -> Task:
   t = c.data.task
   # Walks fill at most the ring; a longer cap leaves room for responses that miss the stop.
-  task = longtail_task.LongTailTask(max_answer_len=min(c.rollout.max_response_len - 1,
-                                                       t.ring_size),
-                                    median=t.median, sigma=t.sigma, ring_size=t.ring_size)
+  task = longtail_task.LongTailTask(
+      max_answer_len=min(c.rollout.max_response_len - 1, t.ring_size),
+      median=t.median,
+      sigma=t.sigma,
+      ring_size=t.ring_size,
+  )
 
   def eval_items():
     held_out = data_lib.LongTailSource(task, tokenizer, seed=c.seed + 10_000)
@@ -56,19 +62,28 @@ def _builtin_task(c, tokenizer) -> Task:
   def warm_start():
     bs, seq_len = c.train.sft_batch_size, c.data.max_prompt_len + c.rollout.max_response_len
     for i in range(c.train.sft_steps):
-      yield longtail_task.sft_batch(task, tokenizer, range(i * bs, (i + 1) * bs),
-                                    seed=c.seed + 1, seq_len=seq_len)
+      yield longtail_task.sft_batch(
+          task, tokenizer, range(i * bs, (i + 1) * bs), seed=c.seed + 1, seq_len=seq_len
+      )
 
-  return Task(prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed, task),
-              eval_items=eval_items if not c.eval.path else lambda: _file_items(c, tokenizer),
-              reward=get_reward(c.rollout.reward), warm_start=warm_start)
+  return Task(
+      prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed, task),
+      eval_items=eval_items if not c.eval.path else lambda: _file_items(c, tokenizer),
+      reward=get_reward(c.rollout.reward),
+      warm_start=warm_start,
+  )
 
 
 def _file_items(c, tokenizer) -> list[PromptItem]:
   """The first eval.num_prompts prompts of eval.path, in file order."""
   records, _ = data_lib.load_records(c.eval.path, c.data.prompt_key, c.data.answer_key)
-  source = data_lib.PromptIterator(records[:c.eval.num_prompts], tokenizer,
-                                   c.data.max_prompt_len, seed=0, shuffle=False,
-                                   system_prompt=c.data.system_prompt,
-                                   enable_thinking=c.data.enable_thinking)
+  source = data_lib.PromptIterator(
+      records[: c.eval.num_prompts],
+      tokenizer,
+      c.data.max_prompt_len,
+      seed=0,
+      shuffle=False,
+      system_prompt=c.data.system_prompt,
+      enable_thinking=c.data.enable_thinking,
+  )
   return [source() for _ in range(min(c.eval.num_prompts, len(records)))]

@@ -21,13 +21,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Keys of tokenizer_config.json that transformers hands to the chat template as strings.
 _SPECIAL_TOKEN_KEYS = (
-  "bos_token",
-  "eos_token",
-  "unk_token",
-  "sep_token",
-  "pad_token",
-  "cls_token",
-  "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 # Names a message's reasoning may be given under; templates read `reasoning_content`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -54,14 +54,16 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-  x: Any,
-  ensure_ascii: bool = False,
-  indent: int | None = None,
-  separators: tuple[str, str] | None = None,
-  sort_keys: bool = False,
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
   """Jinja's `tojson` filter as transformers defines it: no HTML escaping, unicode kept."""
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+  return json.dumps(
+      x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+  )
 
 
 def _strftime_now(format: str) -> str:
@@ -82,7 +84,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
   Returns:
     The compiled template.
   """
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  env = ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+  )
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -120,11 +124,11 @@ class Tokenizer:
   """
 
   def __init__(
-    self,
-    tokenizer: tokenizers.Tokenizer,
-    config: dict[str, Any],
-    chat_template: str | None,
-    path: Path,
+      self,
+      tokenizer: tokenizers.Tokenizer,
+      config: dict[str, Any],
+      chat_template: str | None,
+      path: Path,
   ) -> None:
     """Initializes the tokenizer.
 
@@ -150,7 +154,9 @@ class Tokenizer:
     if eos_token is None and tokenizer.token_to_id(_ENDOFTEXT) is not None:
       eos_token = _ENDOFTEXT
     if eos_token is None:
-      raise ValueError(f"No eos_token in {path / 'tokenizer_config.json'} and no {_ENDOFTEXT} in the vocabulary")
+      raise ValueError(
+          f"No eos_token in {path / 'tokenizer_config.json'} and no {_ENDOFTEXT} in the vocabulary"
+      )
     self._eos_id = self.token_to_id(eos_token)
     pad_token = self.special_tokens.get("pad_token")
     self._pad_id = self.token_to_id(pad_token) if pad_token is not None else self._eos_id
@@ -234,12 +240,12 @@ class Tokenizer:
     return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
   def apply_chat_template(
-    self,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    enable_thinking: bool = True,
-    tokenize: bool = False,
-    **kwargs: Any,
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      enable_thinking: bool = True,
+      tokenize: bool = False,
+      **kwargs: Any,
   ) -> str | list[int]:
     """Renders a conversation with the chat template, as transformers does.
 
@@ -259,20 +265,18 @@ class Tokenizer:
     """
     if self._template is None:
       raise ValueError(
-        f"No chat template in {self._path}: expected chat_template.jinja "
-        "or a chat_template entry in tokenizer_config.json"
+          f"No chat template in {self._path}: expected chat_template.jinja "
+          "or a chat_template entry in tokenizer_config.json"
       )
     context = {
-      "tools": None,
-      "documents": None,
-      **self.special_tokens,
-      "enable_thinking": enable_thinking,
-      **kwargs,
+        "tools": None,
+        "documents": None,
+        **self.special_tokens,
+        "enable_thinking": enable_thinking,
+        **kwargs,
     }
     text = self._template.render(
-      messages=_prepare_messages(messages),
-      add_generation_prompt=add_generation_prompt,
-      **context,
+        messages=_prepare_messages(messages), add_generation_prompt=add_generation_prompt, **context
     )
     if tokenize:
       return self.encode(text, add_special_tokens=False)
@@ -349,12 +353,12 @@ class CharTokenizer:
     return "".join(text(i) for i in ids if not (skip_special_tokens and 0 <= i < offset))
 
   def apply_chat_template(
-    self,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    enable_thinking: bool = True,
-    tokenize: bool = False,
-    **kwargs: Any,
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      enable_thinking: bool = True,
+      tokenize: bool = False,
+      **kwargs: Any,
   ) -> str | list[int]:
     """Returns the user messages' content joined together (no template).
 

@@ -39,6 +39,7 @@ from april_jax.tokenizer import Tokenizer
 
 
 class Trainer:
+
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
     c = config
@@ -47,14 +48,7 @@ class Trainer:
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
     self.model_cfg = hf_io.model_config(c)
     self._check_memory()  # before any weight is allocated
-    # Master weights are float32 whatever the compute dtype (see rl/update.py).
-    if c.model.path:
-      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
-      self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
-    else:
-      params = qwen3.init_params_sharded(self.model_cfg, jax.random.key(c.seed), self.mesh,
-                                         self.rules, "float32", c.model.init.std)
-      self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
+    params = self._load_params()
     self.task = make_task(c, self.tokenizer)
     # Every process reads all of the data and walks the same seeded order: one stream.
     self.source = self.task.prompts
@@ -63,25 +57,21 @@ class Trainer:
     resuming = self.checkpointer.latest_step() is not None
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
-
-    r, t = c.rollout, c.train
-    self.learner = Learner(self.model_cfg, params, t, r.temperature,
-                           total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
-                           mesh=self.mesh, rules=self.rules, remat=c.model.remat,
-                           compute_dtype=c.model.dtype, decode_rules=self.decode_rules)
+    t = c.train
+    self.learner = Learner(
+        self.model_cfg,
+        params,
+        t,
+        c.rollout.temperature,
+        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
+        mesh=self.mesh,
+        rules=self.rules,
+        remat=c.model.remat,
+        compute_dtype=c.model.dtype,
+        decode_rules=self.decode_rules,
+    )
     del params  # the learner's masters are the params now
-    # One engine for the run, rollouts and evaluation alike (empty between steps).
-    self.engine = SlotEngine(self.model_cfg, self.learner.decode_params(), EngineConfig(
-        num_slots=r.num_slots, max_len=c.data.max_prompt_len + r.max_response_len,
-        sync_every=r.sync_every, stop_ids=tuple(self.tokenizer.stop_ids),
-        kv_dtype=c.model.kv_dtype), mesh=self.mesh, rules=self.decode_rules)
-    decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
-    self.decode = decode
-    self.rewards = RewardRunner(self.task.reward, decode, num_workers=r.reward_workers,
-                                timeout_s=r.reward_timeout_s, fallback=r.reward_fallback,
-                                agree=distributed.agree if jax.process_count() > 1 else None)
-    self.scheduler = AprilScheduler(self.engine, RolloutSettings.from_config(r), self.source,
-                                    self.rewards, seed=c.seed)
+    self._build_rollout()
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
@@ -90,6 +80,50 @@ class Trainer:
       self._restore(self.checkpointer.latest_step())
 
   # ------------------------------------------------------------------- set-up helpers
+  def _load_params(self):
+    """The model's params (float32 masters, whatever the compute dtype: see rl/update.py)
+    from model.path or a seeded random init; sets the tokenizer that goes with them."""
+    c = self.config
+    if c.model.path:
+      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
+      self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+      return params
+    self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
+    key = jax.random.key(c.seed)
+    return qwen3.init_params_sharded(
+        self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
+    )
+
+  def _build_rollout(self) -> None:
+    """One engine for the run, rollouts and evaluation alike (empty between steps), the
+    reward workers, and the scheduler that drives them."""
+    c, r = self.config, self.config.rollout
+    engine_config = EngineConfig(
+        num_slots=r.num_slots,
+        max_len=c.data.max_prompt_len + r.max_response_len,
+        sync_every=r.sync_every,
+        stop_ids=tuple(self.tokenizer.stop_ids),
+        kv_dtype=c.model.kv_dtype,
+    )
+    self.engine = SlotEngine(
+        self.model_cfg,
+        self.learner.decode_params(),
+        engine_config,
+        mesh=self.mesh,
+        rules=self.decode_rules,
+    )
+    self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+    self.rewards = RewardRunner(
+        self.task.reward,
+        self.decode,
+        num_workers=r.reward_workers,
+        timeout_s=r.reward_timeout_s,
+        fallback=r.reward_fallback,
+        agree=distributed.agree if jax.process_count() > 1 else None,
+    )
+    settings = RolloutSettings.from_config(r)
+    self.scheduler = AprilScheduler(self.engine, settings, self.source, self.rewards, seed=c.seed)
+
   def _check_same_checkpoints(self) -> None:
     """Every process must see the same latest checkpoint (a workdir they all share)."""
     if jax.process_count() == 1:
@@ -98,9 +132,11 @@ class Trainer:
     steps = distributed.gather(np.array([-1 if mine is None else mine], np.int32))
     steps = steps.reshape(-1).tolist()
     if len(set(steps)) > 1:
-      raise RuntimeError(f"processes see different latest checkpoints in {self.workdir} "
-                         f"({steps} by process, -1 = none): the workdir must be one "
-                         "directory shared by all hosts")
+      raise RuntimeError(
+          f"processes see different latest checkpoints in {self.workdir} "
+          f"({steps} by process, -1 = none): the workdir must be one "
+          "directory shared by all hosts"
+      )
 
   def _check_memory(self) -> None:
     """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
@@ -108,26 +144,46 @@ class Trainer:
     if not capacity:
       stats = jax.local_devices()[0].memory_stats() or {}
       capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
-    plan = plan_lib.make_plan(self.config, self.model_cfg, jax.device_count(), capacity,
-                              native_16bit=jax.default_backend() != "cpu")
+    plan = plan_lib.make_plan(
+        self.config,
+        self.model_cfg,
+        jax.device_count(),
+        capacity,
+        native_16bit=jax.default_backend() != "cpu",
+    )
     logging.info("memory plan:\n%s", plan.table())
     plan_lib.check_fits(plan)
 
   def _warm_start(self, params):
     c = self.config
-    params, (first, last) = sft.warm_start(self.model_cfg, params, self.task.warm_start(),
-                                           c.train, mesh=self.mesh, rules=self.rules,
-                                           compute_dtype=c.model.dtype)
-    logging.info("supervised warm-start: %d steps, cross-entropy %.3f -> %.3f",
-                 c.train.sft_steps, first, last)
+    params, (first, last) = sft.warm_start(
+        self.model_cfg,
+        params,
+        self.task.warm_start(),
+        c.train,
+        mesh=self.mesh,
+        rules=self.rules,
+        compute_dtype=c.model.dtype,
+    )
+    logging.info(
+        "supervised warm-start: %d steps, cross-entropy %.3f -> %.3f",
+        c.train.sft_steps,
+        first,
+        last,
+    )
     return params
 
   def save(self, step: int) -> float:
     start = time.perf_counter()
     arrays, learner = self.learner.state()
     buffer, scheduler = self.scheduler.state()
-    host = {"step": step, "version": step + 1, "data": self.source.state(),
-            "scheduler": scheduler, "learner": learner}
+    host = {
+        "step": step,
+        "version": step + 1,
+        "data": self.source.state(),
+        "scheduler": scheduler,
+        "learner": learner,
+    }
     self.checkpointer.save(step, arrays, buffer, host)
     return time.perf_counter() - start
 
@@ -140,16 +196,27 @@ class Trainer:
     self.writer.truncate_after(step)
     self.next_step = step + 1
     if self.primary:
-      print(f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
-            "buffer)", flush=True)
+      print(
+          f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
+          "buffer)",
+          flush=True,
+      )
 
   # ---------------------------------------------------------------------------- eval
   def evaluate(self) -> dict[str, float]:
     """On the run's own engine (empty between steps) and its current params."""
     c = self.config
-    return evaluate(self.engine, self.task.eval_items(), self.decode, self.task.reward,
-                    k=c.eval.k, max_new_tokens=c.rollout.max_response_len,
-                    temperature=c.eval.temperature, top_p=c.eval.top_p, seed=c.seed)
+    return evaluate(
+        self.engine,
+        self.task.eval_items(),
+        self.decode,
+        self.task.reward,
+        k=c.eval.k,
+        max_new_tokens=c.rollout.max_response_len,
+        temperature=c.eval.temperature,
+        top_p=c.eval.top_p,
+        seed=c.seed,
+    )
 
   # ---------------------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):
@@ -164,8 +231,13 @@ class Trainer:
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
     adv = np.asarray(advantages_lib.get_advantage(c.train.advantage)(rewards))
-    batch = batch_lib.build_batch(result.groups, adv, version, pad_id=self.tokenizer.pad_id,
-                                  max_len=c.data.max_prompt_len + c.rollout.max_response_len)
+    batch = batch_lib.build_batch(
+        result.groups,
+        adv,
+        version,
+        pad_id=self.tokenizer.pad_id,
+        max_len=c.data.max_prompt_len + c.rollout.max_response_len,
+    )
     metrics = rollout_metrics(result, version)
     metrics.update(self.learner.update(batch))
     self.engine.params = self.learner.decode_params()  # version + 1
@@ -180,9 +252,10 @@ class Trainer:
       if self.next_step == 0:
         self.engine.warm_up()
       if c.train.warm_up:
-        self.learner.warm_up(c.rollout.batch_size * c.rollout.n_samples_per_prompt,
-                             batch_lib.all_bucket_lens(c.data.max_prompt_len +
-                                                       c.rollout.max_response_len))
+        self.learner.warm_up(
+            c.rollout.batch_size * c.rollout.n_samples_per_prompt,
+            batch_lib.all_bucket_lens(c.data.max_prompt_len + c.rollout.max_response_len),
+        )
       for step in range(self.next_step, c.num_steps):
         start = time.perf_counter()
         metrics = self.train_step(step)

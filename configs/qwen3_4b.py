@@ -21,11 +21,13 @@ def get_config(arg=None):
     raise ValueError(f"configs/qwen3_4b.py variants {shapes}: 'gpu' or 'node', not both")
   variant = shapes[0] if shapes else "gpu"
   spec = importlib.util.spec_from_file_location(
-      "qwen3_8b", Path(__file__).resolve().parent / "qwen3_8b.py")
+      "qwen3_8b", Path(__file__).resolve().parent / "qwen3_8b.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.apply_variants(module.get_config(), "+".join(n for n in names if n not in shapes),
-                            path="configs/qwen3_4b.py")
+  c = module.apply_variants(
+      module.get_config(), "+".join(n for n in names if n not in shapes), path="configs/qwen3_4b.py"
+  )
   c.model.init.update(QWEN3_SHAPES["qwen3_4b"])
   if variant == "gpu":
     # One H200: float32 masters and AdamW (48 GB), the decode copy (8 GB), 6 slots of
@@ -35,5 +37,5 @@ def get_config(arg=None):
     c.rollout.num_slots = 6
     c.train.num_microbatches = 256
   else:
-    c.rollout.num_slots = 128   # a smaller model than 8B leaves room for more KV
+    c.rollout.num_slots = 128  # a smaller model than 8B leaves room for more KV
   return c

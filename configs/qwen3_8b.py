@@ -63,14 +63,14 @@ def get_config(arg=None):
   c.checkpoint_every = 20
   c.eval_every = 20
 
-  c.model.path = ""                 # required: a Qwen3-8B HF folder
+  c.model.path = ""  # required: a Qwen3-8B HF folder
   c.model.init.update(QWEN3_SHAPES["qwen3_8b"])  # its shape, for the planner
   c.model.dtype = "bfloat16"
   c.model.kv_dtype = "bfloat16"
   c.model.remat = True
   c.mesh.shape = (1, -1, 1)
 
-  c.data.source = ""                # required: DAPO-Math-17k (parquet) or another math set
+  c.data.source = ""  # required: DAPO-Math-17k (parquet) or another math set
   c.data.max_prompt_len = 1024
   c.data.system_prompt = ""
   c.data.enable_thinking = False
@@ -81,7 +81,7 @@ def get_config(arg=None):
   c.rollout.partial_rollout = True
   c.rollout.resume_mode = "kv"
   c.rollout.max_staleness = None
-  c.rollout.num_slots = 64          # 17,408-token slots: what 8 x 80 GB hold beside training
+  c.rollout.num_slots = 64  # 17,408-token slots: what 8 x 80 GB hold beside training
   c.rollout.sync_every = 32
   c.rollout.max_response_len = 16384
   c.rollout.temperature = 0.8
@@ -103,11 +103,11 @@ def get_config(arg=None):
   c.train.weight_decay = 0.1
   c.train.b1 = 0.9
   c.train.b2 = 0.98
-  c.train.num_minibatches = 1           # one optimizer step per rollout
-  c.train.num_microbatches = 32         # 8 rows each: one per device on 8 GPUs
+  c.train.num_minibatches = 1  # one optimizer step per rollout
+  c.train.num_microbatches = 32  # 8 rows each: one per device on 8 GPUs
   c.train.logprob_chunk = 1024
 
-  c.eval.num_prompts = 30          # AIME-2024
+  c.eval.num_prompts = 30  # AIME-2024
   c.eval.k = 16
   c.eval.temperature = 0.8
   c.eval.top_p = 0.7

@@ -32,9 +32,9 @@ def get_config(arg=None):
   c.data.task.ring_size = 32
   c.data.task.median = 12.0
   c.data.task.sigma = 1.0
-  c.rollout.num_slots = 64   # N' x n: APRIL's whole over-provisioned batch in flight
+  c.rollout.num_slots = 64  # N' x n: APRIL's whole over-provisioned batch in flight
   c.train.sft_steps = 40
   c.train.num_microbatches = 4
-  c.eval.num_prompts = 64    # greedy reward on held-out walks: the e2e's accuracy signal
+  c.eval.num_prompts = 64  # greedy reward on held-out walks: the e2e's accuracy signal
   c.eval.k = 0
   return c

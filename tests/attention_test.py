@@ -35,10 +35,16 @@ def test_blockwise_attention_equals_dense_forward_and_gradients(chunk, heads):
 
 
 def _fwd_bwd_temp_bytes(T, chunk, impl):
-  q, k, v = (jax.ShapeDtypeStruct(x.shape[:1] + (T,) + x.shape[2:], x.dtype)
-             for x in _qkv(B=1, T=1, N=4, K=2, H=16))
-  fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
-      attention.causal_attention(q, k, v, impl, chunk)), argnums=(0, 1, 2)))
+  q, k, v = (
+      jax.ShapeDtypeStruct(x.shape[:1] + (T,) + x.shape[2:], x.dtype)
+      for x in _qkv(B=1, T=1, N=4, K=2, H=16)
+  )
+  fwd_bwd = jax.jit(
+      jax.grad(
+          lambda q, k, v: jnp.sum(attention.causal_attention(q, k, v, impl, chunk)),
+          argnums=(0, 1, 2),
+      )
+  )
   return fwd_bwd.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
 

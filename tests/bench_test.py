@@ -11,7 +11,8 @@ from april_jax.benchmarks import length_dists, scheduler_bench
 
 def _tiny_config():
   spec = importlib.util.spec_from_file_location(
-      "tiny", Path(__file__).resolve().parents[1] / "configs" / "tiny.py")
+      "tiny", Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
@@ -21,9 +22,15 @@ def test_scheduler_bench_reports_both_sides_and_april_fills_slots_better():
   config = _tiny_config()
   config.rollout.max_response_len = 96
   out = scheduler_bench.run(config, shape="deepmath", steps=3)
-  for key in ("april_tokens_per_s", "baseline_tokens_per_s", "speedup",
-              "april_slot_occupancy", "baseline_slot_occupancy", "off_policy_token_frac",
-              "staleness_max"):
+  for key in (
+      "april_tokens_per_s",
+      "baseline_tokens_per_s",
+      "speedup",
+      "april_slot_occupancy",
+      "baseline_slot_occupancy",
+      "off_policy_token_frac",
+      "staleness_max",
+  ):
     assert key in out
   # Occupancy is a count (kept tokens / slot-steps), not a timing.
   assert out["april_slot_occupancy"] > out["baseline_slot_occupancy"]
@@ -50,6 +57,7 @@ def test_scheduler_sweep_reports_one_row_per_ratio_and_no_gain_at_ratio_one():
 
 def test_resume_bench_compares_kv_and_recompute_on_the_same_workload():
   from april_jax.benchmarks import resume_bench  # pylint: disable=g-import-not-at-top
+
   config = _tiny_config()
   config.rollout.max_response_len = 64
   out = resume_bench.run(config, steps=2)
@@ -60,18 +68,29 @@ def test_resume_bench_compares_kv_and_recompute_on_the_same_workload():
 
 def test_decode_bandwidth_bound_is_params_plus_kv_bytes_per_step():
   from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
+
   cfg = sampler_bench.BENCH_MODELS["qwen3_0_6b"]
   assert 0.59e9 < cfg.num_params() < 0.61e9  # Qwen3-0.6B
-  bound = sampler_bench.decode_bound_tokens_per_s(cfg, batch=64, mean_len=512,
-                                                  param_bytes=2, kv_bytes=2, hbm_gbps=4800)
+  bound = sampler_bench.decode_bound_tokens_per_s(
+      cfg, batch=64, mean_len=512, param_bytes=2, kv_bytes=2, hbm_gbps=4800
+  )
   kv = 2 * 28 * 64 * 512 * 8 * 128 * 2
   assert bound == 64 * 4800e9 / (cfg.num_params() * 2 + kv)
 
 
 def test_sampler_bench_without_transformers_reports_the_roofline():
   from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
-  out = sampler_bench.run(models=("tiny",), batch=4, prompt_len=8, new_tokens=16, repeats=1,
-                          sync_every=8, hf=False, hbm_gbps=100.0)
+
+  out = sampler_bench.run(
+      models=("tiny",),
+      batch=4,
+      prompt_len=8,
+      new_tokens=16,
+      repeats=1,
+      sync_every=8,
+      hf=False,
+      hbm_gbps=100.0,
+  )
   assert out["tiny_april_jax_tokens_per_s"] > 0
   assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
   assert out["tiny_decode_step_ms"] > 0 and out["tiny_static_decode_step_ms"] > 0
@@ -81,6 +100,7 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
 
 def test_e2e_bench_trains_both_sides_and_reports_the_spread():
   from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
+
   config = _tiny_config()
   config.num_steps = 2
   config.train.sft_steps = 2
@@ -101,6 +121,7 @@ def test_e2e_bench_trains_both_sides_and_reports_the_spread():
 
 def test_time_to_reach_uses_the_first_window_whose_mean_reaches_the_target():
   from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
+
   reward = np.linspace(0.0, 1.0, 30)  # step i: i / 29
   wall = 0.5 * np.arange(1, 31)
   # Window i covers steps i..i+9, mean (i + 4.5) / 29 >= 0.5 first at i = 10: step 19 ends.
@@ -110,6 +131,8 @@ def test_time_to_reach_uses_the_first_window_whose_mean_reaches_the_target():
   assert np.isnan(e2e_bench.time_to_reach(reward, wall, 0.9))  # the best window: 0.845
   assert np.isnan(e2e_bench.time_to_reach(reward[:5], wall[:5], 0.0))  # shorter than a window
   # Evaluations: the first point at or above the target, at its own wall time.
-  assert e2e_bench.first_at(np.array([0.2, 0.5, 0.4, 0.6]), np.array([1.0, 2.0, 3.0, 4.0]),
-                            0.45) == 2.0
+  assert (
+      e2e_bench.first_at(np.array([0.2, 0.5, 0.4, 0.6]), np.array([1.0, 2.0, 3.0, 4.0]), 0.45)
+      == 2.0
+  )
   assert np.isnan(e2e_bench.first_at(np.array([0.2]), np.array([1.0]), 0.3))

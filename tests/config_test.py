@@ -25,6 +25,7 @@ def test_tiny_configs_are_valid(name):
 
 def test_distributed_fields_are_checked():
   from april_jax.distributed import parse_device_ids  # pylint: disable=g-import-not-at-top
+
   assert parse_device_ids("0,1, 2") == [0, 1, 2] and parse_device_ids("") is None
   config = load("tiny")
   config.distributed.coordinator_address = "host0"
@@ -33,8 +34,11 @@ def test_distributed_fields_are_checked():
   config.distributed.local_device_ids = "0,x"
   with pytest.raises(ConfigError) as info:
     validate(config)
-  for message in ("coordinator_address must be host:port, got 'host0'",
-                  "process_id must be in [0, 2), got 2", "local_device_ids must be"):
+  for message in (
+      "coordinator_address must be host:port, got 'host0'",
+      "process_id must be in [0, 2), got 2",
+      "local_device_ids must be",
+  ):
     assert message in str(info.value)
 
 
@@ -48,8 +52,10 @@ def test_task_fields_are_checked():
   assert "data.task.sigma >= 0" in str(info.value)
   config = load("tiny")
   config.data.task.ring_size = 200  # needs 205 token ids, the model has 72
-  with pytest.raises(ConfigError, match=r"vocab_size \(72\) is smaller than the built-in "
-                                        r"task's tokenizer \(205 tokens\)"):
+  with pytest.raises(
+      ConfigError,
+      match=r"vocab_size \(72\) is smaller than the built-in " r"task's tokenizer \(205 tokens\)",
+  ):
     validate(config)
 
 
@@ -71,16 +77,22 @@ def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tm
     validate(config)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("rollout.over_sampling_batch_size", 4, r"over_sampling_batch_size \(4\) must be >= "
-                                            r"rollout.batch_size \(8\)"),
-    ("rollout.resume_mode", "disk", "rollout.resume_mode must be one of"),
-    ("rollout.reward", "nope", "rollout.reward 'nope' is not a registered reward"),
-    ("rollout.top_p", 0.0, r"rollout.top_p must be in \(0, 1\]"),
-    ("model.path", "/nonexistent/model", "model.path '/nonexistent/model' is not a model"),
-    ("model.dtype", "float16", "model.dtype must be one of"),
-    ("mesh.shape", (1, 2), "mesh.shape must have 3 entries"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        (
+            "rollout.over_sampling_batch_size",
+            4,
+            r"over_sampling_batch_size \(4\) must be >= " r"rollout.batch_size \(8\)",
+        ),
+        ("rollout.resume_mode", "disk", "rollout.resume_mode must be one of"),
+        ("rollout.reward", "nope", "rollout.reward 'nope' is not a registered reward"),
+        ("rollout.top_p", 0.0, r"rollout.top_p must be in \(0, 1\]"),
+        ("model.path", "/nonexistent/model", "model.path '/nonexistent/model' is not a model"),
+        ("model.dtype", "float16", "model.dtype must be one of"),
+        ("mesh.shape", (1, 2), "mesh.shape must have 3 entries"),
+    ],
+)
 def test_wrong_field_is_named(field, value, message):
   config = load("tiny")
   section, name = field.split(".")
@@ -101,9 +113,12 @@ def test_all_problems_are_reported_together():
 def test_the_baseline_admits_exactly_the_groups_it_trains():
   config = load("tiny")  # N = 8, N' = 16
   config.rollout.partial_rollout = False
-  with pytest.raises(ConfigError, match=r"partial_rollout=False is the synchronous baseline"
-                                        r".*over_sampling_batch_size=8 \(= rollout.batch_size\)"
-                                        r", not 16"):
+  with pytest.raises(
+      ConfigError,
+      match=r"partial_rollout=False is the synchronous baseline"
+      r".*over_sampling_batch_size=8 \(= rollout.batch_size\)"
+      r", not 16",
+  ):
     validate(config)
   config.rollout.over_sampling_batch_size = 8
   validate(config)
@@ -112,8 +127,11 @@ def test_the_baseline_admits_exactly_the_groups_it_trains():
 def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up():
   config = load("tiny")  # responses up to 64 tokens
   config.train.overlong_buffer_len = 65
-  with pytest.raises(ConfigError, match=r"train.overlong_buffer_len \(65\) must be in \[0, "
-                                        r"rollout.max_response_len \(64\)\]"):
+  with pytest.raises(
+      ConfigError,
+      match=r"train.overlong_buffer_len \(65\) must be in \[0, "
+      r"rollout.max_response_len \(64\)\]",
+  ):
     validate(config)
   config.train.overlong_buffer_len = 64
   validate(config)
@@ -123,7 +141,11 @@ def test_optional_knobs_are_off_while_unset_and_a_negative_staleness_limit_is_re
   config = load("tiny")
   t = config.train
   assert (t.dual_clip_c, t.norm_len, t.overlong_buffer_len, config.rollout.max_staleness) == (
-      None, None, None, None)
+      None,
+      None,
+      None,
+      None,
+  )
   loss = LossConfig.from_config(t)
   assert loss.dual_clip_c is None and loss.norm_len is None
   config.rollout.max_staleness = -1
@@ -135,6 +157,7 @@ def test_optional_knobs_are_off_while_unset_and_a_negative_staleness_limit_is_re
 
 def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refused_together():
   from april_jax.rl import losses  # pylint: disable=g-import-not-at-top
+
   loss_config = LossConfig.from_config
   config = load("tiny")
   config.train.eps_clip_high = None  # the tiny config sets DAPO's 0.28
@@ -142,7 +165,11 @@ def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refuse
   validate(config)
   cfg = loss_config(config.train)
   assert (cfg.policy_loss, cfg.eps_clip, cfg.clip_high, cfg.aggregation) == (
-      "gspo", losses.GSPO_EPS_CLIP, losses.GSPO_EPS_CLIP_HIGH, "seq_mean_token_mean")
+      "gspo",
+      losses.GSPO_EPS_CLIP,
+      losses.GSPO_EPS_CLIP_HIGH,
+      "seq_mean_token_mean",
+  )
   config.train.eps_clip_high = 1e-3  # overridable
   assert loss_config(config.train).clip_high == 1e-3
   # PPO by name keeps PPO's defaults.
@@ -155,18 +182,25 @@ def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refuse
   config.train.overlong_buffer_len = 100
   with pytest.raises(ConfigError) as info:
     validate(config)
-  for message in ("eps_clip=0.2: GSPO clips a sequence-level ratio",
-                  "aggregation='token_mean': GSPO averages over sequences",
-                  "train.overlong_buffer_len (100)"):
+  for message in (
+      "eps_clip=0.2: GSPO clips a sequence-level ratio",
+      "aggregation='token_mean': GSPO averages over sequences",
+      "train.overlong_buffer_len (100)",
+  ):
     assert message in str(info.value)
 
 
 def test_paper_configs_need_a_model_and_data_and_say_so():
   for name in ("qwen3_8b", "qwen3_4b"):
     config = load(name)
-    assert (config.rollout.batch_size, config.rollout.n_samples_per_prompt,
-            config.rollout.over_sampling_batch_size, config.train.lr,
-            config.train.eps_clip, config.train.eps_clip_high) == (32, 8, 64, 1e-6, 0.2, 0.28)
+    assert (
+        config.rollout.batch_size,
+        config.rollout.n_samples_per_prompt,
+        config.rollout.over_sampling_batch_size,
+        config.train.lr,
+        config.train.eps_clip,
+        config.train.eps_clip_high,
+    ) == (32, 8, 64, 1e-6, 0.2, 0.28)
     with pytest.raises(ConfigError, match="data.source '' needs a pretrained model"):
       validate(config)
 
@@ -175,16 +209,33 @@ def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
   c = load("qwen3_8b")
   r, t = c.rollout, c.train
   assert (r.temperature, r.max_response_len, r.dynamic_sampling, r.max_staleness) == (
-      0.8, 16384, True, None)
+      0.8,
+      16384,
+      True,
+      None,
+  )
   # One optimizer step over the whole 32 x 8 batch (APRIL's global batch of 256).
   assert t.num_minibatches == 1 and t.ppo_epochs == 1
   assert (t.aggregation, t.tis_cap, t.overlong_buffer_len, t.kl_coef) == (
-      "seq_mean_token_mean", 0.0, None, 0.0)
+      "seq_mean_token_mean",
+      0.0,
+      None,
+      0.0,
+  )
   assert (t.lr, t.lr_schedule, t.warmup_steps, t.b1, t.b2, t.weight_decay) == (
-      1e-6, "constant", 0, 0.9, 0.98, 0.1)
+      1e-6,
+      "constant",
+      0,
+      0.9,
+      0.98,
+      0.1,
+  )
   more = load("qwen3_8b", "tis+overlong+stale4")
   assert (more.train.tis_cap, more.train.overlong_buffer_len, more.rollout.max_staleness) == (
-      2.0, 1024, 4)
+      2.0,
+      1024,
+      4,
+  )
   base = load("qwen3_8b", "baseline")
   assert not base.rollout.partial_rollout and base.rollout.over_sampling_batch_size == 32
   node = load("qwen3_4b", "node+baseline")
@@ -198,6 +249,7 @@ def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
 
 def test_gpu_bench_config_variants_have_real_shapes():
   from april_jax.models.qwen3 import Qwen3Config  # pylint: disable=g-import-not-at-top
+
   small = Qwen3Config.from_init(load("gpu_bench", "qwen3_0_6b").model.init)
   large = Qwen3Config.from_init(load("gpu_bench", "qwen3_4b").model.init)
   assert 0.59e9 < small.num_params() < 0.61e9 and 4.0e9 < large.num_params() < 4.1e9

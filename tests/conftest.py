@@ -28,17 +28,36 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 # Small Qwen3 shapes covering the cases the model must get right.
 TINY_HF_CONFIGS = {
     # head_dim (32) independent of hidden_size / num_heads (64 / 4 = 16), as in Qwen3-4B.
-    "head_dim_decoupled": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=32, tie_word_embeddings=False, rope_theta=1e6),
-    "untied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                   tie_word_embeddings=False, rope_theta=10_000.0),
-    "tied": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                 tie_word_embeddings=True, rope_theta=1e6),
+    "head_dim_decoupled": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+    ),
+    "untied": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+    ),
+    "tied": dict(
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 }
 
 
-def save_random_hf_qwen3(path: Path, seed: int = 0, vocab_size: int = 256,
-                         num_layers: int = 2, **overrides) -> Path:
+def save_random_hf_qwen3(
+    path: Path, seed: int = 0, vocab_size: int = 256, num_layers: int = 2, **overrides
+) -> Path:
   """Saves a random Qwen3ForCausalLM with transformers, weights at realistic magnitudes.
 
   The default init (std 0.02) makes every layer nearly the identity, which would hide
@@ -46,8 +65,13 @@ def save_random_hf_qwen3(path: Path, seed: int = 0, vocab_size: int = 256,
   """
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  kwargs = dict(vocab_size=vocab_size, intermediate_size=96, num_hidden_layers=num_layers,
-                rms_norm_eps=1e-6, max_position_embeddings=512)
+  kwargs = dict(
+      vocab_size=vocab_size,
+      intermediate_size=96,
+      num_hidden_layers=num_layers,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=512,
+  )
   kwargs.update(overrides)
   config = transformers.Qwen3Config(**kwargs)
   torch.manual_seed(seed)
@@ -75,9 +99,11 @@ def hf_model_dir(request, tmp_path_factory):
 def compiles():
   """The XLA compilations that happen while the test runs, one entry each."""
   import jax  # pylint: disable=g-import-not-at-top
+
   events = []
   listener = lambda name, *_, **__: (
-      events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+      events.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+  )
   jax.monitoring.register_event_duration_secs_listener(listener)
   yield events
   jax.monitoring.unregister_event_duration_listener(listener)
@@ -89,6 +115,7 @@ def mesh_or_skip(shape):
     return None
   import jax  # pylint: disable=g-import-not-at-top
   from april_jax import sharding  # pylint: disable=g-import-not-at-top
+
   if len(jax.devices()) < int(np.prod(shape)):
     pytest.skip(f"needs {int(np.prod(shape))} (CPU) devices")
   return sharding.make_mesh(shape)

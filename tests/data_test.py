@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_jax.data import (LongTailSource, PromptIterator, load_records,
-                            make_prompt_source)
+from april_jax.data import (LongTailSource, PromptIterator, load_records, make_prompt_source)
 from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
@@ -21,16 +20,17 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MATH_DIR = SHARED_DATA / "math"
 QWEN3_DIR = SHARED_DATA / "tokenizers" / "qwen3"
 needs_math = pytest.mark.skipif(not MATH_DIR.is_dir(), reason=f"math data not found at {MATH_DIR}")
-needs_qwen3 = pytest.mark.skipif(not (QWEN3_DIR / "tokenizer.json").is_file(),
-                                 reason=f"Qwen3 tokenizer not found at {QWEN3_DIR}")
+needs_qwen3 = pytest.mark.skipif(
+    not (QWEN3_DIR / "tokenizer.json").is_file(), reason=f"Qwen3 tokenizer not found at {QWEN3_DIR}"
+)
 
 # file -> number of records
 FORMATS = {
-  "gsm8k_test.jsonl": 1319,
-  "aime24.jsonl": 30,
-  "amc23.jsonl": 40,
-  "math500.json": 500,
-  "dapo_format_aime24.parquet": 960,
+    "gsm8k_test.jsonl": 1319,
+    "aime24.jsonl": 30,
+    "amc23.jsonl": 40,
+    "math500.json": 500,
+    "dapo_format_aime24.parquet": 960,
 }
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking=False
 
@@ -79,11 +79,13 @@ def test_each_format_loads_every_row_with_messages_and_string_answer(name):
 @needs_math
 def test_dapo_record_messages_are_the_parquet_chat_and_answer_its_ground_truth():
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
   rows = pq.read_table(MATH_DIR / "dapo_format_aime24.parquet").to_pylist()
   records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
   for i in (0, 1, len(rows) - 1):
-    assert records[i]["messages"] == [{"role": m["role"], "content": m["content"]}
-                                      for m in rows[i]["prompt"]]
+    assert records[i]["messages"] == [
+        {"role": m["role"], "content": m["content"]} for m in rows[i]["prompt"]
+    ]
     assert records[i]["answer"] == rows[i]["reward_model"]["ground_truth"]
     assert records[i]["id"] == f"dapo_format_aime24:{i}"  # no id field: file stem and row
 
@@ -109,8 +111,11 @@ def test_numeric_answers_become_strings_and_id_fields_are_kept():
 
 @needs_math
 def test_keys_given_explicitly_with_a_dot_path():
-  records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet", prompt_key="prompt",
-                            answer_key="reward_model.ground_truth")
+  records, _ = load_records(
+      MATH_DIR / "dapo_format_aime24.parquet",
+      prompt_key="prompt",
+      answer_key="reward_model.ground_truth",
+  )
   assert len(records) == 960 and records[0]["answer"] == "540"
   records, _ = load_records(MATH_DIR / "aime24.jsonl", prompt_key="solution")
   first = json.loads((MATH_DIR / "aime24.jsonl").open(encoding="utf-8").readline())
@@ -126,11 +131,12 @@ def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_pro
   tail = qwen3.encode(GENERATION_PROMPT)
   for record in records:
     item = it()
-    expected = qwen3.apply_chat_template(record["messages"], add_generation_prompt=True,
-                                         enable_thinking=False, tokenize=True)
+    expected = qwen3.apply_chat_template(
+        record["messages"], add_generation_prompt=True, enable_thinking=False, tokenize=True
+    )
     assert item.tokens.dtype == np.int32 and item.prompt_id == record["id"]
     assert item.tokens.tolist() == expected
-    assert item.tokens[-len(tail):].tolist() == tail
+    assert item.tokens[-len(tail) :].tolist() == tail
     assert item.answer == record["answer"]
 
 
@@ -138,12 +144,14 @@ def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_pro
 @needs_qwen3
 def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3):
   records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
-  it = PromptIterator(records[:3], qwen3, 4096, shuffle=False, system_prompt="Be brief.",
-                      enable_thinking=True)
+  it = PromptIterator(
+      records[:3], qwen3, 4096, shuffle=False, system_prompt="Be brief.", enable_thinking=True
+  )
   item = it()
   messages = [{"role": "system", "content": "Be brief."}] + records[0]["messages"]
-  expected = qwen3.apply_chat_template(messages, add_generation_prompt=True,
-                                       enable_thinking=True, tokenize=True)
+  expected = qwen3.apply_chat_template(
+      messages, add_generation_prompt=True, enable_thinking=True, tokenize=True
+  )
   assert item.tokens.tolist() == expected
   assert qwen3.decode(item.tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>")
   assert qwen3.decode(item.tokens).endswith("<|im_start|>assistant\n")
@@ -151,32 +159,48 @@ def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3):
 
 # ---------------------------------------------------------------------- malformed rows
 def test_malformed_rows_are_skipped_and_counted_per_reason(tmp_path):
-  path = _write_jsonl(tmp_path / "mixed.jsonl", [
-    json.dumps({"question": "good one", "answer": "1"}),
-    json.dumps(["not", "an", "object"]),
-    json.dumps({"answer": "2"}),
-    json.dumps({"problem": "no answer here"}),
-    '{"question": "broken", ',
-    json.dumps({"prompt": [{"role": "user"}], "answer": "3"}),
-    "",
-    json.dumps({"prompt": [{"role": "user", "content": "good two"}],
-                "reward_model": {"ground_truth": 4}, "idx": 7}),
-  ])
+  path = _write_jsonl(
+      tmp_path / "mixed.jsonl",
+      [
+          json.dumps({"question": "good one", "answer": "1"}),
+          json.dumps(["not", "an", "object"]),
+          json.dumps({"answer": "2"}),
+          json.dumps({"problem": "no answer here"}),
+          '{"question": "broken", ',
+          json.dumps({"prompt": [{"role": "user"}], "answer": "3"}),
+          "",
+          json.dumps(
+              {
+                  "prompt": [{"role": "user", "content": "good two"}],
+                  "reward_model": {"ground_truth": 4},
+                  "idx": 7,
+              }
+          ),
+      ],
+  )
   records, skipped = load_records(path)
   assert [r["messages"][0]["content"] for r in records] == ["good one", "good two"]
   assert [r["id"] for r in records] == ["mixed:0", 7]
   assert [r["answer"] for r in records] == ["1", "4"]
-  assert skipped == {"not_an_object": 1, "missing_prompt": 1, "missing_answer": 1,
-                     "bad_json": 1, "bad_messages": 1}
+  assert skipped == {
+      "not_an_object": 1,
+      "missing_prompt": 1,
+      "missing_answer": 1,
+      "bad_json": 1,
+      "bad_messages": 1,
+  }
 
 
 def test_empty_prompts_and_answers_count_as_missing(tmp_path):
-  path = _write_jsonl(tmp_path / "empty.jsonl", [
-    json.dumps({"question": "ok", "answer": "1"}),
-    json.dumps({"question": "  ", "answer": "1"}),
-    json.dumps({"question": "ok", "answer": ""}),
-    json.dumps({"question": 5, "answer": "1"}),
-  ])
+  path = _write_jsonl(
+      tmp_path / "empty.jsonl",
+      [
+          json.dumps({"question": "ok", "answer": "1"}),
+          json.dumps({"question": "  ", "answer": "1"}),
+          json.dumps({"question": "ok", "answer": ""}),
+          json.dumps({"question": 5, "answer": "1"}),
+      ],
+  )
   records, skipped = load_records(path)
   assert len(records) == 1
   assert skipped == {"missing_prompt": 1, "missing_answer": 1, "bad_prompt": 1}
@@ -303,14 +327,19 @@ def test_longtail_source_yields_the_task_items_and_restores():
 # ---------------------------------------------------------------------- config
 def test_make_prompt_source_from_the_data_config(tmp_path):
   from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+
   c = base.get_config()
   task = LongTailTask()
   assert isinstance(make_prompt_source(c.data, longtail_tokenizer(), 0, task=task), LongTailSource)
   with pytest.raises(ValueError, match="longtail"):
     make_prompt_source(c.data, longtail_tokenizer(), 0)
 
-  c.data.source = str(_write_jsonl(tmp_path / "d.jsonl", [
-    json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)] + ["{"]))
+  c.data.source = str(
+      _write_jsonl(
+          tmp_path / "d.jsonl",
+          [json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)] + ["{"],
+      )
+  )
   c.data.shuffle = False
   source = make_prompt_source(c.data, _char_tokenizer(), 0)
   assert isinstance(source, PromptIterator)

@@ -42,20 +42,39 @@ def test_load_save_load_is_identical_including_sharded_files(hf_model_dir, tmp_p
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_values(tmp_path):
-  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                          num_heads=2, num_kv_heads=1, head_dim=16)
+  cfg = qwen3.Qwen3Config(
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_layers=2,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=16,
+  )
   params = qwen3.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
   hf_io.save_pretrained(tmp_path, cfg, params)
   assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
   _, params2 = hf_io.load_pretrained(tmp_path, dtype="bfloat16")
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
-                                                          np.asarray(b, np.float32)),
-               params, params2)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_array_equal(
+          np.asarray(a, np.float32), np.asarray(b, np.float32)
+      ),
+      params,
+      params2,
+  )
 
 
 def test_config_reads_rope_theta_top_level_or_in_rope_parameters():
-  base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8,
-              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+  base = dict(
+      model_type="qwen3",
+      vocab_size=8,
+      hidden_size=8,
+      intermediate_size=8,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=4,
+  )
   assert hf_io.config_from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
   nested = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 456.0}}
   assert hf_io.config_from_hf(nested).rope_theta == 456.0
@@ -63,13 +82,18 @@ def test_config_reads_rope_theta_top_level_or_in_rope_parameters():
 
 def test_shared_qwen3_configs_parse_to_their_published_shapes():
   from conftest import SHARED_DATA  # pylint: disable=g-import-not-at-top
+
   folder = SHARED_DATA / "model_configs"
   if not folder.is_dir():
     pytest.skip("shared model configs are absent")
   c4 = hf_io.config_from_hf(json.loads((folder / "qwen3-4b.config.json").read_text()))
   c8 = hf_io.config_from_hf(json.loads((folder / "qwen3-8b.config.json").read_text()))
   assert (c4.hidden_size, c4.num_heads, c4.head_dim, c4.tie_word_embeddings) == (
-      2560, 32, 128, True)
+      2560,
+      32,
+      128,
+      True,
+  )
   assert (c8.hidden_size, c8.num_layers, c8.tie_word_embeddings) == (4096, 36, False)
   assert 4.0e9 < c4.num_params() < 4.1e9 and 8.1e9 < c8.num_params() < 8.3e9
 
@@ -87,10 +111,9 @@ def test_missing_weights_is_a_clear_error(hf_model_dir, tmp_path):
     hf_io.load_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("model_type,message", [
-    ("llama", "unsupported model_type 'llama'"),
-    ("qwen3_moe", "Qwen3-MoE"),
-])
+@pytest.mark.parametrize(
+    "model_type,message", [("llama", "unsupported model_type 'llama'"), ("qwen3_moe", "Qwen3-MoE")]
+)
 def test_unsupported_architecture_is_named(hf_model_dir, tmp_path, model_type, message):
   shutil.copytree(hf_model_dir, tmp_path, dirs_exist_ok=True)
   config = json.loads((tmp_path / "config.json").read_text())

@@ -31,8 +31,10 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       # `from april_jax.x import y`: y is a module, or a name defined in x.
-      names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
-               else node.module for a in node.names]
+      names = [
+          f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+          for a in node.names
+      ]
     else:
       continue
     for name in names:
@@ -59,8 +61,12 @@ def test_every_component_is_placed_in_a_layer():
 
 def test_imports_point_down_the_layers():
   uphill = sorted(
-      f"{m} -> {d}" for m, deps in _graph().items() if m != "april_jax" for d in deps
-      if _component(d) != _component(m) and RANK[_component(d)] > RANK[_component(m)])
+      f"{m} -> {d}"
+      for m, deps in _graph().items()
+      if m != "april_jax"
+      for d in deps
+      if _component(d) != _component(m) and RANK[_component(d)] > RANK[_component(m)]
+  )
   assert not uphill, uphill
 
 
@@ -75,7 +81,7 @@ def test_no_import_cycles():
     state[node] = 1
     for dep in sorted(graph[node]):
       if state.get(dep) == 1:
-        cycles.append(path[path.index(dep):] + [dep])
+        cycles.append(path[path.index(dep) :] + [dep])
       elif dep not in state:
         visit(dep, path + [dep])
     state[node] = 2

@@ -36,8 +36,7 @@ def test_sft_batch_masks_exactly_the_answer_and_stop_targets():
   item = task.item(0)
   A = len(item["answer"])
   assert mask[0].sum() == A + 1
-  np.testing.assert_array_equal(targets[0][mask[0] > 0],
-                                tok.encode(item["answer"]) + [tok.eos_id])
+  np.testing.assert_array_equal(targets[0][mask[0] > 0], tok.encode(item["answer"]) + [tok.eos_id])
 
 
 def test_a_larger_ring_walks_its_own_symbols_and_wraps_around():

@@ -17,11 +17,18 @@ TINY = str(ROOT / "configs" / "tiny.py")
 
 
 def _main(workdir, *overrides, **kwargs):
-  cmd = [sys.executable, "-m", "april_jax.main", f"--config={TINY}", f"--workdir={workdir}",
-         *overrides]
+  cmd = [
+      sys.executable,
+      "-m",
+      "april_jax.main",
+      f"--config={TINY}",
+      f"--workdir={workdir}",
+      *overrides,
+  ]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, **kwargs)
+  return subprocess.Popen(
+      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+  )
 
 
 def _read_jsonl(path):
@@ -30,14 +37,21 @@ def _read_jsonl(path):
 
 
 def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
-  proc = _main(tmp_path / "w", "--config.rollout.over_sampling_batch_size=4",
-               "--config.rollout.n_samples_per_prompt=1", "--config.train.policy_loss=nope",
-               "--config.model.path=/no/such/model")
+  proc = _main(
+      tmp_path / "w",
+      "--config.rollout.over_sampling_batch_size=4",
+      "--config.rollout.n_samples_per_prompt=1",
+      "--config.train.policy_loss=nope",
+      "--config.model.path=/no/such/model",
+  )
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 2, err
-  for field in ("rollout.over_sampling_batch_size (4) must be >= rollout.batch_size (8)",
-                "rollout.n_samples_per_prompt must be >= 2",
-                "policy_loss", "model.path '/no/such/model'"):
+  for field in (
+      "rollout.over_sampling_batch_size (4) must be >= rollout.batch_size (8)",
+      "rollout.n_samples_per_prompt must be >= 2",
+      "policy_loss",
+      "model.path '/no/such/model'",
+  ):
     assert field in err
   assert not (tmp_path / "w" / "checkpoints").exists()  # nothing was built
 
@@ -60,9 +74,15 @@ def test_tiny_run_learns_the_builtin_task(tmp_path):
 
 
 def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
-  proc = _main(tmp_path, "--config.model.dtype=bfloat16", "--config.model.kv_dtype=bfloat16",
-               "--config.num_steps=2", "--config.eval_every=1", "--config.train.sft_steps=2",
-               "--config.eval.num_prompts=4")
+  proc = _main(
+      tmp_path,
+      "--config.model.dtype=bfloat16",
+      "--config.model.kv_dtype=bfloat16",
+      "--config.num_steps=2",
+      "--config.eval_every=1",
+      "--config.train.sft_steps=2",
+      "--config.eval.num_prompts=4",
+  )
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]
   metrics = _read_jsonl(tmp_path / "metrics.jsonl")
@@ -72,8 +92,12 @@ def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
 
 
 def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-  steps = ["--config.num_steps=6", "--config.checkpoint_every=2", "--config.eval_every=0",
-           "--config.train.sft_steps=20"]
+  steps = [
+      "--config.num_steps=6",
+      "--config.checkpoint_every=2",
+      "--config.eval_every=0",
+      "--config.train.sft_steps=20",
+  ]
   straight = tmp_path / "straight"
   proc = _main(straight, *steps)
   _, err = proc.communicate(timeout=600)
@@ -109,8 +133,13 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
-  proc = _main(tmp_path, "--config.num_steps=40", "--config.checkpoint_every=0",
-               "--config.eval_every=0", "--config.train.sft_steps=5")
+  proc = _main(
+      tmp_path,
+      "--config.num_steps=40",
+      "--config.checkpoint_every=0",
+      "--config.eval_every=0",
+      "--config.train.sft_steps=5",
+  )
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.monotonic() + 600
   while proc.poll() is None and time.monotonic() < deadline:

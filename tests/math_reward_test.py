@@ -37,6 +37,7 @@ def _boxed(answer):
 
 # Extraction.
 
+
 def test_extract_reads_nested_braces_inside_boxed():
   assert extract_answer(r"so $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
 
@@ -78,6 +79,7 @@ def test_gold_answer_normalises_gsm8k_boxed_and_plain():
 
 # Real eval sets.
 
+
 def test_every_aime24_gold_boxed_scores_one_and_off_by_one_scores_zero():
   reward = rewards.get_reward("math")
   rows = _jsonl("aime24.jsonl")
@@ -101,23 +103,29 @@ def test_gsm8k_test_golds_as_hashes_score_one():
     assert reward(f"Step by step...\n#### {gold}1", row["answer"]) == 0.0, gold
 
 
-@pytest.mark.parametrize("pred, gold", [
-    (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)"),
-    ("0.5", r"\frac{1}{2}"),
-    (r"\frac{14}{3}", r"\dfrac{14}{3}"),
-    ("27", "27.0"),
-    ("1,234", "1234"),
-])
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)"),
+        ("0.5", r"\frac{1}{2}"),
+        (r"\frac{14}{3}", r"\dfrac{14}{3}"),
+        ("27", "27.0"),
+        ("1,234", "1234"),
+    ],
+)
 def test_equivalent_forms_match(pred, gold):
   assert is_equivalent(pred, gold)
 
 
-@pytest.mark.parametrize("pred, gold", [
-    (r"(3, \frac{\pi}{3})", r"\left( 3, \frac{\pi}{2} \right)"),
-    ("0.51", r"\frac{1}{2}"),
-    ("28", "27.0"),
-    ("", "0"),
-])
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        (r"(3, \frac{\pi}{3})", r"\left( 3, \frac{\pi}{2} \right)"),
+        ("0.51", r"\frac{1}{2}"),
+        ("28", "27.0"),
+        ("", "0"),
+    ],
+)
 def test_different_answers_do_not_match(pred, gold):
   assert not is_equivalent(pred, gold)
 
@@ -172,6 +180,7 @@ def test_dapo_ground_truths_score_plus_one_and_wrong_answer_minus_one():
 
 # Safety and threads.
 
+
 def test_model_text_is_never_executed(tmp_path):
   marker = tmp_path / "pwned_marker"
   for response in [
@@ -184,14 +193,19 @@ def test_model_text_is_never_executed(tmp_path):
 
 
 def test_is_equivalent_works_in_worker_threads():
-  pairs = [(r"\frac{1}{2}", "0.5", True), (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)", True),
-           (r"\sqrt{2}", r"\frac{\sqrt{8}}{2}", True), (r"\frac{1}{3}", "0.5", False)] * 4
+  pairs = [
+      (r"\frac{1}{2}", "0.5", True),
+      (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)", True),
+      (r"\sqrt{2}", r"\frac{\sqrt{8}}{2}", True),
+      (r"\frac{1}{3}", "0.5", False),
+  ] * 4
   with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
     results = list(pool.map(lambda p: is_equivalent(p[0], p[1]), pairs))
   assert results == [want for _, _, want in pairs]
 
 
 # Registry.
+
 
 def test_math_rewards_are_registered():
   assert rewards.get_reward("math") is math_reward.math_reward

@@ -21,9 +21,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
-RUN = ["--config.num_steps=5", "--config.checkpoint_every=2", "--config.eval_every=0",
-       "--config.train.sft_steps=10", "--config.rollout.max_response_len=16",
-       "--config.mesh.shape=(2,2,2)"]
+RUN = [
+    "--config.num_steps=5",
+    "--config.checkpoint_every=2",
+    "--config.eval_every=0",
+    "--config.train.sft_steps=10",
+    "--config.rollout.max_response_len=16",
+    "--config.mesh.shape=(2,2,2)",
+]
 TIMING = lambda key: key.startswith("time/") or key.endswith("_per_s")
 
 
@@ -34,21 +39,39 @@ def _free_port() -> int:
 
 
 def _launch(workdir, devices: int, *flags):
-  cmd = [sys.executable, "-m", "april_jax.main", f"--config={TINY}", f"--workdir={workdir}",
-         *RUN, *flags]
+  cmd = [
+      sys.executable,
+      "-m",
+      "april_jax.main",
+      f"--config={TINY}",
+      f"--workdir={workdir}",
+      *RUN,
+      *flags,
+  ]
   # Backend optimisations off: these runs are mostly compiling (see main_test.py).
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                                   "--xla_backend_optimization_level=0")
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  env = dict(
+      os.environ,
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+      "--xla_backend_optimization_level=0",
+  )
+  return subprocess.Popen(
+      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
 
 
 def _two_processes(workdir, port=None):
   port = port or _free_port()
-  return [_launch(workdir, 4, f"--config.distributed.coordinator_address=localhost:{port}",
-                  "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-                  "--config.distributed.heartbeat_timeout_s=15")
-          for i in range(2)]
+  return [
+      _launch(
+          workdir,
+          4,
+          f"--config.distributed.coordinator_address=localhost:{port}",
+          "--config.distributed.num_processes=2",
+          f"--config.distributed.process_id={i}",
+          "--config.distributed.heartbeat_timeout_s=15",
+      )
+      for i in range(2)
+  ]
 
 
 def _finish(procs, timeout=600):
@@ -70,8 +93,9 @@ def _params(workdir, step):
   meta = checkpointer.metadata(path)
   meta = dict(getattr(meta, "item_metadata", meta))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  restored = checkpointer.restore(path, jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta))
+  restored = checkpointer.restore(
+      path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  )
   return {"/".join(map(str, p)): np.asarray(x) for p, x in _flatten(restored["params"])}
 
 
@@ -96,7 +120,7 @@ def _assert_same_run(a, b):
 def runs(tmp_path_factory):
   """The same run twice: 1 process x 8 devices, 2 processes x 4 devices."""
   root = tmp_path_factory.mktemp("multihost")
-  (one_out, _), = _finish([_launch(root / "one", 8)])
+  ((one_out, _),) = _finish([_launch(root / "one", 8)])
   outs = _finish(_two_processes(root / "two"))
   return root / "one", root / "two", one_out, outs
 
@@ -128,8 +152,9 @@ def test_a_killed_process_fails_its_peer_promptly_and_both_resume(runs, tmp_path
   procs = _two_processes(workdir)
   ckpt = workdir / "checkpoints" / "1"
   deadline = time.monotonic() + 600
-  while not ckpt.is_dir() and all(p.poll() is None for p in procs) and (
-      time.monotonic() < deadline):
+  while (
+      not ckpt.is_dir() and all(p.poll() is None for p in procs) and (time.monotonic() < deadline)
+  ):
     time.sleep(0.2)
   assert all(p.poll() is None for p in procs), "a process ended before the kill"
   procs[1].send_signal(signal.SIGKILL)

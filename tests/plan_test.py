@@ -64,8 +64,9 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   assert p.resident["decode params"] == (cfg.num_params() - norms) * 2 / 8 + norms * 2
   # KV: 64 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
   # 16384 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
-  assert p.resident["slot state (KV cache)"] == (2 * 36 * 64 * 1 * 17408 * 128 * 2
-                                                 + 64 * 17408 * 12)
+  assert p.resident["slot state (KV cache)"] == (
+      2 * 36 * 64 * 1 * 17408 * 128 * 2 + 64 * 17408 * 12
+  )
   assert p.host_buffer_bytes == 64 * 17408 * 147456
   assert p.fits
 
@@ -80,9 +81,19 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
 
 
 def test_planner_cli_names_a_missing_model_shape():
-  out = subprocess.run([sys.executable, "-m", "april_jax.plan",
-                        "--config=configs/tiny.py", "--config.model.init.hidden_size=0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  out = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "april_jax.plan",
+          "--config=configs/tiny.py",
+          "--config.model.init.hidden_size=0",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert out.returncode == 2 and "no model shape" in out.stderr
 
 
@@ -90,9 +101,17 @@ def test_planner_cli_names_a_missing_model_shape():
 def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
   config, cfg, report = _compiled("qwen3_8b", 8, 80)
   names = [p.name for p in report.programs]
-  for expected in ("prefill", "insert", "insert_rows (restore)", "decode",
-                   "extract_kv (snapshot)", "decode_params (cast)", "old logprobs",
-                   "gradients", "optimizer update"):
+  for expected in (
+      "prefill",
+      "insert",
+      "insert_rows (restore)",
+      "decode",
+      "extract_kv (snapshot)",
+      "decode_params (cast)",
+      "old logprobs",
+      "gradients",
+      "optimizer update",
+  ):
     assert expected in names
   assert report.fits, report.table()
   assert report.peak_bytes < 80e9
@@ -147,6 +166,7 @@ def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
   shape = (1, rows, 17408)
   assert update_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
   from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
+
   validate.validate_for_devices(config, 8)
   config.train.num_microbatches = 64  # 4 rows cannot split over 8 devices
   with pytest.raises(validate.ConfigError, match="4 rows .* multiple of the 8 devices"):
@@ -172,6 +192,8 @@ def test_hlo_collectives_are_parsed_with_their_bytes():
   %rs = f32[16]{0} reduce-scatter-start(%x)
   %c = f32[4]{0} add(%x, %y)
   """
-  assert compile_check.collectives(hlo) == [("all-gather", 36 * 4096 * 128 * 2),
-                                            ("all-reduce", 4096 * 4 + 16 * 4),
-                                            ("reduce-scatter", 64)]
+  assert compile_check.collectives(hlo) == [
+      ("all-gather", 36 * 4096 * 128 * 2),
+      ("all-reduce", 4096 * 4 + 16 * 4),
+      ("reduce-scatter", 64),
+  ]

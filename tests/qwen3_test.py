@@ -40,38 +40,52 @@ def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir, block):
   full = _random_tokens(1, (3, int(lengths.max()) + steps), cfg.vocab_size)
   reference = _hf_logits(hf_model_dir, full)  # [B, T, V]
 
-  prompt = np.where(np.arange(lengths.max())[None] < lengths[:, None],
-                    full[:, :lengths.max()], 0)  # right padded with garbage zeros
+  prompt = np.where(
+      np.arange(lengths.max())[None] < lengths[:, None], full[:, : lengths.max()], 0
+  )  # right padded with garbage zeros
   logits, kv = jax.jit(qwen3.prefill, static_argnums=0)(
-      cfg, params, jnp.asarray(prompt), jnp.asarray(lengths))
+      cfg, params, jnp.asarray(prompt), jnp.asarray(lengths)
+  )
   rows = np.arange(3)
   np.testing.assert_array_less(
-      np.abs(np.asarray(logits) - reference[rows, lengths - 1]).max(), 1e-4)
+      np.abs(np.asarray(logits) - reference[rows, lengths - 1]).max(), 1e-4
+  )
 
   pad = cache_len - kv.k.shape[2]
-  cache = qwen3.KVCache(*(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
-                          .transpose(0, 1, 3, 2, 4) for a in kv))  # slot layout [L,B,K,S,H]
+  cache = qwen3.KVCache(
+      *(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 1, 3, 2, 4) for a in kv)
+  )  # slot layout [L,B,K,S,H]
   step = jax.jit(qwen3.decode_step, static_argnums=(0, 6))
   positions = lengths.copy()
   for _ in range(steps):
     tokens = full[rows, positions]
-    logits, cache = step(cfg, params, jnp.asarray(tokens), jnp.asarray(positions), cache,
-                         None, block)
+    logits, cache = step(
+        cfg, params, jnp.asarray(tokens), jnp.asarray(positions), cache, None, block
+    )
     np.testing.assert_array_less(
-        np.abs(np.asarray(logits) - reference[rows, positions]).max(), 1e-4)
+        np.abs(np.asarray(logits) - reference[rows, positions]).max(), 1e-4
+    )
     positions = positions + 1
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
 def test_chunked_logprobs_equal_log_softmax_of_full_logits(chunk_size):
-  cfg = qwen3.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=16)
+  cfg = qwen3.Qwen3Config(
+      vocab_size=97,
+      hidden_size=32,
+      intermediate_size=64,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+  )
   params = qwen3.init_params(cfg, jax.random.key(0), std=0.3)
   tokens = jnp.asarray(_random_tokens(2, (2, 23), cfg.vocab_size))
   targets = jnp.roll(tokens, -1, axis=1)
   temperature = 0.7
-  logp, entropy = qwen3.token_logprobs(cfg, params, tokens, targets, chunk_size=chunk_size,
-                                       temperature=temperature)
+  logp, entropy = qwen3.token_logprobs(
+      cfg, params, tokens, targets, chunk_size=chunk_size, temperature=temperature
+  )
   full = jax.nn.log_softmax(qwen3.forward(cfg, params, tokens) / temperature, axis=-1)
   expected = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(logp, expected, atol=1e-5)
@@ -79,8 +93,16 @@ def test_chunked_logprobs_equal_log_softmax_of_full_logits(chunk_size):
 
 
 def test_chunked_logprob_gradients_match_full_and_remat_changes_nothing():
-  cfg = qwen3.Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
-                          num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+  cfg = qwen3.Qwen3Config(
+      vocab_size=61,
+      hidden_size=32,
+      intermediate_size=48,
+      num_layers=2,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=16,
+      tie_word_embeddings=True,
+  )
   params = qwen3.init_params(cfg, jax.random.key(1), std=0.3)
   tokens = jnp.asarray(_random_tokens(3, (2, 12), cfg.vocab_size))
   targets = jnp.roll(tokens, -1, axis=1)
@@ -95,8 +117,7 @@ def test_chunked_logprob_gradients_match_full_and_remat_changes_nothing():
   g_full = jax.grad(full)(params)
   for remat in (False, True):
     g = jax.grad(chunked)(params, remat)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4),
-                 g, g_full)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g, g_full)
 
 
 def test_bfloat16_params_give_float32_logits_close_to_float32(hf_model_dir):
@@ -114,5 +135,12 @@ def test_bfloat16_params_give_float32_logits_close_to_float32(hf_model_dir):
 
 def test_config_rejects_heads_not_divisible_by_kv_heads():
   with pytest.raises(ValueError, match="num_kv_heads"):
-    qwen3.Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                      num_heads=3, num_kv_heads=2, head_dim=4)
+    qwen3.Qwen3Config(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=3,
+        num_kv_heads=2,
+        head_dim=4,
+    )

@@ -7,23 +7,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.rl import (ADVANTAGES, LossConfig, aggregate, get_advantage, kl_penalty,
-                          overlong_penalty, policy_loss, validate_loss_config)
-from april_jax.rl.losses import GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH
+from april_jax.rl.advantages import ADVANTAGES, get_advantage, overlong_penalty
+from april_jax.rl.losses import GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH, LossConfig, aggregate
+from april_jax.rl.losses import kl_penalty, policy_loss, validate_loss_config
 
 # ---------------------------------------------------------------- a hand-built batch
 # Ratios chosen so both branches occur for both signs of A (eps 0.2, eps_high 0.28):
 #   row 0, A=+1: 1.4 > 1.28 clipped; 0.7 < 0.8 stays unclipped (pessimistic side).
 #   row 1, A=-1: 0.5 < 0.8 clipped; 1.5 stays unclipped.
 #   row 2, A=+2: 1.25 unclipped at eps_high 0.28, clipped at 0.2.
-RATIOS = np.array([[1.0, 1.1, 1.4, 0.7, 1.0],
-                   [0.5, 0.9, 1.5, 1.0, 1.0],
-                   [1.25, 1.3, 1.0, 1.0, 1.0],
-                   [1.0, 0.6, 0.85, 1.2, 1.05]], np.float32)
-MASK = np.array([[1, 1, 1, 1, 0],
-                 [1, 1, 1, 0, 0],
-                 [1, 1, 0, 0, 0],
-                 [1, 1, 1, 1, 1]], np.float32)
+RATIOS = np.array(
+    [
+        [1.0, 1.1, 1.4, 0.7, 1.0],
+        [0.5, 0.9, 1.5, 1.0, 1.0],
+        [1.25, 1.3, 1.0, 1.0, 1.0],
+        [1.0, 0.6, 0.85, 1.2, 1.05],
+    ],
+    np.float32,
+)
+MASK = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
 OLD = -np.random.default_rng(0).uniform(0.1, 3.0, RATIOS.shape).astype(np.float32)
 LOGP = (OLD + np.log(RATIOS)).astype(np.float32)
@@ -62,8 +64,9 @@ def np_aggregate(x, mask, mode, total_tokens=None, total_seqs=None, norm_len=0):
   if mode == "token_mean":
     return masked_sum / total_tokens
   if mode == "seq_mean_token_mean":
-    per_seq = [sum(x[b, t] * mask[b, t] for t in range(T)) / max(mask[b].sum(), 1)
-               for b in range(B)]
+    per_seq = [
+        sum(x[b, t] * mask[b, t] for t in range(T)) / max(mask[b].sum(), 1) for b in range(B)
+    ]
     return sum(per_seq) / total_seqs
   if mode == "seq_mean_token_sum_norm":
     return masked_sum / (total_seqs * norm_len)
@@ -75,16 +78,19 @@ def np_token_mean(x, mask):
 
 
 def run_loss(cfg, logp=LOGP, old=OLD, adv=ADV, mask=MASK, **kw):
-  loss, metrics = policy_loss(cfg, jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
-                              jnp.asarray(mask), **kw)
+  loss, metrics = policy_loss(
+      cfg, jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), **kw
+  )
   return float(loss), {k: float(v) for k, v in metrics.items()}
 
 
 # ------------------------------------------------------------------------ advantages
 
+
 def test_grpo_advantages_match_numpy_and_equal_reward_group_is_zero():
-  rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, -1.0, 2.0, 0.0]],
-                     np.float32)
+  rewards = np.array(
+      [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, -1.0, 2.0, 0.0]], np.float32
+  )
   expected = np.zeros_like(rewards, np.float64)
   for g, row in enumerate(rewards.astype(np.float64)):
     mean = sum(row) / len(row)
@@ -99,8 +105,7 @@ def test_grpo_advantages_match_numpy_and_equal_reward_group_is_zero():
 def test_drgrpo_advantages_are_centered_rewards_without_std_division():
   rewards = np.array([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 4.0, 6.0]], np.float32)
   expected = [[r - sum(row) / len(row) for r in row] for row in rewards.tolist()]
-  np.testing.assert_allclose(get_advantage("drgrpo")(jnp.asarray(rewards)), expected,
-                             rtol=1e-6)
+  np.testing.assert_allclose(get_advantage("drgrpo")(jnp.asarray(rewards)), expected, rtol=1e-6)
 
 
 def test_grpo_with_one_sample_per_group_raises_naming_n():
@@ -124,11 +129,16 @@ def test_overlong_penalty_hand_values():
 # ----------------------------------------------------------------------- aggregation
 
 AGG_X = np.random.default_rng(1).normal(size=(5, 6)).astype(np.float32)
-AGG_MASK = np.array([[1, 1, 1, 1, 1, 1],
-                     [1, 1, 0, 0, 0, 0],
-                     [0, 0, 0, 0, 0, 0],   # all padding: not a sequence
-                     [1, 0, 0, 0, 0, 0],
-                     [1, 1, 1, 1, 0, 0]], np.float32)
+AGG_MASK = np.array(
+    [
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],  # all padding: not a sequence
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+    ],
+    np.float32,
+)
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
@@ -144,15 +154,27 @@ def test_microbatch_aggregates_with_full_batch_totals_sum_to_full_batch(mode):
   total_tokens = AGG_MASK.sum()
   total_seqs = float((AGG_MASK.sum(-1) > 0).sum())
   full = float(aggregate(jnp.asarray(AGG_X), jnp.asarray(AGG_MASK), mode, norm_len=8))
-  parts = [float(aggregate(jnp.asarray(AGG_X[s]), jnp.asarray(AGG_MASK[s]), mode,
-                           total_tokens=total_tokens, total_seqs=total_seqs, norm_len=8))
-           for s in (slice(0, 2), slice(2, 5))]
+  parts = [
+      float(
+          aggregate(
+              jnp.asarray(AGG_X[s]),
+              jnp.asarray(AGG_MASK[s]),
+              mode,
+              total_tokens=total_tokens,
+              total_seqs=total_seqs,
+              norm_len=8,
+          )
+      )
+      for s in (slice(0, 2), slice(2, 5))
+  ]
   np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
   # And the per-microbatch loss (with its metrics) is additive the same way.
   cfg = LossConfig(aggregation=mode, norm_len=8)
   _, metrics_full = run_loss(cfg)
-  micro = [run_loss(cfg, LOGP[s], OLD[s], ADV[s], MASK[s], total_tokens=MASK.sum(),
-                    total_seqs=4.0)[1] for s in (slice(0, 1), slice(1, 4))]
+  micro = [
+      run_loss(cfg, LOGP[s], OLD[s], ADV[s], MASK[s], total_tokens=MASK.sum(), total_seqs=4.0)[1]
+      for s in (slice(0, 1), slice(1, 4))
+  ]
   for key in ("pg_loss", "pg_clipfrac", "ratio_mean", "num_tokens"):
     np.testing.assert_allclose(sum(m[key] for m in micro), metrics_full[key], rtol=1e-5)
 
@@ -165,11 +187,11 @@ def test_seq_mean_token_sum_norm_needs_norm_len():
 def test_masked_positions_holding_inf_do_not_leak_into_aggregate():
   x = np.where(AGG_MASK > 0, AGG_X, np.inf).astype(np.float32)
   got = aggregate(jnp.asarray(x), jnp.asarray(AGG_MASK), "token_mean")
-  np.testing.assert_allclose(float(got), np_aggregate(AGG_X, AGG_MASK, "token_mean"),
-                             rtol=1e-5)
+  np.testing.assert_allclose(float(got), np_aggregate(AGG_X, AGG_MASK, "token_mean"), rtol=1e-5)
 
 
 # -------------------------------------------------------------------------- ppo_clip
+
 
 @pytest.mark.parametrize("eps_high", [None, 0.28])
 def test_ppo_clip_loss_and_clipfrac_match_numpy(eps_high):
@@ -181,8 +203,9 @@ def test_ppo_clip_loss_and_clipfrac_match_numpy(eps_high):
     assert clipped[b][MASK[b] > 0].any() and not clipped[b][MASK[b] > 0].all()
   np.testing.assert_allclose(loss, np_token_mean(tokens, MASK), rtol=1e-5)
   np.testing.assert_allclose(metrics["pg_clipfrac"], np_token_mean(clipped, MASK), rtol=1e-6)
-  np.testing.assert_allclose(metrics["ratio_mean"],
-                             np_token_mean(np_ratios(LOGP, OLD), MASK), rtol=1e-5)
+  np.testing.assert_allclose(
+      metrics["ratio_mean"], np_token_mean(np_ratios(LOGP, OLD), MASK), rtol=1e-5
+  )
   assert metrics["num_tokens"] == MASK.sum()
 
 
@@ -202,15 +225,16 @@ def test_dual_clip_caps_negative_advantage_loss_at_minus_a_times_c():
   adv, mask = np.array([-1.0, 2.0], np.float32), np.ones(ratios.shape, np.float32)
   loss, _ = run_loss(LossConfig(dual_clip_c=3.0), logp, old, adv, mask)
   tokens, _ = np_ppo_tokens(logp, old, adv, mask, 0.2, 0.2, dual_c=3.0)
-  assert tokens[0, 0] == pytest.approx(3.0)          # -A * c, not -A * 5
-  assert tokens[1, 0] == pytest.approx(-2.0 * 1.2)   # A > 0 untouched
+  assert tokens[0, 0] == pytest.approx(3.0)  # -A * c, not -A * 5
+  assert tokens[1, 0] == pytest.approx(-2.0 * 1.2)  # A > 0 untouched
   np.testing.assert_allclose(loss, np_token_mean(tokens, mask), rtol=1e-5)
 
 
 def test_ppo_clip_gradient_is_zero_on_clipped_tokens_and_minus_a_ratio_over_n_else():
   cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28)
-  grad = jax.grad(lambda lp: policy_loss(cfg, lp, jnp.asarray(OLD), jnp.asarray(ADV),
-                                         jnp.asarray(MASK))[0])(jnp.asarray(LOGP))
+  grad = jax.grad(
+      lambda lp: policy_loss(cfg, lp, jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK))[0]
+  )(jnp.asarray(LOGP))
   _, clipped = np_ppo_tokens(LOGP, OLD, ADV, MASK, 0.2, 0.28)
   ratios, n = np_ratios(LOGP, OLD), MASK.sum()
   expected = np.zeros(LOGP.shape)
@@ -225,15 +249,20 @@ def test_jit_with_static_config_matches_eager():
   cfg = LossConfig(eps_clip_high=0.28, dual_clip_c=3.0, aggregation="seq_mean_token_mean")
   jitted = jax.jit(functools.partial(policy_loss, cfg))
   args = [jnp.asarray(a) for a in (LOGP, OLD, ADV, MASK)]
-  np.testing.assert_allclose(float(jitted(*args)[0]), float(policy_loss(cfg, *args)[0]),
-                             rtol=1e-6)
+  np.testing.assert_allclose(float(jitted(*args)[0]), float(policy_loss(cfg, *args)[0]), rtol=1e-6)
 
 
 def test_padding_with_minus_inf_logprobs_gives_finite_loss_and_gradient():
   logp = np.where(MASK > 0, LOGP, -np.inf).astype(np.float32)
   for cfg in (LossConfig(kl_coef=0.1), LossConfig.for_gspo(kl_coef=0.1)):
-    fn = lambda lp, cfg=cfg: policy_loss(cfg, lp, jnp.asarray(OLD), jnp.asarray(ADV),
-                                         jnp.asarray(MASK), ref_logp_BxT=jnp.asarray(OLD))[0]
+    fn = lambda lp, cfg=cfg: policy_loss(
+        cfg,
+        lp,
+        jnp.asarray(OLD),
+        jnp.asarray(ADV),
+        jnp.asarray(MASK),
+        ref_logp_BxT=jnp.asarray(OLD),
+    )[0]
     value, grad = jax.value_and_grad(fn)(jnp.asarray(logp))
     assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
 
@@ -258,8 +287,9 @@ def np_gspo_loss(logp, old, adv, mask, eps, eps_high):
   losses = []
   for b in range(logp.shape[0]):
     n = mask[b].sum()
-    mean_lr = sum(float(logp[b, t]) - float(old[b, t])
-                  for t in range(logp.shape[1]) if mask[b, t]) / n
+    mean_lr = (
+        sum(float(logp[b, t]) - float(old[b, t]) for t in range(logp.shape[1]) if mask[b, t]) / n
+    )
     s = np.exp(mean_lr)
     a = float(adv[b])
     losses.append(max(-a * s, -a * min(max(s, 1 - eps), 1 + eps_high)))
@@ -269,7 +299,11 @@ def np_gspo_loss(logp, old, adv, mask, eps, eps_high):
 def test_gspo_defaults_come_from_for_gspo():
   cfg = LossConfig.for_gspo()
   assert (cfg.policy_loss, cfg.eps_clip, cfg.clip_high, cfg.aggregation) == (
-      "gspo", GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH, "seq_mean_token_mean")
+      "gspo",
+      GSPO_EPS_CLIP,
+      GSPO_EPS_CLIP_HIGH,
+      "seq_mean_token_mean",
+  )
   assert LossConfig.for_gspo(eps_clip_high=1e-3).clip_high == 1e-3
 
 
@@ -280,8 +314,9 @@ def test_gspo_loss_matches_numpy_sequence_level_reference():
   expected = np_gspo_loss(logp, OLD, GSPO_ADV, MASK, GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH)
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   # Rows 1 and 2 are clipped on every token, rows 0 and 3 on none.
-  np.testing.assert_allclose(metrics["pg_clipfrac"], (MASK[1].sum() + MASK[2].sum())
-                             / MASK.sum(), rtol=1e-6)
+  np.testing.assert_allclose(
+      metrics["pg_clipfrac"], (MASK[1].sum() + MASK[2].sum()) / MASK.sum(), rtol=1e-6
+  )
 
 
 def test_gspo_token_form_gradient_equals_sequence_level_gspo_gradient():
@@ -301,11 +336,18 @@ def test_gspo_token_form_gradient_equals_sequence_level_gspo_gradient():
 
 # ------------------------------------------------------------------------------- TIS
 
+
 def test_tis_weight_is_exactly_the_cap_for_a_far_off_behavior_logprob():
   logp = old = np.array([[-1.0]], np.float32)
   behavior = np.array([[-30.0]], np.float32)
-  loss, metrics = run_loss(LossConfig(tis_cap=2.0), logp, old, np.array([1.0], np.float32),
-                           np.ones((1, 1), np.float32), behavior_logp_BxT=jnp.asarray(behavior))
+  loss, metrics = run_loss(
+      LossConfig(tis_cap=2.0),
+      logp,
+      old,
+      np.array([1.0], np.float32),
+      np.ones((1, 1), np.float32),
+      behavior_logp_BxT=jnp.asarray(behavior),
+  )
   assert metrics["tis_mean"] == 2.0 and metrics["tis_clipfrac"] == 1.0
   assert loss == -2.0
 
@@ -321,19 +363,22 @@ def test_tis_loss_matches_numpy_reference():
       weights[b, t] = min(np.exp(float(OLD[b, t]) - float(behavior[b, t])), cap)
   np.testing.assert_allclose(loss, np_token_mean(tokens * weights, MASK), rtol=1e-5)
   np.testing.assert_allclose(metrics["tis_mean"], np_token_mean(weights, MASK), rtol=1e-5)
-  np.testing.assert_allclose(metrics["tis_clipfrac"],
-                             np_token_mean(weights == cap, MASK), rtol=1e-6)
+  np.testing.assert_allclose(
+      metrics["tis_clipfrac"], np_token_mean(weights == cap, MASK), rtol=1e-6
+  )
 
 
 def test_tis_weights_carry_no_gradient_to_old_or_behavior():
   cfg = LossConfig(tis_cap=2.0)
-  fn = lambda old, beh: policy_loss(cfg, jnp.asarray(LOGP), old, jnp.asarray(ADV),
-                                    jnp.asarray(MASK), behavior_logp_BxT=beh)[0]
+  fn = lambda old, beh: policy_loss(
+      cfg, jnp.asarray(LOGP), old, jnp.asarray(ADV), jnp.asarray(MASK), behavior_logp_BxT=beh
+  )[0]
   g_old, g_beh = jax.grad(fn, argnums=(0, 1))(jnp.asarray(OLD), jnp.asarray(OLD - 0.1))
   assert not np.any(np.asarray(g_old)) and not np.any(np.asarray(g_beh))
 
 
 # --------------------------------------------------------------------------- masking
+
 
 def test_stale_tokens_are_excluded_only_when_mask_stale_tokens_is_set():
   stale = np.zeros(MASK.shape, bool)
@@ -345,14 +390,15 @@ def test_stale_tokens_are_excluded_only_when_mask_stale_tokens_is_set():
     off = LossConfig(mask_stale_tokens=False, aggregation=mode, norm_len=6)
     loss_on, m_on = run_loss(on, stale_BxT=jnp.asarray(stale))
     loss_off, m_off = run_loss(off, stale_BxT=jnp.asarray(stale))
-    np.testing.assert_allclose(loss_on, np_aggregate(tokens, fresh_mask, mode, norm_len=6),
-                               rtol=1e-5)
-    np.testing.assert_allclose(loss_off, np_aggregate(tokens, MASK, mode, norm_len=6),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        loss_on, np_aggregate(tokens, fresh_mask, mode, norm_len=6), rtol=1e-5
+    )
+    np.testing.assert_allclose(loss_off, np_aggregate(tokens, MASK, mode, norm_len=6), rtol=1e-5)
     assert (m_on["num_tokens"], m_off["num_tokens"]) == (fresh_mask.sum(), MASK.sum())
 
 
 # -------------------------------------------------------------------------------- KL
+
 
 def test_kl_estimators_match_numpy():
   logp = np.array([[-1.0, -2.0, -0.5, -3.0, -1.0]], np.float32)
@@ -362,8 +408,9 @@ def test_kl_estimators_match_numpy():
     for lp, rf in zip(logp[0].tolist(), ref[0].tolist()):
       log_ratio = rf - lp
       k3 = np.exp(log_ratio) - log_ratio - 1
-      expected.append({"k1": -log_ratio, "k3": k3,
-                       "low_var_kl": min(max(k3, -10.0), 10.0)}[kl_type])
+      expected.append(
+          {"k1": -log_ratio, "k3": k3, "low_var_kl": min(max(k3, -10.0), 10.0)}[kl_type]
+      )
     got = np.asarray(kl_penalty(jnp.asarray(logp), jnp.asarray(ref), kl_type))[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
@@ -372,14 +419,17 @@ def test_kl_estimators_match_numpy():
 def test_kl_term_adds_kl_coef_times_aggregate_and_nothing_at_zero_coef(kl_type):
   ref = (OLD + np.random.default_rng(3).normal(scale=0.3, size=OLD.shape)).astype(np.float32)
   log_ratio = ref.astype(np.float64) - LOGP
-  kl_tokens = {"k1": -log_ratio, "k3": np.exp(log_ratio) - log_ratio - 1,
-               "low_var_kl": np.clip(np.exp(log_ratio) - log_ratio - 1, -10, 10)}[kl_type]
+  kl_tokens = {
+      "k1": -log_ratio,
+      "k3": np.exp(log_ratio) - log_ratio - 1,
+      "low_var_kl": np.clip(np.exp(log_ratio) - log_ratio - 1, -10, 10),
+  }[kl_type]
   expected_kl = np_token_mean(kl_tokens, MASK)
   base, m_none = run_loss(LossConfig(kl_type=kl_type))
-  with_kl, m_kl = run_loss(LossConfig(kl_type=kl_type, kl_coef=0.1),
-                           ref_logp_BxT=jnp.asarray(ref))
-  zero_coef, m_zero = run_loss(LossConfig(kl_type=kl_type, kl_coef=0.0),
-                               ref_logp_BxT=jnp.asarray(ref))
+  with_kl, m_kl = run_loss(LossConfig(kl_type=kl_type, kl_coef=0.1), ref_logp_BxT=jnp.asarray(ref))
+  zero_coef, m_zero = run_loss(
+      LossConfig(kl_type=kl_type, kl_coef=0.0), ref_logp_BxT=jnp.asarray(ref)
+  )
   np.testing.assert_allclose(with_kl, base + 0.1 * expected_kl, rtol=1e-5)
   assert zero_coef == base and m_none["kl"] == 0.0
   np.testing.assert_allclose([m_kl["kl"], m_zero["kl"]], [expected_kl] * 2, rtol=1e-5)
@@ -387,12 +437,15 @@ def test_kl_term_adds_kl_coef_times_aggregate_and_nothing_at_zero_coef(kl_type):
 
 # ---------------------------------------------------------------------------- entropy
 
+
 def test_entropy_bonus_lowers_loss_by_coef_times_aggregate():
   entropy = np.random.default_rng(4).uniform(0.0, 3.0, MASK.shape).astype(np.float32)
   for mode in MODES:
     base, m_base = run_loss(LossConfig(aggregation=mode, norm_len=6))
-    loss, metrics = run_loss(LossConfig(aggregation=mode, norm_len=6, entropy_coef=0.01),
-                             entropy_BxT=jnp.asarray(entropy))
+    loss, metrics = run_loss(
+        LossConfig(aggregation=mode, norm_len=6, entropy_coef=0.01),
+        entropy_BxT=jnp.asarray(entropy),
+    )
     expected_entropy = np_aggregate(entropy.astype(np.float64), MASK, mode, norm_len=6)
     np.testing.assert_allclose(loss, base - 0.01 * expected_entropy, rtol=1e-5)
     np.testing.assert_allclose(metrics["entropy"], expected_entropy, rtol=1e-5)
@@ -401,16 +454,20 @@ def test_entropy_bonus_lowers_loss_by_coef_times_aggregate():
 
 # ------------------------------------------------------------------------- validation
 
-@pytest.mark.parametrize("field, kw", [
-    ("policy_loss", dict(policy_loss="reinforce")),
-    ("aggregation", dict(aggregation="sum")),
-    ("kl_type", dict(kl_type="k2")),
-    ("eps_clip", dict(eps_clip=0.0)),
-    ("eps_clip_high", dict(eps_clip_high=-0.1)),
-    ("tis_cap", dict(tis_cap=1.0)),
-    ("dual_clip_c", dict(dual_clip_c=1.0)),
-    ("norm_len", dict(aggregation="seq_mean_token_sum_norm", norm_len=0)),
-])
+
+@pytest.mark.parametrize(
+    "field, kw",
+    [
+        ("policy_loss", dict(policy_loss="reinforce")),
+        ("aggregation", dict(aggregation="sum")),
+        ("kl_type", dict(kl_type="k2")),
+        ("eps_clip", dict(eps_clip=0.0)),
+        ("eps_clip_high", dict(eps_clip_high=-0.1)),
+        ("tis_cap", dict(tis_cap=1.0)),
+        ("dual_clip_c", dict(dual_clip_c=1.0)),
+        ("norm_len", dict(aggregation="seq_mean_token_sum_norm", norm_len=0)),
+    ],
+)
 def test_validate_loss_config_names_the_field(field, kw):
   with pytest.raises(ValueError, match=field):
     validate_loss_config(LossConfig(**kw), n_samples=4)

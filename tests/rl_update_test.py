@@ -18,8 +18,15 @@ from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
 from conftest import mesh_or_skip
 
-CFG = qwen3.Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = qwen3.Qwen3Config(
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 TEMPERATURE = 0.8
 
 
@@ -33,8 +40,9 @@ def _train_config(**overrides) -> ml_collections.ConfigDict:
 
 def _rollout_batch(params, version=0, steps=1, seed=0):
   """Real rollouts from the scheduler (partials included) turned into a training batch."""
-  engine = SlotEngine(CFG, params, EngineConfig(num_slots=6, max_len=48, sync_every=4,
-                                                stop_ids=(3,)))
+  engine = SlotEngine(
+      CFG, params, EngineConfig(num_slots=6, max_len=48, sync_every=4, stop_ids=(3,))
+  )
   counter = iter(range(10**6))
 
   def source():
@@ -42,8 +50,13 @@ def _rollout_batch(params, version=0, steps=1, seed=0):
     prompt = np.random.default_rng([seed, i]).integers(4, CFG.vocab_size, 3 + i % 4)
     return PromptItem(prompt_id=i, tokens=prompt, answer="")
 
-  settings = RolloutSettings(batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
-                             max_response_len=24, temperature=TEMPERATURE)
+  settings = RolloutSettings(
+      batch_size=2,
+      n_samples_per_prompt=4,
+      over_sampling_batch_size=4,
+      max_response_len=24,
+      temperature=TEMPERATURE,
+  )
   rewards = RewardRunner(lambda text, answer: float(len(text)), decode=lambda ids: "x" * len(ids))
   sched = AprilScheduler(engine, settings, source, rewards, seed=seed)
   for s in range(steps):
@@ -59,8 +72,9 @@ def params():
 
 def test_learner_logprobs_equal_sampler_behavior_logprobs_same_version(params):
   batch = _rollout_batch(params)
-  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE,
-                    total_updates=1)
+  learner = Learner(
+      CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, total_updates=1
+  )
   old = learner.logprobs(learner.params, batch)
   mask = batch["mask"] > 0
   assert mask.sum() > 20
@@ -73,12 +87,18 @@ def test_learner_logprobs_equal_sampler_behavior_logprobs_same_version(params):
 def test_update_changes_params_and_reduces_loss_on_repeat(params):
   batch = _rollout_batch(params, seed=1)
   assert np.abs(batch["advantages"]).max() > 0.1
-  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(ppo_epochs=1),
-                    TEMPERATURE, total_updates=10)
-  before = jax.tree.map(lambda x: np.array(x, copy=True), learner.params)  # not a view: params are donated
+  learner = Learner(
+      CFG,
+      jax.tree.map(jnp.copy, params),
+      _train_config(ppo_epochs=1),
+      TEMPERATURE,
+      total_updates=10,
+  )
+  before = jax.tree.map(
+      lambda x: np.array(x, copy=True), learner.params
+  )  # not a view: params are donated
   first = learner.update(batch)
-  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), learner.params,
-                       before)
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), learner.params, before)
   assert max(jax.tree.leaves(moved)) > 0
   assert np.isfinite(first["train/loss"]) and first["train/grad_norm"] > 0
 
@@ -86,12 +106,12 @@ def test_update_changes_params_and_reduces_loss_on_repeat(params):
 def test_gradient_accumulation_equals_one_big_batch(params):
   batch = _rollout_batch(params, seed=2)
   one = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
-  two = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(num_microbatches=4),
-                TEMPERATURE, 1)
+  two = Learner(
+      CFG, jax.tree.map(jnp.copy, params), _train_config(num_microbatches=4), TEMPERATURE, 1
+  )
   m1, m2 = one.update(batch), two.update(batch)
   assert m1["train/loss"] == pytest.approx(m2["train/loss"], abs=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), one.params,
-               two.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), one.params, two.params)
 
 
 def _long_tail_batch(params, seed, T=48):
@@ -104,34 +124,46 @@ def _long_tail_batch(params, seed, T=48):
   row = int(np.argmin(lengths))
   start = int(lengths[row]) - 1  # the row's last response token, then the padding
   long["tokens"][row, start:] = 5
-  long["targets"][row, start - 1:-1] = 5
-  long["mask"][row, start - 1:-1] = 1.0
-  long["behavior"][row, start - 1:-1] = -3.0
+  long["targets"][row, start - 1 : -1] = 5
+  long["mask"][row, start - 1 : -1] = 1.0
+  long["behavior"][row, start - 1 : -1] = -3.0
   assert batch_lib.row_lengths(long["mask"])[row] == T
   return long
 
 
 @pytest.mark.parametrize("minibatches,microbatches", [(1, 4), (2, 2)])
-def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches,
-                                                             microbatches):
+def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches, microbatches):
   batch = _long_tail_batch(params, seed=7)
   pieces = batch_lib.microbatches(batch["mask"], 4, by_length=True)
   assert sorted(T for _, T in pieces) == [32, 32, 32, 48]  # only the tail pays for 48
-  cfg = lambda by_length: _train_config(num_minibatches=minibatches,
-                                        num_microbatches=microbatches,
-                                        microbatch_by_length=by_length, ppo_epochs=2)
+  cfg = lambda by_length: _train_config(
+      num_minibatches=minibatches,
+      num_microbatches=microbatches,
+      microbatch_by_length=by_length,
+      ppo_epochs=2,
+  )
   plain = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(False), TEMPERATURE, 4)
   by_length = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(True), TEMPERATURE, 4)
   mask = batch["mask"] > 0  # past a microbatch's cut there is nothing to score
-  np.testing.assert_allclose(by_length.logprobs(by_length.params, batch)[mask],
-                             plain.logprobs(plain.params, batch)[mask], atol=1e-5)
+  np.testing.assert_allclose(
+      by_length.logprobs(by_length.params, batch)[mask],
+      plain.logprobs(plain.params, batch)[mask],
+      atol=1e-5,
+  )
   m_plain, m_sorted = plain.update(batch), by_length.update(batch)
   assert m_sorted["train/updates"] == m_plain["train/updates"] == 2 * minibatches
-  for k in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm",
-            "train/ratio_mean", "train/tis_mean"):
+  for k in (
+      "train/loss",
+      "train/pg_loss",
+      "train/entropy",
+      "train/grad_norm",
+      "train/ratio_mean",
+      "train/tis_mean",
+  ):
     assert m_sorted[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-6), k
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), plain.params,
-               by_length.params)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), plain.params, by_length.params
+  )
 
 
 def test_microbatch_plan_keeps_every_row_and_token():
@@ -155,12 +187,18 @@ def test_microbatch_plan_keeps_every_row_and_token():
 
 @pytest.mark.parametrize("kl_coef,mesh_shape", [(0.0, None), (0.05, None), (0.0, (2, 2, 2))])
 def test_warm_up_compiles_every_update_program_ahead_of_time_without_running(
-    params, kl_coef, mesh_shape, compiles):
+    params, kl_coef, mesh_shape, compiles
+):
   mesh = mesh_or_skip(mesh_shape)
   batch = _long_tail_batch(params, seed=8)
-  learner = Learner(CFG, jax.tree.map(jnp.copy, params),
-                    _train_config(num_microbatches=4, kl_coef=kl_coef), TEMPERATURE, 2,
-                    mesh=mesh)
+  learner = Learner(
+      CFG,
+      jax.tree.map(jnp.copy, params),
+      _train_config(num_microbatches=4, kl_coef=kl_coef),
+      TEMPERATURE,
+      2,
+      mesh=mesh,
+  )
   before = jax.tree.map(lambda x: np.array(x, copy=True), (learner.params, learner.opt_state))
   shapes = learner.warm_up(batch["tokens"].shape[0], batch_lib.all_bucket_lens(48))
   assert shapes >= 2 and compiles  # one per padded length; the listener sees compiles
@@ -175,20 +213,21 @@ def test_warm_up_compiles_every_update_program_ahead_of_time_without_running(
 
 def test_non_finite_update_is_skipped_and_counted(params):
   batch = _rollout_batch(params, seed=3)
-  batch["advantages"] = np.where(np.arange(len(batch["advantages"])) == 0, np.nan,
-                                 batch["advantages"]).astype(np.float32)
+  batch["advantages"] = np.where(
+      np.arange(len(batch["advantages"])) == 0, np.nan, batch["advantages"]
+  ).astype(np.float32)
   learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
-  before = jax.tree.map(lambda x: np.array(x, copy=True), learner.params)  # not a view: params are donated
+  before = jax.tree.map(
+      lambda x: np.array(x, copy=True), learner.params
+  )  # not a view: params are donated
   metrics = learner.update(batch)
   assert metrics["train/skipped_updates"] == 1 and metrics["train/updates"] == 0
   jax.tree.map(np.testing.assert_array_equal, learner.params, before)
 
 
 def test_reference_params_held_only_with_kl(params):
-  no_kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.0),
-                  TEMPERATURE, 1)
-  kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.05),
-               TEMPERATURE, 1)
+  no_kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.0), TEMPERATURE, 1)
+  kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.05), TEMPERATURE, 1)
   assert no_kl.ref_params is None and kl.ref_params is not None
   metrics = kl.update(_rollout_batch(params, seed=4))
   assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # first update: policy == ref
@@ -197,8 +236,7 @@ def test_reference_params_held_only_with_kl(params):
 def test_off_policy_batch_uses_tis_and_reports_staleness(params):
   batch = _rollout_batch(params, steps=3, seed=5)
   assert batch["stale"].any()  # partial samples carried across versions
-  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(tis_cap=2.0),
-                    TEMPERATURE, 1)
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(tis_cap=2.0), TEMPERATURE, 1)
   metrics = learner.update(batch)
   assert np.isfinite(metrics["train/loss"]) and metrics["train/tis_mean"] > 0
 
@@ -207,8 +245,7 @@ def test_off_policy_batch_uses_tis_and_reports_staleness(params):
 def test_sharded_update_equals_unsharded(params):
   batch = _rollout_batch(params, seed=6)
   mesh = sharding.make_mesh((2, 2, 2))
-  sharded_params = jax.device_put(jax.tree.map(jnp.copy, params),
-                                  qwen3.param_shardings(CFG, mesh))
+  sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), qwen3.param_shardings(CFG, mesh))
   plain = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
   sharded = Learner(CFG, sharded_params, _train_config(), TEMPERATURE, 1, mesh=mesh)
   m_plain, m_sharded = plain.update(batch), sharded.update(batch)
@@ -218,16 +255,17 @@ def test_sharded_update_equals_unsharded(params):
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   mu_q = sharded.opt_state.inner_state[1][0].mu["layers"]["q"]  # AdamW's 1st moment: like q
   assert mu_q.dtype == jnp.float32 and mu_q.sharding.spec == q.sharding.spec
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                       atol=2e-5), plain.params,
-               sharded.params)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5),
+      plain.params,
+      sharded.params,
+  )
 
 
 def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
   params = qwen3.init_params(CFG, jax.random.key(1), std=0.02)
   batch = _rollout_batch(params, seed=3)
-  learner = Learner(CFG, params, _train_config(lr=1e-6), TEMPERATURE, 1,
-                    compute_dtype="bfloat16")
+  learner = Learner(CFG, params, _train_config(lr=1e-6), TEMPERATURE, 1, compute_dtype="bfloat16")
   masters_before = jax.tree.map(np.asarray, learner.params)
   decoded_before = jax.tree.map(np.asarray, learner.decode_params())
   assert learner.params["layers"]["q"].dtype == jnp.float32
@@ -241,8 +279,10 @@ def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
   assert np.mean(moved > 0) > 0.9 and np.median(moved[moved > 0]) == pytest.approx(1e-6, rel=0.2)
   # The float32 masters carry the change into the bf16 copy wherever it crosses a rounding
   # boundary; held in bf16 itself (bf16(w) + 1e-6 == bf16(w)) the step would be lost.
-  changed = sum(int(np.sum(a != b)) for a, b in zip(jax.tree.leaves(decoded_after),
-                                                    jax.tree.leaves(decoded_before)))
+  changed = sum(
+      int(np.sum(a != b))
+      for a, b in zip(jax.tree.leaves(decoded_after), jax.tree.leaves(decoded_before))
+  )
   assert changed > 20
   q16 = np.asarray(jnp.asarray(q0, jnp.bfloat16))
   lost = np.asarray(jnp.asarray(q16) + jnp.asarray(np.sign(q1 - q0) * 1e-6, jnp.bfloat16))

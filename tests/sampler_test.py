@@ -10,8 +10,15 @@ from april_jax.models import hf_io, qwen3
 from april_jax.sampler import EngineConfig, PromptError, SampleRecord, SlotEngine
 from conftest import mesh_or_skip
 
-CFG = qwen3.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = qwen3.Qwen3Config(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +33,17 @@ def _prompts(seed, lengths, vocab=CFG.vocab_size):
 
 def _records(prompts, max_new_tokens, temperature=0.8, seed=0, **kw):
   keys = sampler.sample_keys(seed, len(prompts))
-  return [SampleRecord(prompt=p, max_new_tokens=max_new_tokens, rng=keys[i],
-                       temperature=temperature, meta={"index": i}, **kw)
-          for i, p in enumerate(prompts)]
+  return [
+      SampleRecord(
+          prompt=p,
+          max_new_tokens=max_new_tokens,
+          rng=keys[i],
+          temperature=temperature,
+          meta={"index": i},
+          **kw,
+      )
+      for i, p in enumerate(prompts)
+  ]
 
 
 def _run_to_end(engine, records):
@@ -52,36 +67,41 @@ def test_greedy_generate_matches_transformers_token_for_token(hf_model_dir):
 
   def hf_generate(prompt, eos):
     with torch.no_grad():
-      out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                           eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+      out = model.generate(
+          torch.tensor([prompt]),
+          max_new_tokens=max_new,
+          do_sample=False,
+          eos_token_id=eos,
+          pad_token_id=0,
+      )
+    return out[0, len(prompt) :].tolist()
 
   # A stop token that the first prompt really produces (its 4th token), so stops are hit.
   unstopped = hf_generate(prompts[0], None)
   eos = unstopped[3]
   expected = [hf_generate(p, eos) for p in prompts]
-  ours = sampler.generate(cfg, params, prompts, max_new_tokens=max_new, num_slots=2,
-                          eos_ids=(eos,), sync_every=5)
+  ours = sampler.generate(
+      cfg, params, prompts, max_new_tokens=max_new, num_slots=2, eos_ids=(eos,), sync_every=5
+  )
   assert ours == expected
   assert ours[0][-1] == eos and len(ours[0]) == unstopped.index(eos) + 1
 
 
 def test_refilled_slot_decodes_like_alone(params):
   prompts = _prompts(2, [4, 11, 6, 17, 3, 9, 5])
-  together = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=48,
-                                                              sync_every=4)),
-                         _records(prompts, 20))
+  together = _run_to_end(
+      SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=48, sync_every=4)),
+      _records(prompts, 20),
+  )
   for i, record in enumerate(_records(prompts, 20)):
-    alone = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48)),
-                        [record])[i]
+    alone = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48)), [record])[i]
     np.testing.assert_array_equal(together[i].response, alone.response)
     np.testing.assert_allclose(together[i].logprobs, alone.logprobs, atol=1e-5)
 
 
 def _interrupted(params, record, mode, cut_steps, sync_every=3):
   """Decodes `record`, snapshots it after `cut_steps` rounds, restores it elsewhere."""
-  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64,
-                                                sync_every=sync_every))
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64, sync_every=sync_every))
   engine.add_group([record])
   for _ in range(cut_steps):
     assert not engine.step()
@@ -109,9 +129,9 @@ def _drain(engine):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_snapshot_then_restore_continues_exactly(params, temperature):
   record = lambda: _records(_prompts(3, [7]), 25, temperature=temperature)[0]
-  (straight,) = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64,
-                                                                 sync_every=3)),
-                            [record()]).values()
+  (straight,) = _run_to_end(
+      SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=64, sync_every=3)), [record()]
+  ).values()
   kv, kv_shape, used = _interrupted(params, record(), "kv", cut_steps=2)
   assert kv_shape == (CFG.num_layers, used, CFG.num_kv_heads, CFG.head_dim)  # used length
   np.testing.assert_array_equal(kv.response, straight.response)
@@ -159,7 +179,7 @@ def test_without_refill_decoding_runs_through_finishes_and_reports_completion_or
   engine = SlotEngine(CFG, params, config)
   early, late = make()
   late.max_new_tokens, early.max_new_tokens = 6, 3
-  engine.add_group([late])   # slot 0 finishes last ...
+  engine.add_group([late])  # slot 0 finishes last ...
   engine.add_group([early])  # ... slot 1 first
   assert engine.step(refill=True) == [early] and engine.decode_steps == 3
   # Without: one window of sync_every steps holds both finishes, reported in their order.
@@ -174,12 +194,14 @@ def test_without_refill_decoding_runs_through_finishes_and_reports_completion_or
 
 def test_behavior_logprobs_equal_tempered_log_softmax_of_full_forward(params):
   temperature = 0.7
-  records = _run_to_end(SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48,
-                                                             sync_every=4)),
-                        _records(_prompts(4, [5, 8, 2, 12]), 15, temperature=temperature))
+  records = _run_to_end(
+      SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=48, sync_every=4)),
+      _records(_prompts(4, [5, 8, 2, 12]), 15, temperature=temperature),
+  )
   for r in records.values():
-    np.testing.assert_allclose(r.logprobs, _teacher_forced_logprobs(params, r, temperature),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        r.logprobs, _teacher_forced_logprobs(params, r, temperature), atol=1e-4
+    )
     np.testing.assert_array_equal(r.versions, 0)
 
 
@@ -189,7 +211,7 @@ def _teacher_forced_logprobs(params, record, temperature, padded_len=64):
   attention keeps the padding out of the positions that count)."""
   tokens = np.concatenate([record.prompt, record.response])
   padded = np.zeros(padded_len, np.int32)
-  padded[:len(tokens) - 1] = tokens[:-1]
+  padded[: len(tokens) - 1] = tokens[:-1]
   logits = qwen3.forward(CFG, params, jnp.asarray(padded[None]))[0]
   logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
   P = len(record.prompt)
@@ -197,8 +219,7 @@ def _teacher_forced_logprobs(params, record, temperature, padded_len=64):
 
 
 @pytest.mark.parametrize("mode", ["kv", "recompute"])
-def test_a_token_is_tagged_current_only_if_current_params_drew_it_over_current_kv(params,
-                                                                                 mode):
+def test_a_token_is_tagged_current_only_if_current_params_drew_it_over_current_kv(params, mode):
   """Params A draw 4 tokens; snapshot; params B (version 1) continue the sample. In mode
   kv the new tokens attend to A's KV: they keep A's version. In mode recompute the KV is
   B's: they are tagged 1, and their logged logprobs are B's."""
@@ -225,16 +246,16 @@ def test_new_params_over_a_live_slot_keep_the_kv_s_version(params):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=64, sync_every=4))
   engine.add_group(_records(_prompts(5, [6]), 30)[:1])
   engine.step()
-  engine.version = 1           # the slot's KV is still version 0's
+  engine.version = 1  # the slot's KV is still version 0's
   engine.step()
   (partial,) = engine.snapshot(with_kv=False)
   engine.version = 2
-  engine.add(partial, mode="recompute")   # recomputed: the KV is version 2's
+  engine.add(partial, mode="recompute")  # recomputed: the KV is version 2's
   engine.step()
   (partial,) = engine.snapshot(with_kv=True)
   assert partial.kv_version == 2
   engine.version = 3
-  engine.add(partial, mode="kv")          # put back: still version 2's KV
+  engine.add(partial, mode="kv")  # put back: still version 2's KV
   (done,) = _drain(engine)
   np.testing.assert_array_equal(done.versions, [0] * 8 + [2] * 22)
 
@@ -264,8 +285,7 @@ def test_no_compilation_after_warm_up(params, compiles):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
 
   def workload(seed):
-    records = _records(_prompts(seed, [5, 20, 9, 33, 14, 2]), 18, temperature=1.0,
-                       seed=seed)
+    records = _records(_prompts(seed, [5, 20, 9, 33, 14, 2]), 18, temperature=1.0, seed=seed)
     for r in records[:3]:
       engine.add_group([r])
     engine.step()
@@ -290,8 +310,7 @@ def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape, compiles):
   if mesh is not None:
     params = jax.device_put(params, qwen3.param_shardings(CFG, mesh))
   # A slot shape no other test uses, so nothing is cached before warm_up.
-  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5),
-                      mesh=mesh)
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=80, sync_every=5), mesh=mesh)
   assert engine.warm_up() == len(buckets.all_buckets(16, 80))
   before = len(compiles)
   assert before > 0
@@ -314,14 +333,20 @@ def test_bad_prompts_raise_naming_the_prompt_or_are_counted_when_skipped(params)
     sampler.generate(CFG, params, [[1, 2], []], max_new_tokens=4)
   with pytest.raises(PromptError, match="prompt 0: prompt of 40 tokens.*max_len=32"):
     sampler.generate(CFG, params, [[1] * 40, [3]], max_new_tokens=4, max_len=32)
-  records = sampler.generate(CFG, params, [[1] * 40, [], [5, 6]], max_new_tokens=4,
-                             max_len=32, on_invalid="skip", return_records=True)
+  records = sampler.generate(
+      CFG,
+      params,
+      [[1] * 40, [], [5, 6]],
+      max_new_tokens=4,
+      max_len=32,
+      on_invalid="skip",
+      return_records=True,
+  )
   assert [r.finish_reason for r in records] == ["rejected", "rejected", "length"]
   assert len(records[2].response) == 4
 
 
-def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_heads_over_the_rest(
-    params):
+def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_heads_over_the_rest(params):
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 (CPU) devices")
   # The sampler's rules: slots over data, KV heads (2 here) over fsdp x tensor.
@@ -329,8 +354,7 @@ def test_sharded_generate_equals_unsharded_with_slots_over_data_kv_heads_over_th
   sharded_params = jax.device_put(params, qwen3.param_shardings(CFG, mesh))
   prompts = [p.tolist() for p in _prompts(8, [3, 7, 12, 5, 9, 4])]
   plain = sampler.generate(CFG, params, prompts, max_new_tokens=10, num_slots=4)
-  ours = sampler.generate(CFG, sharded_params, prompts, max_new_tokens=10, num_slots=4,
-                          mesh=mesh)
+  ours = sampler.generate(CFG, sharded_params, prompts, max_new_tokens=10, num_slots=4, mesh=mesh)
   assert ours == plain
   engine = SlotEngine(CFG, sharded_params, EngineConfig(num_slots=4, max_len=32), mesh=mesh)
   spec = engine.state.kv.k.sharding.spec  # [L, S, K, M, H]
@@ -343,8 +367,9 @@ def test_bfloat16_params_decode_over_a_cache_of_either_dtype(params, kv_dtype):
   greedily agrees with the float32 model on most tokens."""
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   prompts = _prompts(11, [5, 9, 3, 7])
-  outs16 = sampler.generate(CFG, params16, prompts, max_new_tokens=12, num_slots=4,
-                            kv_dtype=kv_dtype)
+  outs16 = sampler.generate(
+      CFG, params16, prompts, max_new_tokens=12, num_slots=4, kv_dtype=kv_dtype
+  )
   outs32 = sampler.generate(CFG, params, prompts, max_new_tokens=12, num_slots=4)
   assert [len(o) for o in outs16] == [12] * 4
   first_tokens_equal = np.mean([a[0] == b[0] for a, b in zip(outs16, outs32)])

@@ -16,8 +16,13 @@ QWEN_VOCAB = 151_936
 def _draw(n, temperature, top_k=0, top_p=1.0, seed=0):
   keys = jax.random.split(jax.random.key(seed), n)
   fill = lambda v, dtype: jnp.full((n,), v, dtype)
-  return sample_tokens(jnp.broadcast_to(LOGITS, (n, V)), keys, fill(temperature, jnp.float32),
-                       fill(top_k, jnp.int32), fill(top_p, jnp.float32))
+  return sample_tokens(
+      jnp.broadcast_to(LOGITS, (n, V)),
+      keys,
+      fill(temperature, jnp.float32),
+      fill(top_k, jnp.int32),
+      fill(top_p, jnp.float32),
+  )
 
 
 def _softmax64(logits_V):
@@ -77,15 +82,21 @@ def _fit_to_softmax(counts_V, p_V):
   lam_R = n * p_V[rare]
   repeat_R = 1 - np.exp(-lam_R) * (1 + lam_R)
   return dict(
-      bin_expected=n * mass_B, bin_observed=observed_B,
+      bin_expected=n * mass_B,
+      bin_observed=observed_B,
       bin_z=_z(observed_B, n * mass_B, mass_B),
       chi2=np.sum((observed_B - n * mass_B) ** 2 / (n * mass_B)),
-      rare_expected=n * p_V[rare].sum(), rare_observed=counts_V[rare].sum(),
+      rare_expected=n * p_V[rare].sum(),
+      rare_observed=counts_V[rare].sum(),
       rare_z=_z(counts_V[rare].sum(), n * p_V[rare].sum(), p_V[rare].sum()),
-      rare_repeated_expected=repeat_R.sum(), rare_repeated=np.sum(counts_V[rare] >= 2),
-      rare_repeated_z=((np.sum(counts_V[rare] >= 2) - repeat_R.sum())
-                       / np.sqrt(np.sum(repeat_R * (1 - repeat_R)))),
-      frequent_z=_z(counts_V[frequent], n * p_V[frequent], p_V[frequent]))
+      rare_repeated_expected=repeat_R.sum(),
+      rare_repeated=np.sum(counts_V[rare] >= 2),
+      rare_repeated_z=(
+          (np.sum(counts_V[rare] >= 2) - repeat_R.sum())
+          / np.sqrt(np.sum(repeat_R * (1 - repeat_R)))
+      ),
+      frequent_z=_z(counts_V[frequent], n * p_V[frequent], p_V[frequent]),
+  )
 
 
 def test_a_million_draws_over_a_full_vocabulary_match_softmax_down_to_the_tail():
@@ -103,8 +114,7 @@ def test_a_million_draws_over_a_full_vocabulary_match_softmax_down_to_the_tail()
   counts_V = np.zeros(QWEN_VOCAB, np.int64)
   for i in range(chunks):
     keys = jax.random.split(jax.random.fold_in(jax.random.key(0), i), chunk)
-    counts_V += np.bincount(np.asarray(draw(jnp.asarray(logits_V), keys)),
-                            minlength=QWEN_VOCAB)
+    counts_V += np.bincount(np.asarray(draw(jnp.asarray(logits_V), keys)), minlength=QWEN_VOCAB)
   assert counts_V.sum() == chunks * chunk
   fit = _fit_to_softmax(counts_V, p_V)
   assert np.all(np.abs(fit["bin_z"]) < 5), fit
@@ -128,7 +138,7 @@ def _nucleus_case():
   mass_before = np.cumsum(p_V[order]) - p_V[order]
   last = np.searchsorted(mass_before, 0.9) - 1  # the token whose mass spans 0.9
   top_p = (mass_before[last] + mass_before[last + 1]) / 2
-  return logits_V, p_V, top_p, order[:last + 1]
+  return logits_V, p_V, top_p, order[: last + 1]
 
 
 def _sample_one_row_many_times(logits_V, n, temperature, top_k, top_p):
@@ -137,8 +147,13 @@ def _sample_one_row_many_times(logits_V, n, temperature, top_k, top_p):
   keys = jax.random.split(jax.random.key(3), n)[:, None]
   row = lambda v, dtype: jnp.full((1,), v, dtype)
   draw = jax.jit(jax.vmap(sample_tokens, in_axes=(None, 0, None, None, None)))
-  tokens, logprobs = draw(jnp.asarray(logits_V)[None], keys, row(temperature, jnp.float32),
-                          row(top_k, jnp.int32), row(top_p, jnp.float32))
+  tokens, logprobs = draw(
+      jnp.asarray(logits_V)[None],
+      keys,
+      row(temperature, jnp.float32),
+      row(top_k, jnp.int32),
+      row(top_p, jnp.float32),
+  )
   return np.asarray(tokens[:, 0]), np.asarray(logprobs[:, 0])
 
 
@@ -193,8 +208,7 @@ def test_rows_mix_greedy_truncated_and_free_sampling():
   temp = jnp.repeat(jnp.asarray([0.0, 1.0, 1.0]), n)
   top_k = jnp.repeat(jnp.asarray([0, 2, 0], jnp.int32), n)
   top_p = jnp.ones((3 * n,))
-  tokens, logprobs = sample_tokens(jnp.broadcast_to(LOGITS, (3 * n, V)), keys, temp, top_k,
-                                   top_p)
+  tokens, logprobs = sample_tokens(jnp.broadcast_to(LOGITS, (3 * n, V)), keys, temp, top_k, top_p)
   tokens = np.asarray(tokens).reshape(3, n)
   assert set(tokens[0]) == {0}
   assert set(tokens[1]) == {0, 1}
@@ -203,6 +217,5 @@ def test_rows_mix_greedy_truncated_and_free_sampling():
   probs = np.asarray(jax.nn.softmax(LOGITS))
   # Greedy and free rows log the full softmax; the top-2 row its renormalised pair.
   np.testing.assert_allclose(logprobs[0], np.log(probs[0]), rtol=1e-6)
-  np.testing.assert_allclose(logprobs[1], np.log(probs[:2] / probs[:2].sum())[tokens[1]],
-                             rtol=1e-5)
+  np.testing.assert_allclose(logprobs[1], np.log(probs[:2] / probs[:2].sum())[tokens[1]], rtol=1e-5)
   np.testing.assert_allclose(logprobs[2], np.log(probs)[tokens[2]], rtol=1e-5)

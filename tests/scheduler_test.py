@@ -9,13 +9,25 @@ import pytest
 
 from april_jax.models import qwen3
 from april_jax.data import PromptItem
-from april_jax.rollout import (AprilScheduler, PartialBuffer, RewardRunner,
-                               RolloutSettings, rollout_metrics)
+from april_jax.rollout import (
+    AprilScheduler,
+    PartialBuffer,
+    RewardRunner,
+    RolloutSettings,
+    rollout_metrics,
+)
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 
-CFG = qwen3.Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
-                        num_heads=2, num_kv_heads=1, head_dim=16)
+CFG = qwen3.Qwen3Config(
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+)
 PARAMS = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
 MAX_BUDGET = 40
 
@@ -25,11 +37,23 @@ def _parity_reward(text, answer):
   return float(len(text) % 2)
 
 
-def _make(budgets, *, N=2, n=3, Np=4, num_slots=5, answers=lambda i: "", sync_every=4,
-          reward=_parity_reward, timeout_s=5.0, **settings):
+def _make(
+    budgets,
+    *,
+    N=2,
+    n=3,
+    Np=4,
+    num_slots=5,
+    answers=lambda i: "",
+    sync_every=4,
+    reward=_parity_reward,
+    timeout_s=5.0,
+    **settings
+):
   """A scheduler over a tiny model; responses run exactly to their budgets (no stop)."""
-  engine = SlotEngine(CFG, PARAMS, EngineConfig(num_slots=num_slots, max_len=64,
-                                                sync_every=sync_every))
+  engine = SlotEngine(
+      CFG, PARAMS, EngineConfig(num_slots=num_slots, max_len=64, sync_every=sync_every)
+  )
   handed_out = []
   counter = itertools.count()
 
@@ -39,10 +63,12 @@ def _make(budgets, *, N=2, n=3, Np=4, num_slots=5, answers=lambda i: "", sync_ev
     prompt = np.random.default_rng(i).integers(0, CFG.vocab_size, 2 + i % 5)
     return PromptItem(prompt_id=i, tokens=prompt, answer=answers(i), budgets=budgets(i, n))
 
-  runner = RewardRunner(reward, decode=lambda ids: "x" * len(ids), timeout_s=timeout_s,
-                        fallback=-1.0)
-  rollout = RolloutSettings(batch_size=N, n_samples_per_prompt=n, over_sampling_batch_size=Np,
-                            **settings)
+  runner = RewardRunner(
+      reward, decode=lambda ids: "x" * len(ids), timeout_s=timeout_s, fallback=-1.0
+  )
+  rollout = RolloutSettings(
+      batch_size=N, n_samples_per_prompt=n, over_sampling_batch_size=Np, **settings
+  )
   return AprilScheduler(engine, rollout, source, runner), handed_out
 
 
@@ -95,7 +121,8 @@ def test_synchronous_baseline_refuses_to_over_sample():
 
 @pytest.mark.parametrize("resume_mode", ["recompute", "kv"])
 def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_match_hand_count(
-    resume_mode):
+    resume_mode,
+):
   # Group 0 has one long sample; every other group is short, so each step stops early
   # and group 0's long sample is carried over across updates.
   budgets = lambda i, n: [24, 1] if i == 0 else [2, 2]
@@ -118,20 +145,21 @@ def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_matc
   metrics = rollout_metrics(result, step)
   all_versions = np.concatenate([s.versions for s in group.samples])
   assert metrics["rollout/stale_token_frac"] == pytest.approx(
-      np.sum(all_versions < step) / len(all_versions))
+      np.sum(all_versions < step) / len(all_versions)
+  )
   # The paper's measure: the long sample was cut at k step ends and continued; its short
   # sibling finished in the step it started, so its token is not counted.
   assert "cuts" not in group.samples[1].meta
   assert metrics["rollout/off_policy_token_frac"] == pytest.approx(24 / 25)
   assert metrics["rollout/staleness_max"] == step  # its first token was drawn at version 0
   assert metrics["rollout/staleness_mean"] == pytest.approx(
-      np.mean([step - s.versions.min() for s in group.samples]))
+      np.mean([step - s.versions.min() for s in group.samples])
+  )
 
 
 @pytest.mark.parametrize("limit", [0, 2])
 def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit):
-  sched, handed_out = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4,
-                            max_staleness=limit)
+  sched, handed_out = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=limit)
   restarts, trained = 0, []
   for step in range(25):
     result = sched.step(step, version=step)
@@ -152,8 +180,9 @@ def test_a_response_longer_than_the_staleness_limit_restarts_once_and_trains(res
   # Prompt 0 needs 36 tokens; every step ends after ~2, so it crosses the limit of 2
   # versions. With the old rule it restarted every third step, forever.
   budgets = lambda i, n: [36, 1] if i == 0 else [2, 2]
-  sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4, sync_every=4, max_staleness=2,
-                   resume_mode=resume_mode)
+  sched, _ = _make(
+      budgets, N=1, n=2, Np=2, num_slots=4, sync_every=4, max_staleness=2, resume_mode=resume_mode
+  )
   first_keys = None
   for step in range(60):
     result = sched.step(step, version=step)
@@ -175,14 +204,30 @@ def test_a_response_longer_than_the_staleness_limit_restarts_once_and_trains(res
 def test_a_stale_sample_restarts_but_its_siblings_within_the_limit_are_kept():
   sched, _ = _make(lambda i, n: [6, 6], N=1, n=2, Np=1, num_slots=2, max_staleness=1)
   prompt = np.array([3, 4, 5], np.int32)
-  old = SampleRecord(prompt=prompt, max_new_tokens=6, rng=np.array([1, 2], np.uint32),
-                     response=[7, 8], logprobs=[-1.0, -1.0], versions=[0, 0],
-                     meta={"group": 0, "index": 0, "cuts": 2})
-  recent = SampleRecord(prompt=prompt, max_new_tokens=6, rng=np.array([3, 4], np.uint32),
-                        response=[9] * 6, logprobs=[-1.0] * 6, versions=[2] * 6,
-                        finish_reason="length", meta={"group": 0, "index": 1})
-  sched.buffer.add(Group(group_id=0, prompt_id="p", prompt=prompt, answer="",
-                         samples=[old, recent], first_step=0))
+  old = SampleRecord(
+      prompt=prompt,
+      max_new_tokens=6,
+      rng=np.array([1, 2], np.uint32),
+      response=[7, 8],
+      logprobs=[-1.0, -1.0],
+      versions=[0, 0],
+      meta={"group": 0, "index": 0, "cuts": 2},
+  )
+  recent = SampleRecord(
+      prompt=prompt,
+      max_new_tokens=6,
+      rng=np.array([3, 4], np.uint32),
+      response=[9] * 6,
+      logprobs=[-1.0] * 6,
+      versions=[2] * 6,
+      finish_reason="length",
+      meta={"group": 0, "index": 1},
+  )
+  sched.buffer.add(
+      Group(
+          group_id=0, prompt_id="p", prompt=prompt, answer="", samples=[old, recent], first_step=0
+      )
+  )
   sched.next_group_id = 1
   result = sched.step(3, version=3)
   (group,) = result.groups
@@ -214,8 +259,9 @@ def test_reward_that_raises_or_hangs_gets_fallback_and_is_counted():
     return 1.0
 
   answers = lambda i: {0: "boom", 1: "hang"}.get(i, "ok")
-  sched, _ = _make(lambda i, n: [3] * n, N=3, n=2, Np=3, answers=answers, reward=reward,
-                   timeout_s=0.3)
+  sched, _ = _make(
+      lambda i, n: [3] * n, N=3, n=2, Np=3, answers=answers, reward=reward, timeout_s=0.3
+  )
   result = sched.step(0, version=0)
   by_id = {g.prompt_id: g for g in result.groups}
   assert by_id[0].rewards == [-1.0, -1.0] and by_id[0].reward_info["errors"] == 2
@@ -268,7 +314,8 @@ def test_occupancy_and_throughput_follow_their_definitions():
   m, st = rollout_metrics(result, 0), result.stats
   assert 0 < m["rollout/slot_occupancy"] <= 1
   assert m["rollout/slot_occupancy"] == pytest.approx(
-      st["new_tokens"] / (st["num_slots"] * st["decode_steps"]))
+      st["new_tokens"] / (st["num_slots"] * st["decode_steps"])
+  )
   assert m["rollout/tokens_per_s"] == pytest.approx(st["new_tokens"] / st["rollout_s"])
   trained_tokens = sum(len(s.response) for g in result.groups for s in g.samples)
   assert st["new_tokens"] >= trained_tokens

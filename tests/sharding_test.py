@@ -24,8 +24,9 @@ def test_logical_rules_skip_used_and_indivisible_axes():
   mesh = sharding.make_mesh((2, 2, 2))
   assert sharding.logical_to_spec(("batch", "seq"), (8, 5), mesh) == P(("data", "fsdp"), None)
   # kv_heads=3 does not divide tensor=2: replicated rather than a crash.
-  assert sharding.logical_to_spec(("embed", "kv_heads", "head_dim"), (8, 3, 4),
-                                  mesh) == P("fsdp", None, None)
+  assert sharding.logical_to_spec(("embed", "kv_heads", "head_dim"), (8, 3, 4), mesh) == P(
+      "fsdp", None, None
+  )
 
 
 def test_sharded_forward_equals_unsharded_and_params_are_sharded(hf_model_dir):
@@ -52,11 +53,21 @@ def test_sharded_forward_equals_unsharded_and_params_are_sharded(hf_model_dir):
 
 def test_params_initialised_directly_sharded_match_unsharded_init():
   mesh = sharding.make_mesh((1, 4, 2))
-  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=8)
+  cfg = qwen3.Qwen3Config(
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=64,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=8,
+  )
   sharded = qwen3.init_params_sharded(cfg, jax.random.key(3), mesh)
   plain = qwen3.init_params(cfg, jax.random.key(3))
   assert sharded["layers"]["gate"].sharding.spec == P(None, "fsdp", "tensor")
   # Same random stream; jit vs eager may differ by an ulp in the normal transform.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                       rtol=1e-6), sharded, plain)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
+      sharded,
+      plain,
+  )

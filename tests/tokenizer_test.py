@@ -13,21 +13,21 @@ if not QWEN3_DIR.is_dir():
   pytest.skip(f"Qwen3 tokenizer files not found at {QWEN3_DIR}", allow_module_level=True)
 
 CONVERSATIONS = {
-  "single_user": [{"role": "user", "content": "What is 2 + 3?"}],
-  "system_and_user": [
-    {"role": "system", "content": "You are a careful math tutor."},
-    {"role": "user", "content": "Solve x^2 = 4 for x > 0."},
-  ],
-  "multi_turn_with_thinking": [
-    {"role": "system", "content": "Answer briefly."},
-    {"role": "user", "content": "What is 7 * 6?"},
-    {"role": "assistant", "content": "<think>\n7 * 6 = 42.\n</think>\n\nThe answer is 42."},
-    {"role": "user", "content": "And 42 / 7? Réponds en français — ∑ ok."},
-  ],
-  "ends_with_assistant_thinking": [
-    {"role": "user", "content": "Say hi."},
-    {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nHi!"},
-  ],
+    "single_user": [{"role": "user", "content": "What is 2 + 3?"}],
+    "system_and_user": [
+        {"role": "system", "content": "You are a careful math tutor."},
+        {"role": "user", "content": "Solve x^2 = 4 for x > 0."},
+    ],
+    "multi_turn_with_thinking": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 7 * 6?"},
+        {"role": "assistant", "content": "<think>\n7 * 6 = 42.\n</think>\n\nThe answer is 42."},
+        {"role": "user", "content": "And 42 / 7? Réponds en français — ∑ ok."},
+    ],
+    "ends_with_assistant_thinking": [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nHi!"},
+    ],
 }
 
 
@@ -54,8 +54,13 @@ def test_digits_are_one_token_each(qwen3):
 
 
 @pytest.mark.parametrize(
-  "text",
-  ["Hello world", "  leading and trailing  \n", "héllo wörld 你好 🙂", "∫_0^1 x^2 dx = 1/3, so \\frac{1}{3} ≈ 0.333"],
+    "text",
+    [
+        "Hello world",
+        "  leading and trailing  \n",
+        "héllo wörld 你好 🙂",
+        "∫_0^1 x^2 dx = 1/3, so \\frac{1}{3} ≈ 0.333",
+    ],
 )
 def test_decode_inverts_encode(qwen3, text):
   assert qwen3.decode(qwen3.encode(text)) == text
@@ -82,24 +87,32 @@ def test_skip_special_tokens_drops_them_in_decode(qwen3):
 @pytest.mark.parametrize("enable_thinking", [True, False])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_chat_template_renders_like_transformers(qwen3, hf_qwen3, name, add_generation_prompt, enable_thinking):
+def test_chat_template_renders_like_transformers(
+    qwen3, hf_qwen3, name, add_generation_prompt, enable_thinking
+):
   messages = CONVERSATIONS[name]
   expected = hf_qwen3.apply_chat_template(
-    messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+      messages,
+      tokenize=False,
+      add_generation_prompt=add_generation_prompt,
+      enable_thinking=enable_thinking,
   )
   rendered = qwen3.apply_chat_template(
-    messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+      messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
   )
   assert rendered == expected
   expected_ids = hf_qwen3.apply_chat_template(
-    messages,
-    tokenize=True,
-    return_dict=False,
-    add_generation_prompt=add_generation_prompt,
-    enable_thinking=enable_thinking,
+      messages,
+      tokenize=True,
+      return_dict=False,
+      add_generation_prompt=add_generation_prompt,
+      enable_thinking=enable_thinking,
   )
   assert qwen3.apply_chat_template(
-    messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=True
+      messages,
+      add_generation_prompt=add_generation_prompt,
+      enable_thinking=enable_thinking,
+      tokenize=True,
   ) == list(expected_ids)
 
 

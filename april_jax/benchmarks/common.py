@@ -16,9 +16,14 @@ from april_jax.models import hf_io, qwen3
 
 
 def machine() -> dict[str, Any]:
-  return {"platform": jax.default_backend(), "devices": len(jax.devices()),
-          "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
-          "python": platform.python_version(), "jax": jax.__version__}
+  return {
+      "platform": jax.default_backend(),
+      "devices": len(jax.devices()),
+      "device_kind": jax.devices()[0].device_kind,
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+  }
 
 
 # Peak memory bandwidth (GB/s) of accelerators the decode roofline knows by name.
@@ -35,8 +40,9 @@ def bench_model(config, seed: int):
   """The config's model shape and random params as the run's sampler holds them: in the
   compute dtype (`model.dtype`), with the config's attention settings."""
   cfg = hf_io.model_config(config)
-  params = qwen3.init_params(cfg, jax.random.key(seed), dtype=jnp.dtype(config.model.dtype),
-                             std=config.model.init.std)
+  params = qwen3.init_params(
+      cfg, jax.random.key(seed), dtype=jnp.dtype(config.model.dtype), std=config.model.init.std
+  )
   return cfg, params
 
 
@@ -55,8 +61,12 @@ def progress(label: str, done: int, total: int) -> None:
   width = 30
   filled = int(width * done / max(total, 1))
   end = "\n" if done >= total else ""
-  print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
-        file=sys.stderr, flush=True)
+  print(
+      f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+      end=end,
+      file=sys.stderr,
+      flush=True,
+  )
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -14,24 +14,23 @@ import numpy as np
 
 from april_jax.rewards.longtail_task import longtail_lengths
 
-SHAPES = {
-    "dapo_math": (0.18, 0.75),
-    "deepscaler": (0.12, 0.70),
-    "deepmath": (0.10, 0.95),
-}
+SHAPES = {"dapo_math": (0.18, 0.75), "deepscaler": (0.12, 0.70), "deepmath": (0.10, 0.95)}
 
 
 def sample_lengths(shape: str, max_len: int, size: int, seed) -> np.ndarray:
   if shape not in SHAPES:
     raise KeyError(f"unknown length distribution {shape!r}; known: {sorted(SHAPES)}")
   median_frac, sigma = SHAPES[shape]
-  return longtail_lengths(np.random.default_rng(seed), size, max_len, median_frac * max_len,
-                          sigma)
+  return longtail_lengths(np.random.default_rng(seed), size, max_len, median_frac * max_len, sigma)
 
 
 def describe(shape: str, max_len: int, size: int = 20000) -> dict[str, float]:
   lengths = sample_lengths(shape, max_len, size, seed=12345)
-  return {"mean": float(lengths.mean()), "p50": float(np.median(lengths)),
-          "p90": float(np.percentile(lengths, 90)), "max": float(lengths.max()),
-          "at_cap_frac": float(np.mean(lengths >= max_len)),
-          "max_over_mean": float(max_len / lengths.mean())}
+  return {
+      "mean": float(lengths.mean()),
+      "p50": float(np.median(lengths)),
+      "p90": float(np.percentile(lengths, 90)),
+      "max": float(lengths.max()),
+      "at_cap_frac": float(np.mean(lengths >= max_len)),
+      "max_over_mean": float(max_len / lengths.mean()),
+  }

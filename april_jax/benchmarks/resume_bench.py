@@ -13,54 +13,91 @@ import numpy as np
 
 from april_jax.benchmarks import common, sampler_bench, scheduler_bench
 
+MODES = ("kv", "recompute")
+# (report header, per-mode key) of each column of the table after the mode's name.
+_COLUMNS = (
+    ("s/step", "rollout_s_per_step"),
+    ("tokens/s", "tokens_per_s"),
+    ("partials resumed/step", "partial_samples_per_step"),
+    ("buffer bytes (mean)", "buffer_bytes_mean"),
+    ("us per held token", "us_per_held_token"),
+)
 
-def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
-        seed: int = 0, report=None) -> dict:
+
+def _add_step_stats(out: dict, mode: str, results: list, steps: int) -> None:
+  """One mode's numbers per step: rollout time, tokens/s, partials resumed, buffer bytes."""
+  summary = scheduler_bench.summarize(results, list(range(steps)))
+  partials = [r.stats.get("partial_samples", 0) for r in results]
+  buffer_bytes = [r.stats["buffer_bytes"] for r in results]
+  out[f"{mode}_tokens_per_s"] = summary["tokens_per_s"]
+  out[f"{mode}_rollout_s_per_step"] = summary["rollout_s_per_step"]
+  out[f"{mode}_partial_samples_per_step"] = float(np.mean(partials))
+  out[f"{mode}_buffer_bytes_mean"] = float(np.mean(buffer_bytes))
+  out[f"{mode}_buffer_bytes_max"] = float(np.max(buffer_bytes))
+
+
+def _print(out: dict) -> None:
+  print(
+      f"{'resume':>10} {'s/step':>8} {'tokens/s':>10} {'partials/step':>14} "
+      f"{'buffer MB (mean/max)':>21} {'us/held token':>14}"
+  )
+  for mode in MODES:
+    print(
+        f"{mode:>10} {out[f'{mode}_rollout_s_per_step']:>8.3f} "
+        f"{out[f'{mode}_tokens_per_s']:>10.0f} {out[f'{mode}_partial_samples_per_step']:>14.1f} "
+        f"{out[f'{mode}_buffer_bytes_mean'] / 1e6:>10.2f} / "
+        f"{out[f'{mode}_buffer_bytes_max'] / 1e6:<8.2f} {out[f'{mode}_us_per_held_token']:>14.2f}"
+    )
+
+
+def _report(report, out: dict) -> None:
+  report.table(
+      "Resume modes",
+      ["mode"] + [header for header, _ in _COLUMNS],
+      [[m] + [out[f"{m}_{k}"] for _, k in _COLUMNS] for m in MODES],
+  )
+  for name, ylabel, key in (
+      ("cost_per_held_token", "us per held token (snapshot + restore)", "us_per_held_token"),
+      ("buffer_bytes", "host bytes held by the buffer (mean)", "buffer_bytes_mean"),
+  ):
+    report.bars(name, ylabel, {m: out[f"{m}_{key}"] for m in MODES})
+
+
+def run(
+    config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0, seed: int = 0, report=None
+) -> dict:
   cfg, params = common.bench_model(config, seed)
-  modes = ("kv", "recompute")
-  sides = {m: scheduler_bench.make_side(cfg, params, config, shape, True, ratio, seed,
-                                        resume_mode=m) for m in modes}
-  results = {m: [] for m in modes}
+  sides = {
+      m: scheduler_bench.make_side(cfg, params, config, shape, True, ratio, seed, resume_mode=m)
+      for m in MODES
+  }
+  results = {m: [] for m in MODES}
   for step in range(steps):
     for mode, sched in sides.items():
       results[mode].append(sched.step(step, version=step))
     common.progress("resume", step + 1, steps)
-  out = {"mode": "resume", "distribution": shape, "steps": steps,
-         "num_slots": config.rollout.num_slots, "machine": common.machine()}
-  for mode in modes:
-    res = results[mode]
-    summary = scheduler_bench.summarize(res, list(range(steps)))
-    out[f"{mode}_tokens_per_s"] = summary["tokens_per_s"]
-    out[f"{mode}_rollout_s_per_step"] = summary["rollout_s_per_step"]
-    out[f"{mode}_partial_samples_per_step"] = float(np.mean(
-        [r.stats.get("partial_samples", 0) for r in res]))
-    out[f"{mode}_buffer_bytes_mean"] = float(np.mean([r.stats["buffer_bytes"] for r in res]))
-    out[f"{mode}_buffer_bytes_max"] = float(np.max([r.stats["buffer_bytes"] for r in res]))
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(1, cfg.vocab_size, scheduler_bench.PROMPT_LEN).astype(np.int32)
-             for _ in range(config.rollout.num_slots)]
-  per_token = sampler_bench.resume_costs(cfg, params, prompts,
-                                         config.rollout.max_response_len // 2,
-                                         config.rollout.sync_every)
-  for mode in modes:
+  r = config.rollout
+  out = {
+      "mode": "resume",
+      "distribution": shape,
+      "steps": steps,
+      "num_slots": r.num_slots,
+      "machine": common.machine(),
+  }
+  for mode in MODES:
+    _add_step_stats(out, mode, results[mode], steps)
+  prompts = sampler_bench.random_prompts(
+      cfg.vocab_size, r.num_slots, scheduler_bench.PROMPT_LEN, seed
+  )
+  per_token = sampler_bench.resume_costs(
+      cfg, params, prompts, r.max_response_len // 2, r.sync_every
+  )
+  for mode in MODES:
     out[f"{mode}_us_per_held_token"] = per_token[mode]["us_per_token"]
-  out["recompute_over_kv_step_time"] = (out["recompute_rollout_s_per_step"] /
-                                        out["kv_rollout_s_per_step"])
-  print(f"{'resume':>10} {'s/step':>8} {'tokens/s':>10} {'partials/step':>14} "
-        f"{'buffer MB (mean/max)':>21} {'us/held token':>14}")
-  for mode in modes:
-    print(f"{mode:>10} {out[f'{mode}_rollout_s_per_step']:>8.3f} "
-          f"{out[f'{mode}_tokens_per_s']:>10.0f} {out[f'{mode}_partial_samples_per_step']:>14.1f} "
-          f"{out[f'{mode}_buffer_bytes_mean'] / 1e6:>10.2f} / "
-          f"{out[f'{mode}_buffer_bytes_max'] / 1e6:<8.2f} {out[f'{mode}_us_per_held_token']:>14.2f}")
+  out["recompute_over_kv_step_time"] = (
+      out["recompute_rollout_s_per_step"] / out["kv_rollout_s_per_step"]
+  )
+  _print(out)
   if report is not None:
-    report.table("Resume modes", ["mode", "s/step", "tokens/s", "partials resumed/step",
-                                  "buffer bytes (mean)", "us per held token"],
-                 [[m, out[f"{m}_rollout_s_per_step"], out[f"{m}_tokens_per_s"],
-                   out[f"{m}_partial_samples_per_step"], out[f"{m}_buffer_bytes_mean"],
-                   out[f"{m}_us_per_held_token"]] for m in modes])
-    report.bars("cost_per_held_token", "us per held token (snapshot + restore)",
-                {m: out[f"{m}_us_per_held_token"] for m in modes})
-    report.bars("buffer_bytes", "host bytes held by the buffer (mean)",
-                {m: out[f"{m}_buffer_bytes_mean"] for m in modes})
+    _report(report, out)
   return out

@@ -26,9 +26,16 @@ def make_side(cfg, params, config, shape, partial, ratio, seed, resume_mode=None
   """A warmed-up scheduler over the shared workload (prompts and budgets from the seed)."""
   r = config.rollout
   n, max_resp = r.n_samples_per_prompt, r.max_response_len
-  engine = SlotEngine(cfg, params, EngineConfig(
-      num_slots=r.num_slots, max_len=PROMPT_LEN + max_resp, sync_every=r.sync_every,
-      kv_dtype=config.model.kv_dtype))
+  engine = SlotEngine(
+      cfg,
+      params,
+      EngineConfig(
+          num_slots=r.num_slots,
+          max_len=PROMPT_LEN + max_resp,
+          sync_every=r.sync_every,
+          kv_dtype=config.model.kv_dtype,
+      ),
+  )
   engine.warm_up()
   counter = itertools.count()
 
@@ -39,11 +46,14 @@ def make_side(cfg, params, config, shape, partial, ratio, seed, resume_mode=None
     return PromptItem(prompt_id=i, tokens=prompt, answer="", budgets=list(budgets))
 
   settings = RolloutSettings(
-      batch_size=r.batch_size, n_samples_per_prompt=n,
+      batch_size=r.batch_size,
+      n_samples_per_prompt=n,
       over_sampling_batch_size=int(round(ratio * r.batch_size)) if partial else r.batch_size,
-      partial_rollout=partial, resume_mode=resume_mode or r.resume_mode,
+      partial_rollout=partial,
+      resume_mode=resume_mode or r.resume_mode,
       max_response_len=max_resp,
-      temperature=r.temperature)
+      temperature=r.temperature,
+  )
   rewards = RewardRunner(lambda text, answer: 0.0, decode=lambda ids: "", num_workers=1)
   return AprilScheduler(engine, settings, source, rewards, seed=seed)
 
@@ -58,8 +68,9 @@ def summarize(results: list, versions: list[int]) -> dict[str, float]:
       "trained_tokens_per_s": trained / st("rollout_s"),
       "slot_occupancy": st("new_tokens") / slot_steps,
       "rollout_s_per_step": st("rollout_s") / len(results),
-      "off_policy_token_frac": float(np.mean([m["rollout/off_policy_token_frac"]
-                                              for m in metrics])),
+      "off_policy_token_frac": float(
+          np.mean([m["rollout/off_policy_token_frac"] for m in metrics])
+      ),
       "stale_token_frac": float(np.mean([m["rollout/stale_token_frac"] for m in metrics])),
       "staleness_max": float(max(m["rollout/staleness_max"] for m in metrics)),
       "buffer_groups_end": float(results[-1].stats["buffer_groups"]),
@@ -76,36 +87,63 @@ def trained_samples(results: list, versions: list[int]):
   return np.array(lengths), np.array(staleness)
 
 
+# (report header, summary key) of each column of the rollout table after the side's name.
+_COLUMNS = (
+    ("tokens/s", "tokens_per_s"),
+    ("trained tokens/s", "trained_tokens_per_s"),
+    ("slot occupancy", "slot_occupancy"),
+    ("s/step", "rollout_s_per_step"),
+    ("off-policy token frac", "off_policy_token_frac"),
+    ("staleness max", "staleness_max"),
+)
+
+
 def add_plots(report, out: dict, results: dict, shape: str, max_len: int) -> None:
   """Throughput bars, the length distribution with its tail, APRIL's staleness."""
-  report.table("Rollout, APRIL vs the synchronous baseline",
-               ["side", "tokens/s", "trained tokens/s", "slot occupancy", "s/step",
-                "off-policy token frac", "staleness max"],
-               [[name] + [out[f"{key}_{m}"] for m in (
-                   "tokens_per_s", "trained_tokens_per_s", "slot_occupancy",
-                   "rollout_s_per_step", "off_policy_token_frac", "staleness_max")]
-                for name, key in (("APRIL", "april"), ("baseline", "baseline"))])
-  report.bars("throughput", "rollout tokens/s", {"APRIL": out["april_tokens_per_s"],
-                                                 "baseline": out["baseline_tokens_per_s"]})
-  report.bars("slot_occupancy", "kept tokens / slot-steps",
-              {"APRIL": out["april_slot_occupancy"],
-               "baseline": out["baseline_slot_occupancy"]})
-  versions = list(range(len(results["april"])))
-  report.histogram("response_lengths",
-                   {f"{shape} (sampled budgets)": length_dists.sample_lengths(
-                       shape, max_len, 20000, seed=1),
-                    "trained by APRIL": trained_samples(results["april"], versions)[0]},
-                   "response tokens", log_y=True)
-  report.histogram("staleness", {"APRIL": trained_samples(results["april"], versions)[1]},
-                   "policy versions behind (per trained sample)",
-                   bins=np.arange(-0.5, out["april_staleness_max"] + 1.5))
+  report.table(
+      "Rollout, APRIL vs the synchronous baseline",
+      ["side"] + [header for header, _ in _COLUMNS],
+      [
+          [name] + [out[f"{key}_{k}"] for _, k in _COLUMNS]
+          for name, key in (("APRIL", "april"), ("baseline", "baseline"))
+      ],
+  )
+  report.bars(
+      "throughput",
+      "rollout tokens/s",
+      {"APRIL": out["april_tokens_per_s"], "baseline": out["baseline_tokens_per_s"]},
+  )
+  report.bars(
+      "slot_occupancy",
+      "kept tokens / slot-steps",
+      {"APRIL": out["april_slot_occupancy"], "baseline": out["baseline_slot_occupancy"]},
+  )
+  lengths, staleness = trained_samples(results["april"], list(range(len(results["april"]))))
+  report.histogram(
+      "response_lengths",
+      {
+          f"{shape} (sampled budgets)": length_dists.sample_lengths(shape, max_len, 20000, seed=1),
+          "trained by APRIL": lengths,
+      },
+      "response tokens",
+      log_y=True,
+  )
+  report.histogram(
+      "staleness",
+      {"APRIL": staleness},
+      "policy versions behind (per trained sample)",
+      bins=np.arange(-0.5, out["april_staleness_max"] + 1.5),
+  )
 
 
-def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
-        seed: int = 0, report=None) -> dict:
+def run(
+    config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0, seed: int = 0, report=None
+) -> dict:
   cfg, params = common.bench_model(config, seed)
-  sides = {"april": make_side(cfg, params, config, shape, True, ratio, seed),
-           "baseline": make_side(cfg, params, config, shape, False, 1.0, seed)}
+  sides = {
+      "april": make_side(cfg, params, config, shape, True, ratio, seed),
+      "baseline": make_side(cfg, params, config, shape, False, 1.0, seed),
+  }
   results = {name: [] for name in sides}
   for step in range(steps):
     for name, sched in sides.items():
@@ -115,57 +153,104 @@ def run(config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0,
   versions = list(range(steps))
   april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
   r = config.rollout
-  out = {"mode": "scheduler", "distribution": shape,
-         "lengths": length_dists.describe(shape, r.max_response_len),
-         "N": r.batch_size, "n": r.n_samples_per_prompt, "N_prime": int(round(ratio * r.batch_size)),
-         "num_slots": r.num_slots, "max_response_len": r.max_response_len, "steps": steps,
-         "speedup": april["tokens_per_s"] / base["tokens_per_s"],
-         "trained_speedup": april["trained_tokens_per_s"] / base["trained_tokens_per_s"],
-         "machine": common.machine()}
+  out = {
+      "mode": "scheduler",
+      "distribution": shape,
+      "lengths": length_dists.describe(shape, r.max_response_len),
+      "N": r.batch_size,
+      "n": r.n_samples_per_prompt,
+      "N_prime": int(round(ratio * r.batch_size)),
+      "num_slots": r.num_slots,
+      "max_response_len": r.max_response_len,
+      "steps": steps,
+      "speedup": april["tokens_per_s"] / base["tokens_per_s"],
+      "trained_speedup": april["trained_tokens_per_s"] / base["trained_tokens_per_s"],
+      "machine": common.machine(),
+  }
   out.update({f"april_{k}": v for k, v in april.items()})
   out.update({f"baseline_{k}": v for k, v in base.items()})
-  out["off_policy_token_frac"] = april["off_policy_token_frac"]
-  out["stale_token_frac"] = april["stale_token_frac"]
-  out["staleness_max"] = april["staleness_max"]
+  out.update({k: april[k] for k in ("off_policy_token_frac", "stale_token_frac", "staleness_max")})
   if report is not None:
     add_plots(report, out, results, shape, r.max_response_len)
-  print(f"{'':>10} {'tokens/s':>10} {'trained tok/s':>14} {'occupancy':>10} "
-        f"{'s/step':>8} {'off-policy':>10} {'staleness':>9}")
+  print(
+      f"{'':>10} {'tokens/s':>10} {'trained tok/s':>14} {'occupancy':>10} "
+      f"{'s/step':>8} {'off-policy':>10} {'staleness':>9}"
+  )
   for name, s in (("APRIL", april), ("baseline", base)):
-    print(f"{name:>10} {s['tokens_per_s']:>10.0f} {s['trained_tokens_per_s']:>14.0f} "
-          f"{s['slot_occupancy']:>10.3f} {s['rollout_s_per_step']:>8.3f} "
-          f"{s['off_policy_token_frac']:>10.3f} {s['staleness_max']:>9.0f}")
-  print(f"speedup (rollout tokens/s) {out['speedup']:.2f}x, trained tokens/s "
-        f"{out['trained_speedup']:.2f}x  [{shape}, N={r.batch_size}, n={r.n_samples_per_prompt}, "
-        f"N'={out['N_prime']}, slots={r.num_slots}, max_len={r.max_response_len}]")
+    print(
+        f"{name:>10} {s['tokens_per_s']:>10.0f} {s['trained_tokens_per_s']:>14.0f} "
+        f"{s['slot_occupancy']:>10.3f} {s['rollout_s_per_step']:>8.3f} "
+        f"{s['off_policy_token_frac']:>10.3f} {s['staleness_max']:>9.0f}"
+    )
+  print(
+      f"speedup (rollout tokens/s) {out['speedup']:.2f}x, trained tokens/s "
+      f"{out['trained_speedup']:.2f}x  [{shape}, N={r.batch_size}, n={r.n_samples_per_prompt}, "
+      f"N'={out['N_prime']}, slots={r.num_slots}, max_len={r.max_response_len}]"
+  )
   return out
 
 
-def sweep(config, shape: str = "deepmath", steps: int = 8, ratios=(1.0, 1.5, 2.0, 3.0),
-          seed: int = 0, report=None) -> dict:
+# What each ratio's row of the sweep keeps from its `run`.
+_SWEEP_KEYS = (
+    "N_prime",
+    "speedup",
+    "trained_speedup",
+    "april_slot_occupancy",
+    "baseline_slot_occupancy",
+    "off_policy_token_frac",
+    "staleness_max",
+)
+
+
+def _print_sweep(rows: list[dict], shape: str) -> None:
+  print(f"\nN'/N sweep [{shape}]")
+  print(
+      f"{'N_prime/N':>9} {'speedup':>8} {'trained':>8} {'occupancy':>10} {'off-policy':>10} "
+      f"{'staleness':>9}"
+  )
+  for r in rows:
+    print(
+        f"{r['ratio']:>9.1f} {r['speedup']:>7.2f}x {r['trained_speedup']:>7.2f}x "
+        f"{r['april_slot_occupancy']:>10.3f} {r['off_policy_token_frac']:>10.3f} "
+        f"{r['staleness_max']:>9.0f}"
+    )
+
+
+def _report_sweep(report, rows: list[dict], ratios, shape: str) -> None:
+  """The sweep's table (APRIL's side) and its speedups against N'/N."""
+  keys = ["ratio"] + [k for k in _SWEEP_KEYS if k != "baseline_slot_occupancy"]
+  report.table(f"N'/N sweep ({shape})", keys, [[r[k] for k in keys] for r in rows])
+  report.lines(
+      "speedup_vs_ratio",
+      {
+          "rollout tokens/s": (np.array(ratios), np.array([r["speedup"] for r in rows])),
+          "trained tokens/s": (np.array(ratios), np.array([r["trained_speedup"] for r in rows])),
+      },
+      "N'/N",
+      "speedup over the baseline",
+  )
+
+
+def sweep(
+    config,
+    shape: str = "deepmath",
+    steps: int = 8,
+    ratios=(1.0, 1.5, 2.0, 3.0),
+    seed: int = 0,
+    report=None,
+) -> dict:
   """APRIL at several N'/N, each against its own baseline run (paired, same seeds)."""
   rows = []
   for ratio in ratios:
     out = run(config, shape=shape, steps=steps, ratio=float(ratio), seed=seed)
-    rows.append({k: out[k] for k in ("N_prime", "speedup", "trained_speedup",
-                                     "april_slot_occupancy", "baseline_slot_occupancy",
-                                     "off_policy_token_frac", "staleness_max")})
+    rows.append({k: out[k] for k in _SWEEP_KEYS})
     rows[-1]["ratio"] = float(ratio)
-  print(f"\nN'/N sweep [{shape}]")
-  print(f"{'N_prime/N':>9} {'speedup':>8} {'trained':>8} {'occupancy':>10} {'off-policy':>10} "
-        f"{'staleness':>9}")
-  for r in rows:
-    print(f"{r['ratio']:>9.1f} {r['speedup']:>7.2f}x {r['trained_speedup']:>7.2f}x "
-          f"{r['april_slot_occupancy']:>10.3f} {r['off_policy_token_frac']:>10.3f} "
-          f"{r['staleness_max']:>9.0f}")
+  _print_sweep(rows, shape)
   if report is not None:
-    keys = ("ratio", "N_prime", "speedup", "trained_speedup", "april_slot_occupancy",
-            "off_policy_token_frac", "staleness_max")
-    report.table(f"N'/N sweep ({shape})", list(keys), [[r[k] for k in keys] for r in rows])
-    report.lines("speedup_vs_ratio", {
-        "rollout tokens/s": (np.array(ratios), np.array([r["speedup"] for r in rows])),
-        "trained tokens/s": (np.array(ratios),
-                             np.array([r["trained_speedup"] for r in rows]))},
-                 "N'/N", "speedup over the baseline")
-  return {"mode": "scheduler_sweep", "distribution": shape, "sweep": rows,
-          "machine": common.machine()}
+    _report_sweep(report, rows, ratios, shape)
+  return {
+      "mode": "scheduler_sweep",
+      "distribution": shape,
+      "sweep": rows,
+      "machine": common.machine(),
+  }

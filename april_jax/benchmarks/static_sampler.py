@@ -23,8 +23,12 @@ def greedy(cfg: qwen3.Qwen3Config, params, prompts_BxP: jax.Array, new_tokens: i
   B, P = prompts_BxP.shape
   logits, kv = qwen3.prefill(cfg, params, prompts_BxP, jnp.full((B,), P, jnp.int32))
   pad = ((0, 0), (0, 0), (0, new_tokens), (0, 0), (0, 0))
-  cache = qwen3.KVCache(*(qwen3.kv_store(jnp.pad(x, pad).transpose(0, 1, 3, 2, 4),
-                                         qwen3.kv_storage_dtype(x.dtype)) for x in kv))
+  cache = qwen3.KVCache(
+      *(
+          qwen3.kv_store(jnp.pad(x, pad).transpose(0, 1, 3, 2, 4), qwen3.kv_storage_dtype(x.dtype))
+          for x in kv
+      )
+  )
   first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   out = jnp.zeros((B, new_tokens), jnp.int32).at[:, 0].set(first)
 
@@ -34,6 +38,7 @@ def greedy(cfg: qwen3.Qwen3Config, params, prompts_BxP: jax.Array, new_tokens: i
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return i + 1, token, cache, out.at[:, i].set(token)
 
-  _, _, _, out = jax.lax.while_loop(lambda c: c[0] < new_tokens, body,
-                                    (jnp.int32(1), first, cache, out))
+  _, _, _, out = jax.lax.while_loop(
+      lambda c: c[0] < new_tokens, body, (jnp.int32(1), first, cache, out)
+  )
   return out

@@ -17,114 +17,148 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.num_steps = 100
-  c.checkpoint_every = 50        # steps; 0 = only at the end and on SIGTERM
-  c.eval_every = 0               # steps; 0 = never
+  c.checkpoint_every = 50  # steps; 0 = only at the end and on SIGTERM
+  c.eval_every = 0  # steps; 0 = never
   c.log_every = 1
+  c.model = _model()
+  c.mesh = _mesh()
+  c.distributed = _distributed()
+  c.data = _data()
+  c.rollout = _rollout()
+  c.train = _train()
+  c.eval = _eval()
+  return c
 
-  c.model = ml_collections.ConfigDict()
-  c.model.path = ""              # HF folder (config.json + safetensors); "" = random init
-  c.model.tokenizer_path = ""    # default: model.path
-  c.model.dtype = "float32"      # compute dtype: float32 | bfloat16 (master weights and
-                                 # AdamW moments are float32 either way)
-  c.model.kv_dtype = "float32"
-  c.model.remat = False          # rematerialise layers in the update
-  c.model.attention = "auto"     # auto | dense | blockwise | cudnn (models/attention.py)
-  c.model.attention_chunk = 512  # keys per block of blockwise attention
-  c.model.init = ml_collections.ConfigDict(dict(
-      vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0,
-      num_kv_heads=0, head_dim=0, rope_theta=1e6, rms_norm_eps=1e-6,
-      tie_word_embeddings=True, std=0.02))
 
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.shape = (1, -1, 1)      # (data, fsdp, tensor); -1 takes the devices left
-  c.mesh.rules = sharding.TRAIN_RULES          # the learner: FSDP x tensor
-  c.mesh.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
-  c.mesh.device_memory_gb = config_dict.placeholder(float)  # per device, for the start-up
-                                                           # plan; None = ask the device
+def _model() -> ml_collections.ConfigDict:
+  """The model: an HF folder or a random init, and its dtypes and attention."""
+  m = ml_collections.ConfigDict()
+  m.path = ""  # HF folder (config.json + safetensors); "" = random init
+  m.tokenizer_path = ""  # default: model.path
+  # Compute dtype: float32 | bfloat16 (master weights and AdamW moments are float32 always).
+  m.dtype = "float32"
+  m.kv_dtype = "float32"
+  m.remat = False  # rematerialise layers in the update
+  m.attention = "auto"  # auto | dense | blockwise | cudnn (models/attention.py)
+  m.attention_chunk = 512  # keys per block of blockwise attention
+  i = m.init = ml_collections.ConfigDict()  # the shapes of a random init (no model.path)
+  i.vocab_size = i.hidden_size = i.intermediate_size = i.num_layers = 0
+  i.num_heads = i.num_kv_heads = i.head_dim = 0
+  i.rope_theta, i.rms_norm_eps, i.tie_word_embeddings, i.std = 1e6, 1e-6, True, 0.02
+  return m
 
-  c.distributed = ml_collections.ConfigDict()  # one process per host (april_jax/distributed.py)
-  c.distributed.auto = False              # jax.distributed from the cluster env (SLURM, Open MPI)
-  c.distributed.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)
-  c.distributed.num_processes = 1
-  c.distributed.process_id = 0
-  c.distributed.local_device_ids = ""     # "0,1,...,7": this process's GPUs ("" = JAX decides)
-  c.distributed.heartbeat_timeout_s = 60  # a peer silent this long ends the run
-  c.distributed.initialization_timeout_s = 300  # waiting for every process to join
 
-  c.data = ml_collections.ConfigDict()
-  c.data.source = "longtail"     # "longtail" (built-in task) or a .jsonl/.json/.parquet path
-  c.data.prompt_key = ""         # "" = first of question/problem/prompt
-  c.data.answer_key = ""         # "" = answer, or reward_model.ground_truth
-  c.data.max_prompt_len = 512    # tokens; longer prompts are skipped and counted
-  c.data.shuffle = True
-  c.data.system_prompt = ""
-  c.data.enable_thinking = False
-  c.data.task = ml_collections.ConfigDict()  # the built-in task (data.source = "longtail")
-  c.data.task.ring_size = 64     # symbols on the ring; walks are at most this long
-  c.data.task.median = 8.0       # answer lengths: log-normal with this median ...
-  c.data.task.sigma = 0.9        # ... and this sigma of the log (the tail's weight)
+def _mesh() -> ml_collections.ConfigDict:
+  """The device mesh and the learner's and the sampler's sharding rules."""
+  m = ml_collections.ConfigDict()
+  m.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the devices left
+  m.rules = sharding.TRAIN_RULES  # the learner: FSDP x tensor
+  m.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
+  # Memory per device for the start-up plan; None = ask the device.
+  m.device_memory_gb = config_dict.placeholder(float)
+  return m
 
-  c.rollout = ml_collections.ConfigDict()
-  c.rollout.batch_size = 8                   # N: prompt groups per training step
-  c.rollout.n_samples_per_prompt = 4         # n
-  c.rollout.over_sampling_batch_size = 16    # N' >= N: groups admitted per step
-  c.rollout.partial_rollout = True           # False: the synchronous baseline
-  c.rollout.resume_mode = "kv"               # kv | recompute
-  c.rollout.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
-  c.rollout.num_slots = 32
-  c.rollout.sync_every = 16                  # decode steps per host round trip
-  c.rollout.max_response_len = 256
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
-  c.rollout.top_k = 0
-  c.rollout.dynamic_sampling = False         # DAPO: drop groups whose rewards are equal
-  c.rollout.reward = "math"
-  c.rollout.reward_timeout_s = 10.0
-  c.rollout.reward_fallback = 0.0
-  c.rollout.reward_workers = 2
 
-  c.train = ml_collections.ConfigDict()
-  c.train.advantage = "grpo"                 # grpo | drgrpo
-  c.train.policy_loss = "ppo_clip"           # ppo_clip | gspo
+def _distributed() -> ml_collections.ConfigDict:
+  """One process per host (april_jax/distributed.py)."""
+  d = ml_collections.ConfigDict()
+  d.auto = False  # jax.distributed from the cluster env (SLURM, Open MPI)
+  d.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)
+  d.num_processes = 1
+  d.process_id = 0
+  d.local_device_ids = ""  # "0,1,...,7": this process's GPUs ("" = JAX decides)
+  d.heartbeat_timeout_s = 60  # a peer silent this long ends the run
+  d.initialization_timeout_s = 300  # waiting for every process to join
+  return d
+
+
+def _data() -> ml_collections.ConfigDict:
+  """The prompt source and its prompt format."""
+  d = ml_collections.ConfigDict()
+  d.source = "longtail"  # "longtail" (built-in task) or a .jsonl/.json/.parquet path
+  d.prompt_key = ""  # "" = first of question/problem/prompt
+  d.answer_key = ""  # "" = answer, or reward_model.ground_truth
+  d.max_prompt_len = 512  # tokens; longer prompts are skipped and counted
+  d.shuffle = True
+  d.system_prompt = ""
+  d.enable_thinking = False
+  d.task = ml_collections.ConfigDict()  # the built-in task (data.source = "longtail")
+  d.task.ring_size = 64  # symbols on the ring; walks are at most this long
+  d.task.median = 8.0  # answer lengths: log-normal with this median ...
+  d.task.sigma = 0.9  # ... and this sigma of the log (the tail's weight)
+  return d
+
+
+def _rollout() -> ml_collections.ConfigDict:
+  """APRIL's rollout: batch, over-sampling, slots, sampling params, rewards."""
+  r = ml_collections.ConfigDict()
+  r.batch_size = 8  # N: prompt groups per training step
+  r.n_samples_per_prompt = 4  # n
+  r.over_sampling_batch_size = 16  # N' >= N: groups admitted per step
+  r.partial_rollout = True  # False: the synchronous baseline
+  r.resume_mode = "kv"  # kv | recompute
+  r.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
+  r.num_slots = 32
+  r.sync_every = 16  # decode steps per host round trip
+  r.max_response_len = 256
+  r.temperature = 1.0
+  r.top_p = 1.0
+  r.top_k = 0
+  r.dynamic_sampling = False  # DAPO: drop groups whose rewards are equal
+  r.reward = "math"
+  r.reward_timeout_s = 10.0
+  r.reward_fallback = 0.0
+  r.reward_workers = 2
+  return r
+
+
+def _train() -> ml_collections.ConfigDict:
+  """The objective, the optimizer and how an RL step's batch is split."""
+  t = ml_collections.ConfigDict()
+  t.advantage = "grpo"  # grpo | drgrpo
+  t.policy_loss = "ppo_clip"  # ppo_clip | gspo
   # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
   # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.
-  c.train.eps_clip = config_dict.placeholder(float)
-  c.train.eps_clip_high = config_dict.placeholder(float)  # DAPO's clip-higher: 0.28
-  c.train.dual_clip_c = config_dict.placeholder(float)  # None = off; e.g. 3.0
-  c.train.aggregation = config_dict.placeholder(str)  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-  c.train.norm_len = config_dict.placeholder(int)  # Dr.GRPO's constant normaliser (tokens)
-  c.train.kl_coef = 0.0                      # 0: no reference params are held
-  c.train.kl_type = "low_var_kl"             # k1 | k3 | low_var_kl
-  c.train.entropy_coef = 0.0
-  c.train.tis_cap = 2.0                      # truncated importance sampling cap; 0 = off
-  c.train.mask_stale_tokens = False          # drop tokens of older policy versions from the loss
-  c.train.overlong_buffer_len = config_dict.placeholder(int)  # DAPO overlong shaping
-                                                              # (tokens); None = off
-  c.train.overlong_penalty_factor = 1.0
-  c.train.lr = 1e-6
-  c.train.lr_schedule = "constant"           # constant | cosine
-  c.train.warmup_steps = 0
-  c.train.min_lr_ratio = 0.1
-  c.train.weight_decay = 0.0
-  c.train.b1 = 0.9
-  c.train.b2 = 0.999
-  c.train.max_grad_norm = 1.0
-  c.train.num_minibatches = 1                # optimizer updates per RL step (per epoch)
-  c.train.num_microbatches = 1               # gradient accumulation per update
-  c.train.microbatch_by_length = True        # rows sorted by length, each microbatch cut to
-                                             # its own padded length (needs microbatches > 1)
-  c.train.ppo_epochs = 1
-  c.train.logprob_chunk = 512                # sequence chunk for logits (memory bound)
-  c.train.warm_up = False                    # compile the update for every length bucket
-                                             # ahead of time (from shapes; nothing runs)
-  c.train.sft_steps = 0                      # supervised warm-start steps (built-in task)
-  c.train.sft_lr = 1e-3
-  c.train.sft_batch_size = 32
+  t.eps_clip = config_dict.placeholder(float)
+  t.eps_clip_high = config_dict.placeholder(float)  # DAPO's clip-higher: 0.28
+  t.dual_clip_c = config_dict.placeholder(float)  # None = off; e.g. 3.0
+  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  t.aggregation = config_dict.placeholder(str)
+  t.norm_len = config_dict.placeholder(int)  # Dr.GRPO's constant normaliser (tokens)
+  t.kl_coef = 0.0  # 0: no reference params are held
+  t.kl_type = "low_var_kl"  # k1 | k3 | low_var_kl
+  t.entropy_coef = 0.0
+  t.tis_cap = 2.0  # truncated importance sampling cap; 0 = off
+  t.mask_stale_tokens = False  # drop tokens of older policy versions from the loss
+  t.overlong_buffer_len = config_dict.placeholder(int)  # DAPO's, in tokens; None = off
+  t.overlong_penalty_factor = 1.0
+  t.lr = 1e-6
+  t.lr_schedule = "constant"  # constant | cosine
+  t.warmup_steps = 0
+  t.min_lr_ratio = 0.1
+  t.weight_decay = 0.0
+  t.b1 = 0.9
+  t.b2 = 0.999
+  t.max_grad_norm = 1.0
+  t.num_minibatches = 1  # optimizer updates per RL step (per epoch)
+  t.num_microbatches = 1  # gradient accumulation per update
+  # Rows sorted by length, each microbatch cut to its own padded length (microbatches > 1).
+  t.microbatch_by_length = True
+  t.ppo_epochs = 1
+  t.logprob_chunk = 512  # sequence chunk for logits (memory bound)
+  t.warm_up = False  # compile the update for every length bucket ahead of time
+  t.sft_steps = 0  # supervised warm-start steps (built-in task)
+  t.sft_lr = 1e-3
+  t.sft_batch_size = 32
+  return t
 
-  c.eval = ml_collections.ConfigDict()
-  c.eval.path = ""                           # "" = held-out built-in task prompts
-  c.eval.num_prompts = 32
-  c.eval.k = 4                               # avg@k samples per prompt; 0 = greedy only
-  c.eval.temperature = 0.6
-  c.eval.top_p = 1.0                         # nucleus of the avg@k samples
-  return c
+
+def _eval() -> ml_collections.ConfigDict:
+  """Evaluation: pass@1 and avg@k on held-out prompts."""
+  e = ml_collections.ConfigDict()
+  e.path = ""  # "" = held-out built-in task prompts
+  e.num_prompts = 32
+  e.k = 4  # avg@k samples per prompt; 0 = greedy only
+  e.temperature = 0.6
+  e.top_p = 1.0  # nucleus of the avg@k samples
+  return e

@@ -6,13 +6,34 @@ must agree (trainer.py checks).
 """
 
 QWEN3_SHAPES = {
-    "qwen3_0_6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                       tie_word_embeddings=True),
-    "qwen3_4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                     tie_word_embeddings=True),
-    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                     tie_word_embeddings=False),
+    "qwen3_0_6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }

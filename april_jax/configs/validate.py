@@ -24,22 +24,35 @@ class ConfigError(ValueError):
 
 def _checks_rollout(c, err: Callable[[str], None]) -> None:
   r = c.rollout
-  for name in ("batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "num_slots",
-               "sync_every", "max_response_len", "reward_workers"):
+  for name in (
+      "batch_size",
+      "n_samples_per_prompt",
+      "over_sampling_batch_size",
+      "num_slots",
+      "sync_every",
+      "max_response_len",
+      "reward_workers",
+  ):
     if int(r[name]) < 1:
       err(f"rollout.{name} must be >= 1, got {r[name]}")
   if r.over_sampling_batch_size < r.batch_size:
-    err(f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
-        f"rollout.batch_size ({r.batch_size})")
+    err(
+        f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
+        f"rollout.batch_size ({r.batch_size})"
+    )
   elif not r.partial_rollout and r.over_sampling_batch_size != r.batch_size:
-    err(f"rollout.partial_rollout=False is the synchronous baseline, which admits exactly "
+    err(
+        f"rollout.partial_rollout=False is the synchronous baseline, which admits exactly "
         f"the groups it trains: set rollout.over_sampling_batch_size="
-        f"{r.batch_size} (= rollout.batch_size), not {r.over_sampling_batch_size}")
+        f"{r.batch_size} (= rollout.batch_size), not {r.over_sampling_batch_size}"
+    )
   if r.resume_mode not in RESUME_MODES:
     err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
   if r.max_staleness is not None and r.max_staleness < 0:
-    err(f"rollout.max_staleness must be >= 0 policy versions (unset: no limit), got "
-        f"{r.max_staleness}")
+    err(
+        f"rollout.max_staleness must be >= 0 policy versions (unset: no limit), got "
+        f"{r.max_staleness}"
+    )
   if r.temperature < 0:
     err(f"rollout.temperature must be >= 0, got {r.temperature}")
   if not 0 < r.top_p <= 1:
@@ -66,19 +79,30 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
     if not (Path(m.path) / "config.json").is_file():
       err(f"model.path {m.path!r} is not a model folder (no config.json there)")
   else:
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
       if int(m.init[name]) < 1:
         err(f"model.init.{name} must be >= 1 when model.path is empty, got {m.init[name]}")
     if c.data.source != "longtail":
-      err(f"data.source {c.data.source!r} needs a pretrained model and its tokenizer: set "
-          "model.path (a random init only runs the built-in task, data.source='longtail')")
+      err(
+          f"data.source {c.data.source!r} needs a pretrained model and its tokenizer: set "
+          "model.path (a random init only runs the built-in task, data.source='longtail')"
+      )
     else:
       ring_size = min(max(int(c.data.task.ring_size), 2), longtail_task.MAX_RING_SIZE)
       needed = longtail_task.tokenizer(ring_size).vocab_size
       if 0 < m.init.vocab_size < needed:
-        err(f"model.init.vocab_size ({m.init.vocab_size}) is smaller than the built-in "
-            f"task's tokenizer ({needed} tokens)")
+        err(
+            f"model.init.vocab_size ({m.init.vocab_size}) is smaller than the built-in "
+            f"task's tokenizer ({needed} tokens)"
+        )
 
 
 def _checks_top(c, err: Callable[[str], None]) -> None:
@@ -90,30 +114,39 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
   if c.data.max_prompt_len < 1:
     err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
   if c.eval.temperature < 0 or not 0 < c.eval.top_p <= 1:
-    err(f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got "
-        f"{c.eval.temperature}, {c.eval.top_p}")
+    err(
+        f"eval.temperature must be >= 0 and eval.top_p in (0, 1], got "
+        f"{c.eval.temperature}, {c.eval.top_p}"
+    )
   if c.data.source == "longtail":
     if c.data.max_prompt_len < 5:
-      err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in "
-          "task")
+      err(f"data.max_prompt_len ({c.data.max_prompt_len}) must be >= 5 for the built-in " "task")
     t = c.data.task
     if not 2 <= t.ring_size <= longtail_task.MAX_RING_SIZE:
-      err(f"data.task.ring_size must be in [2, {longtail_task.MAX_RING_SIZE}], got "
-          f"{t.ring_size}")
+      err(
+          f"data.task.ring_size must be in [2, {longtail_task.MAX_RING_SIZE}], got "
+          f"{t.ring_size}"
+      )
     if t.median <= 0 or t.sigma < 0:
       err(f"data.task.median must be > 0 and data.task.sigma >= 0, got {t.median}, {t.sigma}")
     if c.rollout.max_response_len < 2:
-      err(f"rollout.max_response_len ({c.rollout.max_response_len}) must be >= 2 for the "
-          "built-in task (a walk of at least one symbol, plus the stop token)")
+      err(
+          f"rollout.max_response_len ({c.rollout.max_response_len}) must be >= 2 for the "
+          "built-in task (a walk of at least one symbol, plus the stop token)"
+      )
   else:
     if not Path(c.data.source).is_file():
       err(f"data.source {c.data.source!r}: no such file")
     if c.train.sft_steps > 0:
-      err(f"train.sft_steps ({c.train.sft_steps}) > 0 needs reference answers to imitate: "
-          "the built-in task has them, a dataset's prompts do not (set it to 0)")
+      err(
+          f"train.sft_steps ({c.train.sft_steps}) > 0 needs reference answers to imitate: "
+          "the built-in task has them, a dataset's prompts do not (set it to 0)"
+      )
     if c.eval_every and not c.eval.path:
-      err("eval_every > 0 with a dataset needs eval.path (a math file to evaluate on); "
-          "the held-out prompts exist for the built-in task only")
+      err(
+          "eval_every > 0 with a dataset needs eval.path (a math file to evaluate on); "
+          "the held-out prompts exist for the built-in task only"
+      )
   if c.eval.path and not Path(c.eval.path).is_file():
     err(f"eval.path {c.eval.path!r}: no such file")
 
@@ -130,8 +163,10 @@ def _checks_distributed(c, err: Callable[[str], None]) -> None:
       err(f"distributed.process_id must be in [0, {d.num_processes}), got {d.process_id}")
   ids = d.local_device_ids.strip()
   if ids and not all(x.strip().isdigit() for x in ids.split(",")):
-    err(f"distributed.local_device_ids must be comma-separated device numbers like "
-        f"'0,1,2,3', got {d.local_device_ids!r}")
+    err(
+        f"distributed.local_device_ids must be comma-separated device numbers like "
+        f"'0,1,2,3', got {d.local_device_ids!r}"
+    )
   for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
     if d[name] < 1:
       err(f"distributed.{name} must be >= 1, got {d[name]}")
@@ -142,15 +177,20 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
   if t.advantage not in advantages.ADVANTAGES:
     err(f"train.advantage {t.advantage!r} is not one of {sorted(advantages.ADVANTAGES)}")
   elif t.advantage == "grpo" and r.n_samples_per_prompt < 2:
-    err(f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
-        f"must be >= 2, got {r.n_samples_per_prompt}")
-  for problem in losses.loss_config_problems(losses.LossConfig.from_config(t),
-                                             r.n_samples_per_prompt):
+    err(
+        f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
+        f"must be >= 2, got {r.n_samples_per_prompt}"
+    )
+  for problem in losses.loss_config_problems(
+      losses.LossConfig.from_config(t), r.n_samples_per_prompt
+  ):
     err(f"train: {problem}")
   if t.overlong_buffer_len is not None and not 0 <= t.overlong_buffer_len <= r.max_response_len:
-    err(f"train.overlong_buffer_len ({t.overlong_buffer_len}) must be in [0, "
+    err(
+        f"train.overlong_buffer_len ({t.overlong_buffer_len}) must be in [0, "
         f"rollout.max_response_len ({r.max_response_len})]: DAPO's overlong penalty ramps "
-        f"over the last overlong_buffer_len tokens of the response budget")
+        f"over the last overlong_buffer_len tokens of the response budget"
+    )
   if t.overlong_penalty_factor < 0:
     err(f"train.overlong_penalty_factor must be >= 0, got {t.overlong_penalty_factor}")
   if t.lr <= 0:
@@ -163,18 +203,26 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
   batch = r.batch_size * r.n_samples_per_prompt
   split = t.num_minibatches * t.num_microbatches
   if split >= 1 and batch % split:
-    err(f"rollout.batch_size x n_samples_per_prompt ({batch}) must divide into "
-        f"train.num_minibatches x train.num_microbatches ({split})")
+    err(
+        f"rollout.batch_size x n_samples_per_prompt ({batch}) must divide into "
+        f"train.num_minibatches x train.num_microbatches ({split})"
+    )
 
 
-CHECKS: list[Callable] = [_checks_top, _checks_model, _checks_rollout, _checks_distributed,
-                          _checks_train]
+CHECKS: list[Callable] = [
+    _checks_top,
+    _checks_model,
+    _checks_rollout,
+    _checks_distributed,
+    _checks_train,
+]
 
 
 def batch_shards(config, num_devices: int) -> int:
   """Devices a training microbatch's rows are split over (the mesh axes of `batch`)."""
-  shape = dict(zip(sharding.MESH_AXES,
-                   sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)))
+  shape = dict(
+      zip(sharding.MESH_AXES, sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices))
+  )
   axes = dict(tuple(r) for r in config.mesh.rules).get("batch") or ()
   axes = (axes,) if isinstance(axes, str) else tuple(axes)
   out = 1
@@ -198,7 +246,8 @@ def validate_for_devices(config, num_devices: int) -> None:
         f"{r.batch_size} x n_samples_per_prompt {r.n_samples_per_prompt} / "
         f"(train.num_minibatches {t.num_minibatches} x train.num_microbatches "
         f"{t.num_microbatches})), which must be a multiple of the {shards} devices the "
-        f"batch is split over (mesh {tuple(config.mesh.shape)} on {num_devices} devices)")
+        f"batch is split over (mesh {tuple(config.mesh.shape)} on {num_devices} devices)"
+    )
 
 
 def validate(config) -> None:

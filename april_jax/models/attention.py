@@ -40,13 +40,15 @@ def resolve(impl: str, dtype) -> str:
   return "cudnn" if nvidia and sixteen_bit else "blockwise"
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, impl: str = "dense",
-                     chunk: int = 512) -> jax.Array:
+def causal_attention(
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, impl: str = "dense", chunk: int = 512
+) -> jax.Array:
   """softmax(q k^T / sqrt(H) + causal mask) v: [B, T, N, H] in q's dtype."""
   impl = resolve(impl, q_BxTxNxH.dtype)
   if impl == "cudnn":
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
-                                        implementation="cudnn")
+    return jax.nn.dot_product_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation="cudnn"
+    )
   B, T, N, H = q_BxTxNxH.shape
   K = k_BxTxKxH.shape[2]
   q = q_BxTxNxH.reshape(B, T, K, N // K, H)
@@ -59,14 +61,17 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, impl: str = "dense",
 
 def _dense(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH):
   T, H = q_BxTxKxGxH.shape[1], q_BxTxKxGxH.shape[-1]
-  s = jnp.einsum("btkgh,bskh->btkgs", q_BxTxKxGxH, k_BxSxKxH,
-                 preferred_element_type=jnp.float32) * H ** -0.5
+  s = (
+      jnp.einsum("btkgh,bskh->btkgs", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
+      * H**-0.5
+  )
   causal_TxS = jnp.tril(jnp.ones((T, k_BxSxKxH.shape[1]), bool))
   p = jax.nn.softmax(jnp.where(causal_TxS[:, None, None, :], s, _NEG), axis=-1)
   return jnp.einsum("btkgs,bskh->btkgh", p.astype(v_BxSxKxH.dtype), v_BxSxKxH)
 
 
 # ------------------------------------------------------------------ blockwise (flash)
+
 
 def _chunks(x_BxSxKxH, chunk: int):
   """[B, S, K, H] -> [C, B, chunk, K, H], zero-padded (causality masks the padding)."""
@@ -83,7 +88,7 @@ def _chunk_scores(q, k_c, j, chunk):
   s = jnp.einsum("btkgh,bckh->btkgc", q, k_c, preferred_element_type=jnp.float32)
   allowed_TxC = (j * chunk + jnp.arange(chunk))[None, :] <= jnp.arange(T)[:, None]
   allowed = allowed_TxC[None, :, None, None, :]
-  return jnp.where(allowed, s * H ** -0.5, _NEG), allowed
+  return jnp.where(allowed, s * H**-0.5, _NEG), allowed
 
 
 def _blockwise_forward(q, k, v, chunk):
@@ -98,12 +103,14 @@ def _blockwise_forward(q, k, v, chunk):
     p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
     scale = jnp.exp(m - m_new)
     l = l * scale + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("btkgc,bckh->btkgh", p.astype(v.dtype), v_j,
-                    preferred_element_type=jnp.float32)
+    pv = jnp.einsum("btkgc,bckh->btkgh", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
     return (o * scale[..., None] + pv, m_new, l), None
 
-  init = (jnp.zeros((B, T, K, G, H), jnp.float32), jnp.full((B, T, K, G), _NEG, jnp.float32),
-          jnp.zeros((B, T, K, G), jnp.float32))
+  init = (
+      jnp.zeros((B, T, K, G, H), jnp.float32),
+      jnp.full((B, T, K, G), _NEG, jnp.float32),
+      jnp.zeros((B, T, K, G), jnp.float32),
+  )
   (o, m, l), _ = jax.lax.scan(body, init, (k_c, v_c, jnp.arange(k_c.shape[0])))
   # Key 0 is visible to every query, so l > 0 everywhere.
   return (o / l[..., None]).astype(q.dtype), m + jnp.log(l)
@@ -131,18 +138,19 @@ def _blockwise_bwd(chunk, residuals, do):
     k_j, v_j, j = xs
     s, allowed = _chunk_scores(q, k_j, j, chunk)
     p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
-    dv_j = jnp.einsum("btkgc,btkgh->bckh", p.astype(do.dtype), do,
-                      preferred_element_type=jnp.float32)
+    dv_j = jnp.einsum(
+        "btkgc,btkgh->bckh", p.astype(do.dtype), do, preferred_element_type=jnp.float32
+    )
     dp = jnp.einsum("btkgh,bckh->btkgc", do, v_j, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * H ** -0.5).astype(q.dtype)
+    ds = (p * (dp - delta[..., None]) * H**-0.5).astype(q.dtype)
     dq = dq + jnp.einsum("btkgc,bckh->btkgh", ds, k_j, preferred_element_type=jnp.float32)
     dk_j = jnp.einsum("btkgc,btkgh->bckh", ds, q, preferred_element_type=jnp.float32)
     return dq, (dk_j, dv_j)
 
-  dq, (dk_c, dv_c) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32),
-                                  (k_c, v_c, jnp.arange(k_c.shape[0])))
-  unchunk = lambda x_c: x_c.transpose(1, 0, 2, 3, 4).reshape(
-      (k.shape[0], -1) + k.shape[2:])[:, :S]
+  dq, (dk_c, dv_c) = jax.lax.scan(
+      body, jnp.zeros(q.shape, jnp.float32), (k_c, v_c, jnp.arange(k_c.shape[0]))
+  )
+  unchunk = lambda x_c: x_c.transpose(1, 0, 2, 3, 4).reshape((k.shape[0], -1) + k.shape[2:])[:, :S]
   return (dq.astype(q.dtype), unchunk(dk_c).astype(k.dtype), unchunk(dv_c).astype(v.dtype))
 
 
@@ -151,9 +159,18 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 # ------------------------------------------------------------------------- decode
 
-def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
-                     v_cache_LxBxKxSxH, layer, past_B, block: int,
-                     view=lambda x: x) -> jax.Array:
+
+def decode_attention(
+    q_BxKxGxH,
+    k_new_BxKxH,
+    v_new_BxKxH,
+    k_cache_LxBxKxSxH,
+    v_cache_LxBxKxSxH,
+    layer,
+    past_B,
+    block: int,
+    view=lambda x: x,
+) -> jax.Array:
   """One query per row over its first past_B[b] entries of the cache's layer `layer`,
   plus its own new key. The whole [L, B, K, S, H] cache comes in and blocks of `block`
   keys are sliced from it, only as many as the longest row needs: nothing else of the
@@ -164,10 +181,14 @@ def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
   block = min(block, S)
   dtype = view(k_cache_LxBxKxSxH[:0]).dtype
   q = q_BxKxGxH.astype(dtype)
-  scale = H ** -0.5
+  scale = H**-0.5
   # The row's own key opens the online softmax: m = its score, l = 1, o = its value.
-  m = jnp.einsum("bkgh,bkh->bkg", q, k_new_BxKxH.astype(q.dtype),
-                 preferred_element_type=jnp.float32) * scale
+  m = (
+      jnp.einsum(
+          "bkgh,bkh->bkg", q, k_new_BxKxH.astype(q.dtype), preferred_element_type=jnp.float32
+      )
+      * scale
+  )
   o = jnp.broadcast_to(v_new_BxKxH.astype(jnp.float32)[:, :, None, :], q.shape)
   l = jnp.ones(m.shape, jnp.float32)
 
@@ -186,8 +207,7 @@ def decode_attention(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, k_cache_LxBxKxSxH,
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(valid[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_b.dtype), v_b,
-                    preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgs,bksh->bkgh", p.astype(v_b.dtype), v_b, preferred_element_type=jnp.float32)
     return o * corr[..., None] + pv, m_new, l * corr + jnp.sum(p, axis=-1)
 
   num_blocks = (jnp.max(past_B) + block - 1) // block

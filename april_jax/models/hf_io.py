@@ -31,21 +31,31 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 # ------------------------------------------------------------------------------ config
+
 
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwen3Config:
   """A Qwen3Config from a transformers config dict; rejects what the model cannot run."""
   model_type = hf.get("model_type")
   if model_type == "qwen3_moe" or "num_experts" in hf:
-    raise ValueError(f"{source}: Qwen3-MoE (model_type {model_type!r}) is not supported; "
-                     "april_jax runs dense Qwen3 models (model_type 'qwen3')")
+    raise ValueError(
+        f"{source}: Qwen3-MoE (model_type {model_type!r}) is not supported; "
+        "april_jax runs dense Qwen3 models (model_type 'qwen3')"
+    )
   if model_type != "qwen3":
-    raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
-                     "april_jax runs dense Qwen3 models (model_type 'qwen3')")
+    raise ValueError(
+        f"{source}: unsupported model_type {model_type!r}; "
+        "april_jax runs dense Qwen3 models (model_type 'qwen3')"
+    )
   missing = [k for k in _REQUIRED_KEYS if k not in hf]
   if missing:
     raise ValueError(f"{source}: missing required field(s) {missing}")
@@ -60,8 +70,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
   for name, rope in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-      raise ValueError(f"{source}: {name} type {rope_type!r} is not supported "
-                       "(only default RoPE)")
+      raise ValueError(
+          f"{source}: {name} type {rope_type!r} is not supported " "(only default RoPE)"
+      )
   rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
   num_heads = hf["num_attention_heads"]
   return qwen3.Qwen3Config(
@@ -79,8 +90,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
   )
 
 
-def config_to_hf(cfg: qwen3.Qwen3Config, dtype: str = "float32",
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def config_to_hf(
+    cfg: qwen3.Qwen3Config, dtype: str = "float32", extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
   """The transformers config.json for `cfg` (extra keys, e.g. token ids, merged in)."""
   hf = {
       "architectures": ["Qwen3ForCausalLM"],
@@ -110,8 +122,9 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype: str = "float32",
 def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
   config_path = Path(path) / CONFIG_NAME
   if not config_path.is_file():
-    raise FileNotFoundError(f"no {CONFIG_NAME} in model folder {path} (looked for "
-                            f"{config_path})")
+    raise FileNotFoundError(
+        f"no {CONFIG_NAME} in model folder {path} (looked for " f"{config_path})"
+    )
   with open(config_path, encoding="utf-8") as f:
     return config_from_hf(json.load(f), source=str(config_path))
 
@@ -127,14 +140,18 @@ def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
   else:
     init = config.model.init
     if min(init.vocab_size, init.hidden_size, init.num_layers, init.num_heads) < 1:
-      raise ValueError("the config has no model shape: set config.model.path to an HF "
-                       "folder, pass --model_config=<config.json>, or fill config.model.init")
+      raise ValueError(
+          "the config has no model shape: set config.model.path to an HF "
+          "folder, pass --model_config=<config.json>, or fill config.model.init"
+      )
     cfg = qwen3.Qwen3Config.from_init(init)
-  return dataclasses.replace(cfg, attention=config.model.attention,
-                             attention_chunk=config.model.attention_chunk)
+  return dataclasses.replace(
+      cfg, attention=config.model.attention, attention_chunk=config.model.attention_chunk
+  )
 
 
 # ------------------------------------------------------------------------- name mapping
+
 
 # Our layer param -> (HF name template, HF shape fn, HF->ours fn, ours->HF fn).
 def _layer_table(cfg: qwen3.Qwen3Config):
@@ -149,9 +166,12 @@ def _layer_table(cfg: qwen3.Qwen3Config):
       "q": (p + "self_attn.q_proj.weight", (N * H, D), qkv_in(N), qkv_out),
       "k": (p + "self_attn.k_proj.weight", (K * H, D), qkv_in(K), qkv_out),
       "v": (p + "self_attn.v_proj.weight", (K * H, D), qkv_in(K), qkv_out),
-      "o": (p + "self_attn.o_proj.weight", (D, N * H),
-            lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
-            lambda w: w.transpose(2, 0, 1).reshape(D, N * H)),
+      "o": (
+          p + "self_attn.o_proj.weight",
+          (D, N * H),
+          lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
+          lambda w: w.transpose(2, 0, 1).reshape(D, N * H),
+      ),
       "q_norm": (p + "self_attn.q_norm.weight", (H,), ident, ident),
       "k_norm": (p + "self_attn.k_norm.weight", (H,), ident, ident),
       "mlp_norm": (p + "post_attention_layernorm.weight", (D,), ident, ident),
@@ -175,6 +195,7 @@ def _top_table(cfg: qwen3.Qwen3Config):
 
 # ---------------------------------------------------------------------------- reading
 
+
 class _TensorReader:
   """Looks tensors up by name across the safetensors files of one folder."""
 
@@ -187,8 +208,9 @@ class _TensorReader:
     else:
       files = sorted(p.name for p in path.glob("*.safetensors"))
       if not files:
-        raise FileNotFoundError(f"no *.safetensors files (nor {INDEX_NAME}) in model "
-                                f"folder {path}")
+        raise FileNotFoundError(
+            f"no *.safetensors files (nor {INDEX_NAME}) in model " f"folder {path}"
+        )
       weight_map = {}
     self._handles = {}
     for name in files:
@@ -206,18 +228,23 @@ class _TensorReader:
       raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
     tensor = self._handles[self._weight_map[name]].get_tensor(name)
     if tuple(tensor.shape) != tuple(shape):
-      raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config "
-                       f"implies {tuple(shape)}")
+      raise ValueError(
+          f"tensor {name!r} has shape {tuple(tensor.shape)}, the config " f"implies {tuple(shape)}"
+      )
     return tensor
 
 
 def _np_dtype(dtype) -> np.dtype:
-  return np.dtype(ml_dtypes.bfloat16) if str(jnp.dtype(dtype)) == "bfloat16" else np.dtype(
-      jnp.dtype(dtype))
+  return (
+      np.dtype(ml_dtypes.bfloat16)
+      if str(jnp.dtype(dtype)) == "bfloat16"
+      else np.dtype(jnp.dtype(dtype))
+  )
 
 
-def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
-                    rules=None) -> tuple[qwen3.Qwen3Config, qwen3.Params]:
+def load_pretrained(
+    path: str | os.PathLike, dtype: Any = "float32", mesh=None, rules=None
+) -> tuple[qwen3.Qwen3Config, qwen3.Params]:
   """Reads an HF Qwen3 folder into params of `dtype`, sharded over `mesh` if given."""
   path = Path(path)
   if not path.is_dir():
@@ -229,8 +256,9 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
     shardings = qwen3.param_shardings(cfg, mesh, rules or sharding.DEFAULT_RULES, dtype)
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, qwen3.param_logical_axes(cfg),
-                             is_leaf=lambda x: isinstance(x, tuple))
+    shardings = jax.tree.map(
+        lambda _: device, qwen3.param_logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
 
   def place(host: np.ndarray, target) -> jax.Array:
     return jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
@@ -252,6 +280,7 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = "float32", mesh=None,
 
 # ---------------------------------------------------------------------------- writing
 
+
 def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
   """Yields (HF name, numpy array) one tensor at a time."""
   for ours, (name, _, _, to_hf) in _top_table(cfg).items():
@@ -265,9 +294,13 @@ def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
   yield "model.norm.weight", to_host(params["final_norm"])
 
 
-def save_pretrained(path: str | os.PathLike, cfg: qwen3.Qwen3Config, params: qwen3.Params,
-                    max_shard_bytes: int = 2 << 30,
-                    extra_config: dict[str, Any] | None = None) -> None:
+def save_pretrained(
+    path: str | os.PathLike,
+    cfg: qwen3.Qwen3Config,
+    params: qwen3.Params,
+    max_shard_bytes: int = 2 << 30,
+    extra_config: dict[str, Any] | None = None,
+) -> None:
   """Writes config.json and safetensors (sharded past `max_shard_bytes`) for transformers.
 
   In a multi-host run every process calls it (params are gathered tensor by tensor, a
@@ -313,5 +346,4 @@ def save_pretrained(path: str | os.PathLike, cfg: qwen3.Qwen3Config, params: qwe
     os.replace(path / tmp_name, path / final)
     weight_map.update({n: final for n in names})
   with open(path / INDEX_NAME, "w", encoding="utf-8") as f:
-    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f,
-              indent=2)
+    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)

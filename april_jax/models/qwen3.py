@@ -55,31 +55,39 @@ class Qwen3Config:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 40960
-  attention: str = "auto"      # whole-sequence attention: auto | dense | blockwise | cudnn
-  attention_chunk: int = 512   # keys per block for blockwise attention
+  attention: str = "auto"  # whole-sequence attention: auto | dense | blockwise | cudnn
+  attention_chunk: int = 512  # keys per block for blockwise attention
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads})")
+          f"({self.num_kv_heads})"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if self.attention not in attention_lib.IMPLEMENTATIONS:
-      raise ValueError(f"attention must be one of {attention_lib.IMPLEMENTATIONS}, got "
-                       f"{self.attention!r}")
+      raise ValueError(
+          f"attention must be one of {attention_lib.IMPLEMENTATIONS}, got " f"{self.attention!r}"
+      )
     if self.attention_chunk < 1:
       raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
 
   @classmethod
   def from_init(cls, init) -> "Qwen3Config":
     """From a config's `model.init` section (a random init, or a known model's shape)."""
-    return cls(vocab_size=init.vocab_size, hidden_size=init.hidden_size,
-               intermediate_size=init.intermediate_size, num_layers=init.num_layers,
-               num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
-               head_dim=init.head_dim, rope_theta=init.rope_theta,
-               rms_norm_eps=init.rms_norm_eps,
-               tie_word_embeddings=init.tie_word_embeddings)
+    return cls(
+        vocab_size=init.vocab_size,
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_layers=init.num_layers,
+        num_heads=init.num_heads,
+        num_kv_heads=init.num_kv_heads,
+        head_dim=init.head_dim,
+        rope_theta=init.rope_theta,
+        rms_norm_eps=init.rms_norm_eps,
+        tie_word_embeddings=init.tie_word_embeddings,
+    )
 
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
@@ -92,27 +100,32 @@ class Qwen3Config:
 class KVCache(NamedTuple):
   """Keys and values for every layer. A slot cache: k, v [L, B, K, S, H] (KV head before
   position: decode's matmuls need no transpose). Prefill returns [L, B, T, K, H]."""
+
   k: jax.Array
   v: jax.Array
 
 
 # ----------------------------------------------------------------------------- init
 
-def init_params(cfg: Qwen3Config, rng: jax.Array, dtype=jnp.float32,
-                std: float = 0.02) -> Params:
+
+def init_params(cfg: Qwen3Config, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
   """Random params: normal(0, std) matrices, ones for norms (transformers' init)."""
   L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
   N, K, H, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
   shapes = {
-      "q": (L, D, N, H), "k": (L, D, K, H), "v": (L, D, K, H), "o": (L, N, H, D),
-      "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+      "q": (L, D, N, H),
+      "k": (L, D, K, H),
+      "v": (L, D, K, H),
+      "o": (L, N, H, D),
+      "gate": (L, D, F),
+      "up": (L, D, F),
+      "down": (L, F, D),
   }
   keys = jax.random.split(rng, len(shapes) + 2)
   normal = lambda key, shape: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
   layers = {name: normal(key, shape) for key, (name, shape) in zip(keys, shapes.items())}
   ones = lambda *shape: jnp.ones(shape, dtype)
-  layers.update(attn_norm=ones(L, D), mlp_norm=ones(L, D), q_norm=ones(L, H),
-                k_norm=ones(L, H))
+  layers.update(attn_norm=ones(L, D), mlp_norm=ones(L, D), q_norm=ones(L, H), k_norm=ones(L, H))
   params = {"embed": normal(keys[-2], (V, D)), "layers": layers, "final_norm": ones(D)}
   if not cfg.tie_word_embeddings:
     params["lm_head"] = normal(keys[-1], (D, V))
@@ -122,13 +135,16 @@ def init_params(cfg: Qwen3Config, rng: jax.Array, dtype=jnp.float32,
 def param_logical_axes(cfg: Qwen3Config) -> Params:
   """Logical axis names for every param; `sharding.py` maps them onto the mesh."""
   layers = {
-      "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
-      "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
+      "attn_norm": ("layers", "norm"),
+      "mlp_norm": ("layers", "norm"),
+      "q_norm": ("layers", "head_dim"),
+      "k_norm": ("layers", "head_dim"),
       "q": ("layers", "embed", "heads", "head_dim"),
       "k": ("layers", "embed", "kv_heads", "head_dim"),
       "v": ("layers", "embed", "kv_heads", "head_dim"),
       "o": ("layers", "heads", "head_dim", "embed"),
-      "gate": ("layers", "embed", "mlp"), "up": ("layers", "embed", "mlp"),
+      "gate": ("layers", "embed", "mlp"),
+      "up": ("layers", "embed", "mlp"),
       "down": ("layers", "mlp", "embed"),
   }
   axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
@@ -143,11 +159,19 @@ def param_shardings(cfg: Qwen3Config, mesh, rules=sharding.DEFAULT_RULES, dtype=
   return sharding.named_shardings(param_logical_axes(cfg), shapes, mesh, rules)
 
 
-def init_params_sharded(cfg: Qwen3Config, rng: jax.Array, mesh, rules=sharding.DEFAULT_RULES,
-                        dtype="float32", std: float = 0.02) -> Params:
+def init_params_sharded(
+    cfg: Qwen3Config,
+    rng: jax.Array,
+    mesh,
+    rules=sharding.DEFAULT_RULES,
+    dtype="float32",
+    std: float = 0.02,
+) -> Params:
   """Random params created directly in their shardings (never whole on one device)."""
-  init = jax.jit(lambda key: init_params(cfg, key, dtype, std),
-                 out_shardings=param_shardings(cfg, mesh, rules, dtype))
+  init = jax.jit(
+      lambda key: init_params(cfg, key, dtype, std),
+      out_shardings=param_shardings(cfg, mesh, rules, dtype),
+  )
   return init(rng)
 
 
@@ -178,6 +202,7 @@ _X = ("batch", "seq", "act_embed")  # activations [B, T, D]
 
 # ------------------------------------------------------------------------ building blocks
 
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -204,8 +229,11 @@ def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
   q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
   k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
   heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-  return (sharding.constrain(q, heads), sharding.constrain(k, kv_heads),
-          sharding.constrain(v, kv_heads))
+  return (
+      sharding.constrain(q, heads),
+      sharding.constrain(k, kv_heads),
+      sharding.constrain(v, kv_heads),
+  )
 
 
 def _attn_out_and_mlp(cfg: Qwen3Config, lp: Params, x_BxTxD, attn_BxTxNxH):
@@ -257,15 +285,24 @@ def compute_view(cfg: Qwen3Config, params: Params, dtype) -> Params:
 
 def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
   """The output head, in float32."""
-  logits = jnp.einsum("btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params),
-                      preferred_element_type=jnp.float32)
+  logits = jnp.einsum(
+      "btd,dv->btv", h_BxTxD, _head_weight_DxV(cfg, params), preferred_element_type=jnp.float32
+  )
   return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
 
 # ------------------------------------------------------------------------- the four uses
 
-def hidden_states(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
-                  remat: bool = False, return_kv: bool = False, compute_dtype=None):
+
+def hidden_states(
+    cfg: Qwen3Config,
+    params: Params,
+    tokens_BxT: jax.Array,
+    *,
+    remat: bool = False,
+    return_kv: bool = False,
+    compute_dtype=None,
+):
   """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H]).
 
   With compute_dtype, float32 (master) params are cast one layer at a time inside the
@@ -289,14 +326,16 @@ def hidden_states(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
   return (h, KVCache(*kv)) if return_kv else h
 
 
-def forward(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *,
-            remat: bool = False) -> jax.Array:
+def forward(
+    cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, *, remat: bool = False
+) -> jax.Array:
   """Causal LM logits, float32 [B, T, V], positions 0..T-1."""
   return logits_from_hidden(cfg, params, hidden_states(cfg, params, tokens_BxT, remat=remat))
 
 
-def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
-            lengths_B: jax.Array) -> tuple[jax.Array, KVCache]:
+def prefill(
+    cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array, lengths_B: jax.Array
+) -> tuple[jax.Array, KVCache]:
   """Runs right-padded prompts; returns logits at position length-1 and the KV.
 
   Padding sits after each prompt, so causality keeps it out of the valid positions;
@@ -308,9 +347,16 @@ def prefill(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
   return logits_from_hidden(cfg, params, last_BxD)[:, 0], kv
 
 
-def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
-                positions_B: jax.Array, cache: KVCache, live_B: jax.Array | None = None,
-                block: int = 1024, write=None) -> tuple[jax.Array, KVCache]:
+def decode_step(
+    cfg: Qwen3Config,
+    params: Params,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    cache: KVCache,
+    live_B: jax.Array | None = None,
+    block: int = 1024,
+    write=None,
+) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
   cache: k, v [L, B, K, S, H]. Row b attends to cache entries 0..positions_B[b]-1 and
@@ -329,40 +375,48 @@ def decode_step(cfg: Qwen3Config, params: Params, tokens_B: jax.Array,
     q, k, v = _qkv(cfg, lp, x, pos_Bx1)
     B, _, N, H = q.shape
     q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
-    attn = attention_lib.decode_attention(q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v,
-                                          index, past_B, block, kv_view)
+    attn = attention_lib.decode_attention(
+        q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v, index, past_B, block, kv_view
+    )
     attn = attn.reshape(B, 1, N, H).astype(x.dtype)  # a cache may be wider than the params
     attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
   L = cache.k.shape[0]
-  x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
-      body, x, (params["layers"], jnp.arange(L)))
+  x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(body, x, (params["layers"], jnp.arange(L)))
   cache = (write or write_positions)(cache, k_new_LxBxKxH, v_new_LxBxKxH, positions_B)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, params, h)[:, 0], cache
 
 
-def write_positions(cache: KVCache, new_k_LxBxKxH: jax.Array, new_v_LxBxKxH: jax.Array,
-                    positions_B: jax.Array) -> KVCache:
+def write_positions(
+    cache: KVCache, new_k_LxBxKxH: jax.Array, new_v_LxBxKxH: jax.Array, positions_B: jax.Array
+) -> KVCache:
   """cache with row b's new k, v written at position positions_B[b], every layer.
 
   One dynamic_update_slice per row, unrolled: each is in place on a donated cache.
   (A scatter over rows makes XLA copy the whole cache, twice on CPU.)
   """
   k, v = cache
-  new_k_LxBxKxH, new_v_LxBxKxH = kv_store(new_k_LxBxKxH, k.dtype), kv_store(new_v_LxBxKxH,
-                                                                             v.dtype)
+  new_k_LxBxKxH, new_v_LxBxKxH = kv_store(new_k_LxBxKxH, k.dtype), kv_store(new_v_LxBxKxH, v.dtype)
   for b in range(k.shape[1]):
     at = (0, b, 0, positions_B[b], 0)
-    k = jax.lax.dynamic_update_slice(k, new_k_LxBxKxH[:, b:b + 1, :, None, :], at)
-    v = jax.lax.dynamic_update_slice(v, new_v_LxBxKxH[:, b:b + 1, :, None, :], at)
+    k = jax.lax.dynamic_update_slice(k, new_k_LxBxKxH[:, b : b + 1, :, None, :], at)
+    v = jax.lax.dynamic_update_slice(v, new_v_LxBxKxH[:, b : b + 1, :, None, :], at)
   return KVCache(k, v)
 
 
-def token_logprobs(cfg: Qwen3Config, params: Params, tokens_BxT: jax.Array,
-                   targets_BxT: jax.Array, *, chunk_size: int = 512,
-                   temperature: float = 1.0, remat: bool = False, compute_dtype=None):
+def token_logprobs(
+    cfg: Qwen3Config,
+    params: Params,
+    tokens_BxT: jax.Array,
+    targets_BxT: jax.Array,
+    *,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+    remat: bool = False,
+    compute_dtype=None,
+):
   """log p(targets[:, t] | tokens[:, :t+1]) and the entropy at t, both float32 [B, T].
 
   Logits exist for `chunk_size` positions at a time (forward and backward: each

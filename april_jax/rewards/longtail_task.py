@@ -39,8 +39,9 @@ def tokenizer(ring_size: int = len(RING)) -> CharTokenizer:
   return CharTokenizer(ring(ring_size) + ":=")
 
 
-def longtail_lengths(rng: np.random.Generator, size: int, max_len: int, median: float,
-                     sigma: float) -> np.ndarray:
+def longtail_lengths(
+    rng: np.random.Generator, size: int, max_len: int, median: float, sigma: float
+) -> np.ndarray:
   """Log-normal lengths (median, sigma of the log), rounded and clipped to [1, max_len]."""
   lengths = np.rint(median * np.exp(sigma * rng.standard_normal(size)))
   return np.clip(lengths, 1, max_len).astype(np.int64)
@@ -56,8 +57,10 @@ class LongTailTask:
   def __post_init__(self):
     ring(self.ring_size)  # validates the size
     if not 1 <= self.max_answer_len <= self.ring_size:
-      raise ValueError(f"max_answer_len must be in [1, {self.ring_size}] (the ring's size), "
-                       f"got {self.max_answer_len}")
+      raise ValueError(
+          f"max_answer_len must be in [1, {self.ring_size}] (the ring's size), "
+          f"got {self.max_answer_len}"
+      )
     if self.median <= 0 or self.sigma < 0:
       raise ValueError(f"median must be > 0 and sigma >= 0, got {self.median}, {self.sigma}")
 
@@ -96,7 +99,7 @@ def sft_batch(task: LongTailTask, tok: CharTokenizer, indices, seed: int, seq_le
     item = task.item(int(index), seed)
     prompt = tok.encode(item["prompt"])
     full = (prompt + tok.encode(item["answer"]) + [tok.eos_id])[:seq_len]
-    tokens[b, :len(full)] = full
-    mask[b, len(prompt) - 1:len(full) - 1] = 1.0  # predict answer and stop
+    tokens[b, : len(full)] = full
+    mask[b, len(prompt) - 1 : len(full) - 1] = 1.0  # predict answer and stop
   targets = np.roll(tokens, -1, axis=1)
   return tokens, targets, mask

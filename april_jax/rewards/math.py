@@ -59,8 +59,8 @@ def last_boxed(text: str) -> str | None:
   for start in reversed(starts):
     open_at = text.index("{", start)
     close_at = _closing_brace(text, open_at)
-    if close_at is not None and text[open_at + 1:close_at].strip():
-      return text[open_at + 1:close_at].strip()
+    if close_at is not None and text[open_at + 1 : close_at].strip():
+      return text[open_at + 1 : close_at].strip()
   return None
 
 
@@ -102,7 +102,7 @@ def extract_answer(text: str) -> str | None:
 
 def gold_answer(raw: str) -> str:
   """A dataset's gold answer as a plain string: GSM8K '#### 72' -> '72', boxed -> content."""
-  raw = str(raw).strip()   # some sets (AMC) store numbers, e.g. 27.0
+  raw = str(raw).strip()  # some sets (AMC) store numbers, e.g. 27.0
   if "####" in raw:
     return _gsm8k_answer(raw) or ""
   return last_boxed(raw) or raw
@@ -126,10 +126,8 @@ def math_verify_equal(pred: str, gold: str) -> bool:
   them with signal.alarm(), which raises in any thread but the main one. The caller
   enforces the time limit.
   """
-  gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=_LATEX_ONLY,
-                      parsing_timeout=None)
-  pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=_LATEX_ONLY,
-                      parsing_timeout=None)
+  gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
+  pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
   if not gold_parsed or not pred_parsed:
     return False
   return verify(gold_parsed, pred_parsed, timeout_seconds=None)

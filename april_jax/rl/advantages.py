@@ -37,8 +37,9 @@ def _centered(rewards_GxN: jax.Array) -> jax.Array:
 def grpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6) -> jax.Array:
   n = jnp.shape(rewards_GxN)[-1]
   if n < 2:
-    raise ValueError(f"grpo advantages need n >= 2 samples per group (an unbiased std); "
-                     f"got n={n}")
+    raise ValueError(
+        f"grpo advantages need n >= 2 samples per group (an unbiased std); " f"got n={n}"
+    )
   centered_GxN = _centered(rewards_GxN)
   std_Gx1 = jnp.sqrt(jnp.sum(centered_GxN**2, axis=-1, keepdims=True) / (n - 1))
   return centered_GxN / (std_Gx1 + eps)
@@ -50,15 +51,17 @@ def drgrpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6) -> jax.Array:
   return _centered(rewards_GxN)
 
 
-def overlong_penalty(lengths_B: jax.Array, max_len: int, buffer_len: int,
-                     factor: float = 1.0) -> jax.Array:
+def overlong_penalty(
+    lengths_B: jax.Array, max_len: int, buffer_len: int, factor: float = 1.0
+) -> jax.Array:
   """DAPO's soft overlong punishment, in tokens, float32 [B].
 
   0 up to max_len - buffer_len tokens, then falling linearly to -factor at max_len
   (and staying there beyond it).
   """
   if buffer_len <= 0 or buffer_len > max_len:
-    raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}]; "
-                     f"got buffer_len={buffer_len}")
+    raise ValueError(
+        f"overlong buffer_len must be in (0, max_len={max_len}]; " f"got buffer_len={buffer_len}"
+    )
   excess_B = jnp.asarray(lengths_B, jnp.float32) - (max_len - buffer_len)
   return -factor * jnp.clip(excess_B / buffer_len, 0.0, 1.0)

@@ -46,8 +46,9 @@ def row_lengths(mask_BxT: np.ndarray) -> np.ndarray:
   return np.where(mask_BxT.any(axis=1), last + 2, 1)
 
 
-def microbatches(mask_BxT: np.ndarray, parts: int, by_length: bool,
-                 min_bucket: int = 32) -> list[tuple[np.ndarray, int]]:
+def microbatches(
+    mask_BxT: np.ndarray, parts: int, by_length: bool, min_bucket: int = 32
+) -> list[tuple[np.ndarray, int]]:
   """How one minibatch [B, T] splits into `parts` microbatches: [(rows [m, B // parts], T')].
 
   Plain: one entry, rows in order, every microbatch at the batch's T (one fused call).
@@ -69,15 +70,21 @@ def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.
   buffer_len = train_cfg.overlong_buffer_len
   if buffer_len:
     lengths = np.array([[len(s.response) for s in g.samples] for g in groups], np.float32)
-    penalty = advantages_lib.overlong_penalty(lengths.reshape(-1), max_response_len,
-                                              buffer_len, train_cfg.overlong_penalty_factor)
+    penalty = advantages_lib.overlong_penalty(
+        lengths.reshape(-1), max_response_len, buffer_len, train_cfg.overlong_penalty_factor
+    )
     rewards = rewards + np.asarray(penalty).reshape(rewards.shape)
   return rewards
 
 
-def build_batch(groups: list[Group], advantages_GxN: np.ndarray, version: int,
-                pad_id: int = 0, min_bucket: int = 32,
-                max_len: int | None = None) -> dict[str, np.ndarray]:
+def build_batch(
+    groups: list[Group],
+    advantages_GxN: np.ndarray,
+    version: int,
+    pad_id: int = 0,
+    min_bucket: int = 32,
+    max_len: int | None = None,
+) -> dict[str, np.ndarray]:
   """The update's arrays; T is bucketed (<= max_len, the longest prompt + response)."""
   samples = [s for g in groups for s in g.samples]
   B = len(samples)
@@ -89,10 +96,16 @@ def build_batch(groups: list[Group], advantages_GxN: np.ndarray, version: int,
   for b, s in enumerate(samples):
     P, R = len(s.prompt), len(s.response)
     tokens[b, :P] = s.prompt
-    tokens[b, P:P + R] = s.response
-    mask[b, P - 1:P + R - 1] = 1.0
-    behavior[b, P - 1:P + R - 1] = s.logprobs
-    stale[b, P - 1:P + R - 1] = s.versions < version
+    tokens[b, P : P + R] = s.response
+    mask[b, P - 1 : P + R - 1] = 1.0
+    behavior[b, P - 1 : P + R - 1] = s.logprobs
+    stale[b, P - 1 : P + R - 1] = s.versions < version
   targets = np.concatenate([tokens[:, 1:], np.full((B, 1), pad_id, np.int32)], axis=1)
-  return {"tokens": tokens, "targets": targets, "mask": mask, "behavior": behavior,
-          "stale": stale, "advantages": np.asarray(advantages_GxN, np.float32).reshape(B)}
+  return {
+      "tokens": tokens,
+      "targets": targets,
+      "mask": mask,
+      "behavior": behavior,
+      "stale": stale,
+      "advantages": np.asarray(advantages_GxN, np.float32).reshape(B),
+  }

@@ -35,7 +35,7 @@ from april_jax.registry import Registry
 
 GSPO_EPS_CLIP = 3e-4
 GSPO_EPS_CLIP_HIGH = 4e-4
-GSPO_MAX_CLIP = 0.01       # larger clips on a sequence ratio are token-level clips by mistake
+GSPO_MAX_CLIP = 0.01  # larger clips on a sequence ratio are token-level clips by mistake
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +47,17 @@ class LossConfig:
   configs with `LossConfig.for_gspo(...)`, which applies GSPO_EPS_CLIP /
   GSPO_EPS_CLIP_HIGH and GSPO's seq_mean_token_mean unless overridden.
   """
-  policy_loss: str = "ppo_clip"            # "ppo_clip" | "gspo"
+
+  policy_loss: str = "ppo_clip"  # "ppo_clip" | "gspo"
   eps_clip: float = 0.2
   eps_clip_high: float | None = None
-  dual_clip_c: float | None = None         # e.g. 3.0: caps the loss at -A*c for A < 0
-  aggregation: str = "token_mean"          # see AGGREGATIONS
-  norm_len: int | None = None              # Dr. GRPO constant, for seq_mean_token_sum_norm
+  dual_clip_c: float | None = None  # e.g. 3.0: caps the loss at -A*c for A < 0
+  aggregation: str = "token_mean"  # see AGGREGATIONS
+  norm_len: int | None = None  # Dr. GRPO constant, for seq_mean_token_sum_norm
   kl_coef: float = 0.0
-  kl_type: str = "low_var_kl"              # "k1" | "k3" | "low_var_kl"
+  kl_type: str = "low_var_kl"  # "k1" | "k3" | "low_var_kl"
   entropy_coef: float = 0.0
-  tis_cap: float | None = None             # None: no importance reweighting
+  tis_cap: float | None = None  # None: no importance reweighting
   mask_stale_tokens: bool = False
 
   @property
@@ -66,8 +67,12 @@ class LossConfig:
   @classmethod
   def for_gspo(cls, **overrides) -> LossConfig:
     """A GSPO config: GSPO's clips and aggregation, then `overrides`."""
-    kw = dict(policy_loss="gspo", eps_clip=GSPO_EPS_CLIP, eps_clip_high=GSPO_EPS_CLIP_HIGH,
-              aggregation="seq_mean_token_mean")
+    kw = dict(
+        policy_loss="gspo",
+        eps_clip=GSPO_EPS_CLIP,
+        eps_clip_high=GSPO_EPS_CLIP_HIGH,
+        aggregation="seq_mean_token_mean",
+    )
     kw.update(overrides)
     return cls(**kw)
 
@@ -77,18 +82,25 @@ class LossConfig:
     policy loss's own defaults: PPO's 0.2 / eps_clip / token_mean, GSPO's (for_gspo).
     Unset (None) optional knobs are off; tis_cap is off at 0 too (the command line cannot
     set None, and TIS is on by default)."""
-    chosen = {k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation")
-              if train[k] is not None}
-    rest = dict(dual_clip_c=train.dual_clip_c, norm_len=train.norm_len,
-                kl_coef=train.kl_coef, kl_type=train.kl_type,
-                entropy_coef=train.entropy_coef, tis_cap=train.tis_cap or None,
-                mask_stale_tokens=train.mask_stale_tokens)
+    chosen = {
+        k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation") if train[k] is not None
+    }
+    rest = dict(
+        dual_clip_c=train.dual_clip_c,
+        norm_len=train.norm_len,
+        kl_coef=train.kl_coef,
+        kl_type=train.kl_type,
+        entropy_coef=train.entropy_coef,
+        tis_cap=train.tis_cap or None,
+        mask_stale_tokens=train.mask_stale_tokens,
+    )
     if train.policy_loss == "gspo":
       return cls.for_gspo(**chosen, **rest)
     return cls(policy_loss=train.policy_loss, **chosen, **rest)
 
 
 # --------------------------------------------------------------------------- aggregation
+
 
 def _masked_log_ratio(a_BxT, b_BxT, mask_BxT):
   """a - b on masked tokens, 0 elsewhere, so padding never reaches an exp."""
@@ -125,14 +137,21 @@ def _seq_mean_token_sum_norm(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len
 
 
 AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
-    "token_mean": _token_mean,                            # DAPO: every token weighs the same
-    "seq_mean_token_mean": _seq_mean_token_mean,          # GRPO / GSPO: every sequence does
+    "token_mean": _token_mean,  # DAPO: every token weighs the same
+    "seq_mean_token_mean": _seq_mean_token_mean,  # GRPO / GSPO: every sequence does
     "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,  # Dr. GRPO: constant normaliser
 }
 
 
-def aggregate(x_BxT: jax.Array, mask_BxT: jax.Array, mode: str, *, total_tokens=None,
-              total_seqs=None, norm_len: int | None = None) -> jax.Array:
+def aggregate(
+    x_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    mode: str,
+    *,
+    total_tokens=None,
+    total_seqs=None,
+    norm_len: int | None = None,
+) -> jax.Array:
   """Reduces per-token values to a scalar; totals default to this batch's (batch_totals).
 
   Masked-out positions contribute nothing, even when they hold inf or NaN.
@@ -148,6 +167,7 @@ def aggregate(x_BxT: jax.Array, mask_BxT: jax.Array, mode: str, *, total_tokens=
 
 
 # ------------------------------------------------------------------------------ KL terms
+
 
 def _kl_k1(log_ratio_BxT):
   return -log_ratio_BxT
@@ -171,8 +191,9 @@ KL_PENALTIES: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def kl_penalty(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kl_type: str,
-               mask_BxT: jax.Array | None = None) -> jax.Array:
+def kl_penalty(
+    logp_BxT: jax.Array, ref_logp_BxT: jax.Array, kl_type: str, mask_BxT: jax.Array | None = None
+) -> jax.Array:
   """Per-token KL estimate of kl_type between the current policy and the reference
   (0 on tokens outside mask_BxT, when given)."""
   if kl_type not in KL_PENALTIES:
@@ -207,8 +228,7 @@ def ppo_clip_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_Bx
   ratio_BxT = jnp.exp(_masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT))
   loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, adv_Bx1)
   if cfg.dual_clip_c is not None:
-    loss_BxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_BxT, -adv_Bx1 * cfg.dual_clip_c),
-                         loss_BxT)
+    loss_BxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_BxT, -adv_Bx1 * cfg.dual_clip_c), loss_BxT)
   return loss_BxT, clipped_BxT, ratio_BxT
 
 
@@ -218,16 +238,17 @@ def gspo_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
   s_i = exp(mean_t (logp - old_logp)) is the length-normalised sequence ratio. Its
   value is s_i on every token and its gradient that of sequence-level GSPO."""
   log_ratio_BxT = _masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
-  s_B = jnp.exp(jnp.sum(log_ratio_BxT, axis=-1)
-                / jnp.maximum(_seq_lengths(mask_BxT), 1.0))
+  s_B = jnp.exp(jnp.sum(log_ratio_BxT, axis=-1) / jnp.maximum(_seq_lengths(mask_BxT), 1.0))
   live_logp_BxT = jnp.where(mask_BxT > 0, logp_BxT, 0.0)  # padding may hold -inf
-  ratio_BxT = (jax.lax.stop_gradient(s_B)[:, None]
-               * jnp.exp(live_logp_BxT - jax.lax.stop_gradient(live_logp_BxT)))
+  ratio_BxT = jax.lax.stop_gradient(s_B)[:, None] * jnp.exp(
+      live_logp_BxT - jax.lax.stop_gradient(live_logp_BxT)
+  )
   loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, advantages_B[:, None])
   return loss_BxT, clipped_BxT, ratio_BxT
 
 
 # ------------------------------------------------------------------------------ the loss
+
 
 def effective_mask(cfg: LossConfig, mask_BxT: jax.Array, stale_BxT=None) -> jax.Array:
   """The float32 mask every term uses: mask, minus stale tokens when cfg masks them.
@@ -249,10 +270,20 @@ def _importance_weights(cfg: LossConfig, old_logp_BxT, behavior_logp_BxT, mask_B
   return jnp.minimum(raw_BxT, cfg.tis_cap), raw_BxT > cfg.tis_cap
 
 
-def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
-                advantages_B: jax.Array, mask_BxT: jax.Array, *, behavior_logp_BxT=None,
-                ref_logp_BxT=None, entropy_BxT=None, stale_BxT=None, total_tokens=None,
-                total_seqs=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def policy_loss(
+    cfg: LossConfig,
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    advantages_B: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    behavior_logp_BxT=None,
+    ref_logp_BxT=None,
+    entropy_BxT=None,
+    stale_BxT=None,
+    total_tokens=None,
+    total_seqs=None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The scalar loss to minimise, and scalar metrics.
 
   loss = aggregate(policy term * TIS weight) + kl_coef * aggregate(KL)
@@ -266,16 +297,15 @@ def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
   old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_logp_BxT, jnp.float32))
   advantages_B = jax.lax.stop_gradient(jnp.asarray(advantages_B, jnp.float32))
   agg = lambda x_BxT, mode=cfg.aggregation: aggregate(
-      x_BxT, mask_BxT, mode, total_tokens=total_tokens, total_seqs=total_seqs,
-      norm_len=cfg.norm_len)
+      x_BxT, mask_BxT, mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=cfg.norm_len
+  )
   token_mean = lambda x_BxT: agg(jnp.asarray(x_BxT, jnp.float32), "token_mean")
 
   term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
-      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT)
-  tis_BxT, tis_capped_BxT = _importance_weights(cfg, old_logp_BxT, behavior_logp_BxT,
-                                                mask_BxT)
-  pg_loss = agg(term_BxT * tis_BxT)
-  loss = pg_loss
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT
+  )
+  tis_BxT, tis_capped_BxT = _importance_weights(cfg, old_logp_BxT, behavior_logp_BxT, mask_BxT)
+  loss = pg_loss = agg(term_BxT * tis_BxT)
 
   kl = jnp.zeros((), jnp.float32)
   if ref_logp_BxT is not None:
@@ -295,7 +325,7 @@ def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
   }
   if entropy_BxT is not None:
     entropy = agg(jnp.asarray(entropy_BxT, jnp.float32))
-    metrics["entropy"] = jax.lax.stop_gradient(entropy)
+    metrics["entropy"] = entropy
     if cfg.entropy_coef > 0:
       loss = loss - cfg.entropy_coef * entropy
   metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
@@ -304,9 +334,11 @@ def policy_loss(cfg: LossConfig, logp_BxT: jax.Array, old_logp_BxT: jax.Array,
 
 # ------------------------------------------------------------------------------ checking
 
+
 def loss_config_problems(cfg: LossConfig, n_samples: int) -> list[str]:
   """Every problem of a LossConfig, each naming its field (empty: the config is valid)."""
   problems = []
+
   def need(ok: bool, field: str, why: str):
     if not ok:
       problems.append(f"LossConfig.{field}={getattr(cfg, field, None)!r}: {why}")
@@ -315,26 +347,44 @@ def loss_config_problems(cfg: LossConfig, n_samples: int) -> list[str]:
   need(cfg.aggregation in AGGREGATIONS, "aggregation", f"must be one of {sorted(AGGREGATIONS)}")
   need(cfg.kl_type in KL_PENALTIES, "kl_type", f"must be one of {sorted(KL_PENALTIES)}")
   need(cfg.eps_clip > 0, "eps_clip", "must be > 0")
-  need(cfg.eps_clip_high is None or cfg.eps_clip_high > 0, "eps_clip_high",
-       "must be > 0 (or None for eps_clip)")
+  need(
+      cfg.eps_clip_high is None or cfg.eps_clip_high > 0,
+      "eps_clip_high",
+      "must be > 0 (or None for eps_clip)",
+  )
   need(cfg.tis_cap is None or cfg.tis_cap > 1, "tis_cap", "must be > 1 (or None for no TIS)")
-  need(cfg.dual_clip_c is None or cfg.dual_clip_c > 1, "dual_clip_c",
-       "must be > 1 (or None for no dual clip)")
-  need(cfg.aggregation != "seq_mean_token_sum_norm" or (cfg.norm_len or 0) > 0, "norm_len",
-       "seq_mean_token_sum_norm needs a constant norm_len > 0 (e.g. the max response length)")
+  need(
+      cfg.dual_clip_c is None or cfg.dual_clip_c > 1,
+      "dual_clip_c",
+      "must be > 1 (or None for no dual clip)",
+  )
+  need(
+      cfg.aggregation != "seq_mean_token_sum_norm" or (cfg.norm_len or 0) > 0,
+      "norm_len",
+      "seq_mean_token_sum_norm needs a constant norm_len > 0 (e.g. the max response length)",
+  )
   need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
   need(cfg.entropy_coef >= 0, "entropy_coef", "must be >= 0")
   if cfg.policy_loss == "gspo":
     # GSPO clips a length-normalised sequence ratio, which moves about 1000x less than a
     # token ratio: a PPO-size clip never binds, and a token-weighted mean is not GSPO.
-    need(cfg.eps_clip < GSPO_MAX_CLIP, "eps_clip",
-         f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
-         f"(GSPO's default {GSPO_EPS_CLIP}; leave it unset for that)")
-    need(cfg.clip_high < GSPO_MAX_CLIP, "eps_clip_high",
-         f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
-         f"(GSPO's default {GSPO_EPS_CLIP_HIGH}; leave it unset for that)")
-    need(cfg.aggregation == "seq_mean_token_mean", "aggregation",
-         "GSPO averages over sequences: must be 'seq_mean_token_mean' (leave it unset)")
+    need(
+        cfg.eps_clip < GSPO_MAX_CLIP,
+        "eps_clip",
+        f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
+        f"(GSPO's default {GSPO_EPS_CLIP}; leave it unset for that)",
+    )
+    need(
+        cfg.clip_high < GSPO_MAX_CLIP,
+        "eps_clip_high",
+        f"GSPO clips a sequence-level ratio: must be < {GSPO_MAX_CLIP} "
+        f"(GSPO's default {GSPO_EPS_CLIP_HIGH}; leave it unset for that)",
+    )
+    need(
+        cfg.aggregation == "seq_mean_token_mean",
+        "aggregation",
+        "GSPO averages over sequences: must be 'seq_mean_token_mean' (leave it unset)",
+    )
   if n_samples < 1:
     problems.append(f"n_samples={n_samples}: need at least 1 sample per prompt")
   return problems

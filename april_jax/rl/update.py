@@ -46,25 +46,29 @@ def make_schedule(train, total_updates: int) -> optax.Schedule:
   if train.lr_schedule == "constant":
     main = optax.constant_schedule(train.lr)
   elif train.lr_schedule == "cosine":
-    main = optax.cosine_decay_schedule(train.lr, max(total_updates - warmup, 1),
-                                       alpha=train.min_lr_ratio)
+    main = optax.cosine_decay_schedule(
+        train.lr, max(total_updates - warmup, 1), alpha=train.min_lr_ratio
+    )
   else:
-    raise ValueError(f"train.lr_schedule must be 'constant' or 'cosine', got "
-                     f"{train.lr_schedule!r}")
+    raise ValueError(
+        f"train.lr_schedule must be 'constant' or 'cosine', got " f"{train.lr_schedule!r}"
+    )
   if warmup <= 0:
     return main
   return optax.join_schedules([optax.linear_schedule(0.0, train.lr, warmup), main], [warmup])
 
 
-def make_optimizer(train, total_updates: int) -> tuple[optax.GradientTransformation,
-                                                       optax.Schedule]:
+def make_optimizer(
+    train, total_updates: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Clipped AdamW that skips (and counts) every update whose gradient is not finite."""
   schedule = make_schedule(train, total_updates)
   chain = []
   if train.max_grad_norm > 0:
     chain.append(optax.clip_by_global_norm(train.max_grad_norm))
-  chain.append(optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
-                           weight_decay=train.weight_decay))
+  chain.append(
+      optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8, weight_decay=train.weight_decay)
+  )
   # Never give up skipping: a run of non-finite steps must not be applied after N of them.
   return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=2**30), schedule
 
@@ -86,10 +90,15 @@ def cast(params, dtype):
 
 def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT):
   """Logprobs and entropy for microbatches [M, b, T], one microbatch at a time."""
-  fn = lambda xs: qwen3.token_logprobs(static.model, params, xs[0], xs[1],
-                                       compute_dtype=static.compute_dtype,
-                                       chunk_size=static.chunk,
-                                       temperature=static.temperature)
+  fn = lambda xs: qwen3.token_logprobs(
+      static.model,
+      params,
+      xs[0],
+      xs[1],
+      compute_dtype=static.compute_dtype,
+      chunk_size=static.chunk,
+      temperature=static.temperature,
+  )
   return jax.lax.map(fn, (tokens_MxbxT, targets_MxbxT))
 
 
@@ -100,17 +109,32 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
   microbatches, and over several calls, equal one big batch's values. `grads` is the
   running sum (zeros at first): one gradient buffer is carried through every call.
   """
+
   def micro_loss(p, micro):
     # Cast layer by layer inside the model; the gradient flows back to the float32 masters.
-    logp, entropy = qwen3.token_logprobs(static.model, p, micro["tokens"], micro["targets"],
-                                         compute_dtype=static.compute_dtype,
-                                         chunk_size=static.chunk,
-                                         temperature=static.temperature, remat=static.remat)
+    logp, entropy = qwen3.token_logprobs(
+        static.model,
+        p,
+        micro["tokens"],
+        micro["targets"],
+        compute_dtype=static.compute_dtype,
+        chunk_size=static.chunk,
+        temperature=static.temperature,
+        remat=static.remat,
+    )
     return losses.policy_loss(
-        static.loss, logp, micro["old_logp"], micro["advantages"], micro["mask"],
-        behavior_logp_BxT=micro["behavior"], ref_logp_BxT=micro.get("ref_logp"),
-        entropy_BxT=entropy, stale_BxT=micro["stale"], total_tokens=total_tokens,
-        total_seqs=total_seqs)
+        static.loss,
+        logp,
+        micro["old_logp"],
+        micro["advantages"],
+        micro["mask"],
+        behavior_logp_BxT=micro["behavior"],
+        ref_logp_BxT=micro.get("ref_logp"),
+        entropy_BxT=entropy,
+        stale_BxT=micro["stale"],
+        total_tokens=total_tokens,
+        total_seqs=total_seqs,
+    )
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -154,8 +178,9 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_s
   """The optimizer state's shardings: each moment like its param, scalars replicated."""
   shapes = jax.eval_shape(optimizer.init, params)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return optax.tree_map_params(optimizer, lambda _, sh: sh, shapes, param_sh,
-                               transform_non_params=lambda _: replicated)
+  return optax.tree_map_params(
+      optimizer, lambda _, sh: sh, shapes, param_sh, transform_non_params=lambda _: replicated
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,23 +188,31 @@ class Programs:
   """The learner's jitted programs and the shardings they pin (None without a mesh).
   Built from shapes alone, so they can be compiled at real shapes with no weights
   (april_jax/compile_check.py)."""
+
   param_sh: Any
   opt_sh: Any
   decode_sh: Any
-  to_masters: Any      # params -> float32 masters in the learner's layout
-  init_opt: Any        # masters -> optimizer state, sharded like them
-  to_reference: Any    # masters -> reference params in the compute dtype
-  decode_params: Any   # masters -> compute-dtype copy in the sampler's layout
-  logprobs: Any        # (params, tokens [M, b, T], targets) -> logprobs, entropy
+  to_masters: Any  # params -> float32 masters in the learner's layout
+  init_opt: Any  # masters -> optimizer state, sharded like them
+  to_reference: Any  # masters -> reference params in the compute dtype
+  decode_params: Any  # masters -> compute-dtype copy in the sampler's layout
+  logprobs: Any  # (params, tokens [M, b, T], targets) -> logprobs, entropy
   zeros: Any
-  grads: Any           # gradients of microbatches of one length, added to a running sum
+  grads: Any  # gradients of microbatches of one length, added to a running sum
   add: Any
-  apply: Any           # the optimizer update from summed gradients
+  apply: Any  # the optimizer update from summed gradients
 
 
-def build_programs(static: _Static, optimizer, params_shape, mesh=None,
-                   rules=sharding.TRAIN_RULES, decode_rules=sharding.DECODE_RULES, *,
-                   schedule: optax.Schedule) -> Programs:
+def build_programs(
+    static: _Static,
+    optimizer,
+    params_shape,
+    mesh=None,
+    rules=sharding.TRAIN_RULES,
+    decode_rules=sharding.DECODE_RULES,
+    *,
+    schedule: optax.Schedule,
+) -> Programs:
   if mesh is None:
     param_sh = opt_sh = decode_sh = None
     pin = lambda sh: {}
@@ -196,32 +229,47 @@ def build_programs(static: _Static, optimizer, params_shape, mesh=None,
     return p if param_sh is None else jax.lax.with_sharding_constraint(p, param_sh)
 
   return Programs(
-      param_sh=param_sh, opt_sh=opt_sh, decode_sh=decode_sh,
+      param_sh=param_sh,
+      opt_sh=opt_sh,
+      decode_sh=decode_sh,
       to_masters=jax.jit(lambda p: cast(p, jnp.float32), **pin(param_sh)),
       init_opt=jax.jit(optimizer.init, **pin(opt_sh)),
       to_reference=jax.jit(to_compute, **pin(param_sh)),
       decode_params=jax.jit(to_decode, **pin(decode_sh)),
       logprobs=jax.jit(traced(functools.partial(_logprobs, static))),
       zeros=jax.jit(_zeros_like, **pin(param_sh)),
-      grads=jax.jit(traced(functools.partial(_grads, static)), donate_argnums=4,
-                    **pin((param_sh, None, None))),
+      grads=jax.jit(
+          traced(functools.partial(_grads, static)), donate_argnums=4, **pin((param_sh, None, None))
+      ),
       add=jax.jit(_add),  # losses and metrics of several calls
-      apply=jax.jit(functools.partial(_apply, optimizer, schedule), donate_argnums=(0, 1),
-                    **pin((param_sh, opt_sh, None))))
+      apply=jax.jit(
+          functools.partial(_apply, optimizer, schedule),
+          donate_argnums=(0, 1),
+          **pin((param_sh, opt_sh, None)),
+      ),
+  )
 
 
-def make_static(model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: bool,
-                compute_dtype: str) -> _Static:
-  return _Static(model_cfg, losses.LossConfig.from_config(train), int(train.logprob_chunk),
-                 float(temperature) if temperature > 0 else 1.0, bool(remat),
-                 str(compute_dtype))
+def make_static(
+    model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: bool, compute_dtype: str
+) -> _Static:
+  return _Static(
+      model_cfg,
+      losses.LossConfig.from_config(train),
+      int(train.logprob_chunk),
+      float(temperature) if temperature > 0 else 1.0,
+      bool(remat),
+      str(compute_dtype),
+  )
 
 
 def _abstract(tree, on_mesh: bool):
   """Shapes, dtypes and (on a mesh) shardings of arrays: what `lower` needs, no data.
   Off a mesh arrays are uncommitted, and so are their stand-ins."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=x.sharding if on_mesh else None), tree)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if on_mesh else None),
+      tree,
+  )
 
 
 def _dummy_batch(B: int, T: int, with_ref: bool) -> dict[str, np.ndarray]:
@@ -230,9 +278,15 @@ def _dummy_batch(B: int, T: int, with_ref: bool) -> dict[str, np.ndarray]:
   mask = np.zeros((B, T), np.float32)
   mask[:, T - 2] = 1.0
   tokens = np.zeros((B, T), np.int32)
-  batch = {"tokens": tokens, "targets": tokens, "mask": mask, "behavior": mask,
-           "old_logp": mask, "stale": np.zeros((B, T), bool),
-           "advantages": np.zeros((B,), np.float32)}
+  batch = {
+      "tokens": tokens,
+      "targets": tokens,
+      "mask": mask,
+      "behavior": mask,
+      "old_logp": mask,
+      "stale": np.zeros((B, T), bool),
+      "advantages": np.zeros((B,), np.float32),
+  }
   return dict(batch, ref_logp=mask) if with_ref else batch
 
 
@@ -246,18 +300,28 @@ class Learner:
   """Holds float32 master params, optimizer state and the (optional) reference params
   (in the compute dtype); updates them."""
 
-  def __init__(self, model_cfg: qwen3.Qwen3Config, params, train, temperature: float,
-               total_updates: int, mesh=None, rules=sharding.TRAIN_RULES,
-               remat: bool = False, compute_dtype: str = "float32",
-               decode_rules=sharding.DECODE_RULES):
+  def __init__(
+      self,
+      model_cfg: qwen3.Qwen3Config,
+      params,
+      train,
+      temperature: float,
+      total_updates: int,
+      mesh=None,
+      rules=sharding.TRAIN_RULES,
+      remat: bool = False,
+      compute_dtype: str = "float32",
+      decode_rules=sharding.DECODE_RULES,
+  ):
     self.train = train
     self.static = make_static(model_cfg, train, temperature, remat, compute_dtype)
     self.loss_cfg = self.static.loss
     self.optimizer, self.schedule = make_optimizer(train, total_updates)
     self.mesh, self.rules = mesh, rules
     shapes = jax.eval_shape(lambda p: cast(p, jnp.float32), params)
-    self.programs = p = build_programs(self.static, self.optimizer, shapes, mesh, rules,
-                                       decode_rules, schedule=self.schedule)
+    self.programs = p = build_programs(
+        self.static, self.optimizer, shapes, mesh, rules, decode_rules, schedule=self.schedule
+    )
     self.params = p.to_masters(params)
     self.opt_state = p.init_opt(self.params)
     # No reference params are held unless a KL term needs them.
@@ -296,16 +360,23 @@ class Learner:
     t = self.train
     B = batch["tokens"].shape[0]
     if B % (t.num_minibatches * t.num_microbatches):
-      raise ValueError(f"batch of {B} samples does not split into train.num_minibatches="
-                       f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}")
-    return [[(rows[local], T) for local, T in batch_lib.microbatches(
-        batch["mask"][rows], t.num_microbatches, self.by_length)]
-            for rows in np.arange(B).reshape(t.num_minibatches, -1)]
+      raise ValueError(
+          f"batch of {B} samples does not split into train.num_minibatches="
+          f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}"
+      )
+    return [
+        [
+            (rows[local], T)
+            for local, T in batch_lib.microbatches(
+                batch["mask"][rows], t.num_microbatches, self.by_length
+            )
+        ]
+        for rows in np.arange(B).reshape(t.num_minibatches, -1)
+    ]
 
   def _piece(self, batch: dict[str, np.ndarray], rows: np.ndarray, T: int) -> dict:
     """The rows [m, b] of every array, cut to length T, on the mesh."""
-    return {k: self._put(v[rows][..., :T] if v.ndim == 2 else v[rows])
-            for k, v in batch.items()}
+    return {k: self._put(v[rows][..., :T] if v.ndim == 2 else v[rows]) for k, v in batch.items()}
 
   def warm_up(self, batch_size: int, lengths) -> int:
     """Compiles, ahead of time, every program an update at these padded lengths calls.
@@ -319,8 +390,9 @@ class Learner:
     on_mesh = self.mesh is not None
     compile_ = lambda fn, *args: _abstract(fn.lower(*args).compile().out_info, on_mesh)
     params, opt_state = _abstract((self.params, self.opt_state), on_mesh)
-    logprob_params = [params] + ([_abstract(self.ref_params, on_mesh)]
-                                 if self.ref_params is not None else [])
+    logprob_params = [params] + (
+        [_abstract(self.ref_params, on_mesh)] if self.ref_params is not None else []
+    )
     grads0, seen = compile_(self._zeros, params), set()
     totals = (np.float32(1), np.float32(1))
     for T in lengths:
@@ -343,9 +415,14 @@ class Learner:
     """Logprobs [B, T] of the targets under params (0 past a microbatch's cut). Needs the
     batch's tokens, targets and mask (the mask decides the cuts), or a plan from _plan."""
     pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
-    logps = [self._logprobs(params, self._put(batch["tokens"][rows][..., :T]),
-                            self._put(batch["targets"][rows][..., :T]))[0]
-             for rows, T in pieces]
+    logps = [
+        self._logprobs(
+            params,
+            self._put(batch["tokens"][rows][..., :T]),
+            self._put(batch["targets"][rows][..., :T]),
+        )[0]
+        for rows, T in pieces
+    ]
     out = np.zeros(batch["tokens"].shape, np.float32)
     for (rows, T), logp in zip(pieces, to_host(logps)):
       out[rows, :T] = logp
@@ -358,11 +435,11 @@ class Learner:
     totals = _totals(self.loss_cfg, batch["mask"][rows], batch["stale"][rows])
     grads, acc = self._zeros(self.params), None
     for rows, T in pieces:
-      grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals,
-                                         grads)
+      grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals, grads)
       acc = (loss, metrics) if acc is None else self._add(acc, (loss, metrics))
-    self.params, self.opt_state, m = self._apply(self.params, self.opt_state, grads, *acc,
-                                                 np.int32(self.attempted))
+    self.params, self.opt_state, m = self._apply(
+        self.params, self.opt_state, grads, *acc, np.int32(self.attempted)
+    )
     self.attempted += 1
     return m
 
@@ -380,10 +457,14 @@ class Learner:
     metrics, skipped = to_host((metrics, self.opt_state.total_notfinite))
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
     return {
-        "train/loss": mean("loss"), "train/pg_loss": mean("pg_loss"),
-        "train/pg_clipfrac": mean("pg_clipfrac"), "train/kl": mean("kl"),
-        "train/entropy": mean("entropy"), "train/grad_norm": mean("grad_norm"),
-        "train/lr": mean("lr"), "train/ratio_mean": mean("ratio_mean"),
+        "train/loss": mean("loss"),
+        "train/pg_loss": mean("pg_loss"),
+        "train/pg_clipfrac": mean("pg_clipfrac"),
+        "train/kl": mean("kl"),
+        "train/entropy": mean("entropy"),
+        "train/grad_norm": mean("grad_norm"),
+        "train/lr": mean("lr"),
+        "train/ratio_mean": mean("ratio_mean"),
         "train/tis_mean": mean("tis_mean"),
         "train/logprob_diff_mean": float(diff.mean()) if diff.size else 0.0,
         "train/skipped_updates": float(skipped),

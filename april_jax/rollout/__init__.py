@@ -5,6 +5,3 @@ from april_jax.rollout.group import Group
 from april_jax.rollout.metrics import rollout_metrics
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.rollout.scheduler import AprilScheduler, RolloutResult, RolloutSettings
-
-__all__ = ["AprilScheduler", "Group", "PartialBuffer", "RewardRunner",
-           "RolloutResult", "RolloutSettings", "rollout_metrics"]

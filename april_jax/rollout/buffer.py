@@ -52,16 +52,33 @@ class PartialBuffer:
     groups = list(self)
     samples = [s for g in groups for s in g.samples]
     kv_samples = [s for s in samples if s.has_kv]
-    meta = [{
-        "group_id": g.group_id, "prompt_id": g.prompt_id, "answer": g.answer,
-        "first_step": g.first_step, "rewards": g.rewards, "reward_info": g.reward_info,
-        "samples": [{"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                     "top_k": s.top_k, "top_p": s.top_p, "finish_reason": s.finish_reason,
-                     "has_kv": s.has_kv, "kv_version": s.kv_version, "meta": s.meta}
-                    for s in g.samples],
-    } for g in groups]
-    cat = lambda arrays, dtype: (np.concatenate(arrays).astype(dtype) if arrays
-                                 else np.zeros((0,), dtype))
+    meta = [
+        {
+            "group_id": g.group_id,
+            "prompt_id": g.prompt_id,
+            "answer": g.answer,
+            "first_step": g.first_step,
+            "rewards": g.rewards,
+            "reward_info": g.reward_info,
+            "samples": [
+                {
+                    "max_new_tokens": s.max_new_tokens,
+                    "temperature": s.temperature,
+                    "top_k": s.top_k,
+                    "top_p": s.top_p,
+                    "finish_reason": s.finish_reason,
+                    "has_kv": s.has_kv,
+                    "kv_version": s.kv_version,
+                    "meta": s.meta,
+                }
+                for s in g.samples
+            ],
+        }
+        for g in groups
+    ]
+    cat = lambda arrays, dtype: (
+        np.concatenate(arrays).astype(dtype) if arrays else np.zeros((0,), dtype)
+    )
     offsets = lambda arrays: np.cumsum([0] + [len(a) for a in arrays]).astype(np.int64)
     state = {
         "meta_json": np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(),
@@ -71,8 +88,7 @@ class PartialBuffer:
         "logprobs": cat([s.logprobs for s in samples], np.float32),
         "versions": cat([s.versions for s in samples], np.int32),
         "response_offsets": offsets([s.response for s in samples]),
-        "rngs": (np.stack([s.rng for s in samples]) if samples
-                 else np.zeros((0, 2), np.uint32)),
+        "rngs": (np.stack([s.rng for s in samples]) if samples else np.zeros((0, 2), np.uint32)),
         "kv_offsets": offsets([s.kv_k[0] for s in kv_samples]),
     }
     if kv_samples:
@@ -87,16 +103,23 @@ class PartialBuffer:
     po, ro, ko = state["prompt_offsets"], state["response_offsets"], state["kv_offsets"]
     sample_i = kv_i = 0
     for gi, gm in enumerate(meta):
-      prompt = np.asarray(state["prompts"][po[gi]:po[gi + 1]], np.int32)
+      prompt = np.asarray(state["prompts"][po[gi] : po[gi + 1]], np.int32)
       samples = []
       for sm in gm["samples"]:
         sl = slice(ro[sample_i], ro[sample_i + 1])
         record = SampleRecord(
-            prompt=prompt, max_new_tokens=sm["max_new_tokens"], rng=state["rngs"][sample_i],
-            temperature=sm["temperature"], top_k=sm["top_k"], top_p=sm["top_p"],
-            response=state["responses"][sl], logprobs=state["logprobs"][sl],
-            versions=state["versions"][sl], finish_reason=sm["finish_reason"],
-            meta=sm["meta"])
+            prompt=prompt,
+            max_new_tokens=sm["max_new_tokens"],
+            rng=state["rngs"][sample_i],
+            temperature=sm["temperature"],
+            top_k=sm["top_k"],
+            top_p=sm["top_p"],
+            response=state["responses"][sl],
+            logprobs=state["logprobs"][sl],
+            versions=state["versions"][sl],
+            finish_reason=sm["finish_reason"],
+            meta=sm["meta"],
+        )
         if sm["has_kv"]:
           kv = slice(ko[kv_i], ko[kv_i + 1])
           record.kv_k = np.asarray(state["kv_k"][:, kv])
@@ -105,7 +128,16 @@ class PartialBuffer:
           kv_i += 1
         samples.append(record)
         sample_i += 1
-      buffer.add(Group(group_id=gm["group_id"], prompt_id=gm["prompt_id"], prompt=prompt,
-                       answer=gm["answer"], samples=samples, first_step=gm["first_step"],
-                       rewards=gm["rewards"], reward_info=gm["reward_info"]))
+      buffer.add(
+          Group(
+              group_id=gm["group_id"],
+              prompt_id=gm["prompt_id"],
+              prompt=prompt,
+              answer=gm["answer"],
+              samples=samples,
+              first_step=gm["first_step"],
+              rewards=gm["rewards"],
+              reward_info=gm["reward_info"],
+          )
+      )
     return buffer

@@ -23,12 +23,12 @@ from april_jax.sampler import SampleRecord, sample_keys
 
 @dataclasses.dataclass
 class Group:
-  group_id: int                       # order of first admission: the buffer is FIFO by it
-  prompt_id: Any                      # the dataset's id of the prompt
-  prompt: np.ndarray                  # int32 [P]
-  answer: str                         # gold answer, handed to the reward function
+  group_id: int  # order of first admission: the buffer is FIFO by it
+  prompt_id: Any  # the dataset's id of the prompt
+  prompt: np.ndarray  # int32 [P]
+  answer: str  # gold answer, handed to the reward function
   samples: list[SampleRecord]
-  first_step: int                     # the step that first admitted the group
+  first_step: int  # the step that first admitted the group
   rewards: list[float] | None = None  # set once, when the group completes
   reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -58,7 +58,13 @@ class Group:
     meta["restarts"] = meta.get("restarts", 0) + 1
     rng = sample_keys([int(x) for x in old.rng] + [meta["restarts"]], 1)[0]
     self.samples[index] = SampleRecord(
-        prompt=old.prompt, max_new_tokens=old.max_new_tokens, rng=rng,
-        temperature=old.temperature, top_k=old.top_k, top_p=old.top_p, meta=meta)
+        prompt=old.prompt,
+        max_new_tokens=old.max_new_tokens,
+        rng=rng,
+        temperature=old.temperature,
+        top_k=old.top_k,
+        top_p=old.top_p,
+        meta=meta,
+    )
     self.rewards = None
     self.reward_info = {}

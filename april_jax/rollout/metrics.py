@@ -31,11 +31,11 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   st = result.stats
   samples = [s for g in result.groups for s in g.samples]
   lengths = np.array([len(s.response) for s in samples], np.float64)
-  versions = (np.concatenate([s.versions for s in samples]) if samples
-              else np.zeros((0,), np.int32))
+  versions = np.concatenate([s.versions for s in samples]) if samples else np.zeros((0,), np.int32)
   continued = sum(len(s.response) for s in samples if s.meta.get("cuts", 0) > 0)
-  staleness = np.array([version - int(s.versions.min()) if len(s.versions) else 0
-                        for s in samples], np.float64)
+  staleness = np.array(
+      [version - int(s.versions.min()) if len(s.versions) else 0 for s in samples], np.float64
+  )
   rewards = np.array([r for g in result.groups for r in (g.rewards or [])], np.float64)
   in_group_std = [np.std([len(s.response) for s in g.samples]) for g in result.groups]
   wall = max(st.get("rollout_s", 0.0), 1e-9)
@@ -60,8 +60,9 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/reward_mean": stat(np.mean, rewards),
       "rollout/reward_std": stat(np.std, rewards),
       "rollout/zero_std_groups_dropped": float(st.get("zero_std_groups_dropped", 0)),
-      "rollout/truncated_frac": stat(np.mean, np.array(
-          [s.finish_reason == "length" for s in samples])),
+      "rollout/truncated_frac": stat(
+          np.mean, np.array([s.finish_reason == "length" for s in samples])
+      ),
       "rollout/stale_restarts": float(st.get("stale_restarts", 0)),
       "rollout/overdue_groups": float(st.get("overdue_groups", 0)),
       "rollout/prompts_skipped": float(st.get("prompts_skipped", 0)),

@@ -28,15 +28,22 @@ class _Job:
   text: str
   future: cf.Future | None = None
   started_at: float | None = None
-  seconds: float = 0.0      # compute time, measured on the worker thread
+  seconds: float = 0.0  # compute time, measured on the worker thread
   result: float | None = None
-  status: str = "pending"   # pending | ok | error | timeout
+  status: str = "pending"  # pending | ok | error | timeout
 
 
 class RewardRunner:
-  def __init__(self, reward_fn: Callable[[str, str], float], decode: Callable[[list[int]], str],
-               num_workers: int = 4, timeout_s: float = 10.0, fallback: float = 0.0,
-               agree: Callable[[np.ndarray], np.ndarray] | None = None):
+
+  def __init__(
+      self,
+      reward_fn: Callable[[str, str], float],
+      decode: Callable[[list[int]], str],
+      num_workers: int = 4,
+      timeout_s: float = 10.0,
+      fallback: float = 0.0,
+      agree: Callable[[np.ndarray], np.ndarray] | None = None,
+  ):
     """Initializes the runner.
 
     Args:
@@ -58,13 +65,12 @@ class RewardRunner:
     self._lock = threading.Lock()
     self.errors = 0
     self.timeouts = 0
-    self.seconds = 0.0       # reward compute time, summed over samples
+    self.seconds = 0.0  # reward compute time, summed over samples
 
   def submit(self, group: Group) -> None:
     if group.group_id in self._jobs:
       return
-    jobs = [_Job(group, i, self._decode(s.response.tolist()))
-            for i, s in enumerate(group.samples)]
+    jobs = [_Job(group, i, self._decode(s.response.tolist())) for i, s in enumerate(group.samples)]
     self._jobs[group.group_id] = jobs
     if self._agree is not None:
       self._unagreed.append(group)
@@ -79,6 +85,7 @@ class RewardRunner:
         return float(self._reward_fn(job.text, job.group.answer))
       finally:
         job.seconds = time.monotonic() - job.started_at
+
     job.future = self._pool.submit(run)
 
   def _settle(self, job: _Job, now: float) -> bool:
@@ -121,8 +128,10 @@ class RewardRunner:
       if all([self._settle(job, now) for job in jobs]):
         group = jobs[0].group
         group.rewards = [job.result for job in jobs]
-        group.reward_info = {"errors": sum(j.status == "error" for j in jobs),
-                             "timeouts": sum(j.status == "timeout" for j in jobs)}
+        group.reward_info = {
+            "errors": sum(j.status == "error" for j in jobs),
+            "timeouts": sum(j.status == "timeout" for j in jobs),
+        }
         del self._jobs[group_id]
         done.append(group)
     return done

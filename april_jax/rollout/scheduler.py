@@ -52,17 +52,17 @@ from april_jax.sampler import PromptError, SampleRecord, SlotEngine, sample_keys
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
-  batch_size: int                        # N: groups trained per step
-  n_samples_per_prompt: int              # n
-  over_sampling_batch_size: int          # N' >= N: groups admitted per step
+  batch_size: int  # N: groups trained per step
+  n_samples_per_prompt: int  # n
+  over_sampling_batch_size: int  # N' >= N: groups admitted per step
   partial_rollout: bool = True
-  resume_mode: str = "kv"                # kv | recompute
-  max_staleness: int | None = None       # versions; None: unlimited
+  resume_mode: str = "kv"  # kv | recompute
+  max_staleness: int | None = None  # versions; None: unlimited
   max_response_len: int = 256
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  dynamic_sampling: bool = False         # DAPO: drop groups whose rewards are all equal
+  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
 
   @classmethod
   def from_config(cls, rollout) -> "RolloutSettings":
@@ -72,37 +72,46 @@ class RolloutSettings:
 
 @dataclasses.dataclass
 class RolloutResult:
-  groups: list[Group]                    # the training batch: batch_size groups
-  rejected: list[Group]                  # dropped by the DAPO filter this step
-  stats: dict[str, float]                # counts and timings of this step (see metrics.py)
+  groups: list[Group]  # the training batch: batch_size groups
+  rejected: list[Group]  # dropped by the DAPO filter this step
+  stats: dict[str, float]  # counts and timings of this step (see metrics.py)
 
 
 class AprilScheduler:
   """Drives a SlotEngine through RL steps; owns the partial buffer."""
 
-  def __init__(self, engine: SlotEngine, settings: RolloutSettings,
-               prompt_source: Callable[[], PromptItem | None], rewards: RewardRunner,
-               seed: int = 0):
+  def __init__(
+      self,
+      engine: SlotEngine,
+      settings: RolloutSettings,
+      prompt_source: Callable[[], PromptItem | None],
+      rewards: RewardRunner,
+      seed: int = 0,
+  ):
     if settings.over_sampling_batch_size < settings.batch_size:
       raise ValueError("over_sampling_batch_size must be >= batch_size")
     if not settings.partial_rollout and settings.over_sampling_batch_size != settings.batch_size:
       # A baseline that over-samples either trains surplus groups a step late (off-policy)
       # or throws finished work away; it admits exactly what it trains instead.
-      raise ValueError("the synchronous baseline (partial_rollout=False) needs "
-                       "over_sampling_batch_size == batch_size")
+      raise ValueError(
+          "the synchronous baseline (partial_rollout=False) needs "
+          "over_sampling_batch_size == batch_size"
+      )
     self.engine, self.settings, self.rewards = engine, settings, rewards
     self._prompt_source = prompt_source
     self._seed = seed
     self.buffer = PartialBuffer()
     self.next_group_id = 0
-    self.totals = collections.Counter()   # over the run: admitted, trained, rejected, ...
+    self.totals = collections.Counter()  # over the run: admitted, trained, rejected, ...
 
   # ---------------------------------------------------------------- checkpoints
   def state(self) -> tuple[dict[str, np.ndarray], dict]:
     """What a checkpoint keeps: the partial buffer as numpy arrays, and the rest
     (group ids, run totals) as JSON."""
-    return self.buffer.to_state(), {"next_group_id": self.next_group_id,
-                                    "totals": dict(self.totals)}
+    return self.buffer.to_state(), {
+        "next_group_id": self.next_group_id,
+        "totals": dict(self.totals),
+    }
 
   def restore(self, arrays: dict[str, np.ndarray], host: dict) -> None:
     """Back to a `state()`: the buffer exactly, KV included."""
@@ -118,12 +127,27 @@ class AprilScheduler:
       raise ValueError(f"prompt {item.prompt_id}: {len(budgets)} budgets for n={n}")
     keys = sample_keys([self._seed, self.next_group_id], n)
     group_id = self.next_group_id
-    samples = [SampleRecord(prompt=item.tokens, max_new_tokens=int(budgets[i]), rng=keys[i],
-                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                            meta={"group": group_id, "index": i}) for i in range(n)]
+    samples = [
+        SampleRecord(
+            prompt=item.tokens,
+            max_new_tokens=int(budgets[i]),
+            rng=keys[i],
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            meta={"group": group_id, "index": i},
+        )
+        for i in range(n)
+    ]
     self.next_group_id += 1
-    return Group(group_id=group_id, prompt_id=item.prompt_id, prompt=samples[0].prompt,
-                 answer=item.answer, samples=samples, first_step=step)
+    return Group(
+        group_id=group_id,
+        prompt_id=item.prompt_id,
+        prompt=samples[0].prompt,
+        answer=item.answer,
+        samples=samples,
+        first_step=step,
+    )
 
   def _next_fresh_group(self, step: int, stats) -> Group | None:
     while True:
@@ -147,8 +171,11 @@ class AprilScheduler:
     limit = self.settings.max_staleness
     if limit is None:
       return False
-    stale = [i for i, sample in enumerate(group.samples)
-             if len(sample.versions) and version - int(sample.versions.min()) > limit]
+    stale = [
+        i
+        for i, sample in enumerate(group.samples)
+        if len(sample.versions) and version - int(sample.versions.min()) > limit
+    ]
     for i in stale:
       group.restart_sample(i)
     stats["stale_restarts"] += len(stale)
@@ -175,10 +202,15 @@ class AprilScheduler:
   def _begin(self, step: int, version: int) -> "_Step":
     self.engine.version = version
     r = self.rewards
-    return _Step(step=step, version=version, budget=self.settings.over_sampling_batch_size,
-                 start=time.perf_counter(), tokens0=self.engine.tokens_generated,
-                 steps0=self.engine.decode_steps,
-                 rewards0=(r.errors, r.timeouts, r.seconds))
+    return _Step(
+        step=step,
+        version=version,
+        budget=self.settings.over_sampling_batch_size,
+        start=time.perf_counter(),
+        tokens0=self.engine.tokens_generated,
+        steps0=self.engine.decode_steps,
+        rewards0=(r.errors, r.timeouts, r.seconds),
+    )
 
   def _admit(self, st: "_Step") -> bool:
     """Admits one more group (buffered first, else fresh), if the budget allows."""
@@ -232,11 +264,11 @@ class AprilScheduler:
         if not engine.num_free:
           return
         waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
-        partial = [r for r in waiting if r.started][:engine.num_free]
+        partial = [r for r in waiting if r.started][: engine.num_free]
         if partial:
           engine.add_partials(partial, mode=self.settings.resume_mode)
           st.stats["partial_samples"] += len(partial)
-        fresh = [r for r in waiting if not r.started][:engine.num_free]
+        fresh = [r for r in waiting if not r.started][: engine.num_free]
         if fresh:
           engine.add_group(fresh)
         started = started or bool(partial or fresh)
@@ -266,7 +298,8 @@ class AprilScheduler:
     if len(st.accepted) < self.settings.batch_size or not st.overdue <= st.decided:
       return False
     return self.settings.partial_rollout or all(
-        g.complete for g in st.active if g.group_id in self.buffer)
+        g.complete for g in st.active if g.group_id in self.buffer
+    )
 
   def _snapshot(self) -> None:
     """Every unfinished slot back to its group; a started one was cut at this step's
@@ -291,31 +324,36 @@ class AprilScheduler:
         new_tokens=engine.tokens_generated - st.tokens0,
         decode_steps=engine.decode_steps - st.steps0,
         num_slots=engine.config.num_slots,
-        buffer_groups=len(self.buffer), buffer_bytes=self.buffer.host_bytes(),
-        surplus_groups=len(surplus), admitted_groups=len(st.active),
+        buffer_groups=len(self.buffer),
+        buffer_bytes=self.buffer.host_bytes(),
+        surplus_groups=len(surplus),
+        admitted_groups=len(st.active),
         overdue_groups=len(st.overdue),
-        reward_errors=r.errors - st.rewards0[0], reward_timeouts=r.timeouts - st.rewards0[1],
-        reward_s=r.seconds - st.rewards0[2])
+        reward_errors=r.errors - st.rewards0[0],
+        reward_timeouts=r.timeouts - st.rewards0[1],
+        reward_s=r.seconds - st.rewards0[2],
+    )
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
 
 @dataclasses.dataclass
 class _Step:
   """What one RL step has admitted and decided so far (AprilScheduler.step)."""
+
   step: int
   version: int
-  budget: int                    # groups it may admit: N', plus one per DAPO rejection
+  budget: int  # groups it may admit: N', plus one per DAPO rejection
   start: float
   tokens0: int
   steps0: int
   rewards0: tuple
-  active: list[Group] = dataclasses.field(default_factory=list)       # admitted
+  active: list[Group] = dataclasses.field(default_factory=list)  # admitted
   active_ids: set[int] = dataclasses.field(default_factory=set)
-  accepted: list[Group] = dataclasses.field(default_factory=list)     # completion order
-  awaiting: list[Group] = dataclasses.field(default_factory=list)     # the filter's verdict
+  accepted: list[Group] = dataclasses.field(default_factory=list)  # completion order
+  awaiting: list[Group] = dataclasses.field(default_factory=list)  # the filter's verdict
   rejected: list[Group] = dataclasses.field(default_factory=list)
-  decided: set[int] = dataclasses.field(default_factory=set)          # accepted or rejected
-  overdue: set[int] = dataclasses.field(default_factory=set)          # finish this step
+  decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
+  overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
   stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def accept(self, group: Group) -> None:

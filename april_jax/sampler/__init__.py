@@ -8,6 +8,3 @@ from april_jax.sampler.engine import EngineConfig, SlotEngine
 from april_jax.sampler.generate import generate, generate_on, sample_keys
 from april_jax.sampler.records import PromptError, SampleRecord
 from april_jax.sampler.sampling import sample_tokens
-
-__all__ = ["EngineConfig", "PromptError", "SampleRecord", "SlotEngine",
-           "generate", "generate_on", "sample_keys", "sample_tokens"]

@@ -36,18 +36,25 @@ RESUME_MODES = ("kv", "recompute")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   num_slots: int
-  max_len: int                     # tokens a slot holds: prompt + response
-  sync_every: int = 16             # decode steps per host round trip (at most)
+  max_len: int  # tokens a slot holds: prompt + response
+  sync_every: int = 16  # decode steps per host round trip (at most)
   min_bucket: int = 16
   stop_ids: tuple[int, ...] = ()
   kv_dtype: str = "float32"
-  insert_width: int = 8            # slots filled per insert call (fixed: one compile)
-  snapshot_width: int = 4          # slots whose KV is copied out per device call
-  decode_block: int = 1024         # cache entries per block of decode attention
+  insert_width: int = 8  # slots filled per insert call (fixed: one compile)
+  snapshot_width: int = 4  # slots whose KV is copied out per device call
+  decode_block: int = 1024  # cache entries per block of decode attention
 
   def __post_init__(self):
-    for name in ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width",
-                 "snapshot_width", "decode_block"):
+    for name in (
+        "num_slots",
+        "max_len",
+        "sync_every",
+        "min_bucket",
+        "insert_width",
+        "snapshot_width",
+        "decode_block",
+    ):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -59,8 +66,9 @@ def kv_version_of(record: SampleRecord) -> int:
   return int(record.versions.min()) if record.started else 0
 
 
-def rows_from_records(records: list[SampleRecord], width: int, max_len: int,
-                      kv_versions: list[int]) -> SlotRows:
+def rows_from_records(
+    records: list[SampleRecord], width: int, max_len: int, kv_versions: list[int]
+) -> SlotRows:
   """The slot rows of up to `width` records (fresh, partial or recomputed alike), padded
   to `width` with inert rows; numpy, for one insert call."""
   W, M = width, max_len
@@ -71,31 +79,56 @@ def rows_from_records(records: list[SampleRecord], width: int, max_len: int,
   rng = np.zeros((W, 2), np.uint32)
   for j, (r, kv_version) in enumerate(zip(records, kv_versions)):
     P = len(r.prompt)
-    tokens[j, :r.length] = np.concatenate([r.prompt, r.response])
-    logprobs[j, P:r.length], versions[j, P:r.length] = r.logprobs, r.versions
+    tokens[j, : r.length] = np.concatenate([r.prompt, r.response])
+    logprobs[j, P : r.length], versions[j, P : r.length] = r.logprobs, r.versions
     ints[:, j] = (r.length, P, kv_version, P + r.max_new_tokens, r.top_k)
     temperature[j], top_p[j], rng[j] = r.temperature, r.top_p, r.rng
-  return SlotRows(tokens=tokens, logprobs=logprobs, versions=versions, length=ints[0],
-                  prompt_len=ints[1], kv_version=ints[2], limit=ints[3],
-                  temperature=temperature, top_k=ints[4], top_p=top_p, rng=rng)
+  return SlotRows(
+      tokens=tokens,
+      logprobs=logprobs,
+      versions=versions,
+      length=ints[0],
+      prompt_len=ints[1],
+      kv_version=ints[2],
+      limit=ints[3],
+      temperature=temperature,
+      top_k=ints[4],
+      top_p=top_p,
+      rng=rng,
+  )
 
 
 class SlotEngine:
   """A static array of decode slots over one set of (sharded) params."""
 
-  def __init__(self, cfg: qwen3.Qwen3Config, params, config: EngineConfig, mesh=None,
-               rules=sharding.DECODE_RULES, version: int = 0):
+  def __init__(
+      self,
+      cfg: qwen3.Qwen3Config,
+      params,
+      config: EngineConfig,
+      mesh=None,
+      rules=sharding.DECODE_RULES,
+      version: int = 0,
+  ):
     self.cfg, self.params, self.config, self.version = cfg, params, config, version
-    self.fns = slot_ops.device_fns(cfg, config.num_slots, config.max_len, config.sync_every,
-                                   config.kv_dtype, mesh, tuple(rules), config.decode_block)
+    self.fns = slot_ops.device_fns(
+        cfg,
+        config.num_slots,
+        config.max_len,
+        config.sync_every,
+        config.kv_dtype,
+        mesh,
+        tuple(rules),
+        config.decode_block,
+    )
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._buckets = buckets.all_buckets(config.min_bucket, config.max_len)
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
     self._held: set[int] = set()  # id() of the records in _owner
     self._lengths = np.zeros(config.num_slots, np.int64)  # host copy, as of the last sync
-    self.decode_steps = 0        # decode steps run (every slot advances at most 1 each)
-    self.tokens_generated = 0    # tokens kept, summed over slots
+    self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
+    self.tokens_generated = 0  # tokens kept, summed over slots
 
   # ------------------------------------------------------------------ bookkeeping
   def free_slots(self) -> list[int]:
@@ -128,12 +161,15 @@ class SlotEngine:
     if P + record.max_new_tokens > M:
       raise PromptError(
           f"prompt of {P} tokens + response budget {record.max_new_tokens} exceeds the "
-          f"slot capacity max_len={M}")
+          f"slot capacity max_len={M}"
+      )
     if record.finished or record.budget_left < 1:
       raise PromptError("the sample is already finished")
     if not (record.top_k >= 0 and 0 < record.top_p <= 1 and record.temperature >= 0):
-      raise PromptError(f"bad sampling params temperature={record.temperature} "
-                        f"top_k={record.top_k} top_p={record.top_p}")
+      raise PromptError(
+          f"bad sampling params temperature={record.temperature} "
+          f"top_k={record.top_k} top_p={record.top_p}"
+      )
 
   def warm_up(self) -> int:
     """Compiles every program a run can use: per length bucket, prefill, insert (one
@@ -146,34 +182,38 @@ class SlotEngine:
     for b in self._buckets:
       self._insert(self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32)), [], [], [])
       jax.block_until_ready(self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b))
-      zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim),
-                       self.config.kv_dtype)
+      zeros = np.zeros(
+          (cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype
+      )
       self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), [], [], [])
-    self.state, _, _ = self.fns.decode(self.params, self.state, np.int32(self.version),
-                                       self._stop_ids, np.bool_(True))
+    self.state, _, _ = self.fns.decode(
+        self.params, self.state, np.int32(self.version), self._stop_ids, np.bool_(True)
+    )
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     no_slots = np.full(self.config.insert_width, -1, np.int32)
     jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
     return len(self._buckets)
 
   # ---------------------------------------------------------------------- admit
-  def _insert(self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord],
-              kv_versions: list[int]) -> None:
+  def _insert(
+      self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord], kv_versions: list[int]
+  ) -> None:
     """One insert call: up to W records into slots, with their KV [L, R, T, K, H]: one
     row each (R = W = snapshot_width), or one shared (R = 1, W = insert_width)."""
     W = kv.k.shape[1] if kv.k.shape[1] > 1 else self.config.insert_width
     padded = np.full(W, -1, np.int32)
-    padded[:len(slots)] = slots
+    padded[: len(slots)] = slots
     rows = rows_from_records(records, W, self.config.max_len, kv_versions)
     self.state = self.fns.insert(self.state, kv, rows, padded)
 
-  def _insert_shared(self, kv: qwen3.KVCache, kv_version: int, slots: list[int],
-                     records: list[SampleRecord]) -> None:
+  def _insert_shared(
+      self, kv: qwen3.KVCache, kv_version: int, slots: list[int], records: list[SampleRecord]
+  ) -> None:
     """One sequence's KV [L, 1, T, K, H] into slots, `insert_width` slots per call."""
     W = self.config.insert_width
     for i in range(0, len(slots), W):
-      chunk = records[i:i + W]
-      self._insert(kv, slots[i:i + W], chunk, [kv_version] * len(chunk))
+      chunk = records[i : i + W]
+      self._insert(kv, slots[i : i + W], chunk, [kv_version] * len(chunk))
     self._own(slots, records)
 
   def _own(self, slots: list[int], records: list[SampleRecord]) -> None:
@@ -190,11 +230,10 @@ class SlotEngine:
   def _host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
     """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded."""
     cfg = self.cfg
-    shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads,
-             cfg.head_dim)
+    shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads, cfg.head_dim)
     k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
     for j, r in enumerate(records):
-      k[:, j, :r.length - 1], v[:, j, :r.length - 1] = r.kv_k, r.kv_v
+      k[:, j, : r.length - 1], v[:, j, : r.length - 1] = r.kv_k, r.kv_v
     return self._on_device(qwen3.KVCache(k, v))
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
@@ -215,9 +254,13 @@ class SlotEngine:
     W = self.config.snapshot_width
     for kv_len, pairs in by_bucket.items():
       for i in range(0, len(pairs), W):
-        chunk = [r for _, r in pairs[i:i + W]]
-        self._insert(self._host_kv(chunk, kv_len), [slot for slot, _ in pairs[i:i + W]],
-                     chunk, [kv_version_of(r) for r in chunk])
+        chunk = [r for _, r in pairs[i : i + W]]
+        self._insert(
+            self._host_kv(chunk, kv_len),
+            [slot for slot, _ in pairs[i : i + W]],
+            chunk,
+            [kv_version_of(r) for r in chunk],
+        )
     self._own(slots, with_kv)
     slot_of = dict(zip(map(id, with_kv), slots))
     slot_of.update((id(r), self.add(r, mode)) for r in rest)
@@ -231,7 +274,7 @@ class SlotEngine:
 
   def _prefill(self, tokens: np.ndarray) -> qwen3.KVCache:
     padded = np.zeros((1, self.bucket(len(tokens))), np.int32)
-    padded[0, :len(tokens)] = tokens
+    padded[0, : len(tokens)] = tokens
     return self.fns.prefill_kv(self.params, padded)
 
   def add_group(self, records: list[SampleRecord]) -> list[int]:
@@ -256,8 +299,9 @@ class SlotEngine:
     if mode == "kv" and record.has_kv:
       used = record.length - 1
       pad = ((0, 0), (0, self.bucket(max(used, 1)) - used), (0, 0), (0, 0))
-      kv = self._on_device(qwen3.KVCache(np.pad(record.kv_k, pad)[:, None],
-                                         np.pad(record.kv_v, pad)[:, None]))
+      kv = self._on_device(
+          qwen3.KVCache(np.pad(record.kv_k, pad)[:, None], np.pad(record.kv_v, pad)[:, None])
+      )
       kv_version = kv_version_of(record)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill(np.concatenate([record.prompt, record.response]))
@@ -273,9 +317,9 @@ class SlotEngine:
     so the slot is refilled at once; without it, the sync_every steps run unless every
     slot finishes, saving host round trips when nothing could use a freed slot.
     """
-    self.state, steps, kept = self.fns.decode(self.params, self.state,
-                                              np.int32(self.version), self._stop_ids,
-                                              np.bool_(refill))
+    self.state, steps, kept = self.fns.decode(
+        self.params, self.state, np.int32(self.version), self._stop_ids, np.bool_(refill)
+    )
     done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))
     grown = np.array(lengths) - self._lengths  # a live slot gains one token per step
     self._lengths = np.array(lengths)
@@ -283,8 +327,10 @@ class SlotEngine:
     self.tokens_generated += int(kept)
     # In the order they finished (the step each finished at, then slot): with refill off
     # several finish within one window, and callers rely on completion order.
-    finished = sorted(((slot, r) for slot, r in enumerate(self._owner)
-                       if r is not None and done[slot]), key=lambda x: (grown[x[0]], x[0]))
+    finished = sorted(
+        ((slot, r) for slot, r in enumerate(self._owner) if r is not None and done[slot]),
+        key=lambda x: (grown[x[0]], x[0]),
+    )
     self._read_back(finished, with_kv=False)
     for slot, record in finished:
       last = record.response[-1]
@@ -309,9 +355,9 @@ class SlotEngine:
     """Copies the slots' responses (and KV) into their records, W slots per transfer."""
     W = self.config.insert_width
     for i in range(0, len(items), W):
-      chunk = items[i:i + W]
+      chunk = items[i : i + W]
       slots = np.full(W, -1, np.int32)
-      slots[:len(chunk)] = [slot for slot, _ in chunk]
+      slots[: len(chunk)] = [slot for slot, _ in chunk]
       tokens, logprobs, versions, meta = to_host(self.fns.extract_rows(self.state, slots))
       for j, (slot, record) in enumerate(chunk):
         length, P = int(meta[j, 0]), int(meta[j, 1])
@@ -331,9 +377,9 @@ class SlotEngine:
       by_bucket.setdefault(self.bucket(max(record.length - 1, 1)), []).append((slot, record))
     for kv_len, group in by_bucket.items():
       for i in range(0, len(group), W):
-        chunk = group[i:i + W]
+        chunk = group[i : i + W]
         slots = np.full(W, -1, np.int32)
-        slots[:len(chunk)] = [slot for slot, _ in chunk]
+        slots[: len(chunk)] = [slot for slot, _ in chunk]
         k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len))
         for j, (_, record) in enumerate(chunk):
           used = record.length - 1

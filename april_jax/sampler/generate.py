@@ -30,12 +30,26 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int = 64, num_slots: int = 8, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
-             seed: int = 0, sync_every: int = 16, max_len: int | None = None, mesh=None,
-             rules=sharding.DECODE_RULES, return_records: bool = False,
-             on_invalid: str = "raise", kv_dtype: str = "float32"):
+def generate(
+    cfg: qwen3.Qwen3Config,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    num_slots: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: Sequence[int] = (),
+    seed: int = 0,
+    sync_every: int = 16,
+    max_len: int | None = None,
+    mesh=None,
+    rules=sharding.DECODE_RULES,
+    return_records: bool = False,
+    on_invalid: str = "raise",
+    kv_dtype: str = "float32",
+):
   """Generates a response for every prompt; returns them in prompt order.
 
   Each response is a list of token ids, ending with the stop token when one of
@@ -49,18 +63,39 @@ def generate(cfg: qwen3.Qwen3Config, params, prompts: Sequence[Sequence[int]], *
     return []
   longest = max(len(p) for p in prompts)
   max_len = max_len or _round_up(longest + max_new_tokens, 16)
-  config = EngineConfig(num_slots=num_slots, max_len=max_len, sync_every=sync_every,
-                        stop_ids=tuple(int(e) for e in eos_ids), kv_dtype=kv_dtype)
+  config = EngineConfig(
+      num_slots=num_slots,
+      max_len=max_len,
+      sync_every=sync_every,
+      stop_ids=tuple(int(e) for e in eos_ids),
+      kv_dtype=kv_dtype,
+  )
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
-  return generate_on(engine, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, seed=seed, return_records=return_records,
-                     on_invalid=on_invalid)
+  return generate_on(
+      engine,
+      prompts,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      seed=seed,
+      return_records=return_records,
+      on_invalid=on_invalid,
+  )
 
 
-def generate_on(engine: SlotEngine, prompts: Sequence[Sequence[int]], *,
-                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, seed: int = 0, return_records: bool = False,
-                on_invalid: str = "raise"):
+def generate_on(
+    engine: SlotEngine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    return_records: bool = False,
+    on_invalid: str = "raise",
+):
   """`generate` on an existing, empty engine (its params, slots and stop tokens): the
   trainer evaluates on the run's own engine instead of allocating a second KV cache."""
   if on_invalid not in ("raise", "skip"):
@@ -71,9 +106,15 @@ def generate_on(engine: SlotEngine, prompts: Sequence[Sequence[int]], *,
   queue = collections.deque()
   results: list[SampleRecord | None] = [None] * len(prompts)
   for i, prompt in enumerate(prompts):
-    record = SampleRecord(prompt=np.asarray(prompt, np.int32), max_new_tokens=max_new_tokens,
-                          rng=keys[i], temperature=temperature, top_k=top_k, top_p=top_p,
-                          meta={"index": i})
+    record = SampleRecord(
+        prompt=np.asarray(prompt, np.int32),
+        max_new_tokens=max_new_tokens,
+        rng=keys[i],
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        meta={"index": i},
+    )
     try:
       engine.check(record)
     except PromptError as e:

@@ -26,19 +26,19 @@ def _empty(dtype) -> np.ndarray:
 
 @dataclasses.dataclass
 class SampleRecord:
-  prompt: np.ndarray                  # int32 [P]
-  max_new_tokens: int                 # the response budget, shared by all segments
-  rng: np.ndarray                     # uint32 [2], the sample's own key
-  temperature: float = 1.0            # 0 = greedy
-  top_k: int = 0                      # 0 = off
-  top_p: float = 1.0                  # 1 = off
+  prompt: np.ndarray  # int32 [P]
+  max_new_tokens: int  # the response budget, shared by all segments
+  rng: np.ndarray  # uint32 [2], the sample's own key
+  temperature: float = 1.0  # 0 = greedy
+  top_k: int = 0  # 0 = off
+  top_p: float = 1.0  # 1 = off
   response: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
   logprobs: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.float32))
   versions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
-  kv_k: np.ndarray | None = None      # [L, P+R-1, K, H] when snapshotted with KV
+  kv_k: np.ndarray | None = None  # [L, P+R-1, K, H] when snapshotted with KV
   kv_v: np.ndarray | None = None
-  kv_version: int | None = None       # the oldest policy version in kv_k / kv_v
-  finish_reason: str | None = None    # "stop", "length", or None while unfinished
+  kv_version: int | None = None  # the oldest policy version in kv_k / kv_v
+  finish_reason: str | None = None  # "stop", "length", or None while unfinished
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the caller's ids
 
   def __post_init__(self):

@@ -61,8 +61,9 @@ def draw_token(logits_V: jax.Array, key: jax.Array) -> jax.Array:
   if V <= _BLOCK:
     return _gumbel_max(key, logits_V)
   n_blocks = -(-V // _BLOCK)
-  blocks_NxB = jnp.pad(logits_V, (0, n_blocks * _BLOCK - V),
-                       constant_values=-jnp.inf).reshape(n_blocks, _BLOCK)
+  blocks_NxB = jnp.pad(logits_V, (0, n_blocks * _BLOCK - V), constant_values=-jnp.inf).reshape(
+      n_blocks, _BLOCK
+  )
   block_key, token_key = jax.random.split(key)
   # An all -inf block has logsumexp -inf: it is never drawn.
   block = draw_token(jax.nn.logsumexp(blocks_NxB, axis=-1), block_key)
@@ -75,8 +76,13 @@ def _logprob_at(logits_SxV, tokens_S):
   return picked_S - jax.nn.logsumexp(logits_SxV, axis=-1)
 
 
-def sample_tokens(logits_SxV: jax.Array, keys_S: jax.Array, temperature_S: jax.Array,
-                  top_k_S: jax.Array, top_p_S: jax.Array):
+def sample_tokens(
+    logits_SxV: jax.Array,
+    keys_S: jax.Array,
+    temperature_S: jax.Array,
+    top_k_S: jax.Array,
+    top_p_S: jax.Array,
+):
   """Draws one token per row; returns (tokens int32 [S], behavior logprobs float32 [S]).
 
   keys_S are typed PRNG keys, one per row. The sort needed for top-k / top-p only runs
@@ -88,12 +94,21 @@ def sample_tokens(logits_SxV: jax.Array, keys_S: jax.Array, temperature_S: jax.A
   safe_t = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
   scaled_SxV = logits_SxV / safe_t
   truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
-  keep_SxV = jax.lax.cond(truncate, _truncation_mask,
-                          lambda s, k, p: jnp.ones(s.shape, bool), scaled_SxV, top_k_S,
-                          top_p_S)
+  keep_SxV = jax.lax.cond(
+      truncate,
+      _truncation_mask,
+      lambda s, k, p: jnp.ones(s.shape, bool),
+      scaled_SxV,
+      top_k_S,
+      top_p_S,
+  )
   masked_SxV = jnp.where(keep_SxV | greedy_S[:, None], scaled_SxV, -jnp.inf)
-  drawn_S = jax.lax.cond(jnp.all(greedy_S),
-                         lambda m, k: jnp.zeros(m.shape[:1], jnp.int32),
-                         jax.vmap(draw_token), masked_SxV, keys_S)
+  drawn_S = jax.lax.cond(
+      jnp.all(greedy_S),
+      lambda m, k: jnp.zeros(m.shape[:1], jnp.int32),
+      jax.vmap(draw_token),
+      masked_SxV,
+      keys_S,
+  )
   tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
   return tokens_S, _logprob_at(masked_SxV, tokens_S)

@@ -34,53 +34,61 @@ from april_jax.models import qwen3
 
 @flax.struct.dataclass
 class SlotState:
-  tokens: jax.Array       # int32 [S, M]
-  logprobs: jax.Array     # float32 [S, M]
-  versions: jax.Array     # int32 [S, M]
-  kv: qwen3.KVCache       # k, v [L, S, K, M, H], stored as qwen3.kv_storage_dtype
-  length: jax.Array       # int32 [S]
-  prompt_len: jax.Array   # int32 [S]
-  kv_version: jax.Array   # int32 [S]
-  limit: jax.Array        # int32 [S]
+  tokens: jax.Array  # int32 [S, M]
+  logprobs: jax.Array  # float32 [S, M]
+  versions: jax.Array  # int32 [S, M]
+  kv: qwen3.KVCache  # k, v [L, S, K, M, H], stored as qwen3.kv_storage_dtype
+  length: jax.Array  # int32 [S]
+  prompt_len: jax.Array  # int32 [S]
+  kv_version: jax.Array  # int32 [S]
+  limit: jax.Array  # int32 [S]
   temperature: jax.Array  # float32 [S]; 0 = greedy
-  top_k: jax.Array        # int32 [S]; 0 = off
-  top_p: jax.Array        # float32 [S]; 1 = off
-  rng: jax.Array          # key [S], typed PRNG keys (threefry)
-  done: jax.Array         # bool [S]
+  top_k: jax.Array  # int32 [S]; 0 = off
+  top_p: jax.Array  # float32 [S]; 1 = off
+  rng: jax.Array  # key [S], typed PRNG keys (threefry)
+  done: jax.Array  # bool [S]
 
 
 @flax.struct.dataclass
 class SlotRows:
   """W slots' rows as `insert` writes them (the SlotState fields of W slots but KV and
   done); built on the host from SampleRecords by engine.rows_from_records."""
-  tokens: jax.Array       # int32 [W, M]
-  logprobs: jax.Array     # float32 [W, M]
-  versions: jax.Array     # int32 [W, M]
-  length: jax.Array       # int32 [W]
-  prompt_len: jax.Array   # int32 [W]
-  kv_version: jax.Array   # int32 [W]
-  limit: jax.Array        # int32 [W]
+
+  tokens: jax.Array  # int32 [W, M]
+  logprobs: jax.Array  # float32 [W, M]
+  versions: jax.Array  # int32 [W, M]
+  length: jax.Array  # int32 [W]
+  prompt_len: jax.Array  # int32 [W]
+  kv_version: jax.Array  # int32 [W]
+  limit: jax.Array  # int32 [W]
   temperature: jax.Array  # float32 [W]
-  top_k: jax.Array        # int32 [W]
-  top_p: jax.Array        # float32 [W]
-  rng: jax.Array          # uint32 [W, 2], raw key data (typed on insert)
+  top_k: jax.Array  # int32 [W]
+  top_p: jax.Array  # float32 [W]
+  rng: jax.Array  # uint32 [W, 2], raw key data (typed on insert)
 
 
-def init_state(cfg: qwen3.Qwen3Config, num_slots: int, max_len: int,
-               kv_dtype=jnp.float32) -> SlotState:
+def init_state(
+    cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, kv_dtype=jnp.float32
+) -> SlotState:
   """All slots free (done), KV zeroed."""
   S, M = num_slots, max_len
   kv_shape = (cfg.num_layers, S, cfg.num_kv_heads, M, cfg.head_dim)
   zeros_i = lambda *shape: jnp.zeros(shape, jnp.int32)
   return SlotState(
-      tokens=zeros_i(S, M), logprobs=jnp.zeros((S, M), jnp.float32),
+      tokens=zeros_i(S, M),
+      logprobs=jnp.zeros((S, M), jnp.float32),
       versions=jnp.full((S, M), -1, jnp.int32),
-      kv=qwen3.KVCache(*(jnp.zeros(kv_shape, qwen3.kv_storage_dtype(kv_dtype))
-                         for _ in range(2))),
-      length=zeros_i(S), prompt_len=zeros_i(S), kv_version=zeros_i(S), limit=zeros_i(S),
-      temperature=jnp.zeros((S,), jnp.float32), top_k=zeros_i(S),
-      top_p=jnp.ones((S,), jnp.float32), rng=jax.random.wrap_key_data(jnp.zeros((S, 2), jnp.uint32)),
-      done=jnp.ones((S,), bool))
+      kv=qwen3.KVCache(*(jnp.zeros(kv_shape, qwen3.kv_storage_dtype(kv_dtype)) for _ in range(2))),
+      length=zeros_i(S),
+      prompt_len=zeros_i(S),
+      kv_version=zeros_i(S),
+      limit=zeros_i(S),
+      temperature=jnp.zeros((S,), jnp.float32),
+      top_k=zeros_i(S),
+      top_p=jnp.ones((S,), jnp.float32),
+      rng=jax.random.wrap_key_data(jnp.zeros((S, 2), jnp.uint32)),
+      done=jnp.ones((S,), bool),
+  )
 
 
 def state_logical_axes() -> SlotState:
@@ -88,7 +96,17 @@ def state_logical_axes() -> SlotState:
   row = ("batch", "seq")
   vec = ("batch",)
   return SlotState(
-      tokens=row, logprobs=row, versions=row,
+      tokens=row,
+      logprobs=row,
+      versions=row,
       kv=qwen3.KVCache(qwen3.KV_LOGICAL_AXES, qwen3.KV_LOGICAL_AXES),
-      length=vec, prompt_len=vec, kv_version=vec, limit=vec, temperature=vec, top_k=vec, top_p=vec,
-      rng=vec, done=vec)
+      length=vec,
+      prompt_len=vec,
+      kv_version=vec,
+      limit=vec,
+      temperature=vec,
+      top_k=vec,
+      top_p=vec,
+      rng=vec,
+      done=vec,
+  )
