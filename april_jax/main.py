@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
+from april_jax.errors import InputError
 from april_jax.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -59,6 +60,10 @@ def main(argv):
       print(f"april_jax: {e}", file=sys.stderr)
       sys.exit(3)
     trainer.run()
+  except InputError as e:  # a file, field, flag or workdir the user can fix: one line
+    logging.info("traceback of the error below", exc_info=True)
+    print(f"april_jax: {e}", file=sys.stderr)
+    sys.exit(2)
   except Exception as e:  # pylint: disable=broad-except
     if not distributed.is_collective_failure(e):
       raise

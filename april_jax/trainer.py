@@ -36,6 +36,7 @@ from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rol
 from april_jax.sampler import EngineConfig, SlotEngine
 from april_jax.task import make_task
 from april_jax.tokenizer import Tokenizer
+from april_jax.workdir_lock import WorkdirLock
 
 
 class Trainer:
@@ -43,6 +44,8 @@ class Trainer:
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
     c = config
+    # One run per workdir (the primary holds the lock; the hosts of a run share the workdir).
+    self._lock = WorkdirLock(workdir) if distributed.is_primary() else None
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
@@ -120,6 +123,7 @@ class Trainer:
         timeout_s=r.reward_timeout_s,
         fallback=r.reward_fallback,
         agree=distributed.agree if jax.process_count() > 1 else None,
+        processes=True,  # a runaway reward is killed at its time limit
     )
     settings = RolloutSettings.from_config(r)
     self.scheduler = AprilScheduler(self.engine, settings, self.source, self.rewards, seed=c.seed)
@@ -278,3 +282,5 @@ class Trainer:
       self.rewards.close()
       self.checkpointer.close()
       self.writer.close()
+      if self._lock is not None:
+        self._lock.release()

@@ -137,6 +137,25 @@ def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up(
   validate(config)
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rollout.temperature", float("nan")),
+        ("rollout.top_p", float("nan")),
+        ("train.lr", float("inf")),
+        ("train.tis_cap", float("nan")),
+        ("eval.temperature", float("-inf")),
+        ("train.eps_clip_high", float("nan")),
+    ],
+)
+def test_a_non_finite_number_anywhere_in_the_config_is_refused_by_name(field, value):
+  config = load("tiny")
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ConfigError, match=rf"{field} must be a finite number, got {value}"):
+    validate(config)
+
+
 def test_optional_knobs_are_off_while_unset_and_a_negative_staleness_limit_is_refused():
   config = load("tiny")
   t = config.train

@@ -8,6 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 # Lowest first. A component may import its own modules and those of lower layers only.
 LAYERS = [
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
+    {"errors", "workdir_lock"},
     {"rewards", "models"},
     {"data", "sampler"},
     {"rollout", "evaluation", "task"},

@@ -43,10 +43,15 @@ def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
       "--config.rollout.n_samples_per_prompt=1",
       "--config.train.policy_loss=nope",
       "--config.model.path=/no/such/model",
+      "--config.rollout.temperature=nan",
+      "--config.train.lr=inf",
   )
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 2, err
+  assert "Traceback" not in err
   for field in (
+      "rollout.temperature must be a finite number, got nan",
+      "train.lr must be a finite number, got inf",
       "rollout.over_sampling_batch_size (4) must be >= rollout.batch_size (8)",
       "rollout.n_samples_per_prompt must be >= 2",
       "policy_loss",
@@ -147,6 +152,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
       break
     time.sleep(0.2)
   assert proc.poll() is None, "the run ended before SIGTERM"
+  # A second run on the same workdir is refused, in one line, and leaves the first alone.
+  second = _main(tmp_path, "--config.num_steps=40")
+  _, second_err = second.communicate(timeout=300)
+  assert second.returncode == 2, second_err[-3000:]
+  message = [line for line in second_err.splitlines() if line.startswith("april_jax:")]
+  assert len(message) == 1 and f"workdir {tmp_path} is in use by another run (pid {proc.pid}" in (
+      message[0]
+  )
+  assert "Traceback" not in second_err
+  assert proc.poll() is None
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-3000:]

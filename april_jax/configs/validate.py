@@ -6,10 +6,14 @@ Every problem found is reported at once, each naming its field:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
+import ml_collections
+
 from april_jax import sharding
+from april_jax.errors import InputError
 from april_jax.models import attention
 from april_jax.rewards import REWARDS, longtail_task
 from april_jax.rl import advantages, losses
@@ -18,7 +22,7 @@ from april_jax.sampler.engine import RESUME_MODES
 DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
   """A config that cannot run; the message names every field at fault."""
 
 
@@ -209,7 +213,18 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     )
 
 
+def _checks_finite(c, err: Callable[[str], None], prefix: str = "") -> None:
+  """Every number in the config is finite: a NaN passes every range check (all its
+  comparisons are false) and an infinity passes most, then poisons sampling or the loss."""
+  for key, value in c.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      _checks_finite(value, err, f"{prefix}{key}.")
+    elif isinstance(value, float) and not math.isfinite(value):
+      err(f"{prefix}{key} must be a finite number, got {value}")
+
+
 CHECKS: list[Callable] = [
+    _checks_finite,
     _checks_top,
     _checks_model,
     _checks_rollout,

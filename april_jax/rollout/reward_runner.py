@@ -1,17 +1,26 @@
-"""Scores complete groups on worker threads, while the sampler keeps decoding.
+"""Scores complete groups in the background, while the sampler keeps decoding.
 
 `submit(group)` queues one job per sample (the decoded response text and the group's
 gold answer go to the reward function); `poll()` returns the groups whose samples are
-all scored, `wait_for(groups)` / `wait_all()` block until they are. A reward function that raises gives that sample `fallback` and counts an
-error; one that runs past `timeout_s` gives `fallback` and counts a timeout: its
-thread is abandoned (Python cannot kill it), the pool is replaced, and the jobs still
-queued behind it are resubmitted, so one pathological answer never stalls a step.
+all scored, `wait_for(groups)` / `wait_all()` block until they are. A reward function
+that raises gives that sample `fallback` and counts an error; one that runs past
+`timeout_s` gives `fallback` and counts a timeout.
+
+With `processes=True` (what a run uses) each reward thread hands its job to a worker
+process of its own, and a job past its time limit has its process killed and replaced:
+a pathological answer (`\boxed{10^{10^{10}}}` makes a symbolic library compute a huge
+power, holding the interpreter lock) costs at most its time limit, and nothing is left
+running at the end of a run or on SIGTERM. With threads only (for in-process reward
+functions, e.g. lambdas) a hung thread cannot be killed: it is abandoned, the pool is
+replaced and the jobs queued behind it are resubmitted.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import multiprocessing
+import queue
 import threading
 import time
 from typing import Callable
@@ -31,6 +40,91 @@ class _Job:
   seconds: float = 0.0  # compute time, measured on the worker thread
   result: float | None = None
   status: str = "pending"  # pending | ok | error | timeout
+  worker: multiprocessing.Process | None = None  # the process scoring it, while it does
+  killed: bool = False
+
+
+class _Killed(Exception):
+  """A job whose worker process was killed at its time limit."""
+
+
+def _serve(conn, reward_fn) -> None:
+  """A worker process: scores (text, answer) jobs until told to stop or its pipe closes."""
+  while True:
+    try:
+      job = conn.recv()
+    except (EOFError, OSError):
+      return
+    if job is None:
+      return
+    start = time.monotonic()
+    try:
+      out = (True, float(reward_fn(*job)))
+    except Exception as e:  # pylint: disable=broad-except
+      out = (False, f"{type(e).__name__}: {e}"[:500])
+    conn.send(out + (time.monotonic() - start,))
+
+
+class _WorkerProcesses:
+  """One worker process per reward thread, forked from a server that has already imported
+  the worker's and the reward function's modules (so a replacement starts at once)."""
+
+  def __init__(self, reward_fn: Callable[[str, str], float], num: int):
+    self._ctx = multiprocessing.get_context("forkserver")
+    # This module (the worker's code) and the reward's, imported once in the server.
+    self._ctx.set_forkserver_preload([__name__, reward_fn.__module__])
+    self._reward_fn = reward_fn
+    self._lock = threading.Lock()
+    self._idle = queue.Queue()
+    self._all: list[multiprocessing.Process] = []
+    for _ in range(num):
+      self._idle.put(self._start())
+
+  def _start(self):
+    parent, child = self._ctx.Pipe()
+    process = self._ctx.Process(target=_serve, args=(child, self._reward_fn), daemon=True)
+    process.start()
+    child.close()
+    self._all.append(process)
+    return process, parent
+
+  def score(self, job: _Job, answer: str) -> tuple[float, float]:
+    """On a reward thread: (reward, seconds) from a worker; raises _Killed if the job's
+    worker was killed, RuntimeError if the reward raised."""
+    process, conn = self._idle.get()
+    with self._lock:
+      job.worker = process
+      job.started_at = time.monotonic()
+    try:
+      conn.send((job.text, answer))
+      ok, value, seconds = conn.recv()
+    except (EOFError, OSError):
+      ok = None
+    with self._lock:
+      job.worker, killed = None, job.killed
+    if killed or ok is None:
+      process.join(timeout=5)
+      conn.close()
+      self._idle.put(self._start())
+      raise _Killed()
+    self._idle.put((process, conn))
+    if not ok:
+      raise RuntimeError(value)
+    return value, seconds
+
+  def kill(self, job: _Job) -> None:
+    """Kills the process scoring `job`, if one still is."""
+    with self._lock:
+      job.killed = True
+      if job.worker is not None:
+        job.worker.kill()
+
+  def close(self) -> None:
+    for process in self._all:
+      if process.is_alive():
+        process.kill()
+    for process in self._all:
+      process.join(timeout=5)
 
 
 class RewardRunner:
@@ -43,6 +137,7 @@ class RewardRunner:
       timeout_s: float = 10.0,
       fallback: float = 0.0,
       agree: Callable[[np.ndarray], np.ndarray] | None = None,
+      processes: bool = False,
   ):
     """Initializes the runner.
 
@@ -56,11 +151,14 @@ class RewardRunner:
         array -> the one to use, e.g. process 0's), since a time limit can expire on one
         process and not another. Applied at the blocking calls, which every process
         reaches at the same point. None: one process.
+      processes: Score in worker processes, killed at the time limit (reward_fn must be
+        a module-level function, as registered rewards are); else on threads.
     """
     self._reward_fn, self._decode, self._agree = reward_fn, decode, agree
     self._unagreed: list[Group] = []
     self._num_workers, self.timeout_s, self.fallback = num_workers, timeout_s, fallback
     self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
+    self._workers = _WorkerProcesses(reward_fn, num_workers) if processes else None
     self._jobs: dict[int, list[_Job]] = {}
     self._lock = threading.Lock()
     self.errors = 0
@@ -78,6 +176,10 @@ class RewardRunner:
       self._start(job)
 
   def _start(self, job: _Job) -> None:
+    if self._workers is not None:
+      job.future = self._pool.submit(self._score_in_process, job)
+      return
+
     def run():
       with self._lock:
         job.started_at = time.monotonic()
@@ -87,6 +189,10 @@ class RewardRunner:
         job.seconds = time.monotonic() - job.started_at
 
     job.future = self._pool.submit(run)
+
+  def _score_in_process(self, job: _Job) -> float:
+    value, job.seconds = self._workers.score(job, job.group.answer)
+    return value
 
   def _settle(self, job: _Job, now: float) -> bool:
     """Moves a job to a final status if it has one; True when settled."""
@@ -106,7 +212,10 @@ class RewardRunner:
       job.result, job.status = self.fallback, "timeout"
       self.timeouts += 1
       self.seconds += now - started
-      self._replace_pool()
+      if self._workers is not None:
+        self._workers.kill(job)  # its thread comes back at once
+      else:
+        self._replace_pool()
       return True
     return False
 
@@ -166,3 +275,5 @@ class RewardRunner:
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
+    if self._workers is not None:
+      self._workers.close()

@@ -1,0 +1,87 @@
+"""The reward runner in worker processes: a pathological answer costs its time limit and
+no more, a raising reward is counted, killed workers are replaced, close leaves nothing."""
+
+import time
+
+import numpy as np
+
+from april_jax.rewards.math import math_reward
+from april_jax.rollout import Group, RewardRunner
+from april_jax.sampler import SampleRecord
+
+TOWER = "\\boxed{10^{10^{10}}}"  # sympy would compute 10**(10**10) holding the GIL
+
+
+def _group(group_id: int, answer: str, responses: list[str]) -> Group:
+  samples = [
+      SampleRecord(
+          prompt=np.array([1], np.int32),
+          max_new_tokens=len(text),
+          rng=np.zeros(2),
+          response=[ord(c) for c in text],
+          logprobs=np.zeros(len(text)),
+          versions=np.zeros(len(text)),
+      )
+      for text in responses
+  ]
+  return Group(
+      group_id=group_id,
+      prompt_id=group_id,
+      prompt=samples[0].prompt,
+      answer=answer,
+      samples=samples,
+      first_step=0,
+  )
+
+
+def _decode(ids) -> str:
+  return "".join(chr(i) for i in ids)
+
+
+def test_a_pathological_answer_costs_its_time_limit_and_the_workers_recover():
+  runner = RewardRunner(
+      math_reward, _decode, num_workers=2, timeout_s=1.0, fallback=-1.0, processes=True
+  )
+  try:
+    runner.wait_for([_group(0, "7", ["so \\boxed{7}"])])  # workers up and warm
+    start = time.monotonic()
+    tower, fine = _group(1, "7", [f"so {TOWER}", TOWER]), _group(2, "7", ["\\boxed{7}", "8"])
+    runner.submit(tower)
+    runner.submit(fine)
+    runner.wait_for([tower, fine])
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0 + 1.0, elapsed  # the time limit, plus one second
+    assert tower.rewards == [-1.0, -1.0] and tower.reward_info["timeouts"] == 2
+    assert fine.rewards == [1.0, 0.0] and runner.timeouts == 2
+    # A gold answer that is itself the tower: the same bound; then the workers still score.
+    gold_tower = _group(3, TOWER, ["\\boxed{5}"])
+    after = _group(4, "12", ["\\boxed{12}", "\\boxed{13}"])
+    start = time.monotonic()
+    runner.submit(gold_tower)
+    runner.submit(after)
+    runner.wait_for([gold_tower, after])
+    assert time.monotonic() - start < 2.0
+    assert gold_tower.rewards == [-1.0] and after.rewards == [1.0, 0.0]
+  finally:
+    start = time.monotonic()
+    runner.close()
+  assert time.monotonic() - start < 5.0
+  assert not any(p.is_alive() for p in runner._workers._all)
+
+
+def _raises(text: str, answer: str) -> float:
+  raise ValueError(f"cannot score {text!r}")
+
+
+def test_a_reward_that_raises_in_a_worker_gets_the_fallback_and_is_counted():
+  runner = RewardRunner(
+      _raises, _decode, num_workers=1, timeout_s=5.0, fallback=-1.0, processes=True
+  )
+  try:
+    group = _group(0, "1", ["a", "b"])
+    runner.submit(group)
+    runner.wait_for([group])
+    assert group.rewards == [-1.0, -1.0] and group.reward_info["errors"] == 2
+    assert runner.errors == 2 and runner.timeouts == 0
+  finally:
+    runner.close()
