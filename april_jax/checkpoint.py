@@ -4,7 +4,10 @@
           straight into the shardings the run uses
   buffer  the whole partial buffer as flat numpy arrays (KV included in mode kv)
   host    JSON: step, policy version, data position, scheduler counters, learner
-          counters, and the buffer's array shapes
+          counters, the buffer's array shapes, the run's config and the step's metrics
+
+A checkpoint that cannot be read (a truncated file, bad metadata) is moved to
+`workdir/damaged_checkpoints/<step>` for inspection, and the one before is used.
 
 Resume order (main.py): build model, learner and engine as for a fresh run, then, if a
 checkpoint exists, replace params/optimizer state, the buffer, the data position and
@@ -14,6 +17,7 @@ the counters with the saved ones, and continue at step + 1.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -39,6 +43,26 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    """Every committed checkpoint, newest first."""
+    return sorted(self.manager.all_steps(), reverse=True)
+
+  def read_host(self, step: int) -> dict[str, Any]:
+    """The host JSON of checkpoint `step` alone (no arrays are read)."""
+    return self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
+
+  def set_aside(self, step: int, move: bool = True) -> str:
+    """Takes damaged checkpoint `step` out of the way (kept, for inspection); its new place.
+    Only one process of a multi-host run moves it (`move`); every one forgets it."""
+    target = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints", str(step))
+    if move:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if os.path.exists(target):
+        shutil.rmtree(target)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+    self.manager.reload()
+    return target
+
   def save(
       self, step: int, state: Any, buffer_state: dict[str, np.ndarray], host: dict[str, Any]
   ) -> None:
@@ -60,7 +84,7 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any):
     """Returns (state in the shardings of abstract_state, buffer arrays, host JSON)."""
-    host = self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
+    host = self.read_host(step)
     specs = host["buffer_specs"]
     target = {
         k: np.zeros(shape, dtype) for k, (shape, dtype) in specs.items() if int(np.prod(shape))

@@ -4,8 +4,10 @@
   rollouts.jsonl   one line per trained group: step, prompt id, rewards, response lengths,
                    the policy versions of each sample's tokens (first and last), finish reasons
   tb/              TensorBoard event files (tensorboardX), the same scalars
-On resume, lines for steps after the restored checkpoint are dropped first, so a file
-never holds a step twice.
+On resume, lines for steps after the restored checkpoint are dropped first (the file is
+rewritten whole and renamed into place, so a kill mid-way leaves the old or the new one),
+so a file never holds a step twice; the checkpointed step's own line comes back from the
+checkpoint if a kill fell between the two. TensorBoard is told to purge the dropped steps.
 """
 
 from __future__ import annotations
@@ -17,20 +19,28 @@ from typing import Any
 from absl import logging
 
 
-def _truncate_jsonl(path: str, last_step: int) -> None:
-  if not os.path.exists(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    lines = [line for line in f if line.strip()]
-  keep = []
-  for line in lines:
-    try:
-      if json.loads(line)["step"] <= last_step:
-        keep.append(line)
-    except (ValueError, KeyError):
-      continue  # a torn last line from a killed run
-  with open(path, "w", encoding="utf-8") as f:
+def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) -> None:
+  """Keeps the lines of steps <= last_step, atomically; appends `last_line` (the line of
+  last_step) if the file lacks it."""
+  keep, steps = [], set()
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+          continue  # a torn last line from a killed run
+        if step <= last_step:
+          keep.append(line if line.endswith("\n") else line + "\n")
+          steps.add(step)
+  if last_line is not None and last_step not in steps:
+    keep.append(json.dumps(last_line) + "\n")
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(keep)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
 
 
 class MetricsWriter:
@@ -46,14 +56,21 @@ class MetricsWriter:
     if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      self._tb_dir = os.path.join(workdir, "tb")
+      self._tb = SummaryWriter(self._tb_dir)
 
-  def truncate_after(self, step: int) -> None:
-    """Drops lines of steps > step (they are about to be run again)."""
+  def truncate_after(self, step: int, metrics_line: dict | None = None) -> None:
+    """Drops lines of steps > step (they are about to be run again); `metrics_line`, the
+    checkpoint's copy of step's metrics, goes back in if the kill fell before its write."""
     if not self.enabled:
       return
-    _truncate_jsonl(self.metrics_path, step)
+    _truncate_jsonl(self.metrics_path, step, metrics_line)
     _truncate_jsonl(self.rollouts_path, step)
+    if self._tb is not None:  # a new event file that hides the old files' later steps
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
+      self._tb.close()
+      self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:

@@ -248,7 +248,10 @@ def main(argv):
   else:
     plan = make_plan(f.config, cfg, devices, capacity)
     print(plan.table())
-    print("fits" if plan.fits else "DOES NOT FIT")
+    if capacity <= 0:
+      print("not checked against a device: give --device_memory_gb (and --devices)")
+    else:
+      print("fits" if plan.fits else "DOES NOT FIT")
     fits = plan.fits
   if not fits:
     raise SystemExit(3)

@@ -7,13 +7,15 @@
     eval      every eval_every steps: pass@1 / avg@k with sampler.generate
     save      every checkpoint_every steps, at the end, and on SIGTERM
 
-Resume: a workdir with checkpoints continues from the latest one (see checkpoint.py);
-with a fixed seed the continuation equals the uninterrupted run (timings aside).
+Resume: a workdir with checkpoints continues from the latest intact one (see
+checkpoint.py), if the config matches the saved one (configs/resume_check.py); with a
+fixed seed the continuation equals the uninterrupted run (timings aside).
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 from absl import logging
@@ -24,6 +26,8 @@ from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
+from april_jax.configs import resume_check
+from april_jax.errors import InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, qwen3
@@ -80,7 +84,9 @@ class Trainer:
     self.next_step = 0
     self._stop_requested = False
     if resuming:
-      self._restore(self.checkpointer.latest_step())
+      self._resume()
+    else:  # lines of an earlier attempt that never checkpointed: these steps run again
+      self.writer.truncate_after(-1)
 
   # ------------------------------------------------------------------- set-up helpers
   def _load_params(self):
@@ -177,7 +183,8 @@ class Trainer:
     )
     return params
 
-  def save(self, step: int) -> float:
+  def save(self, step: int, metrics: dict[str, float]) -> float:
+    """Checkpoints step (its metrics line so far goes with it); the seconds it took."""
     start = time.perf_counter()
     arrays, learner = self.learner.state()
     buffer, scheduler = self.scheduler.state()
@@ -187,17 +194,62 @@ class Trainer:
         "data": self.source.state(),
         "scheduler": scheduler,
         "learner": learner,
+        "config": resume_check.as_json(self.config),
+        "metrics": {"step": step, **metrics},
     }
     self.checkpointer.save(step, arrays, buffer, host)
     return time.perf_counter() - start
 
-  def _restore(self, step: int) -> None:
-    arrays, buffer, host = self.checkpointer.restore(step, abstract_like(self.learner.state()[0]))
+  def _resume(self) -> None:
+    """Restores the newest intact checkpoint of the same config. A damaged one is set aside
+    with a warning; a changed config, or no intact checkpoint, is an InputError."""
+    ckpt, damaged = self.checkpointer, []
+    for step in ckpt.steps():
+      try:
+        saved_config = ckpt.read_host(step).get("config")
+      except Exception as e:  # pylint: disable=broad-except
+        damaged.append(self._set_aside(step, e))
+        continue
+      resume_check.check_resumable(saved_config, self.config, step, ckpt.directory)
+      try:
+        restored = self._read_quietly(step)
+      except Exception as e:  # pylint: disable=broad-except
+        damaged.append(self._set_aside(step, e))
+        continue
+      return self._restore(step, *restored)
+    raise InputError(
+        f"no intact checkpoint in {ckpt.directory}: every one is damaged (kept in "
+        f"{', '.join(damaged)}); running again starts this run afresh"
+    )
+
+  def _read_quietly(self, step: int):
+    """Checkpoint step's arrays, buffer and host JSON; a read error is raised, not logged
+    (Orbax logs its traceback itself)."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.FATAL)
+    try:
+      return self.checkpointer.restore(step, abstract_like(self.learner.state()[0]))
+    finally:
+      logging.set_verbosity(verbosity)
+
+  def _set_aside(self, step: int, error: Exception) -> str:
+    where = self.checkpointer.set_aside(step, move=self.primary)
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    logging.info("checkpoint %d is damaged", step, exc_info=error)  # the traceback, in the log
+    print(
+        f"april_jax: warning: checkpoint {step} is damaged ({type(error).__name__}: {cause}); "
+        f"kept in {where}; trying the one before",
+        file=sys.stderr,
+        flush=True,
+    )
+    return where
+
+  def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learner.restore(arrays, host["learner"])
     self.engine.params = self.learner.decode_params()
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
-    self.writer.truncate_after(step)
+    self.writer.truncate_after(step, host.get("metrics"))
     self.next_step = step + 1
     if self.primary:
       print(
@@ -271,7 +323,7 @@ class Trainer:
         if not stop and c.eval_every and ((step + 1) % c.eval_every == 0 or last):
           metrics.update(self.evaluate())
         if stop or last or (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
-          metrics["time/checkpoint_s"] = self.save(step)
+          metrics["time/checkpoint_s"] = self.save(step, metrics)
         self.writer.write(step, metrics)
         if self.primary and c.log_every and (step % c.log_every == 0 or last):
           log_progress(step, c.num_steps, metrics)

@@ -1,6 +1,7 @@
 """HF checkpoints in and out: transformers reads what we write; bad folders fail clearly."""
 
 import json
+import os
 import shutil
 
 import jax
@@ -52,7 +53,13 @@ def test_bfloat16_round_trip_keeps_dtype_and_values(tmp_path):
       head_dim=16,
   )
   params = qwen3.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-  hf_io.save_pretrained(tmp_path, cfg, params)
+  umask = os.umask(0o022)
+  try:
+    hf_io.save_pretrained(tmp_path, cfg, params)
+  finally:
+    os.umask(umask)
+  # Exported files are readable by all, as a plain open() makes them (not safetensors' 0600).
+  assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {"0o644"}
   assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
   _, params2 = hf_io.load_pretrained(tmp_path, dtype="bfloat16")
   jax.tree.map(

@@ -97,6 +97,20 @@ def test_planner_cli_names_a_missing_model_shape():
   assert out.returncode == 2 and "no model shape" in out.stderr
 
 
+def test_planner_cli_plans_a_real_config_with_no_other_flag():
+  out = subprocess.run(
+      [sys.executable, "-m", "april_jax.plan", "--config=configs/qwen3_8b.py"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      check=False,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "8.19B params" in out.stdout and "gradients" in out.stdout
+  assert "not checked against a device" in out.stdout  # no capacity given, no verdict
+
+
 @needs_8
 def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
   config, cfg, report = _compiled("qwen3_8b", 8, 80)

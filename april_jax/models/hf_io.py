@@ -313,6 +313,9 @@ def save_pretrained(
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   dtype = str(params["embed"].dtype)
+  umask = os.umask(0)
+  os.umask(umask)
+  mode = 0o666 & ~umask  # what a plain open() gives (0644 under the usual umask 022)
   with open(path / CONFIG_NAME, "w", encoding="utf-8") as f:
     json.dump(config_to_hf(cfg, dtype, extra_config), f, indent=2)
 
@@ -324,6 +327,7 @@ def save_pretrained(
     nonlocal pending, pending_bytes
     tmp_name = f"shard-{len(shards):05d}.tmp"
     save_file(pending, str(path / tmp_name), metadata={"format": "pt"})
+    os.chmod(path / tmp_name, mode)  # safetensors writes 0600; a model folder is shared
     shards.append((tmp_name, list(pending)))
     pending, pending_bytes = {}, 0
 

@@ -1,0 +1,70 @@
+"""What a resume may change: the config is saved with every checkpoint, and a resume with
+another config is refused with the fields that differ, except those of RESUMABLE.
+
+Everything that decides what is trained and how (model, data, rollout, train, seed, mesh
+layout) must match: a changed batch size or response budget would mix two runs in one
+metrics file, or not fit the saved partial buffer. How long to run, how often to log,
+evaluate and save, how evaluation samples, where the model files lie and how processes
+find each other may change.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from april_jax.errors import InputError
+
+RESUMABLE = (
+    "num_steps",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "eval.",
+    "distributed.",
+    "mesh.device_memory_gb",
+    "model.path",
+    "model.tokenizer_path",
+    "train.warm_up",
+)
+
+
+def as_json(config) -> dict[str, Any]:
+  """The config as the JSON a checkpoint keeps (tuples become lists)."""
+  return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def differences(saved: dict[str, Any], config) -> list[str]:
+  """`field: saved -> now` for every field that differs and may not change on resume."""
+  before, now = _flat(saved), _flat(as_json(config))
+  changed = []
+  for key in sorted(set(before) | set(now)):
+    if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE):
+      continue
+    if before.get(key, "<unset>") != now.get(key, "<unset>"):
+      changed.append(f"{key}: {before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}")
+  return changed
+
+
+def check_resumable(saved: dict[str, Any] | None, config, step: int, directory: str) -> None:
+  """Raises InputError naming every field that differs from checkpoint `step`'s config."""
+  if saved is None:
+    return  # a checkpoint from before configs were saved with it
+  changed = differences(saved, config)
+  if changed:
+    raise InputError(
+        f"the config differs from the one checkpoint {step} in {directory} was saved with, "
+        f"in fields a resume may not change: {'; '.join(changed)}. Resume with the saved "
+        f"values, or start a new run in another workdir (may change on resume: "
+        f"{', '.join(RESUMABLE)})"
+    )

@@ -1,0 +1,127 @@
+"""Resume under faults, end to end: a damaged latest checkpoint falls back to the one
+before (kept for inspection), a step's metrics line lost between its checkpoint and its
+write comes back, TensorBoard never shows a step twice, and a changed config or no intact
+checkpoint is refused in one line."""
+
+import glob
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboardX.proto import event_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--config.checkpoint_every=1", "--config.eval_every=0", "--config.train.sft_steps=2"]
+
+
+def _main(workdir, *overrides):
+  cmd = [
+      sys.executable,
+      "-m",
+      "april_jax.main",
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={workdir}",
+      *RUN,
+      *overrides,
+  ]
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  return subprocess.run(
+      cmd,
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      env={**__import__("os").environ, **env},
+      check=False,
+  )
+
+
+def _lines(path):
+  return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def _untimed(line):
+  return {k: v for k, v in line.items() if not k.startswith("time/") and "per_s" not in k}
+
+
+def _tensorboard_scalars(tb_dir):
+  """(tag, step) pairs as TensorBoard shows them: event files in order, a SessionLog
+  START at step s (purge_step) hides the earlier files' events at steps >= s."""
+  shown = []
+  for path in sorted(glob.glob(str(Path(tb_dir) / "events.out.tfevents.*"))):
+    data, at = Path(path).read_bytes(), 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+      at += 12 + length + 4
+      if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+        shown = [(tag, step) for tag, step in shown if step < event.step]
+      for value in event.summary.value:
+        shown.append((value.tag, event.step))
+  return shown
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+  """A 3-step run checkpointed at every step, and its metrics."""
+  workdir = tmp_path_factory.mktemp("three_steps")
+  proc = _main(workdir, "--config.num_steps=3")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir, _lines(workdir / "metrics.jsonl")
+
+
+def test_a_damaged_checkpoint_and_a_lost_metrics_line_resume_from_the_one_before(
+    three_steps, tmp_path
+):
+  source, original = three_steps
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  # Step 2's checkpoint loses most of its largest array file; the run was killed after
+  # checkpoint 1 committed but before step 1's metrics line was written.
+  largest = max(
+      (workdir / "checkpoints" / "2" / "state").rglob("*"), key=lambda p: p.stat().st_size
+  )
+  largest.write_bytes(largest.read_bytes()[:1000])
+  with open(workdir / "metrics.jsonl", "w", encoding="utf-8") as f:
+    f.write(json.dumps(original[0]) + "\n")
+  proc = _main(workdir, "--config.num_steps=4")  # num_steps may change on resume
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  warnings = [l for l in proc.stderr.splitlines() if l.startswith("april_jax: warning:")]
+  assert len(warnings) == 1 and "checkpoint 2 is damaged" in warnings[0], proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert (workdir / "damaged_checkpoints" / "2" / "state").is_dir()  # kept for inspection
+  assert "resumed from step 1" in proc.stdout
+  lines = _lines(workdir / "metrics.jsonl")
+  assert [l["step"] for l in lines] == [0, 1, 2, 3]
+  assert _untimed(lines[1]) == _untimed(original[1])  # the checkpoint's copy of its line
+  assert _untimed(lines[2]) == _untimed(original[2])  # step 2 again, exactly
+  shown = _tensorboard_scalars(workdir / "tb")
+  assert len(shown) == len(set(shown)) and {s for _, s in shown} == {0, 1, 2, 3}
+
+
+def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_steps, tmp_path):
+  source, _ = three_steps
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  proc = _main(
+      workdir, "--config.num_steps=4", "--config.rollout.max_response_len=32", "--config.eval.k=2"
+  )
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  (message,) = [l for l in proc.stderr.splitlines() if l.startswith("april_jax:")]
+  assert (
+      "rollout.max_response_len: 64 -> 32" in message
+      and "eval.k" not in message.split("(may change")[0]
+  )
+  for step in (0, 1, 2):
+    (workdir / "checkpoints" / str(step) / "host" / "metadata").write_text("not json")
+  proc = _main(workdir, "--config.num_steps=4")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  errors = [
+      l for l in proc.stderr.splitlines() if l.startswith("april_jax:") and "warning" not in l
+  ]
+  assert len(errors) == 1 and "no intact checkpoint in" in errors[0]
+  assert sorted(p.name for p in (workdir / "damaged_checkpoints").iterdir()) == ["0", "1", "2"]
