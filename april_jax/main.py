@@ -36,6 +36,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs g
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _use_compilation_cache(config, workdir: str) -> None:
+  """Points XLA's persistent compilation cache at config.compilation_cache_dir."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return  # the environment's choice
+  directory = config.compilation_cache_dir
+  if directory is None:
+    directory = os.path.join(workdir, "xla_cache")
+  if directory:
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -47,6 +59,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
   distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
+  _use_compilation_cache(_CONFIG.value, _WORKDIR.value)
   try:
     validate_for_devices(_CONFIG.value, jax.device_count())
   except ConfigError as e:

@@ -175,3 +175,25 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 3, err[-2000:]
   assert "GB per device but a device holds 0.0 GB" in err and "slot state (KV cache)" in err
+
+
+def test_the_persistent_compilation_cache_defaults_to_the_workdir(tmp_path, monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  from april_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  before = (
+      jax.config.jax_compilation_cache_dir,
+      jax.config.jax_persistent_cache_min_compile_time_secs,
+  )
+  config = base.get_config()
+  try:
+    main_lib._use_compilation_cache(config, str(tmp_path))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla_cache")
+    config.compilation_cache_dir = str(tmp_path / "elsewhere")
+    main_lib._use_compilation_cache(config, str(tmp_path))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "elsewhere")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50  # steps; 0 = only at the end and on SIGTERM
   c.eval_every = 0  # steps; 0 = never
   c.log_every = 1
+  # XLA's persistent compilation cache, so a resumed or repeated run does not compile every
+  # program again. None: <workdir>/xla_cache; "" = off. JAX_COMPILATION_CACHE_DIR wins.
+  c.compilation_cache_dir = config_dict.placeholder(str)
   c.model = _model()
   c.mesh = _mesh()
   c.distributed = _distributed()

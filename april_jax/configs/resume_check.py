@@ -20,6 +20,7 @@ RESUMABLE = (
     "log_every",
     "eval_every",
     "checkpoint_every",
+    "compilation_cache_dir",
     "eval.",
     "distributed.",
     "mesh.device_memory_gb",
