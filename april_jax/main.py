@@ -36,6 +36,33 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs g
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _fail(message: str) -> None:
+  """One line, status 2: how main reports bad input."""
+  print(f"april_jax: {'; '.join(message.strip().splitlines())}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every error as one line and status 2 (no traceback)."""
+  try:
+    rest = flags.FLAGS(argv)
+    flags.FLAGS.config.keys()  # a config file that failed to load raises on first use
+    return rest
+  except flags.Error as e:  # an unknown flag, a bad value, a missing required flag
+    _fail(f"{e} (python -m april_jax.main --helpshort lists the flags)")
+  except OSError as e:  # the --config file cannot be loaded
+    reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+    _fail(f"--config: cannot load the config file: {reason}")
+  except (KeyError, AttributeError) as e:  # --config.<field> names no field
+    _fail(
+        f"a --config.* override names a field the config does not have: {e} (the fields "
+        "and their defaults: april_jax/configs/base.py)"
+    )
+  except Exception as e:  # pylint: disable=broad-except  # e.g. an error inside the config file
+    _fail(f"--config: the config file failed: {type(e).__name__}: {e}")
+  return []
+
+
 def _use_compilation_cache(config, workdir: str) -> None:
   """Points XLA's persistent compilation cache at config.compilation_cache_dir."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -96,4 +123,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -61,6 +61,23 @@ def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
   assert not (tmp_path / "w" / "checkpoints").exists()  # nothing was built
 
 
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--config=configs/nope.py"], "cannot load the config file: [Errno 2] No such file"),
+        (["--config.rollout.nope=1"], "names a field the config does not have: \"'nope'\""),
+        (["--bogus=1"], "Unknown command line flag 'bogus'"),
+        (["--config.rollout.batch_size=abc"], "--config.rollout.batch_size=abc: invalid literal"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flags, expected):
+  proc = _main(tmp_path / "w", *flags)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 2, err[-3000:]
+  assert err.strip().splitlines() == [err.strip()] and err.startswith("april_jax: "), err[-3000:]
+  assert expected in err
+
+
 def _reward_curve(workdir):
   rewards = [m["rollout/reward_mean"] for m in _read_jsonl(workdir / "metrics.jsonl")]
   return np.mean(rewards[:5]), np.mean(rewards[-10:])
