@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 from absl import logging
 
+from april_jax.errors import InputError
 from april_jax.rewards.longtail_task import LongTailTask
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -45,6 +46,10 @@ class PromptItem:
   budgets: list[int] | None = None  # per-sample response budgets (default: config)
 
 
+class DataError(InputError, ValueError):
+  """A data file that cannot be used as a whole; the message names the file."""
+
+
 class _BadRow(Exception):
   """A row that cannot become a record; `reason` is its key in the skip counter."""
 
@@ -57,27 +62,37 @@ class _BadRow(Exception):
 def _read_jsonl(path: Path, skipped: collections.Counter) -> list[Any]:
   """Rows of a JSON-lines file; blank lines are not rows, invalid lines are counted."""
   rows = []
-  with path.open(encoding="utf-8") as f:
-    for line_number, line in enumerate(f, 1):
+  with path.open("rb") as f:
+    for line_number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        _skip(skipped, "bad_utf8", f"{path} line {line_number}: not UTF-8 ({e})")
+        continue
       if not line.strip():
         continue
       try:
         rows.append(json.loads(line))
       except json.JSONDecodeError as e:
-        skipped["bad_json"] += 1
-        if skipped["bad_json"] == 1:
-          logging.warning("%s line %d: invalid JSON (%s); skipped", path, line_number, e)
+        _skip(skipped, "bad_json", f"{path} line {line_number}: invalid JSON ({e})")
   return rows
+
+
+def _skip(skipped: collections.Counter, reason: str, message: str) -> None:
+  """Counts a skipped line; the first of each reason is logged."""
+  skipped[reason] += 1
+  if skipped[reason] == 1:
+    logging.warning("%s; skipped", message)
 
 
 def _read_json(path: Path) -> list[Any]:
   """Rows of a file holding one JSON list."""
   try:
     rows = json.loads(path.read_text(encoding="utf-8"))
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise DataError(f"{path} is not valid JSON: {e}") from None
   if not isinstance(rows, list):
-    raise ValueError(f"{path} should hold a JSON list of objects, got a {type(rows).__name__}")
+    raise DataError(f"{path} should hold a JSON list of objects, got a {type(rows).__name__}")
   return rows
 
 
@@ -85,7 +100,10 @@ def _read_parquet(path: Path) -> list[Any]:
   """Rows of a parquet file; nested columns come back as Python lists and dicts."""
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
-  return pq.read_table(path).to_pylist()
+  try:
+    return pq.read_table(path).to_pylist()
+  except Exception as e:  # pylint: disable=broad-except  # pyarrow's ArrowInvalid, OSError
+    raise DataError(f"{path} cannot be read as parquet: {e}") from None
 
 
 def _read_rows(path: Path, skipped: collections.Counter) -> list[Any]:
@@ -180,20 +198,19 @@ def load_records(
 
   Returns:
     The records, in file order, and a Counter of skipped rows by reason (not_an_object,
-    bad_json, missing_prompt, bad_prompt, bad_messages, missing_answer, bad_answer).
+    bad_utf8, bad_json, missing_prompt, bad_prompt, bad_messages, missing_answer, bad_answer).
 
   Raises:
-    FileNotFoundError: If the file does not exist.
-    ValueError: If its extension is not supported, it cannot be read as a whole, or
+    DataError: If the file does not exist, its extension is not supported, it cannot be read as a whole, or
       not one row is usable.
   """
   path = Path(path)
   if path.suffix not in SUFFIXES:
-    raise ValueError(
+    raise DataError(
         f"Unsupported data file extension {path.suffix!r} of {path}; " f"expected one of {SUFFIXES}"
     )
   if not path.is_file():
-    raise FileNotFoundError(f"Data file not found: {path}")
+    raise DataError(f"Data file not found: {path}")
   skipped: collections.Counter = collections.Counter()
   rows = _read_rows(path, skipped)
   records = []
@@ -205,7 +222,7 @@ def load_records(
       if skipped[e.reason] == 1:
         logging.warning("%s row %d skipped: %s", path, index, e.reason)
   if not records:
-    raise ValueError(
+    raise DataError(
         f"No usable rows in {path}: {sum(skipped.values())} skipped "
         f"({_describe(skipped) or 'the file is empty'})"
     )

@@ -8,3 +8,7 @@ failure of the machine and keeps its traceback.
 
 class InputError(Exception):
   """Bad input the user can fix; the message names the file, field or flag."""
+
+
+class InputFileMissing(InputError, FileNotFoundError):
+  """A file or folder the config names is not there."""

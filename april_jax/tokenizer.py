@@ -19,6 +19,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from april_jax.errors import InputFileMissing
+
 # Keys of tokenizer_config.json that transformers hands to the chat template as strings.
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -185,10 +187,10 @@ class Tokenizer:
     """
     path = Path(path)
     if not path.is_dir():
-      raise FileNotFoundError(f"Tokenizer folder not found: {path}")
+      raise InputFileMissing(f"Tokenizer folder not found: {path}")
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-      raise FileNotFoundError(f"Tokenizer file not found: {tokenizer_file}")
+      raise InputFileMissing(f"Tokenizer file not found: {tokenizer_file}")
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
 
     config_file = path / "tokenizer_config.json"

@@ -17,9 +17,14 @@ class WorkdirLock:
   """Held from construction until `release()` or the end of the process."""
 
   def __init__(self, workdir: str):
-    os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, ".lock")
-    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      os.makedirs(workdir, exist_ok=True)
+      self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise InputError(
+          f"workdir {workdir} cannot be created or written: {e.strerror or e}"
+      ) from None
     try:
       fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_jax.data import (LongTailSource, PromptIterator, load_records, make_prompt_source)
+from april_jax.data import DataError, LongTailSource, PromptIterator, load_records
+from april_jax.data import make_prompt_source
 from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
@@ -208,7 +209,7 @@ def test_empty_prompts_and_answers_count_as_missing(tmp_path):
 
 # ---------------------------------------------------------------------- file errors
 def test_missing_file_error_names_the_path(tmp_path):
-  with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+  with pytest.raises(DataError, match="nowhere.jsonl"):
     load_records(tmp_path / "nowhere.jsonl")
 
 
@@ -230,6 +231,33 @@ def test_json_file_that_is_not_a_list_is_rejected(tmp_path):
   path.write_text(json.dumps({"question": "q", "answer": "a"}), encoding="utf-8")
   with pytest.raises(ValueError, match="JSON list"):
     load_records(path)
+
+
+def test_a_non_utf8_line_is_skipped_and_counted_with_its_neighbours_kept(tmp_path):
+  path = tmp_path / "mixed.jsonl"
+  path.write_bytes(
+      b'{"problem": "1+1", "answer": "2"}\n{"problem": "caf\xe9", "answer": "3"}\n'
+      b'{"problem": "2+2", "answer": "4"}\n'
+  )
+  records, skipped = load_records(path)
+  assert [r["answer"] for r in records] == ["2", "4"] and skipped == {"bad_utf8": 1}
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("garbage.parquet", b"PAR1 not really", "cannot be read as parquet"),
+        ("latin1.json", b'[{"problem": "caf\xe9", "answer": "1"}]', "is not valid JSON"),
+        ("empty.jsonl", b"", "No usable rows"),
+        ("schema.jsonl", b'{"foo": 1}\n{"foo": 2}\n', "2 skipped \\(missing_prompt: 2\\)"),
+    ],
+)
+def test_an_unusable_data_file_is_a_data_error_that_names_it(tmp_path, name, content, message):
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(DataError, match=message) as error:
+    load_records(path)
+  assert str(path) in str(error.value)
 
 
 # ---------------------------------------------------------------------- iterator

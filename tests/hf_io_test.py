@@ -118,6 +118,23 @@ def test_missing_weights_is_a_clear_error(hf_model_dir, tmp_path):
     hf_io.load_pretrained(tmp_path)
 
 
+def test_a_broken_config_json_or_safetensors_file_is_a_model_error_naming_it(
+    hf_model_dir, tmp_path
+):
+  shutil.copytree(hf_model_dir, tmp_path / "a")
+  (tmp_path / "a" / "config.json").write_text('{"model_type": "qwen3",')
+  with pytest.raises(hf_io.ModelError, match=r"a/config.json is not valid JSON"):
+    hf_io.load_pretrained(tmp_path / "a")
+  shutil.copytree(hf_model_dir, tmp_path / "b")
+  weights = tmp_path / "b" / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+  with pytest.raises(hf_io.ModelError, match=r"b/model.safetensors"):
+    hf_io.load_pretrained(tmp_path / "b")
+  weights.write_bytes(b"\x00" * 64)  # not safetensors at all
+  with pytest.raises(hf_io.ModelError, match=r"b/model.safetensors is not a readable"):
+    hf_io.load_pretrained(tmp_path / "b")
+
+
 @pytest.mark.parametrize(
     "model_type,message", [("llama", "unsupported model_type 'llama'"), ("qwen3_moe", "Qwen3-MoE")]
 )

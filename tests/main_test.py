@@ -78,6 +78,21 @@ def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flags, expected):
   assert expected in err
 
 
+def test_a_broken_model_folder_or_an_unusable_workdir_is_one_line_and_exit_2(tmp_path):
+  (tmp_path / "model").mkdir()
+  (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3",')
+  (tmp_path / "a_file").write_text("")
+  for flags, expected in [
+      ([f"--config.model.path={tmp_path / 'model'}"], "model/config.json is not valid JSON"),
+      ([f"--workdir={tmp_path / 'a_file' / 'w'}"], "cannot be created or written: Not a directory"),
+  ]:
+    proc = _main(tmp_path / "w", *flags)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    lines = [l for l in err.strip().splitlines() if not l.startswith("WARNING")]
+    assert len(lines) == 1 and lines[0].startswith("april_jax: ") and expected in lines[0], err
+
+
 def _reward_curve(workdir):
   rewards = [m["rollout/reward_mean"] for m in _read_jsonl(workdir / "metrics.jsonl")]
   return np.mean(rewards[:5]), np.mean(rewards[-10:])

@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 
 from april_jax import sharding
 from april_jax.distributed import to_host
+from april_jax.errors import InputError, InputFileMissing
 from april_jax.models import qwen3
 
 CONFIG_NAME = "config.json"
@@ -122,11 +123,18 @@ def config_to_hf(
 def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
   config_path = Path(path) / CONFIG_NAME
   if not config_path.is_file():
-    raise FileNotFoundError(
+    raise InputFileMissing(
         f"no {CONFIG_NAME} in model folder {path} (looked for " f"{config_path})"
     )
-  with open(config_path, encoding="utf-8") as f:
-    return config_from_hf(json.load(f), source=str(config_path))
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise ModelError(f"{config_path} is not valid JSON: {e}") from None
+  try:
+    return config_from_hf(hf, source=str(config_path))
+  except (ValueError, KeyError, TypeError) as e:
+    raise ModelError(f"{config_path}: {e}") from None
 
 
 def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
@@ -196,6 +204,10 @@ def _top_table(cfg: qwen3.Qwen3Config):
 # ---------------------------------------------------------------------------- reading
 
 
+class ModelError(InputError, ValueError):
+  """A model folder whose files are not a Qwen3 checkpoint; the message names the file."""
+
+
 class _TensorReader:
   """Looks tensors up by name across the safetensors files of one folder."""
 
@@ -208,7 +220,7 @@ class _TensorReader:
     else:
       files = sorted(p.name for p in path.glob("*.safetensors"))
       if not files:
-        raise FileNotFoundError(
+        raise InputFileMissing(
             f"no *.safetensors files (nor {INDEX_NAME}) in model " f"folder {path}"
         )
       weight_map = {}
@@ -216,8 +228,11 @@ class _TensorReader:
     for name in files:
       file = path / name
       if not file.is_file():
-        raise FileNotFoundError(f"{INDEX_NAME} lists {name}, which is missing from {path}")
-      self._handles[name] = safe_open(str(file), framework="numpy")
+        raise InputFileMissing(f"{INDEX_NAME} lists {name}, which is missing from {path}")
+      try:
+        self._handles[name] = safe_open(str(file), framework="numpy")
+      except Exception as e:  # pylint: disable=broad-except  # SafetensorError, OSError
+        raise ModelError(f"{file} is not a readable safetensors file: {e}") from None
       if not index.is_file():
         weight_map.update({key: name for key in self._handles[name].keys()})
     self._weight_map = weight_map
@@ -226,9 +241,13 @@ class _TensorReader:
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self._weight_map:
       raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
-    tensor = self._handles[self._weight_map[name]].get_tensor(name)
+    file = self._path / self._weight_map[name]
+    try:
+      tensor = self._handles[self._weight_map[name]].get_tensor(name)
+    except Exception as e:  # pylint: disable=broad-except  # a truncated or corrupt file
+      raise ModelError(f"{file}: tensor {name!r} cannot be read: {e}") from None
     if tuple(tensor.shape) != tuple(shape):
-      raise ValueError(
+      raise ModelError(
           f"tensor {name!r} has shape {tuple(tensor.shape)}, the config " f"implies {tuple(shape)}"
       )
     return tensor
@@ -248,7 +267,7 @@ def load_pretrained(
   """Reads an HF Qwen3 folder into params of `dtype`, sharded over `mesh` if given."""
   path = Path(path)
   if not path.is_dir():
-    raise FileNotFoundError(f"model folder {path} does not exist")
+    raise InputFileMissing(f"model folder {path} does not exist")
   cfg = load_config(path)
   reader = _TensorReader(path)
   np_dtype = _np_dtype(dtype)
