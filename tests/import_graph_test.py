@@ -7,8 +7,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 
 # Lowest first. A component may import its own modules and those of lower layers only.
 LAYERS = [
+    {"errors"},
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
-    {"errors", "workdir_lock"},
+    {"workdir_lock"},
     {"rewards", "models"},
     {"data", "sampler"},
     {"rollout", "evaluation", "task"},
