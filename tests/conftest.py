@@ -1,6 +1,7 @@
 """Shared test set-up: 8 CPU devices for sharding tests, tiny random HF Qwen3 models."""
 
 import atexit
+import lzma
 import os
 import shutil
 import tempfile
@@ -23,7 +24,26 @@ from pathlib import Path  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The real data the tests read ships with them (tests/data/README.md: sources, licenses).
+TEST_DATA = Path(__file__).resolve().parent / "data"
+MATH_DIR = TEST_DATA / "math"
+MODEL_CONFIGS_DIR = TEST_DATA / "model_configs"
+
+
+def _unpacked_qwen3_tokenizer() -> Path:
+  """The Qwen3 tokenizer folder, its tokenizer.json unpacked from the shipped .xz once."""
+  folder = Path(tempfile.mkdtemp(prefix="april_jax_qwen3_tokenizer_"))
+  atexit.register(shutil.rmtree, folder, True)
+  source = TEST_DATA / "tokenizers" / "qwen3"
+  for name in ("tokenizer_config.json", "chat_template.jinja", "LICENSE"):
+    shutil.copy(source / name, folder / name)
+  (folder / "tokenizer.json").write_bytes(
+      lzma.decompress((source / "tokenizer.json.xz").read_bytes())
+  )
+  return folder
+
+
+QWEN3_TOKENIZER_DIR = _unpacked_qwen3_tokenizer()
 
 # Small Qwen3 shapes covering the cases the model must get right.
 TINY_HF_CONFIGS = {

@@ -1,7 +1,7 @@
 """Tests for april_jax.data: dataset files to records, records to a prompt stream.
 
-The format tests read the real math sets in ../shared/data/math and skip when it is
-absent; the iterator tests use small in-memory records and the CharTokenizer.
+The format tests read the real math sets shipped in tests/data/math; the iterator tests
+use small in-memory records and the CharTokenizer.
 """
 
 from __future__ import annotations
@@ -17,13 +17,7 @@ from april_jax.data import make_prompt_source
 from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-MATH_DIR = SHARED_DATA / "math"
-QWEN3_DIR = SHARED_DATA / "tokenizers" / "qwen3"
-needs_math = pytest.mark.skipif(not MATH_DIR.is_dir(), reason=f"math data not found at {MATH_DIR}")
-needs_qwen3 = pytest.mark.skipif(
-    not (QWEN3_DIR / "tokenizer.json").is_file(), reason=f"Qwen3 tokenizer not found at {QWEN3_DIR}"
-)
+from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR as QWEN3_DIR
 
 # file -> number of records
 FORMATS = {
@@ -64,7 +58,6 @@ def _write_jsonl(path: Path, lines: list[str]) -> Path:
 
 
 # ---------------------------------------------------------------------- file formats
-@needs_math
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_each_format_loads_every_row_with_messages_and_string_answer(name):
   records, skipped = load_records(MATH_DIR / name)
@@ -77,7 +70,6 @@ def test_each_format_loads_every_row_with_messages_and_string_answer(name):
     assert all(isinstance(m["content"], str) for m in record["messages"])
 
 
-@needs_math
 def test_dapo_record_messages_are_the_parquet_chat_and_answer_its_ground_truth():
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
@@ -91,7 +83,6 @@ def test_dapo_record_messages_are_the_parquet_chat_and_answer_its_ground_truth()
     assert records[i]["id"] == f"dapo_format_aime24:{i}"  # no id field: file stem and row
 
 
-@needs_math
 def test_gsm8k_keeps_the_full_solution_ending_with_hash_answer():
   records, _ = load_records(MATH_DIR / "gsm8k_test.jsonl")
   first = json.loads((MATH_DIR / "gsm8k_test.jsonl").open(encoding="utf-8").readline())
@@ -100,7 +91,6 @@ def test_gsm8k_keeps_the_full_solution_ending_with_hash_answer():
   assert all(r["answer"].rsplit("\n", 1)[-1].startswith("#### ") for r in records)
 
 
-@needs_math
 def test_numeric_answers_become_strings_and_id_fields_are_kept():
   amc, _ = load_records(MATH_DIR / "amc23.jsonl")
   assert amc[0]["answer"] == "27.0" and amc[0]["id"] == 0
@@ -110,7 +100,6 @@ def test_numeric_answers_become_strings_and_id_fields_are_kept():
   assert len({r["id"] for r in aime}) == 30
 
 
-@needs_math
 def test_keys_given_explicitly_with_a_dot_path():
   records, _ = load_records(
       MATH_DIR / "dapo_format_aime24.parquet",
@@ -124,8 +113,6 @@ def test_keys_given_explicitly_with_a_dot_path():
 
 
 # ---------------------------------------------------------------------- chat template
-@needs_math
-@needs_qwen3
 def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_prompt(qwen3):
   records, _ = load_records(MATH_DIR / "gsm8k_test.jsonl")
   it = PromptIterator(records, qwen3, max_prompt_len=4096, shuffle=False)
@@ -141,8 +128,6 @@ def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_pro
     assert item.answer == record["answer"]
 
 
-@needs_math
-@needs_qwen3
 def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3):
   records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
   it = PromptIterator(

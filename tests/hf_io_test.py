@@ -87,12 +87,9 @@ def test_config_reads_rope_theta_top_level_or_in_rope_parameters():
   assert hf_io.config_from_hf(nested).rope_theta == 456.0
 
 
-def test_shared_qwen3_configs_parse_to_their_published_shapes():
-  from conftest import SHARED_DATA  # pylint: disable=g-import-not-at-top
+def test_released_qwen3_configs_parse_to_their_published_shapes():
+  from conftest import MODEL_CONFIGS_DIR as folder  # pylint: disable=g-import-not-at-top
 
-  folder = SHARED_DATA / "model_configs"
-  if not folder.is_dir():
-    pytest.skip("shared model configs are absent")
   c4 = hf_io.config_from_hf(json.loads((folder / "qwen3-4b.config.json").read_text()))
   c8 = hf_io.config_from_hf(json.loads((folder / "qwen3-8b.config.json").read_text()))
   assert (c4.hidden_size, c4.num_heads, c4.head_dim, c4.tie_word_embeddings) == (

@@ -3,22 +3,17 @@
 import concurrent.futures
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from april_jax import rewards
 from april_jax.rewards import math as math_reward
+from conftest import MATH_DIR
 from april_jax.rewards.math import extract_answer, gold_answer, is_equivalent
-
-MATH_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math"
 
 
 def _data_file(name):
-  path = MATH_DATA / name
-  if not path.exists():
-    pytest.skip(f"{path} not found (shared math data absent)")
-  return path
+  return MATH_DIR / name
 
 
 def _jsonl(name):

@@ -16,9 +16,9 @@ from april_jax import compile_check, plan, sharding
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import update as update_lib
+from conftest import MODEL_CONFIGS_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "model_configs"
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 
 
@@ -44,9 +44,7 @@ def _compiled(name, devices, gb):
 
 def test_shipped_shapes_are_the_released_qwen3_configs():
   for name in ("qwen3_4b", "qwen3_8b"):
-    path = SHARED / f"{name.replace('_', '-')}.config.json"
-    if not path.is_file():
-      pytest.skip("shared model configs are absent")
+    path = MODEL_CONFIGS_DIR / f"{name.replace('_', '-')}.config.json"
     from_hf = hf_io.config_from_hf(json.loads(path.read_text()))
     assert hf_io.model_config(_config(name)) == dataclasses.replace(from_hf, attention="auto")
     assert QWEN3_SHAPES[name]["hidden_size"] == from_hf.hidden_size

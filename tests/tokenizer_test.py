@@ -8,9 +8,7 @@ import pytest
 
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
-QWEN3_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/tokenizers/qwen3"
-if not QWEN3_DIR.is_dir():
-  pytest.skip(f"Qwen3 tokenizer files not found at {QWEN3_DIR}", allow_module_level=True)
+from conftest import QWEN3_TOKENIZER_DIR as QWEN3_DIR
 
 CONVERSATIONS = {
     "single_user": [{"role": "user", "content": "What is 2 + 3?"}],
