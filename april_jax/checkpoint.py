@@ -101,6 +101,16 @@ class Checkpointer:
     }
     return restored.state, buffer_state, host
 
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """The params alone of checkpoint `step` (no optimizer state is read)."""
+    target = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(
+        target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True,
+    )
+    return self.manager.restore(step, args=ocp.args.Composite(state=args)).state["params"]
+
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()

@@ -15,7 +15,7 @@ LAYERS = [
     {"rollout", "evaluation", "task"},
     {"rl"},
     {"configs", "compile_check", "plan", "trainer"},
-    {"main", "bench", "benchmarks"},
+    {"main", "bench", "benchmarks", "export"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

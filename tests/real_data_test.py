@@ -1,0 +1,139 @@
+"""The real-data path end to end: a random Qwen3 saved by transformers with the real Qwen3
+tokenizer -> `main` on a DAPO-format parquet, evaluated on AIME-2024 -> a resume -> export
+-> transformers loads the export and gives the trained policy's logits."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax.checkpoint import Checkpointer
+from april_jax.models import hf_io, qwen3
+from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "--config.data.source=" + str(MATH_DIR / "dapo_format_aime24.parquet"),
+    "--config.eval.path=" + str(MATH_DIR / "aime24.jsonl"),
+    "--config.rollout.reward=math_dapo",
+    "--config.train.sft_steps=0",
+    # Every reward is -1 (a random model), so GRPO's advantages are 0: the entropy bonus is
+    # what moves the params.
+    "--config.train.entropy_coef=0.01",
+    "--config.data.max_prompt_len=320",
+    "--config.rollout.max_response_len=12",
+    "--config.rollout.batch_size=2",
+    "--config.rollout.n_samples_per_prompt=2",
+    "--config.rollout.over_sampling_batch_size=3",
+    "--config.rollout.num_slots=4",
+    "--config.checkpoint_every=1",
+    "--config.eval_every=2",
+    "--config.eval.num_prompts=2",
+    "--config.eval.k=1",
+]
+
+
+def _run(*args, module="april_jax.main"):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  """A random Qwen3 (the real vocabulary, tiny widths) saved by transformers, with the
+  real Qwen3 tokenizer files beside it."""
+  path = save_random_hf_qwen3(
+      tmp_path_factory.mktemp("qwen3"),
+      vocab_size=151936,
+      hidden_size=32,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=16,
+      tie_word_embeddings=True,
+      num_layers=1,
+  )
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(QWEN3_TOKENIZER_DIR / name, path / name)
+  return path
+
+
+def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained(
+    model_dir, tmp_path
+):
+  workdir, out = tmp_path / "run", tmp_path / "export"
+  model = f"--config.model.path={model_dir}"
+  first = _run(
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={workdir}",
+      model,
+      *RUN,
+      "--config.num_steps=1",
+  )
+  assert first.returncode == 0, first.stderr[-3000:]
+  second = _run(
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={workdir}",
+      model,
+      *RUN,
+      "--config.num_steps=2",
+  )
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed from step 0" in second.stdout
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [l["step"] for l in lines] == [0, 1] and "eval/pass@1" in lines[-1]
+  # Real prompts and the real math_dapo reward (a random model is never right: -1).
+  groups = [json.loads(l) for l in (workdir / "rollouts.jsonl").read_text().splitlines()]
+  assert [g["step"] for g in groups] == [0, 0, 1, 1]
+  assert all(g["prompt_id"].startswith("dapo_format_aime24:") for g in groups)
+  assert all(g["rewards"] == [-1.0, -1.0] for g in groups)
+  # A warm-start needs reference responses, which a dataset does not have: refused up front.
+  refused = _run(
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={tmp_path / 'w2'}",
+      model,
+      *RUN,
+      "--config.train.sft_steps=5",
+  )
+  assert refused.returncode == 2 and "train.sft_steps (5) > 0 needs reference" in refused.stderr
+
+  export = _run(f"--workdir={workdir}", f"--out={out}", module="april_jax.export")
+  assert export.returncode == 0, export.stderr[-3000:]
+  assert "exported checkpoint 1" in export.stdout
+  assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert hf_tokenizer("Hello world")["input_ids"] == [9707, 1879]
+
+  # transformers on the export gives the logits of the checkpoint's (trained) params.
+  cfg = hf_io.load_config(model_dir)
+  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
+  checkpointer = Checkpointer(str(workdir))
+  trained = checkpointer.restore_params(1, shapes)
+  checkpointer.close()
+  _, initial = hf_io.load_pretrained(model_dir)
+  moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)),
+                       trained, initial)
+  assert any(jax.tree.leaves(moved))  # the export is the trained policy, not the initial one
+  tokens = np.array([hf_tokenizer("What is 7 times 6? Answer: 42")["input_ids"]])
+  ours = np.asarray(qwen3.forward_jit(cfg, trained, jnp.asarray(tokens)))
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
