@@ -128,8 +128,9 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   trained = checkpointer.restore_params(1, shapes)
   checkpointer.close()
   _, initial = hf_io.load_pretrained(model_dir)
-  moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)),
-                       trained, initial)
+  moved = jax.tree.map(
+      lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), trained, initial
+  )
   assert any(jax.tree.leaves(moved))  # the export is the trained policy, not the initial one
   tokens = np.array([hf_tokenizer("What is 7 times 6? Answer: 42")["input_ids"]])
   ours = np.asarray(qwen3.forward_jit(cfg, trained, jnp.asarray(tokens)))
