@@ -24,6 +24,7 @@ import numpy as np
 
 from april_jax import distributed
 from april_jax import plan as plan_lib
+from april_jax import run_report
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
@@ -258,6 +259,13 @@ class Trainer:
           flush=True,
       )
 
+  def _report(self) -> None:
+    """The end-of-run summary on stdout and the progress plot in the workdir."""
+    lines = run_report.read_metrics(self.workdir)
+    if lines:
+      run_report.plot(lines, self.workdir)
+    print(run_report.summary(lines, self.workdir), flush=True)
+
   # ---------------------------------------------------------------------------- eval
   def evaluate(self) -> dict[str, float]:
     """On the run's own engine (empty between steps) and its current params."""
@@ -336,3 +344,5 @@ class Trainer:
       self.writer.close()
       if self._lock is not None:
         self._lock.release()
+    if self.primary:
+      self._report()

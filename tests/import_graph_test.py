@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 LAYERS = [
     {"errors"},
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
+    {"run_report"},
     {"workdir_lock"},
     {"rewards", "models"},
     {"data", "sampler"},

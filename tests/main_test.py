@@ -108,6 +108,11 @@ def test_tiny_run_learns_the_builtin_task(tmp_path):
   # Seeded, so deterministic on a given platform; measured here: 0.33 -> 0.40.
   assert last > first + 0.06, (first, last)
   assert "step 60/60" in out
+  # The end-of-run summary, and the plot it points to.
+  summary = out[out.index("run summary: steps 1-60") :]
+  assert "reward" in summary and "slot occupancy" in summary and "off-policy" in summary
+  assert str(tmp_path / "progress.png") in summary
+  assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):

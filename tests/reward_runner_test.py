@@ -1,7 +1,13 @@
 """The reward runner in worker processes: a pathological answer costs its time limit and
 no more, a raising reward is counted, killed workers are replaced, close leaves nothing."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -9,6 +15,7 @@ from april_jax.rewards.math import math_reward
 from april_jax.rollout import Group, RewardRunner
 from april_jax.sampler import SampleRecord
 
+ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{10^{10^{10}}}"  # sympy would compute 10**(10**10) holding the GIL
 
 
@@ -85,3 +92,57 @@ def test_a_reward_that_raises_in_a_worker_gets_the_fallback_and_is_counted():
     assert runner.errors == 2 and runner.timeouts == 0
   finally:
     runner.close()
+
+
+def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tmp_path):
+  # `main` on the built-in task with a reward (tests/runaway_reward.py) that never returns.
+  launcher = (
+      "import runaway_reward; from absl import app; from april_jax import main; "
+      "app.run(main.main, flags_parser=main._parse_flags)"
+  )
+  flags = [
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={tmp_path}",
+      "--config.rollout.reward=runaway_for_tests",
+      "--config.rollout.reward_timeout_s=1.0",
+      "--config.rollout.reward_workers=4",
+      "--config.rollout.batch_size=2",
+      "--config.rollout.n_samples_per_prompt=2",
+      "--config.rollout.over_sampling_batch_size=2",
+      "--config.rollout.partial_rollout=False",
+      "--config.rollout.num_slots=4",
+      "--config.train.sft_steps=0",
+      "--config.eval_every=0",
+      "--config.checkpoint_every=0",
+      "--config.num_steps=200",
+  ]
+  env = dict(
+      os.environ,
+      XLA_FLAGS="--xla_force_host_platform_device_count=1",
+      PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+  )
+  proc = subprocess.Popen(
+      [sys.executable, "-c", launcher, *flags],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while proc.poll() is None and time.monotonic() < deadline:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      break
+    time.sleep(0.1)
+  assert proc.poll() is None, proc.communicate()[1][-3000:]
+  lines = [json.loads(l) for l in metrics.read_text().splitlines()[:3]]
+  assert [l["rollout/reward_timeouts"] for l in lines] == [4, 4, 4]  # every sample, killed
+  assert all(l["rollout/reward_mean"] == 0.0 for l in lines)  # the fallback
+  # Four runaway rewards on four workers: a step costs the time limit plus under a second.
+  assert lines[2]["time/step_s"] < 1.0 + 1.0, lines[2]["time/step_s"]
+  start = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=60)
+  assert time.monotonic() - start < 5.0
+  assert proc.returncode == 0, err[-3000:]

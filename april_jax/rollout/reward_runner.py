@@ -77,21 +77,31 @@ class _WorkerProcesses:
     self._lock = threading.Lock()
     self._idle = queue.Queue()
     self._all: list[multiprocessing.Process] = []
+    self._closed = False
     for _ in range(num):
-      self._idle.put(self._start())
+      self._replace()
 
-  def _start(self):
-    parent, child = self._ctx.Pipe()
-    process = self._ctx.Process(target=_serve, args=(child, self._reward_fn), daemon=True)
-    process.start()
-    child.close()
-    self._all.append(process)
-    return process, parent
+  def _replace(self) -> None:
+    """Starts a worker and makes it idle; after close(), wakes a waiting thread instead."""
+    with self._lock:
+      if self._closed:
+        self._idle.put(None)
+        return
+      parent, child = self._ctx.Pipe()
+      process = self._ctx.Process(target=_serve, args=(child, self._reward_fn), daemon=True)
+      process.start()
+      child.close()
+      self._all.append(process)
+    self._idle.put((process, parent))
 
   def score(self, job: _Job, answer: str) -> tuple[float, float]:
     """On a reward thread: (reward, seconds) from a worker; raises _Killed if the job's
     worker was killed, RuntimeError if the reward raised."""
-    process, conn = self._idle.get()
+    worker = self._idle.get()
+    if worker is None:  # closed
+      self._idle.put(None)
+      raise _Killed()
+    process, conn = worker
     with self._lock:
       job.worker = process
       job.started_at = time.monotonic()
@@ -105,7 +115,7 @@ class _WorkerProcesses:
     if killed or ok is None:
       process.join(timeout=5)
       conn.close()
-      self._idle.put(self._start())
+      self._replace()
       raise _Killed()
     self._idle.put((process, conn))
     if not ok:
@@ -120,10 +130,15 @@ class _WorkerProcesses:
         job.worker.kill()
 
   def close(self) -> None:
-    for process in self._all:
+    """Kills every worker; threads waiting for one are woken (and score nothing)."""
+    with self._lock:
+      self._closed = True
+      processes = list(self._all)
+    self._idle.put(None)
+    for process in processes:
       if process.is_alive():
         process.kill()
-    for process in self._all:
+    for process in processes:
       process.join(timeout=5)
 
 

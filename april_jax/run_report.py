@@ -1,0 +1,85 @@
+"""The end of a run: a short summary of metrics.jsonl, and reward and evaluation plotted
+against step in <workdir>/progress.png.
+
+Both read the whole metrics.jsonl, so a resumed run reports its history from step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+PLOT_NAME = "progress.png"
+SMOOTH = 5  # steps averaged at each end of the reward curve
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(lines: list[dict[str, Any]], workdir: str) -> str:
+  """A few lines: reward and evaluation first -> last, rollout speed and APRIL's numbers,
+  and where the run's files are."""
+  if not lines:
+    return f"no steps in {workdir}/metrics.jsonl"
+  mean = lambda key, part=lines: float(np.mean([l[key] for l in part if key in l] or [0.0]))
+  n = min(SMOOTH, len(lines))
+  out = [
+      f"run summary: steps {lines[0]['step'] + 1}-{lines[-1]['step'] + 1}",
+      f"  reward           {mean('rollout/reward_mean', lines[:n]):.3f} -> "
+      f"{mean('rollout/reward_mean', lines[-n:]):.3f} (mean of the first and last {n} steps)",
+  ]
+  evals = [l for l in lines if "eval/pass@1" in l]
+  if evals:
+    out.append(
+        f"  eval pass@1      {evals[0]['eval/pass@1']:.3f} (step {evals[0]['step'] + 1}) -> "
+        f"{evals[-1]['eval/pass@1']:.3f} (step {evals[-1]['step'] + 1})"
+    )
+  out += [
+      f"  rollout          {mean('rollout/tokens_per_s'):,.0f} tokens/s, slot occupancy "
+      f"{mean('rollout/slot_occupancy'):.2f}",
+      f"  APRIL            {mean('rollout/partial_samples'):.1f} partial samples carried per "
+      f"step, off-policy token fraction {mean('rollout/off_policy_token_frac'):.2f}",
+      f"  files            {os.path.join(workdir, 'checkpoints')} (checkpoints), "
+      f"{os.path.join(workdir, 'tb')} (TensorBoard), {os.path.join(workdir, PLOT_NAME)} "
+      f"(plot), {os.path.join(workdir, 'metrics.jsonl')}",
+  ]
+  return "\n".join(out)
+
+
+def plot(lines: list[dict[str, Any]], workdir: str) -> str:
+  """Writes reward (per step and smoothed) and every eval/* metric against step."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  steps = np.array([l["step"] + 1 for l in lines])
+  reward = np.array([l.get("rollout/reward_mean", np.nan) for l in lines])
+  fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(10, 3.8))
+  ax_r.plot(steps, reward, alpha=0.35, label="per step")
+  if len(reward) >= SMOOTH:
+    smooth = np.convolve(reward, np.ones(SMOOTH) / SMOOTH, mode="valid")
+    ax_r.plot(steps[SMOOTH - 1 :], smooth, label=f"mean of {SMOOTH}")
+  ax_r.set(title="rollout reward", xlabel="step")
+  ax_r.legend()
+  for key in sorted(
+      {k for l in lines for k in l if k in ("eval/pass@1",) or k.startswith("eval/avg@")}
+  ):
+    points = [(l["step"] + 1, l[key]) for l in lines if key in l]
+    ax_e.plot(*zip(*points), marker="o", label=key[len("eval/") :])
+  ax_e.set(title="held-out evaluation", xlabel="step", ylim=(0, 1))
+  if ax_e.lines:
+    ax_e.legend()
+  fig.tight_layout()
+  path = os.path.join(workdir, PLOT_NAME)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
