@@ -14,6 +14,7 @@ fixed seed the continuation equals the uninterrupted run (timings aside).
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import time
@@ -204,6 +205,17 @@ class Trainer:
   def _resume(self) -> None:
     """Restores the newest intact checkpoint of the same config. A damaged one is set aside
     with a warning; a changed config, or no intact checkpoint, is an InputError."""
+    # A failed read leaves Orbax's read coroutines to be collected with their errors, which
+    # Python would print to stderr; they go to the log, the one-line warning says it all.
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: logging.info("checkpoint read: %s", u.exc_value)
+    try:
+      self._resume_newest_intact()
+    finally:
+      gc.collect()
+      sys.unraisablehook = hook
+
+  def _resume_newest_intact(self) -> None:
     ckpt, damaged = self.checkpointer, []
     for step in ckpt.steps():
       try:
