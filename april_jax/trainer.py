@@ -131,7 +131,10 @@ class Trainer:
         timeout_s=r.reward_timeout_s,
         fallback=r.reward_fallback,
         agree=distributed.agree if jax.process_count() > 1 else None,
-        processes=True,  # a runaway reward is killed at its time limit
+        # In worker processes, killed at the time limit: any reward may parse model text
+        # with a symbolic library. The built-in task's is a bounded comparison of short
+        # strings, scored on threads (no worker start-up).
+        processes=r.reward != "longtail",
     )
     settings = RolloutSettings.from_config(r)
     self.scheduler = AprilScheduler(self.engine, settings, self.source, self.rewards, seed=c.seed)
