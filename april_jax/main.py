@@ -17,6 +17,7 @@ exits.
 
 import os
 import sys
+from typing import NoReturn
 
 from absl import app
 from absl import flags
@@ -36,7 +37,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs g
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
   """One line, status 2: how main reports bad input."""
   print(f"april_jax: {'; '.join(message.strip().splitlines())}", file=sys.stderr, flush=True)
   sys.exit(2)
@@ -60,7 +61,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     )
   except Exception as e:  # pylint: disable=broad-except  # e.g. an error inside the config file
     _fail(f"--config: the config file failed: {type(e).__name__}: {e}")
-  return []
 
 
 def _use_compilation_cache(config, workdir: str) -> None:
