@@ -1,6 +1,7 @@
 """Where a run's numbers go: workdir/metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line.
 
-  metrics.jsonl    one JSON object per step: {"step": k, "rollout/...": ..., "train/...": ...}
+  metrics.jsonl    one JSON object per step: {"step": k, "rollout/...": ..., "train/...": ...};
+                   the evaluation before training, if any, is the line of step -1
   rollouts.jsonl   one line per trained group: step, prompt id, rewards, response lengths,
                    the policy versions of each sample's tokens (first and last), finish reasons
   tb/              TensorBoard event files (tensorboardX), the same scalars

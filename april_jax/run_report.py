@@ -27,6 +27,8 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 def summary(lines: list[dict[str, Any]], workdir: str) -> str:
   """A few lines: reward and evaluation first -> last, rollout speed and APRIL's numbers,
   and where the run's files are."""
+  evals = [l for l in lines if "eval/pass@1" in l]
+  lines = [l for l in lines if l["step"] >= 0]  # not the evaluation before training
   if not lines:
     return f"no steps in {workdir}/metrics.jsonl"
   mean = lambda key, part=lines: float(np.mean([l[key] for l in part if key in l] or [0.0]))
@@ -36,7 +38,6 @@ def summary(lines: list[dict[str, Any]], workdir: str) -> str:
       f"  reward           {mean('rollout/reward_mean', lines[:n]):.3f} -> "
       f"{mean('rollout/reward_mean', lines[-n:]):.3f} (mean of the first and last {n} steps)",
   ]
-  evals = [l for l in lines if "eval/pass@1" in l]
   if evals:
     out.append(
         f"  eval pass@1      {evals[0]['eval/pass@1']:.3f} (step {evals[0]['step'] + 1}) -> "
@@ -61,8 +62,9 @@ def plot(lines: list[dict[str, Any]], workdir: str) -> str:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  steps = np.array([l["step"] + 1 for l in lines])
-  reward = np.array([l.get("rollout/reward_mean", np.nan) for l in lines])
+  trained = [l for l in lines if "rollout/reward_mean" in l]
+  steps = np.array([l["step"] + 1 for l in trained])
+  reward = np.array([l["rollout/reward_mean"] for l in trained])
   fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(10, 3.8))
   ax_r.plot(steps, reward, alpha=0.35, label="per step")
   if len(reward) >= SMOOTH:

@@ -63,7 +63,12 @@ def _builtin_task(c, tokenizer) -> Task:
     bs, seq_len = c.train.sft_batch_size, c.data.max_prompt_len + c.rollout.max_response_len
     for i in range(c.train.sft_steps):
       yield longtail_task.sft_batch(
-          task, tokenizer, range(i * bs, (i + 1) * bs), seed=c.seed + 1, seq_len=seq_len
+          task,
+          tokenizer,
+          range(i * bs, (i + 1) * bs),
+          seed=c.seed + 1,
+          seq_len=seq_len,
+          overshoot=t.demo_overshoot,
       )
 
   return Task(

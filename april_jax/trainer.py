@@ -88,7 +88,7 @@ class Trainer:
     if resuming:
       self._resume()
     else:  # lines of an earlier attempt that never checkpointed: these steps run again
-      self.writer.truncate_after(-1)
+      self.writer.truncate_after(-2)  # the evaluation before training (step -1) too
 
   # ------------------------------------------------------------------- set-up helpers
   def _load_params(self):
@@ -297,6 +297,15 @@ class Trainer:
         seed=c.seed,
     )
 
+  def _evaluate_before_training(self) -> None:
+    """The warm-started (or loaded) policy's score, as the line of step -1: the params
+    after step s's update are evaluated in step s's line, so these come before step 0."""
+    metrics = self.evaluate()
+    self.writer.write(-1, metrics)
+    if self.primary:
+      logging.info("evaluation before training: %s", metrics)
+      print(f"before training: eval pass@1 {metrics['eval/pass@1']:.3f}", flush=True)
+
   # ---------------------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):
     del signum, frame
@@ -330,6 +339,8 @@ class Trainer:
     try:
       if self.next_step == 0:
         self.engine.warm_up()
+        if c.eval_every and c.eval.before_training:
+          self._evaluate_before_training()
       if c.train.warm_up:
         self.learner.warm_up(
             c.rollout.batch_size * c.rollout.n_samples_per_prompt,

@@ -5,9 +5,12 @@
       --config.rollout.partial_rollout=False --config.rollout.over_sampling_batch_size=8
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py
 
-A 2-layer Qwen3 with a 72-token vocabulary, randomly initialised and briefly
-warm-started with supervised answers, then trained with GRPO. Responses run up to 64
-tokens; answer lengths follow a log-normal with a long tail (see rewards/longtail_task.py).
+A 2-layer Qwen3 with a 136-token vocabulary, randomly initialised, warm-started on a
+sloppy demonstrator's walks (9 in 10 stop one symbol late), then trained with GRPO and DAPO's
+clip-higher and dynamic sampling for 120 steps (about 2 minutes on 2 CPU cores). Held-out
+greedy pass@1 goes from under 0.1 before RL to about 0.8 (README, "A first run").
+Responses run up to 64 tokens; answer lengths follow a log-normal with a long tail (see
+rewards/longtail_task.py).
 """
 
 from april_jax.configs import base
@@ -17,12 +20,12 @@ def get_config(arg=None):
   del arg
   c = base.get_config()
   c.seed = 0
-  c.num_steps = 60
-  c.checkpoint_every = 10
-  c.eval_every = 30
+  c.num_steps = 120
+  c.checkpoint_every = 20
+  c.eval_every = 20
 
   c.model.path = ""  # empty: random init from c.model.init
-  c.model.init.vocab_size = 72  # the task tokenizer has 69 tokens
+  c.model.init.vocab_size = 136  # the task tokenizer has 133 tokens
   c.model.init.hidden_size = 64
   c.model.init.intermediate_size = 192
   c.model.init.num_layers = 2
@@ -33,22 +36,24 @@ def get_config(arg=None):
 
   c.data.source = "longtail"
   c.data.max_prompt_len = 8
+  c.data.task.demo_overshoot = 0.9
 
   c.rollout.batch_size = 8
-  c.rollout.n_samples_per_prompt = 4
+  c.rollout.n_samples_per_prompt = 8
   c.rollout.over_sampling_batch_size = 16
   c.rollout.num_slots = 16
   c.rollout.sync_every = 8
   c.rollout.max_response_len = 64
   c.rollout.reward = "longtail"
   c.rollout.temperature = 0.7
+  c.rollout.dynamic_sampling = True
 
-  c.train.lr = 3e-4
+  c.train.lr = 6e-4
   c.train.eps_clip_high = 0.28
-  c.train.sft_steps = 60
+  c.train.sft_steps = 300
   c.train.sft_lr = 3e-3
   c.train.sft_batch_size = 32
 
-  c.eval.num_prompts = 32
+  c.eval.num_prompts = 64
   c.eval.k = 2
   return c

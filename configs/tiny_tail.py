@@ -34,6 +34,12 @@ def get_config(arg=None):
   c.data.task.sigma = 1.0
   c.rollout.num_slots = 64  # N' x n: APRIL's whole over-provisioned batch in flight
   c.train.sft_steps = 40
+  c.data.task.demo_overshoot = 0.0  # clean demonstrations; RL works on the walk's tail
+  # GRPO as before tiny.py's first run that teaches: n = 4 (N' x n = the 64 slots), a
+  # constant 3e-4, no dynamic sampling (the e2e's steps stay alike across seeds).
+  c.rollout.n_samples_per_prompt = 4
+  c.rollout.dynamic_sampling = False
+  c.train.lr = 3e-4
   c.train.num_microbatches = 4
   c.eval.num_prompts = 64  # greedy reward on held-out walks: the e2e's accuracy signal
   c.eval.k = 0

@@ -51,12 +51,14 @@ def test_task_fields_are_checked():
   assert "data.task.ring_size must be in [2, 1024], got 1" in str(info.value)
   assert "data.task.sigma >= 0" in str(info.value)
   config = load("tiny")
-  config.data.task.ring_size = 200  # needs 205 token ids, the model has 72
-  with pytest.raises(
-      ConfigError,
-      match=r"vocab_size \(72\) is smaller than the built-in " r"task's tokenizer \(205 tokens\)",
-  ):
+  config.data.task.ring_size = 200  # needs 405 token ids, the model has 136
+  config.data.task.demo_overshoot = 1.5
+  with pytest.raises(ConfigError) as info:
     validate(config)
+  assert "vocab_size (136) is smaller than the built-in task's tokenizer (405 tokens)" in str(
+      info.value
+  )
+  assert "data.task.demo_overshoot must be in [0, 1], got 1.5" in str(info.value)
 
 
 def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tmp_path):

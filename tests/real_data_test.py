@@ -26,6 +26,7 @@ RUN = [
     "--config.data.source=" + str(MATH_DIR / "dapo_format_aime24.parquet"),
     "--config.eval.path=" + str(MATH_DIR / "aime24.jsonl"),
     "--config.rollout.reward=math_dapo",
+    "--config.rollout.dynamic_sampling=False",  # every reward is -1 (below)
     "--config.train.sft_steps=0",
     # Every reward is -1 (a random model), so GRPO's advantages are 0: the entropy bonus is
     # what moves the params.
@@ -98,7 +99,9 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   assert second.returncode == 0, second.stderr[-3000:]
   assert "resumed from step 0" in second.stdout
   lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  assert [l["step"] for l in lines] == [0, 1] and "eval/pass@1" in lines[-1]
+  # The evaluation before training (step -1) is the fresh start's alone: not run again.
+  assert [l["step"] for l in lines] == [-1, 0, 1] and "eval/pass@1" in lines[-1]
+  assert "eval/pass@1" in lines[0] and "rollout/reward_mean" not in lines[0]
   # Real prompts and the real math_dapo reward (a random model is never right: -1).
   groups = [json.loads(l) for l in (workdir / "rollouts.jsonl").read_text().splitlines()]
   assert [g["step"] for g in groups] == [0, 0, 1, 1]

@@ -16,6 +16,7 @@ from tensorboardX.proto import event_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config.checkpoint_every=1", "--config.eval_every=0", "--config.train.sft_steps=2"]
+RUN += ["--config.rollout.n_samples_per_prompt=4"]
 
 
 def _main(workdir, *overrides):

@@ -104,6 +104,7 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tm
       f"--config={ROOT / 'configs' / 'tiny.py'}",
       f"--workdir={tmp_path}",
       "--config.rollout.reward=runaway_for_tests",
+      "--config.rollout.dynamic_sampling=False",  # every reward is the fallback
       "--config.rollout.reward_timeout_s=1.0",
       "--config.rollout.reward_workers=4",
       "--config.rollout.batch_size=2",

@@ -40,3 +40,12 @@ def test_plot_writes_a_png_into_the_workdir(tmp_path):
   assert path == str(tmp_path / "progress.png")
   assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert run_report.summary([], str(tmp_path)).startswith("no steps")
+
+
+def test_the_evaluation_before_training_is_the_first_eval_and_not_a_step(tmp_path):
+  lines = [{"step": -1, "eval/pass@1": 0.05, "eval/avg@4": 0.04}] + _lines()
+  text = run_report.summary(lines, str(tmp_path))
+  assert text.splitlines()[0] == "run summary: steps 1-12"
+  assert "reward           0.200 -> 0.900" in text  # the steps' rewards alone
+  assert "eval pass@1      0.050 (step 0) -> 0.550 (step 12)" in text
+  assert run_report.plot(lines, str(tmp_path)) == str(tmp_path / "progress.png")

@@ -250,6 +250,18 @@ def test_dapo_filter_keeps_all_equal_groups_out_and_still_delivers_n_groups():
     assert result.stats["zero_std_groups_dropped"] == len(result.rejected) > 0
 
 
+def test_dapo_filter_stops_dropping_at_its_cap_so_a_hopeless_step_still_ends():
+  # Every group's rewards are equal (a data set the policy always fails): without the
+  # cap the filter would admit groups forever.
+  sched, _ = _make(lambda i, n: [2, 4, 6], N=2, Np=2, dynamic_sampling=True, max_dropped_groups=3)
+  for step in range(2):
+    result = sched.step(step, version=step)
+    assert len(result.groups) == 2 and len(result.rejected) == 3
+    assert result.stats["zero_std_groups_dropped"] == 3
+    assert result.stats["zero_std_groups_kept"] == 2
+    assert all(g.rewards_all_equal() for g in result.groups)
+
+
 def test_reward_that_raises_or_hangs_gets_fallback_and_is_counted():
   def reward(text, answer):
     if answer == "boom":

@@ -54,7 +54,8 @@ def _run_side(
       c.rollout.over_sampling_batch_size = c.rollout.batch_size
   Trainer(c, workdir).run()
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [json.loads(line) for line in f if line.strip()]
+  return [l for l in lines if l["step"] >= 0]  # the steps, not the evaluation before them
 
 
 def _smooth(x: np.ndarray) -> np.ndarray:

@@ -89,6 +89,7 @@ def _data() -> ml_collections.ConfigDict:
   d.task.ring_size = 64  # symbols on the ring; walks are at most this long
   d.task.median = 8.0  # answer lengths: log-normal with this median ...
   d.task.sigma = 0.9  # ... and this sigma of the log (the tail's weight)
+  d.task.demo_overshoot = 0.0  # warm-start demonstrations that walk one symbol too far
   return d
 
 
@@ -108,6 +109,7 @@ def _rollout() -> ml_collections.ConfigDict:
   r.top_p = 1.0
   r.top_k = 0
   r.dynamic_sampling = False  # DAPO: drop groups whose rewards are equal
+  r.max_dropped_groups = 64  # per step; past it they are kept, so every step ends
   r.reward = "math"
   r.reward_timeout_s = 10.0
   r.reward_fallback = 0.0
@@ -164,4 +166,5 @@ def _eval() -> ml_collections.ConfigDict:
   e.k = 4  # avg@k samples per prompt; 0 = greedy only
   e.temperature = 0.6
   e.top_p = 1.0  # nucleus of the avg@k samples
+  e.before_training = True  # also evaluate before step 0 (the line of step -1)
   return e

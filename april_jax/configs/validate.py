@@ -39,6 +39,8 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
   ):
     if int(r[name]) < 1:
       err(f"rollout.{name} must be >= 1, got {r[name]}")
+  if r.max_dropped_groups < 0:
+    err(f"rollout.max_dropped_groups must be >= 0, got {r.max_dropped_groups}")
   if r.over_sampling_batch_size < r.batch_size:
     err(
         f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
@@ -133,6 +135,8 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
       )
     if t.median <= 0 or t.sigma < 0:
       err(f"data.task.median must be > 0 and data.task.sigma >= 0, got {t.median}, {t.sigma}")
+    if not 0 <= t.demo_overshoot <= 1:
+      err(f"data.task.demo_overshoot must be in [0, 1], got {t.demo_overshoot}")
     if c.rollout.max_response_len < 2:
       err(
           f"rollout.max_response_len ({c.rollout.max_response_len}) must be >= 2 for the "

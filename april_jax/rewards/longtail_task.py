@@ -1,12 +1,18 @@
 """The built-in task: walk a ring of symbols, with answer lengths that have a long tail.
 
 Prompt `c:<from><to>=`, correct response: the symbols of a ring (64 symbols by default)
-from <from> to <to> inclusive, then the stop token (`c:xB=` -> `xyzAB`). The walk's length
-d is drawn from a log-normal clipped to [1, max_len]: most answers are short, a few run to the
-maximum, like the response lengths of math RL (APRIL paper, Figure 3). Each next symbol
-follows from the previous one and the stop from one prompt symbol, so a tiny Qwen3 learns
-the task on a CPU in minutes; a short supervised warm-start (`sft_batch`) gives RL a
-policy that walks short distances, and RL carries it along the tail.
+from <from> to <to> inclusive, then the stop token (`c:xB'=` -> `xyzAB`). The prompt
+writes <to> in a second alphabet of target symbols (`targets`), one per ring symbol, so a
+target never appears in a response: the model stops when the symbol it just wrote is the
+target's twin. The walk's length d is drawn from a log-normal clipped to [1, max_len]: most
+answers are short, a few run to the maximum, like the response lengths of math RL (APRIL
+paper, Figure 3).
+
+The supervised warm-start (`sft_batch`) imitates a sloppy demonstrator: with probability
+`overshoot` a demonstration walks one symbol past the target before it stops. At 0.9 the
+warm-started policy walks well but stops late: greedy decoding is almost never right
+(pass@1 < 0.1) while sampling sometimes stops in time. RL with the reward below learns
+from those samples to stop at the target: the tiny config's first run that teaches.
 
 Reward `longtail`: symbols matching the correct answer at the same position, divided by
 the longer of the two lengths: exactly 1.0 for the right walk, partial credit below it.
@@ -34,9 +40,16 @@ def ring(size: int = len(RING)) -> str:
   return (RING + "".join(chr(0x100 + i) for i in range(max(0, size - len(RING)))))[:size]
 
 
+@functools.lru_cache(maxsize=8)
+def targets(size: int = len(RING)) -> str:
+  """The target alphabet: symbol i of the ring as the prompt writes its walk's last one."""
+  ring(size)  # validates the size
+  return "".join(chr(0x1000 + i) for i in range(size))
+
+
 def tokenizer(ring_size: int = len(RING)) -> CharTokenizer:
-  """The task's tokenizer: specials, the ring's symbols, then ':' and '='."""
-  return CharTokenizer(ring(ring_size) + ":=")
+  """The task's tokenizer: specials, the ring's symbols, ':' and '=', the targets."""
+  return CharTokenizer(ring(ring_size) + ":=" + targets(ring_size))
 
 
 def longtail_lengths(
@@ -71,7 +84,8 @@ class LongTailTask:
     start = int(rng.integers(self.ring_size))
     symbols = ring(self.ring_size)
     answer = "".join(symbols[(start + i) % self.ring_size] for i in range(d))
-    return {"id": index, "prompt": f"c:{answer[0]}{answer[-1]}=", "answer": answer}
+    last = targets(self.ring_size)[(start + d - 1) % self.ring_size]
+    return {"id": index, "prompt": f"c:{answer[0]}{last}=", "answer": answer}
 
   def prompt_len(self) -> int:
     """Tokens in every prompt."""
@@ -90,15 +104,23 @@ def longtail_reward(response: str, answer: str) -> float:
   return copy_score(response.strip(), answer)
 
 
-def sft_batch(task: LongTailTask, tok: CharTokenizer, indices, seed: int, seq_len: int):
-  """Supervised examples (prompt + answer + stop): tokens, targets, loss mask [B, T]."""
+def sft_batch(
+    task: LongTailTask, tok: CharTokenizer, indices, seed: int, seq_len: int, overshoot: float = 0.0
+):
+  """Supervised examples (prompt + answer + stop): tokens, targets, loss mask [B, T].
+
+  overshoot: the probability that a demonstration walks one symbol past the target."""
   B = len(indices)
   tokens = np.full((B, seq_len), tok.pad_id, np.int32)
   mask = np.zeros((B, seq_len), np.float32)
   for b, index in enumerate(indices):
     item = task.item(int(index), seed)
     prompt = tok.encode(item["prompt"])
-    full = (prompt + tok.encode(item["answer"]) + [tok.eos_id])[:seq_len]
+    answer = item["answer"]
+    if np.random.default_rng([seed, 1, int(index)]).random() < overshoot:
+      symbols = ring(task.ring_size)
+      answer += symbols[(symbols.index(answer[-1]) + 1) % task.ring_size]
+    full = (prompt + tok.encode(answer) + [tok.eos_id])[:seq_len]
     tokens[b, : len(full)] = full
     mask[b, len(prompt) - 1 : len(full) - 1] = 1.0  # predict answer and stop
   targets = np.roll(tokens, -1, axis=1)

@@ -60,6 +60,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/reward_mean": stat(np.mean, rewards),
       "rollout/reward_std": stat(np.std, rewards),
       "rollout/zero_std_groups_dropped": float(st.get("zero_std_groups_dropped", 0)),
+      "rollout/zero_std_groups_kept": float(st.get("zero_std_groups_kept", 0)),
       "rollout/truncated_frac": stat(
           np.mean, np.array([s.finish_reason == "length" for s in samples])
       ),

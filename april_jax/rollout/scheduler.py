@@ -5,7 +5,8 @@
              the partial buffer, else a fresh prompt. A group's fresh samples started
              together share one prefill. Admission stops at over_sampling_batch_size
              groups per step (buffered ones included), plus one per group the DAPO
-             filter rejects, so rejections do not shrink the batch.
+             filter rejects, so rejections do not shrink the batch (at most
+             max_dropped_groups a step; past it the filter keeps what comes).
   2. Decode  engine.step(): up to sync_every tokens per live slot, on device.
   3. Harvest a group whose n samples are all finished is accepted in completion order
              and scored at once on the reward threads, which overlap with decoding. With
@@ -63,6 +64,9 @@ class RolloutSettings:
   top_p: float = 1.0
   top_k: int = 0
   dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+  # Drops per step; past it the filter keeps what comes, so a step always ends (a data
+  # set the policy always fails or always solves would otherwise never fill a batch).
+  max_dropped_groups: int = 64
 
   @classmethod
   def from_config(cls, rollout) -> "RolloutSettings":
@@ -244,6 +248,10 @@ class AprilScheduler:
     """The DAPO filter: needs the rewards of the groups completed so far."""
     for group in self.rewards.wait_for(st.awaiting):
       if not group.rewards_all_equal():
+        st.accept(group)
+        continue
+      if st.stats["zero_std_groups_dropped"] >= self.settings.max_dropped_groups:
+        st.stats["zero_std_groups_kept"] += 1  # the cap is reached: trained (advantage 0)
         st.accept(group)
         continue
       self.buffer.pop(group.group_id)
