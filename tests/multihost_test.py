@@ -143,8 +143,9 @@ def runs(tmp_path_factory):
   process after checkpoint 1 and are restarted (a straight 2-process run is the first
   half of this one: comparing the whole of it checks both)."""
   root = tmp_path_factory.mktemp("multihost")
-  ((one_out, _),) = _finish([_launch(root / "one", 8)])
+  one = _launch(root / "one", 8)  # alongside: the pair spends much of its time waiting
   killed = _killed_at_the_first_checkpoint(root / "two")
+  ((one_out, _),) = _finish([one])
   outs = _finish(_two_processes(root / "two"))
   return root / "one", root / "two", one_out, outs, killed
 
