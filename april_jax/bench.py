@@ -53,6 +53,9 @@ _HBM = flags.DEFINE_float(
     "sampler: memory bandwidth (GB/s) for the decode "
     "roofline; 0 = guess from the device kind, or skip.",
 )
+_TAIL_MODEL = flags.DEFINE_string(
+    "tail_model", "wide", "sampler: model of the long-tail vs uniform decode step ('' = skip)."
+)
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
@@ -80,6 +83,7 @@ def main(argv):
         hf=_HF.value,
         dtype=_DTYPE.value,
         hbm_gbps=_HBM.value or common.hbm_gbps(),
+        tail_model=_TAIL_MODEL.value or None,
     )
   else:
     if _CONFIG.value is None:

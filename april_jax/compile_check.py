@@ -204,9 +204,7 @@ def compile_program(
 def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tuple:
   r, m = config.rollout, config.model
   max_len = config.data.max_prompt_len + r.max_response_len
-  econf = engine_lib.EngineConfig(
-      num_slots=r.num_slots, max_len=max_len, sync_every=r.sync_every, kv_dtype=m.kv_dtype
-  )
+  econf = engine_lib.EngineConfig.from_run_config(config)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   fns = slot_ops.device_fns(
       cfg,
@@ -217,6 +215,8 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
       mesh,
       decode_rules,
       econf.decode_block,
+      econf.page_size,
+      econf.num_pages,
   )
   state = _abstract(jax.eval_shape(fns.init), fns.state_sharding)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -245,7 +245,7 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
       compile_program(
           "decode",
           fns.decode,
-          (decode_params, state, rep((), i32), rep((1,), i32), rep((), bool)),
+          (decode_params, state, rep((), i32), rep((1,), i32), rep((), i32)),
           (True, True, False, False, False),
       ),
       compile_program(

@@ -127,11 +127,24 @@ def make_plan(
   resident = _resident(x)
   programs = dict(_sampler_programs(x, native_16bit), **_learner_programs(x))
   r = config.rollout
-  host = r.num_slots * x.max_len * kv_bytes_per_token(cfg, config.model.kv_dtype)
+  # The buffer's KV in mode kv: what the pool held when the step ended, at most.
+  tokens = min(r.num_slots * x.max_len, pool_pages(config, x.mesh, x.decode_rules)[0] * r.page_size)
+  host = tokens * kv_bytes_per_token(cfg, config.model.kv_dtype)
   host = host if r.resume_mode == "kv" else 0.0
   return Plan(
       resident=resident, programs=programs, host_buffer_bytes=host, device_capacity=device_bytes
   )
+
+
+def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
+  """The KV pool's usable pages in all, and the pages of one slot shard (its scratch
+  page included), as slot_ops.device_fns builds it."""
+  r = config.rollout
+  max_len = config.data.max_prompt_len + r.max_response_len
+  shards = _split(r.num_slots, "batch", mesh, decode_rules)
+  usable = r.kv_pages if r.kv_pages is not None else r.num_slots * -(-max_len // r.page_size)
+  per_shard = -(-usable // shards) + 1
+  return usable, per_shard
 
 
 def _resident(x) -> dict[str, float]:
@@ -140,12 +153,14 @@ def _resident(x) -> dict[str, float]:
   masters = params_bytes(cfg, x.mesh, x.rules, 4)
   slots = r.num_slots / _split(r.num_slots, "batch", x.mesh, x.decode_rules)
   kv_heads = cfg.num_kv_heads / _split(cfg.num_kv_heads, "kv_heads", x.mesh, x.decode_rules)
-  kv_cache = 2 * cfg.num_layers * slots * kv_heads * x.max_len * cfg.head_dim
+  _, per_shard = pool_pages(x.config, x.mesh, x.decode_rules)
+  pool = 2 * cfg.num_layers * per_shard * kv_heads * r.page_size * cfg.head_dim
+  rows = slots * x.max_len * 12 + slots * -(-x.max_len // r.page_size) * 4  # + page table
   resident = {
       "master params (float32)": masters,
       "optimizer state (float32)": 2 * masters,
       "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
-      "slot state (KV cache)": kv_cache * dtype_bytes(m.kv_dtype) + slots * x.max_len * 12,
+      "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
   }
   if x.config.train.kl_coef > 0:
     resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)
@@ -171,7 +186,9 @@ def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
   prefill_act = x.max_len * 4 * (3 * heads * chunk + 3 * mlp + 4 * D)
   snapshot_width = 4
   logits = slots * split(cfg.vocab_size, "vocab") * 4
-  attention = 2 * slots * kv_heads * min(1024, x.max_len) * cfg.head_dim * 4
+  # A chunk of decode_block pooled positions, gathered (k, v) and scored.
+  block = max(r.decode_block, r.page_size)
+  attention = 4 * block * kv_heads * cfg.head_dim * 4 + 2 * slots * kv_heads * cfg.head_dim * 4
   return {
       "prefill": seq_kv + prefill_act + upcast,
       "insert": seq_kv,

@@ -109,13 +109,7 @@ class Trainer:
     """One engine for the run, rollouts and evaluation alike (empty between steps), the
     reward workers, and the scheduler that drives them."""
     c, r = self.config, self.config.rollout
-    engine_config = EngineConfig(
-        num_slots=r.num_slots,
-        max_len=c.data.max_prompt_len + r.max_response_len,
-        sync_every=r.sync_every,
-        stop_ids=tuple(self.tokenizer.stop_ids),
-        kv_dtype=c.model.kv_dtype,
-    )
+    engine_config = EngineConfig.from_run_config(c, self.tokenizer.stop_ids)
     self.engine = SlotEngine(
         self.model_cfg,
         self.learner.decode_params(),

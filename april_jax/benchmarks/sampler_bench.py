@@ -1,6 +1,7 @@
 """Mode `sampler`: april_jax decode vs transformers' generate and vs a plain static-batch
 JAX sampler (whole generations, and one decode step in steady state), and
-snapshot/restore cost.
+snapshot/restore cost; and a decode step at a long-tailed mix of lengths against a
+uniform mix of the same live tokens (tail_step.py).
 
 Same random tiny Qwen3 (saved by april_jax, loaded by transformers), same prompts, same
 batch, greedy, every sequence forced to the same number of new tokens. Both sides are
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
-from april_jax.benchmarks import common, static_sampler
+from april_jax.benchmarks import common, static_sampler, tail_step
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
@@ -336,6 +337,7 @@ def run(
     hf: bool = True,
     dtype: str = "float32",
     hbm_gbps: float = 0.0,
+    tail_model: str | None = None,
 ) -> dict:
   result = {
       "mode": "sampler",
@@ -368,6 +370,15 @@ def run(
     r.setdefault("greedy_outputs_equal_frac", float("nan"))
     result.update({f"{name}_{k}": v for k, v in r.items()})
     _print_row(name, r)
+  if tail_model:
+    tail = tail_step.run(BENCH_MODELS[tail_model], repeats=repeats, seed=seed)
+    result.update({f"{tail_model}_{k}": v for k, v in tail.items()})
+    print(
+        f"{tail_model}: decode step, long-tailed mix ({tail['tail_prompt_lens']}) "
+        f"{tail['tail_step_ms']:.2f} ms vs uniform ({tail['uniform_prompt_lens']}) "
+        f"{tail['uniform_step_ms']:.2f} ms: {tail['tail_over_uniform']:.2f}x",
+        flush=True,
+    )
   if report is not None:
     _report(report, result, models)
   return result

@@ -104,6 +104,14 @@ def _rollout() -> ml_collections.ConfigDict:
   r.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
   r.num_slots = 32
   r.sync_every = 16  # decode steps per host round trip
+  # The KV page pool: slots hold pages of page_size positions (a power of two) as their
+  # sequences grow; decode attention reads the live pages, decode_block positions per
+  # chunk. kv_pages unset: max_len for every slot (no preemption); fewer serve more slots
+  # in the same memory and preempt the youngest slot when the pool runs out.
+  r.page_size = 16
+  r.kv_pages = config_dict.placeholder(int)
+  r.decode_block = 1024
+  r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.max_response_len = 256
   r.temperature = 1.0
   r.top_p = 1.0

@@ -26,6 +26,26 @@ class ConfigError(InputError, ValueError):
   """A config that cannot run; the message names every field at fault."""
 
 
+def _checks_pages(c, err: Callable[[str], None]) -> None:
+  """The KV page pool: pages that suit the length buckets, a pool that holds a sequence."""
+  r = c.rollout
+  page = int(r.page_size)
+  if page >= 1 and page & (page - 1):
+    err(
+        f"rollout.page_size must be a power of two (length buckets are powers of two: each "
+        f"must be a whole number of pages or fit in one), got {page}"
+    )
+  elif page >= 1 and r.kv_pages is not None:
+    max_len = c.data.max_prompt_len + r.max_response_len
+    need = -(-(max_len - 1) // page)
+    if r.kv_pages < need:
+      err(
+          f"rollout.kv_pages={r.kv_pages} cannot hold one sequence of max_len={max_len} "
+          f"(data.max_prompt_len + rollout.max_response_len): it needs {need} pages of "
+          f"rollout.page_size={page}"
+      )
+
+
 def _checks_rollout(c, err: Callable[[str], None]) -> None:
   r = c.rollout
   for name in (
@@ -36,9 +56,13 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
       "sync_every",
       "max_response_len",
       "reward_workers",
+      "page_size",
+      "decode_block",
+      "refill_batch",
   ):
     if int(r[name]) < 1:
       err(f"rollout.{name} must be >= 1, got {r[name]}")
+  _checks_pages(c, err)
   if r.max_dropped_groups < 0:
     err(f"rollout.max_dropped_groups must be >= 0, got {r.max_dropped_groups}")
   if r.over_sampling_batch_size < r.batch_size:

@@ -356,6 +356,7 @@ def decode_step(
     live_B: jax.Array | None = None,
     block: int = 1024,
     write=None,
+    attend=None,
 ) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
@@ -365,6 +366,10 @@ def decode_step(
   row's k, v are written at index positions_B[b] after all layers ran, in place when
   the cache is donated, by `write` (default `write_positions`; the sampler passes one
   that runs per device on its own slots). The caller keeps positions below S.
+
+  `attend(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, layer, past_B)` replaces the attention
+  over a dense cache (the sampler passes ragged attention over its page pool; `cache`
+  is then the pool, which only `attend` and `write` read).
   """
   x = sharding.constrain(params["embed"][tokens_B][:, None, :], _X)  # [B, 1, D]
   pos_Bx1 = positions_B[:, None]
@@ -375,9 +380,12 @@ def decode_step(
     q, k, v = _qkv(cfg, lp, x, pos_Bx1)
     B, _, N, H = q.shape
     q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
-    attn = attention_lib.decode_attention(
-        q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v, index, past_B, block, kv_view
-    )
+    if attend is None:
+      attn = attention_lib.decode_attention(
+          q_BxKxGxH, k[:, 0], v[:, 0], cache.k, cache.v, index, past_B, block, kv_view
+      )
+    else:
+      attn = attend(q_BxKxGxH, k[:, 0], v[:, 0], index, past_B)
     attn = attn.reshape(B, 1, N, H).astype(x.dtype)  # a cache may be wider than the params
     attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])

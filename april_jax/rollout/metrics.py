@@ -18,6 +18,9 @@ Definitions (exact; tests check them against hand counts):
   staleness_{max,mean}   per trained sample: current version - its oldest token's tag
   stale_restarts         samples restarted from the prompt for exceeding max_staleness
   overdue_groups         groups holding such a restart: the step waited for them
+  preemptions            live samples moved out of their slots because the KV page pool
+                         ran out (continued later as partials; never dropped)
+  kv_pages_used_frac     pool pages held at the step's end of decoding / usable pages
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       ),
       "rollout/stale_restarts": float(st.get("stale_restarts", 0)),
       "rollout/overdue_groups": float(st.get("overdue_groups", 0)),
+      "rollout/preemptions": float(st.get("preemptions", 0)),
+      "rollout/kv_pages_used_frac": float(st.get("kv_pages_used_frac", 0.0)),
       "rollout/prompts_skipped": float(st.get("prompts_skipped", 0)),
       "rollout/reward_errors": float(st.get("reward_errors", 0)),
       "rollout/reward_timeouts": float(st.get("reward_timeouts", 0)),

@@ -200,7 +200,7 @@ class AprilScheduler:
       if self.engine.num_live == 0:
         break  # nothing live and nothing admissible: the prompts ran out
       self._decode(st)
-    self._snapshot()
+    self._snapshot(st)
     return self._end(st)
 
   def _begin(self, step: int, version: int) -> "_Step":
@@ -263,23 +263,31 @@ class AprilScheduler:
     st.awaiting.clear()
 
   def _fill(self, st: "_Step") -> None:
-    """Free slots take the admitted groups' waiting samples (partials first), then
-    admit another group, until no slot is free or the stop rule holds."""
+    """Free slots take the admitted groups' waiting samples (partials first), as far as
+    the KV pages allow, then admit another group, until no slot is free, a waiting
+    sample lacks pages, or the stop rule holds."""
     engine = self.engine
+    st.blocked = False
     while engine.num_free and not self._stop(st):
       started = False
       for group in st.active:
         if not engine.num_free:
           return
         waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
-        partial = [r for r in waiting if r.started][: engine.num_free]
+        partial = [r for r in waiting if r.started]
+        partial = partial[: engine.room_for(partial)]
         if partial:
           engine.add_partials(partial, mode=self.settings.resume_mode)
           st.stats["partial_samples"] += len(partial)
-        fresh = [r for r in waiting if not r.started][: engine.num_free]
+        fresh = [r for r in waiting if not r.started]
+        fresh = fresh[: engine.room_for(fresh)]
         if fresh:
           engine.add_group(fresh)
         started = started or bool(partial or fresh)
+        if len(partial) + len(fresh) < len(waiting):
+          st.blocked = True  # the pool is full: admit nothing more until pages free up
+      if st.blocked:
+        return
       if not started:
         if not self._admit(st):
           return
@@ -288,15 +296,21 @@ class AprilScheduler:
   def _decode(self, st: "_Step") -> None:
     """One engine step; the groups it completed, in completion order, once each.
 
-    Free slots after filling mean nothing is waiting: decode on through finishes.
-    (Under the DAPO filter a rejected group admits another, so keep the early exit.)
+    Free slots after filling mean nothing is waiting, unless a sample waits for pages:
+    otherwise decode on through finishes. (Under the DAPO filter a rejected group admits
+    another, so keep the early exit.) Samples preempted for pages stay in their groups,
+    as partials: the next fill continues them first.
     """
-    refill = self.engine.num_free == 0 or self.settings.dynamic_sampling
+    engine = self.engine
+    refill = engine.num_free == 0 or st.blocked or self.settings.dynamic_sampling
     done: dict[int, Group] = {}
-    for record in self.engine.step(refill=refill):
+    for record in engine.step(refill=refill):
       group = self.buffer.get(record.meta["group"])
       if group.complete:
         done[group.group_id] = group
+    preempted = engine.take_preempted()
+    st.stats["preemptions"] += len(preempted)
+    self.totals["preemptions"] += len(preempted)
     for group in done.values():
       self._completed(st, group)
 
@@ -309,9 +323,11 @@ class AprilScheduler:
         g.complete for g in st.active if g.group_id in self.buffer
     )
 
-  def _snapshot(self) -> None:
+  def _snapshot(self, st: "_Step") -> None:
     """Every unfinished slot back to its group; a started one was cut at this step's
     end, to be continued (the paper's off-policy measure counts it)."""
+    book = self.engine.book
+    st.stats["kv_pages_used_frac"] = book.used() / max(book.usable * book.shards, 1)
     for record in self.engine.snapshot(with_kv=(self.settings.resume_mode == "kv")):
       if record.started:
         record.meta["cuts"] = record.meta.get("cuts", 0) + 1
@@ -362,6 +378,7 @@ class _Step:
   rejected: list[Group] = dataclasses.field(default_factory=list)
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
+  blocked: bool = False  # a waiting sample found no free KV pages at the last fill
   stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def accept(self, group: Group) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from april_jax import buckets, sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
-from april_jax.sampler import slot_ops
+from april_jax.sampler import pages, slot_ops
 from april_jax.sampler.records import PromptError, SampleRecord
 from april_jax.sampler.state import SlotRows
 
@@ -43,7 +43,11 @@ class EngineConfig:
   kv_dtype: str = "float32"
   insert_width: int = 8  # slots filled per insert call (fixed: one compile)
   snapshot_width: int = 4  # slots whose KV is copied out per device call
-  decode_block: int = 1024  # cache entries per block of decode attention
+  decode_block: int = 1024  # pooled positions read per chunk of decode attention
+  page_size: int = 16  # positions per KV page (a power of two)
+  num_pages: int | None = None  # usable pool pages; None: max_len for every slot
+  preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute
+  refill_batch: int = 1  # with refill on, decoding returns once this many slots finish
 
   def __post_init__(self):
     for name in (
@@ -54,9 +58,46 @@ class EngineConfig:
         "insert_width",
         "snapshot_width",
         "decode_block",
+        "page_size",
+        "refill_batch",
     ):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.page_size & (self.page_size - 1):
+      raise ValueError(
+          f"EngineConfig.page_size must be a power of two (so every length bucket is a "
+          f"whole number of pages or fits in one), got {self.page_size}"
+      )
+    if self.preempt_mode not in RESUME_MODES:
+      raise ValueError(f"EngineConfig.preempt_mode must be one of {RESUME_MODES}")
+    if self.num_pages is not None and self.num_pages < self.pages_per_sequence:
+      raise ValueError(
+          f"EngineConfig.num_pages={self.num_pages} cannot hold one sequence of "
+          f"max_len={self.max_len}: it needs {self.pages_per_sequence} pages of "
+          f"page_size={self.page_size}"
+      )
+
+  @classmethod
+  def from_run_config(cls, c, stop_ids=()) -> "EngineConfig":
+    """The engine of a run's config (rollout.*, data.max_prompt_len, model.kv_dtype)."""
+    r = c.rollout
+    return cls(
+        num_slots=r.num_slots,
+        max_len=c.data.max_prompt_len + r.max_response_len,
+        sync_every=r.sync_every,
+        stop_ids=tuple(int(i) for i in stop_ids),
+        kv_dtype=c.model.kv_dtype,
+        decode_block=r.decode_block,
+        page_size=r.page_size,
+        num_pages=r.kv_pages,
+        preempt_mode=r.resume_mode,
+        refill_batch=r.refill_batch,
+    )
+
+  @property
+  def pages_per_sequence(self) -> int:
+    """Pages one sequence of max_len holds (KV of all but its last token)."""
+    return pages.pages_for(self.max_len - 1, self.page_size)
 
 
 def kv_version_of(record: SampleRecord) -> int:
@@ -120,6 +161,21 @@ class SlotEngine:
         mesh,
         tuple(rules),
         config.decode_block,
+        config.page_size,
+        config.num_pages,
+    )
+    if self.fns.pages_per_shard - 1 < config.pages_per_sequence:
+      raise ValueError(
+          f"EngineConfig.num_pages={config.num_pages} gives each of {self.fns.shards} slot "
+          f"shards {self.fns.pages_per_shard - 1} pages: too few for one sequence of "
+          f"max_len={config.max_len} ({config.pages_per_sequence} pages)"
+      )
+    self.book = pages.PageBook(
+        config.num_slots,
+        self.fns.pages_per_shard,
+        self.fns.shards,
+        config.page_size,
+        pages.pages_for(config.max_len, config.page_size),
     )
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
@@ -127,6 +183,11 @@ class SlotEngine:
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
     self._held: set[int] = set()  # id() of the records in _owner
     self._lengths = np.zeros(config.num_slots, np.int64)  # host copy, as of the last sync
+    self._limits = np.zeros(config.num_slots, np.int64)  # prompt + budget, per slot
+    self._age = np.zeros(config.num_slots, np.int64)  # admission order (preempt the youngest)
+    self._admissions = 0
+    self.preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
+    self.preemptions = 0  # over the engine's life
     self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0  # tokens kept, summed over slots
 
@@ -186,8 +247,9 @@ class SlotEngine:
           (cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype
       )
       self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), [], [], [])
+    self._sync_table()
     self.state, _, _ = self.fns.decode(
-        self.params, self.state, np.int32(self.version), self._stop_ids, np.bool_(True)
+        self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(1)
     )
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     no_slots = np.full(self.config.insert_width, -1, np.int32)
@@ -204,6 +266,7 @@ class SlotEngine:
     padded = np.full(W, -1, np.int32)
     padded[: len(slots)] = slots
     rows = rows_from_records(records, W, self.config.max_len, kv_versions)
+    self._sync_table()
     self.state = self.fns.insert(self.state, kv, rows, padded)
 
   def _insert_shared(
@@ -247,7 +310,7 @@ class SlotEngine:
     rest = [r for r in records if not (mode == "kv" and r.has_kv)]
     for r in with_kv:
       self.check(r)
-    slots = self._take_slots(len(with_kv))
+    slots = self._take_slots(with_kv)
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
     for slot, r in zip(slots, with_kv):
       by_bucket.setdefault(self.bucket(max(r.length - 1, 1)), []).append((slot, r))
@@ -266,11 +329,87 @@ class SlotEngine:
     slot_of.update((id(r), self.add(r, mode)) for r in rest)
     return [slot_of[id(r)] for r in records]
 
-  def _take_slots(self, n: int) -> list[int]:
-    free = self.free_slots()
-    if len(free) < n:
-      raise RuntimeError(f"{n} slots requested, {len(free)} free")
-    return free[:n]
+  def _take_slots(self, records: list[SampleRecord]) -> list[int]:
+    """Free slots for the records, each with pages for its KV and one decode call."""
+    if self.room_for(records) < len(records):
+      raise RuntimeError(
+          f"{len(records)} samples do not fit: {self.num_free} slots and "
+          f"{self.book.free()} pages free (check room_for first)"
+      )
+    slots = self.free_slots()[: len(records)]
+    for slot, r in zip(slots, records):
+      self.book.grow(slot, self._window(r.length, len(r.prompt) + r.max_new_tokens))
+      self._limits[slot] = len(r.prompt) + r.max_new_tokens
+      self._age[slot] = self._admissions
+      self._admissions += 1
+    return slots
+
+  # ---------------------------------------------------------------------- pages
+  def _window(self, length: int, limit: int) -> int:
+    """Positions a slot at `length` may write within one decode call (its KV then
+    covers them): the pending token's and sync_every - 1 more, never past limit - 1."""
+    return int(min(length - 1 + self.config.sync_every, limit - 1))
+
+  def room_for(self, records: list[SampleRecord]) -> int:
+    """How many of `records`, in order, can start now: each needs a free slot, and
+    pages on that slot's shard for its KV and one decode call's growth."""
+    left: dict[int, int] = {}
+    n = 0
+    for slot, r in zip(self.free_slots(), records):
+      shard = self.book.shard_of(slot)
+      free = left.setdefault(shard, self.book.free(slot))
+      window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
+      need = pages.pages_for(window, self.config.page_size)
+      if need > free:
+        break
+      left[shard] = free - need
+      n += 1
+    return n
+
+  def _sync_table(self) -> None:
+    """The host's page table onto the device, if it changed."""
+    if self.book.dirty:
+      table = self.book.table
+      if self.fns.state_sharding is not None:
+        table = jax.device_put(table, self.fns.state_sharding.page_table)
+      self.state = self.state.replace(page_table=jnp.asarray(table))
+      self.book.dirty = False
+
+  def _reserve(self) -> None:
+    """Pages for every live slot's next decode call, oldest slots first. Where a shard
+    runs out, its youngest live slot is preempted (never dropped: see take_preempted);
+    the oldest always fits, as the pool holds one max_len sequence per shard."""
+    live = [s for s, r in enumerate(self._owner) if r is not None]
+    for slot in sorted(live, key=lambda s: self._age[s]):
+      if self._owner[slot] is None:
+        continue  # preempted for an older slot
+      need = self._window(int(self._lengths[slot]), int(self._limits[slot]))
+      while not self.book.grow(slot, need):
+        shard = self.book.shard_of(slot)
+        victim = max(
+            (s for s, r in enumerate(self._owner) if r is not None and self.book.shard_of(s) == shard),
+            key=lambda s: self._age[s],
+        )
+        self._preempt(victim)
+        if victim == slot:
+          break
+
+  def _preempt(self, slot: int) -> None:
+    """The slot's sample back to the host (with its KV in preempt_mode kv); slot freed."""
+    record = self._owner[slot]
+    self._read_back([(slot, record)], with_kv=self.config.preempt_mode == "kv")
+    self._release(slot)
+    mask = np.zeros(self.config.num_slots, bool)
+    mask[slot] = True
+    self.state = self.fns.mark_done(self.state, mask)
+    self.preempted.append(record)
+    self.preemptions += 1
+
+  def take_preempted(self) -> list[SampleRecord]:
+    """The samples preempted since the last call (oldest first); the caller continues
+    them like any partial sample."""
+    out, self.preempted = self.preempted, []
+    return out
 
   def _prefill(self, tokens: np.ndarray) -> qwen3.KVCache:
     padded = np.zeros((1, self.bucket(len(tokens))), np.int32)
@@ -286,7 +425,7 @@ class SlotEngine:
       self.check(r)
       if r.started or not np.array_equal(r.prompt, records[0].prompt):
         raise ValueError("add_group takes fresh samples of one and the same prompt")
-    slots = self._take_slots(len(records))
+    slots = self._take_slots(records)
     self._insert_shared(self._prefill(records[0].prompt), self.version, slots, records)
     return slots
 
@@ -295,7 +434,7 @@ class SlotEngine:
     if mode not in RESUME_MODES:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     self.check(record)
-    slot = self._take_slots(1)
+    slot = self._take_slots([record])
     if mode == "kv" and record.has_kv:
       used = record.length - 1
       pad = ((0, 0), (0, self.bucket(max(used, 1)) - used), (0, 0), (0, 0))
@@ -313,12 +452,19 @@ class SlotEngine:
   def step(self, refill: bool = True) -> list[SampleRecord]:
     """Runs up to sync_every decode steps; returns the samples that finished.
 
-    With `refill` (a sample waits for a free slot) decoding stops at the first finish,
-    so the slot is refilled at once; without it, the sync_every steps run unless every
-    slot finishes, saving host round trips when nothing could use a freed slot.
+    With `refill` (a sample waits for a free slot) decoding stops once `refill_batch`
+    slots have finished, so they are refilled together; without it, the sync_every
+    steps run unless every slot finishes, saving host round trips when nothing could
+    use a freed slot. First every live slot gets the pages it can fill in this call;
+    where the pool runs out the youngest are preempted (take_preempted).
     """
+    self._reserve()
+    if not self.num_live:
+      return []
+    self._sync_table()
+    leave_after = min(self.config.refill_batch, self.num_live) if refill else 0
     self.state, steps, kept = self.fns.decode(
-        self.params, self.state, np.int32(self.version), self._stop_ids, np.bool_(refill)
+        self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(leave_after)
     )
     done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))
     grown = np.array(lengths) - self._lengths  # a live slot gains one token per step
@@ -350,6 +496,7 @@ class SlotEngine:
   def _release(self, slot: int) -> None:
     self._held.discard(id(self._owner[slot]))
     self._owner[slot] = None
+    self.book.release(slot)
 
   def _read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
     """Copies the slots' responses (and KV) into their records, W slots per transfer."""
@@ -372,6 +519,7 @@ class SlotEngine:
   def _read_back_kv(self, items: list[tuple[int, SampleRecord]]) -> None:
     """KV of the used length, slots grouped by length bucket, W per device call."""
     W = self.config.snapshot_width
+    self._sync_table()
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
     for slot, record in items:
       by_bucket.setdefault(self.bucket(max(record.length - 1, 1)), []).append((slot, record))

@@ -49,6 +49,8 @@ def generate(
     return_records: bool = False,
     on_invalid: str = "raise",
     kv_dtype: str = "float32",
+    page_size: int = 16,
+    num_pages: int | None = None,
 ):
   """Generates a response for every prompt; returns them in prompt order.
 
@@ -58,6 +60,10 @@ def generate(
   room for max_new_tokens in a slot of `max_len` tokens raises PromptError naming it;
   with on_invalid="skip" it is rejected instead: an empty response, finish_reason
   "rejected" and the reason in meta["error"].
+
+  The slots' KV lives in a pool of `num_pages` pages of `page_size` positions (default:
+  room for every slot at max_len); with fewer, slots are preempted when it runs out and
+  continued later, so the responses are the same.
   """
   if not prompts:
     return []
@@ -69,6 +75,8 @@ def generate(
       sync_every=sync_every,
       stop_ids=tuple(int(e) for e in eos_ids),
       kv_dtype=kv_dtype,
+      page_size=page_size,
+      num_pages=num_pages,
   )
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
   return generate_on(
@@ -126,10 +134,15 @@ def generate_on(
     queue.append(record)
 
   while queue or engine.num_live:
-    while queue and engine.free_slots():
-      engine.add_group([queue.popleft()])
-    for record in engine.step():
+    while queue and engine.room_for([queue[0]]):
+      record = queue.popleft()
+      if record.started:  # preempted for pages: continue it
+        engine.add(record, engine.config.preempt_mode)
+      else:
+        engine.add_group([record])
+    for record in engine.step(refill=bool(queue)):
       results[record.meta["index"]] = record
+    queue.extendleft(reversed(engine.take_preempted()))
   if return_records:
     return results
   return [r.response.tolist() for r in results]

@@ -3,18 +3,21 @@
   prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, 1, T, K, H]
   insert(state, kv, rows, slots[W])         -> state with W slots written: their rows
                                                (SlotRows) and KV, [L, W, T, K, H] (each
-                                               its own) or [L, 1, T, K, H] (one shared)
-  decode(params, state, version, stop_ids, leave_on_finish)
+                                               its own) or [L, 1, T, K, H] (one shared),
+                                               into the pages their table rows list
+  decode(params, state, version, stop_ids, leave_after)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
   extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
   mark_done(state, mask)                    -> state with those slots stopped
 
 Sequences' KV travel as [L, R, T, K, H] (R rows: prefill's output, the host buffer's
-format); the slot cache is [L, S, K, M, H]. Writes into and reads out of the cache run
-per device on its own slots (`shard_map` with local slot indices): a slot index is traced, and a
-dynamic slice at a traced index along a sharded axis would make XLA gather the whole
-cache onto every device. `DeviceFns` jits them once per (model config, slot shapes,
+format); the slots' KV lives in a page pool [L, P, K, page, H] with a page table per
+slot (state.py, pages.py; the host allocates, the device only reads the table). Writes
+into and reads out of the pool, and decode attention, run per device on its own slots
+and pages (`shard_map` with local indices): a page index is traced, and a dynamic slice
+or gather at a traced index along a sharded axis would make XLA gather the whole pool
+onto every device. `DeviceFns` jits them once per (model config, slot shapes,
 mesh): T is bucketed by the caller, so steady state compiles nothing new. The state is
 donated everywhere and, on a mesh, pinned to its shardings on the way out.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
-from april_jax.models import qwen3
+from april_jax.models import paged_attention, qwen3
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.state import SlotRows, SlotState, init_state, state_logical_axes
 
@@ -64,29 +68,42 @@ class _CacheLayout:
 
 
 def _write_kv(
-    layout: _CacheLayout, cache: qwen3.KVCache, kv: qwen3.KVCache, slots_W: jax.Array
+    layout: _CacheLayout, state: SlotState, kv: qwen3.KVCache, slots_W: jax.Array
 ) -> qwen3.KVCache:
-  """Copies sequences' KV [L, R, T, K, H] into the slots slots_W (entries < 0 are
-  padding), positions < T, each device into its own slots. Slot i takes KV row
-  min(i, R - 1): R = W gives each its own, R = 1 shares one (a prompt's samples)."""
+  """Copies sequences' KV [L, R, T, K, H] into the pages of the slots slots_W (entries
+  < 0 are padding), positions < T, each device into its own pages. Slot i takes KV row
+  min(i, R - 1): R = W gives each its own, R = 1 shares one (a prompt's samples). Only
+  the pages a slot holds are written: pages past them go to the scratch page."""
+  T = kv.k.shape[2]
 
-  def local(ck, cv, nk, nv, slots):
-    S_local = ck.shape[1]
+  def local(ck, cv, nk, nv, table, slots):
+    S_local, page = table.shape[0], ck.shape[3]
     first = layout.first_local_slot(S_local)
+    span = min(T, page)  # positions per page write
+    n_pages = -(-T // page)
+    if n_pages * span > T:  # the capped last bucket: not a whole number of pages
+      pad = ((0, 0), (0, 0), (0, n_pages * span - T), (0, 0), (0, 0))
+      nk, nv = jnp.pad(nk, pad), jnp.pad(nv, pad)
+    scratch = ck.shape[1] - 1
+    # Once into the pool's layout and storage: [L, R, K, T', H].
+    nk, nv = (qwen3.kv_store(n.transpose(0, 1, 3, 2, 4), c.dtype) for n, c in ((nk, ck), (nv, cv)))
 
     def put(i, caches):
       at = slots[i] - first
       ok = (slots[i] >= 0) & (at >= 0) & (at < S_local)
-      at = jnp.clip(at, 0, S_local - 1)
-      out = []
-      for c, n in zip(caches, (nk, nv)):
-        row = jnp.minimum(i, n.shape[1] - 1)
-        seq_LxTxKxH = jax.lax.dynamic_index_in_dim(n, row, 1, keepdims=False)
-        new = qwen3.kv_store(seq_LxTxKxH.transpose(0, 2, 1, 3)[:, None], c.dtype)  # [L,1,K,T,H]
-        start = (0, at, 0, 0, 0)
-        old = jax.lax.dynamic_slice(c, start, new.shape)
-        out.append(jax.lax.dynamic_update_slice(c, jnp.where(ok, new, old), start))
-      return tuple(out)
+      row = jnp.minimum(i, nk.shape[1] - 1)
+
+      def put_page(j, caches):
+        page_id = table[jnp.clip(at, 0, S_local - 1), j]
+        page_id = jnp.where(ok & (page_id >= 0), page_id, scratch)
+        out = []
+        for c, n in zip(caches, (nk, nv)):
+          L, _, K, _, H = n.shape
+          new = jax.lax.dynamic_slice(n, (0, row, 0, j * span, 0), (L, 1, K, span, H))
+          out.append(jax.lax.dynamic_update_slice(c, new, (0, page_id, 0, 0, 0)))
+        return tuple(out)
+
+      return jax.lax.fori_loop(0, n_pages, put_page, caches)
 
     return jax.lax.fori_loop(0, slots.shape[0], put, (ck, cv))
 
@@ -94,28 +111,76 @@ def _write_kv(
   cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
   new_spec = P(None, None, None, layout.head_axes, None)
   fn = layout.local(
-      local, (cache_spec, cache_spec, new_spec, new_spec, P()), (cache_spec, cache_spec)
+      local,
+      (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes, None), P()),
+      (cache_spec, cache_spec),
   )
-  return qwen3.KVCache(*fn(cache.k, cache.v, kv.k, kv.v, slots_W))
+  return qwen3.KVCache(*fn(state.kv.k, state.kv.v, kv.k, kv.v, state.page_table, slots_W))
+
+
+def _paged_attend(layout: _CacheLayout, state: SlotState, plan, chunk_pages: int):
+  """decode_step's `attend`: ragged attention over the pool, per device on its own slots,
+  pages and heads (paged_attention.py)."""
+
+  def local(q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, pages, num_live):
+    return paged_attention.paged_decode_attention(
+        q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, pages, num_live[0],
+        chunk_pages, qwen3.kv_view,
+    )
+
+  P = PartitionSpec
+  s, h = layout.slot_axes, layout.head_axes
+  cache_spec = P(None, s, h, None, None)
+  fn = layout.local(
+      local,
+      (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
+      + (P(s),) * 4,
+      P(s, h, None, None),
+  )
+  return lambda q, k_new, v_new, layer, past: fn(
+      q, k_new, v_new, state.kv.k, state.kv.v, layer, past, *plan
+  )
+
+
+def _page_plan(layout: _CacheLayout, state: SlotState, past_S, live_S, chunk_pages: int):
+  """Per device: its pages' owners and first positions, and its live pages first
+  (paged_attention.page_owners, live_pages). Each output is split over the slot axes."""
+
+  def local(table, past, live, k):
+    owner, start = paged_attention.page_owners(table, k.shape[1], k.shape[3])
+    pages, num_live = paged_attention.live_pages(owner, start, past, live, chunk_pages)
+    return owner, start, pages, num_live[None]
+
+  P = PartitionSpec
+  s = layout.slot_axes
+  fn = layout.local(
+      local,
+      (P(s, None), P(s), P(s), P(None, s, layout.head_axes, None, None)),
+      (P(s),) * 4,
+  )
+  return fn(state.page_table, past_S, live_S, state.kv.k)
 
 
 def _write_positions(
-    layout: _CacheLayout, cache: qwen3.KVCache, new_k_LxBxKxH, new_v_LxBxKxH, positions_B
+    layout: _CacheLayout, state: SlotState, new_k_LxBxKxH, new_v_LxBxKxH, positions_B, live_B
 ) -> qwen3.KVCache:
-  """qwen3.write_positions, run per device on its own slots."""
+  """paged_attention.write_pages, run per device on its own slots and pages."""
 
-  def local(ck, cv, nk, nv, pos):
-    return tuple(qwen3.write_positions(qwen3.KVCache(ck, cv), nk, nv, pos))
+  def local(ck, cv, nk, nv, table, pos, live):
+    nk, nv = qwen3.kv_store(nk, ck.dtype), qwen3.kv_store(nv, cv.dtype)
+    return paged_attention.write_pages((ck, cv), nk, nv, table, pos, live, ck.shape[1] - 1)
 
   P = PartitionSpec
-  cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
-  new_spec = P(None, layout.slot_axes, layout.head_axes, None)
+  s = layout.slot_axes
+  cache_spec = P(None, s, layout.head_axes, None, None)
+  new_spec = P(None, s, layout.head_axes, None)
   fn = layout.local(
       local,
-      (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes)),
+      (cache_spec, cache_spec, new_spec, new_spec, P(s, None), P(s), P(s)),
       (cache_spec, cache_spec),
   )
-  return qwen3.KVCache(*fn(cache.k, cache.v, new_k_LxBxKxH, new_v_LxBxKxH, positions_B))
+  k, v = fn(state.kv.k, state.kv.v, new_k_LxBxKxH, new_v_LxBxKxH, state.page_table, positions_B, live_B)
+  return qwen3.KVCache(k, v)
 
 
 def insert(
@@ -138,7 +203,7 @@ def insert(
       f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
   }
   return state.replace(
-      kv=_write_kv(layout, state.kv, kv_LxRxTxKxH, slots_W), done=put(state.done, False), **fields
+      kv=_write_kv(layout, state, kv_LxRxTxKxH, slots_W), done=put(state.done, False), **fields
   )
 
 
@@ -146,56 +211,59 @@ def decode(
     layout: _CacheLayout,
     cfg: qwen3.Qwen3Config,
     sync_every: int,
-    block: int,
+    chunk_pages: int,
     params,
     state: SlotState,
     version: jax.Array,
     stop_ids_E: jax.Array,
-    leave_on_finish: jax.Array = True,
+    leave_after: jax.Array = 1,
 ):
-  """Up to `sync_every` decode steps; leaves early once any slot finishes, if
-  `leave_on_finish` (the host has a sample waiting for the freed slot), else once all do.
+  """Up to `sync_every` decode steps; leaves early once `leave_after` slots have
+  finished in this call (0: only once every slot is done).
 
   Returns (state, steps run, tokens kept). Each token is tagged min(version, kv_version):
   the oldest params its forward pass saw. A slot finishes on a stop token or when its
-  length reaches its limit; both are checked here, on device. Attention reads the
-  cache in blocks of `block` keys up to the longest live slot (qwen3.decode_step), so
-  short sequences do not pay for max_len and no length compiles a new program.
+  length reaches its limit; both are checked here, on device. Attention reads each live
+  slot's own pages, `chunk_pages` pages at a time (paged_attention.py), so a step costs
+  what the live tokens hold and no length compiles a new program. The host has given
+  every live slot the pages it can fill within the call (engine.step).
   """
   S, M = state.tokens.shape
   rows = jnp.arange(S)
-  write_kv = functools.partial(_write_positions, layout)
 
   def step(carry):
-    state, i, kept, _ = carry
+    state, i, kept, finished_n = carry
     live = ~state.done
     pos = jnp.maximum(state.length - 1, 0)
     last = state.tokens[rows, pos]
-    logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, block, write_kv)
+    past = jnp.where(live, pos, 0)
+    plan = _page_plan(layout, state, past, live, chunk_pages)
+    attend = _paged_attend(layout, state, plan, chunk_pages)
+    write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
+    logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
     keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
     at = jnp.minimum(state.length, M - 1)
-    write = lambda a, v: a.at[rows, at].set(jnp.where(live, v, a[rows, at]))
+    put = lambda a, v: a.at[rows, at].set(jnp.where(live, v, a[rows, at]))
     length = state.length + live
     finished = live & (jnp.isin(new_tok, stop_ids_E) | (length >= state.limit))
     state = state.replace(
-        tokens=write(state.tokens, new_tok),
-        logprobs=write(state.logprobs, new_lp),
-        versions=write(state.versions, jnp.minimum(version, state.kv_version)),
+        tokens=put(state.tokens, new_tok),
+        logprobs=put(state.logprobs, new_lp),
+        versions=put(state.versions, jnp.minimum(version, state.kv_version)),
         kv=kv,
         length=length,
         done=state.done | finished,
     )
-    return state, i + 1, kept + jnp.sum(live), jnp.any(finished)
+    return state, i + 1, kept + jnp.sum(live), finished_n + jnp.sum(finished)
 
   def keep_going(carry):
-    state, i, _, any_finished = carry
-    return (i < sync_every) & ~(any_finished & leave_on_finish) & jnp.any(~state.done)
+    state, i, _, finished_n = carry
+    enough = (leave_after > 0) & (finished_n >= leave_after)
+    return (i < sync_every) & ~enough & jnp.any(~state.done)
 
   zero = jnp.zeros((), jnp.int32)
-  state, steps, kept, _ = jax.lax.while_loop(
-      keep_going, step, (state, zero, zero, jnp.zeros((), bool))
-  )
+  state, steps, kept, _ = jax.lax.while_loop(keep_going, step, (state, zero, zero, zero))
   return state, steps, kept
 
 
@@ -209,13 +277,15 @@ def extract_rows(state: SlotState, slots_W: jax.Array):
 
 
 def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_len: int):
-  """The KV of W slots for positions < kv_len (entries < 0 are padding, zeros):
-  k, v [L, W, kv_len, K, H]. Each device reads its own slots; the W rows are summed
-  over the slot axes (one of them nonzero), so no device gathers the cache."""
+  """The KV of W slots for positions < kv_len (entries < 0 are padding, zeros; so are
+  positions past a slot's pages): k, v [L, W, kv_len, K, H]. Each device reads its own
+  slots' pages; the W rows are summed over the slot axes (one of them nonzero), so no
+  device gathers the pool."""
 
-  def local(ck, cv, slots):
-    S_local = ck.shape[1]
+  def local(ck, cv, table, slots):
+    S_local, page = table.shape[0], ck.shape[3]
     first = layout.first_local_slot(S_local)
+    n_pages = -(-kv_len // page)
     out = []
     for c in (ck, cv):
       L, _, K, _, H = c.shape
@@ -223,13 +293,13 @@ def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_le
       def take(slot):
         at = slot - first
         ok = (slot >= 0) & (at >= 0) & (at < S_local)
-        x = jax.lax.dynamic_slice(
-            c, (0, jnp.clip(at, 0, S_local - 1), 0, 0, 0), (L, 1, K, kv_len, H)
-        )[:, 0]
-        return jnp.where(ok, x, jnp.zeros_like(x))
+        ids = table[jnp.clip(at, 0, S_local - 1), :n_pages]
+        x = c[:, jnp.maximum(ids, 0)]  # [L, n_pages, K, page, H]
+        keep = ok & (ids >= 0)
+        x = jnp.where(keep[None, :, None, None, None], x, jnp.zeros_like(x))
+        return x.transpose(0, 1, 3, 2, 4).reshape(L, n_pages * page, K, H)[:, :kv_len]
 
-      rows_WxLxKxTxH = jax.vmap(take)(slots)
-      rows = qwen3.kv_view(rows_WxLxKxTxH.transpose(1, 0, 3, 2, 4))  # [L, W, T, K, H]
+      rows = qwen3.kv_view(jax.vmap(take, out_axes=1)(slots))  # [L, W, T, K, H]
       if layout.mesh is not None and layout.slot_axes is not None:
         rows = jax.lax.psum(rows, layout.slot_axes)
       out.append(rows)
@@ -238,8 +308,10 @@ def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_le
   P = PartitionSpec
   cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
   out_spec = P(None, None, None, layout.head_axes, None)
-  fn = layout.local(local, (cache_spec, cache_spec, P()), (out_spec, out_spec))
-  return fn(state.kv.k, state.kv.v, slots_W)
+  fn = layout.local(
+      local, (cache_spec, cache_spec, P(layout.slot_axes, None), P()), (out_spec, out_spec)
+  )
+  return fn(state.kv.k, state.kv.v, state.page_table, slots_W)
 
 
 def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:
@@ -257,6 +329,8 @@ class DeviceFns:
   extract_rows: Any
   extract_kv: Any
   mark_done: Any
+  shards: int = 1  # the slot axes' devices: slots and pages split this many ways
+  pages_per_shard: int = 0  # pool pages of each shard, its scratch page included
   state_sharding: Any = None  # SlotState of NamedShardings (None without a mesh)
   kv_sharding: Any = None  # where sequences' KV [L, R, T, K, H] lie before insert
 
@@ -276,18 +350,37 @@ def device_fns(
     mesh=None,
     rules=sharding.DECODE_RULES,
     decode_block: int = 1024,
+    page_size: int = 16,
+    num_pages: int | None = None,
 ) -> DeviceFns:
   """Builds (once, then cached) the jitted functions for these static settings.
 
-  `rules` place the slot state and the activations (the sampler's: DECODE_RULES)."""
-  init = lambda: init_state(cfg, num_slots, max_len, jnp.dtype(kv_dtype))
+  `rules` place the slot state and the activations (the sampler's: DECODE_RULES). The
+  pool has `num_pages` usable pages (default: max_len for every slot), split over the
+  slot axes' shards, plus one scratch page per shard. Attention reads decode_block //
+  page_size pages per chunk."""
+  shards = 1
+  if mesh is not None:
+    spec = sharding.logical_to_spec(("batch",), (num_slots,), mesh, rules)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    shards = math.prod(mesh.shape[a] for a in axes)
+  if num_pages is None:
+    num_pages = num_slots * -(-max_len // page_size)
+  per_shard = -(-num_pages // shards) + 1
+  chunk_pages = max(1, decode_block // page_size)
+  init = lambda: init_state(
+      cfg, num_slots, max_len, jnp.dtype(kv_dtype), page_size, shards * per_shard
+  )
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
   if mesh is None:
     layout, state_sh, kv_sh = _CacheLayout(), None, None
   else:
     state_sh = sharding.named_shardings(state_logical_axes(), jax.eval_shape(init), mesh, rules)
-    cache_spec = state_sh.kv.k.spec
-    layout = _CacheLayout(mesh, cache_spec[1], cache_spec[2])
+    # Pages split exactly as the slots do (shards divides the pool by construction).
+    slot_axes, head_axes = state_sh.length.spec[0], state_sh.kv.k.spec[2]
+    pool_sh = NamedSharding(mesh, PartitionSpec(None, slot_axes, head_axes, None, None))
+    state_sh = state_sh.replace(kv=qwen3.KVCache(pool_sh, pool_sh))
+    layout = _CacheLayout(mesh, slot_axes, head_axes)
     # Prefilled KV and KV restored from the host arrive in one sharding (KV heads as in
     # the cache, replicated over slots), so `insert` compiles once per bucket and row
     # count whichever path the sequences came by, and each device receives only its heads.
@@ -296,13 +389,15 @@ def device_fns(
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
   return DeviceFns(
+      shards=shards,
+      pages_per_shard=per_shard,
       state_sharding=state_sh,
       kv_sharding=kv_sh,
       init=jax.jit(init, **pin),
       prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
       insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
       decode=jax.jit(
-          traced(functools.partial(decode, layout, cfg, sync_every, decode_block)),
+          traced(functools.partial(decode, layout, cfg, sync_every, chunk_pages)),
           donate_argnums=1,
           **pin_first,
       ),

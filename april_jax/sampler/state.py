@@ -2,9 +2,14 @@
 
 S slots, each able to hold M tokens (prompt + response). A slot holding a sample keeps
   tokens[s, :length]             prompt then response so far
-  kv.k/kv.v[:, s, :, :length-1]  the KV of all but the last token; the last token is
-                                 "pending": the next decode step feeds it at position
-                                 length-1, writes its KV and samples token `length`
+  page_table[s, :]               the pool pages holding its KV, in order (-1 past the
+                                 last; local page ids, see pages.py)
+  kv.k/kv.v[:, page, :, i]       the pool, [L, P, K, page_size, H]: position t of slot s
+                                 is entry t % page_size of page page_table[s, t //
+                                 page_size]. The pool holds the KV of all but the last
+                                 token; the last token is "pending": the next decode
+                                 step feeds it at position length-1, writes its KV and
+                                 samples token `length`
   logprobs/versions[s, t]        for each response token t: its behavior logprob and its
                                  version tag (-1 for prompt tokens): the oldest policy
                                  version that token's forward pass saw, i.e.
@@ -18,9 +23,9 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
                                  with fold_in(rng, t), so a sample's draws do not depend
                                  on its slot, its neighbours or on interruptions
   done[s]                        no decoding: finished, or the slot is free
-Slots are sharded over the batch axes of the sampler's rules (sharding.DECODE_RULES:
-`data`), KV heads over its tensor-parallel axes, so each device holds the KV of its
-own heads for its own slots.
+Slots and pool pages are sharded over the batch axes of the sampler's rules
+(sharding.DECODE_RULES: `data`), KV heads over its tensor-parallel axes, so each device
+holds the KV of its own heads for its own slots, in its own pages.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class SlotState:
   tokens: jax.Array  # int32 [S, M]
   logprobs: jax.Array  # float32 [S, M]
   versions: jax.Array  # int32 [S, M]
-  kv: qwen3.KVCache  # k, v [L, S, K, M, H], stored as qwen3.kv_storage_dtype
+  kv: qwen3.KVCache  # the page pool: k, v [L, P, K, page, H], as qwen3.kv_storage_dtype
+  page_table: jax.Array  # int32 [S, J]: local page ids, -1 unused
   length: jax.Array  # int32 [S]
   prompt_len: jax.Array  # int32 [S]
   kv_version: jax.Array  # int32 [S]
@@ -68,17 +74,26 @@ class SlotRows:
 
 
 def init_state(
-    cfg: qwen3.Qwen3Config, num_slots: int, max_len: int, kv_dtype=jnp.float32
+    cfg: qwen3.Qwen3Config,
+    num_slots: int,
+    max_len: int,
+    kv_dtype=jnp.float32,
+    page_size: int = 16,
+    pool_pages: int | None = None,
 ) -> SlotState:
-  """All slots free (done), KV zeroed."""
+  """All slots free (done), no pages held, the pool zeroed. pool_pages counts every
+  page of the pool, scratch pages included (default: one slot's worth per slot, + 1)."""
   S, M = num_slots, max_len
-  kv_shape = (cfg.num_layers, S, cfg.num_kv_heads, M, cfg.head_dim)
+  J = -(-M // page_size)
+  pool_pages = S * J + 1 if pool_pages is None else pool_pages
+  kv_shape = (cfg.num_layers, pool_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
   zeros_i = lambda *shape: jnp.zeros(shape, jnp.int32)
   return SlotState(
       tokens=zeros_i(S, M),
       logprobs=jnp.zeros((S, M), jnp.float32),
       versions=jnp.full((S, M), -1, jnp.int32),
       kv=qwen3.KVCache(*(jnp.zeros(kv_shape, qwen3.kv_storage_dtype(kv_dtype)) for _ in range(2))),
+      page_table=jnp.full((S, J), -1, jnp.int32),
       length=zeros_i(S),
       prompt_len=zeros_i(S),
       kv_version=zeros_i(S),
@@ -100,6 +115,7 @@ def state_logical_axes() -> SlotState:
       logprobs=row,
       versions=row,
       kv=qwen3.KVCache(qwen3.KV_LOGICAL_AXES, qwen3.KV_LOGICAL_AXES),
+      page_table=row,
       length=vec,
       prompt_len=vec,
       kv_version=vec,

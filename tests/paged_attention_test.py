@@ -1,0 +1,120 @@
+"""Ragged decode attention over the page pool equals dense attention over each slot's own
+positions, for random page layouts and lengths: page boundaries, an empty slot, a one-
+token slot, a full pool, chunks that straddle slots; and a decode step reads only the
+live pages."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax.models import paged_attention as pa
+from april_jax.sampler import pages as pages_lib
+
+
+def _dense_reference(q_SxKxGxH, k_new, v_new, seq_k, seq_v, past):
+  """Per slot: softmax over its first past[s] keys and its own new key, in numpy."""
+  S, K, G, H = q_SxKxGxH.shape
+  out = np.zeros((S, K, G, H), np.float64)
+  for s in range(S):
+    keys = np.concatenate([seq_k[s][: past[s]], k_new[s][None]], 0)  # [n, K, H]
+    vals = np.concatenate([seq_v[s][: past[s]], v_new[s][None]], 0)
+    scores = np.einsum("kgh,nkh->kgn", q_SxKxGxH[s], keys) / np.sqrt(H)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out[s] = np.einsum("kgn,nkh->kgh", p, vals)
+  return out
+
+
+def _layout(past, page, num_pages, rng):
+  """Random page tables: each slot takes the pages for its positions in shuffled order
+  (the last pool page is scratch); returns table [S, J]."""
+  J = max(pages_lib.pages_for(max(past), page), 1) + 1
+  ids = list(rng.permutation(num_pages - 1))
+  table = np.full((len(past), J), -1, np.int32)
+  for s, n in enumerate(past):
+    for j in range(pages_lib.pages_for(n, page)):
+      table[s, j] = ids.pop()
+  return table
+
+
+def _case(past, page, num_pages, chunk_pages, seed, live=None, L=2, layer=1):
+  rng = np.random.default_rng(seed)
+  S, K, G, H = len(past), 2, 3, 8
+  past = np.asarray(past, np.int32)
+  live = np.ones(S, bool) if live is None else np.asarray(live)
+  table = _layout(past, page, num_pages, rng)
+  pool_k = rng.normal(size=(L, num_pages, K, page, H)).astype(np.float32)
+  pool_v = rng.normal(size=(L, num_pages, K, page, H)).astype(np.float32)
+  q = rng.normal(size=(S, K, G, H)).astype(np.float32)
+  k_new = rng.normal(size=(S, K, H)).astype(np.float32)
+  v_new = rng.normal(size=(S, K, H)).astype(np.float32)
+  # Each slot's sequence as the pool holds it, through its own table.
+  seq = lambda pool, s: np.concatenate(
+      [pool[layer, p].transpose(1, 0, 2) for p in table[s] if p >= 0] or [np.zeros((0, K, H))]
+  )
+  past_eff = np.where(live, past, 0)
+  want = _dense_reference(
+      q,
+      k_new,
+      v_new,
+      [seq(pool_k, s) for s in range(S)],
+      [seq(pool_v, s) for s in range(S)],
+      past_eff,
+  )
+
+  @jax.jit
+  def run(q, k_new, v_new, pool_k, pool_v, table, past, live):
+    owner, start = pa.page_owners(table, num_pages, page)
+    ids, num_live = pa.live_pages(owner, start, past, live, chunk_pages)
+    out = pa.paged_decode_attention(
+        q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, ids, num_live, chunk_pages
+    )
+    return out, num_live
+
+  got, num_live = run(q, k_new, v_new, pool_k, pool_v, table, past_eff, live)
+  return np.asarray(got), want, int(num_live), table
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_attention_equals_dense_for_random_layouts_and_lengths(chunk_pages, seed):
+  # Lengths on and off page boundaries (page 4), an empty slot, a one-token slot.
+  past = [0, 1, 3, 4, 5, 8, 13, 16, 29]
+  got, want, num_live, _ = _case(past, page=4, num_pages=40, chunk_pages=chunk_pages, seed=seed)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert num_live == sum(pages_lib.pages_for(n, 4) for n in past)
+
+
+def test_paged_attention_with_a_full_pool_and_done_slots():
+  page, past = 4, [12, 7, 9, 4]  # 3 + 2 + 3 + 1 = 9 pages: every usable page of the pool
+  live = [True, False, True, True]
+  got, want, num_live, table = _case(past, page, num_pages=10, chunk_pages=2, seed=3, live=live)
+  assert sorted(table[table >= 0].tolist()) == list(range(9))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert num_live == 3 + 3 + 1  # the done slot's pages are not read
+
+
+def test_live_pages_lists_exactly_the_pages_below_each_slots_length():
+  page = 4
+  # Slot 0 holds 3 pages but has written 5 positions: its third page is not read yet.
+  table = np.array([[5, 2, 7, -1], [0, -1, -1, -1], [-1, -1, -1, -1]], np.int32)
+  owner, start = pa.page_owners(jnp.asarray(table), 9, page)
+  np.testing.assert_array_equal(owner, [1, -1, 0, -1, -1, 0, -1, 0, -1])
+  np.testing.assert_array_equal(np.asarray(start)[[5, 2, 7, 0]], [0, 4, 8, 0])
+  past, live = jnp.array([5, 2, 0]), jnp.array([True, True, False])
+  ids, n = pa.live_pages(owner, start, past, live, chunk_pages=4)
+  assert int(n) == 3 and sorted(np.asarray(ids[:3]).tolist()) == [0, 2, 5]
+  assert ids.shape == (12,)  # padded to a whole number of chunks
+
+
+def test_write_pages_puts_each_live_slots_token_at_its_page_and_offset():
+  L, P, K, T, H = 2, 6, 1, 4, 2
+  pool = (jnp.zeros((L, P, K, T, H)), jnp.zeros((L, P, K, T, H)))
+  table = jnp.array([[3, 1], [4, -1], [-1, -1]], jnp.int32)
+  new = jnp.arange(L * 3 * K * H, dtype=jnp.float32).reshape(L, 3, K, H) + 1
+  k, _ = pa.write_pages(pool, new, new, table, jnp.array([5, 2, 0]), jnp.array([True, True, False]), P - 1)
+  np.testing.assert_array_equal(k[:, 1, :, 1], new[:, 0])  # position 5: page 1, entry 1
+  np.testing.assert_array_equal(k[:, 4, :, 2], new[:, 1])  # position 2: page 4, entry 2
+  np.testing.assert_array_equal(k[:, P - 1, :, 0], new[:, 2])  # a free slot: scratch
+  assert int(jnp.count_nonzero(k[:, :P - 1])) == 2 * L * K * H
