@@ -113,8 +113,10 @@ def test_write_pages_puts_each_live_slots_token_at_its_page_and_offset():
   pool = (jnp.zeros((L, P, K, T, H)), jnp.zeros((L, P, K, T, H)))
   table = jnp.array([[3, 1], [4, -1], [-1, -1]], jnp.int32)
   new = jnp.arange(L * 3 * K * H, dtype=jnp.float32).reshape(L, 3, K, H) + 1
-  k, _ = pa.write_pages(pool, new, new, table, jnp.array([5, 2, 0]), jnp.array([True, True, False]), P - 1)
+  k, _ = pa.write_pages(
+      pool, new, new, table, jnp.array([5, 2, 0]), jnp.array([True, True, False]), P - 1
+  )
   np.testing.assert_array_equal(k[:, 1, :, 1], new[:, 0])  # position 5: page 1, entry 1
   np.testing.assert_array_equal(k[:, 4, :, 2], new[:, 1])  # position 2: page 4, entry 2
   np.testing.assert_array_equal(k[:, P - 1, :, 0], new[:, 2])  # a free slot: scratch
-  assert int(jnp.count_nonzero(k[:, :P - 1])) == 2 * L * K * H
+  assert int(jnp.count_nonzero(k[:, : P - 1])) == 2 * L * K * H

@@ -62,8 +62,9 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   assert p.resident["decode params"] == (cfg.num_params() - norms) * 2 / 8 + norms * 2
   # KV: 64 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
   # 16384 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
+  # The pool: 64 slots x 1,088 pages of 16 positions, + 1 scratch page; the page table.
   assert p.resident["slot state (KV cache)"] == (
-      2 * 36 * 64 * 1 * 17408 * 128 * 2 + 64 * 17408 * 12
+      2 * 36 * (64 * 1088 + 1) * 1 * 16 * 128 * 2 + 64 * 17408 * 12 + 64 * 1088 * 4
   )
   assert p.host_buffer_bytes == 64 * 17408 * 147456
   assert p.fits

@@ -387,7 +387,11 @@ class SlotEngine:
       while not self.book.grow(slot, need):
         shard = self.book.shard_of(slot)
         victim = max(
-            (s for s, r in enumerate(self._owner) if r is not None and self.book.shard_of(s) == shard),
+            (
+                s
+                for s, r in enumerate(self._owner)
+                if r is not None and self.book.shard_of(s) == shard
+            ),
             key=lambda s: self._age[s],
         )
         self._preempt(victim)

@@ -124,8 +124,19 @@ def _paged_attend(layout: _CacheLayout, state: SlotState, plan, chunk_pages: int
 
   def local(q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, pages, num_live):
     return paged_attention.paged_decode_attention(
-        q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, pages, num_live[0],
-        chunk_pages, qwen3.kv_view,
+        q,
+        k_new,
+        v_new,
+        pool_k,
+        pool_v,
+        layer,
+        past,
+        owner,
+        start,
+        pages,
+        num_live[0],
+        chunk_pages,
+        qwen3.kv_view,
     )
 
   P = PartitionSpec
@@ -154,9 +165,7 @@ def _page_plan(layout: _CacheLayout, state: SlotState, past_S, live_S, chunk_pag
   P = PartitionSpec
   s = layout.slot_axes
   fn = layout.local(
-      local,
-      (P(s, None), P(s), P(s), P(None, s, layout.head_axes, None, None)),
-      (P(s),) * 4,
+      local, (P(s, None), P(s), P(s), P(None, s, layout.head_axes, None, None)), (P(s),) * 4
   )
   return fn(state.page_table, past_S, live_S, state.kv.k)
 
@@ -179,7 +188,9 @@ def _write_positions(
       (cache_spec, cache_spec, new_spec, new_spec, P(s, None), P(s), P(s)),
       (cache_spec, cache_spec),
   )
-  k, v = fn(state.kv.k, state.kv.v, new_k_LxBxKxH, new_v_LxBxKxH, state.page_table, positions_B, live_B)
+  k, v = fn(
+      state.kv.k, state.kv.v, new_k_LxBxKxH, new_v_LxBxKxH, state.page_table, positions_B, live_B
+  )
   return qwen3.KVCache(k, v)
 
 
