@@ -148,5 +148,4 @@ def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
       sampler_bench.BENCH_MODELS["tiny"], slots=4, short=8, long=104, n1=4, n2=12, repeats=1
   )
   assert out["tail_prompt_lens"] == "3 x 8 + 1 x 104" and out["uniform_prompt_lens"] == "4 x 32"
-  assert out["tail_step_ms"] > 0 and out["uniform_step_ms"] > 0
   assert out["tail_over_uniform"] == out["tail_step_ms"] / out["uniform_step_ms"]
