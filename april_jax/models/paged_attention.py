@@ -48,11 +48,16 @@ def page_owners(table_SxJ: jax.Array, num_pages: int, page_size: int):
 
 def live_pages(owner_P, start_P, past_S, live_S, chunk_pages: int):
   """The pages holding a live slot's cached positions, first, in a list padded to a
-  multiple of chunk_pages: (page ids int32 [P'], how many are live)."""
+  multiple of chunk_pages: (page ids int32 [P'], how many are live).
+
+  Live pages are listed by (slot, position), not by page id: which physical pages a
+  slot got does not change the order of the sums, so results are the same bits
+  whatever the pool's history (a resumed run equals the uninterrupted one)."""
   P = owner_P.shape[0]
   slot = jnp.maximum(owner_P, 0)
   live = (owner_P >= 0) & live_S[slot] & (start_P < past_S[slot])
-  order = jnp.argsort(~live, stable=True).astype(jnp.int32)
+  rank = jnp.where(live, slot, live_S.shape[0])  # the dead sort last
+  order = jnp.lexsort((start_P, rank)).astype(jnp.int32)
   pad = -P % chunk_pages
   order = jnp.concatenate([order, jnp.zeros((pad,), jnp.int32)])
   return order, jnp.sum(live, dtype=jnp.int32)
