@@ -276,3 +276,22 @@ def test_gpu_bench_config_variants_have_real_shapes():
   assert 0.59e9 < small.num_params() < 0.61e9 and 4.0e9 < large.num_params() < 4.1e9
   with pytest.raises(ValueError, match="variant 'qwen3_9b'"):
     load("gpu_bench", "qwen3_9b")
+
+
+def test_the_kv_page_pool_fields_are_checked_by_name():
+  config = load("tiny")
+  config.rollout.page_size = 24
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  assert "rollout.page_size must be a power of two" in str(info.value)
+  config = load("tiny")
+  config.rollout.page_size = 16
+  config.rollout.kv_pages = 3
+  max_len = config.data.max_prompt_len + config.rollout.max_response_len
+  need = -(-(max_len - 1) // 16)
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  assert f"rollout.kv_pages=3 cannot hold one sequence of max_len={max_len}" in str(info.value)
+  assert f"it needs {need} pages" in str(info.value)
+  config.rollout.kv_pages = need
+  validate(config)

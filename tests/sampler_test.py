@@ -374,3 +374,49 @@ def test_bfloat16_params_decode_over_a_cache_of_either_dtype(params, kv_dtype):
   assert [len(o) for o in outs16] == [12] * 4
   first_tokens_equal = np.mean([a[0] == b[0] for a, b in zip(outs16, outs32)])
   assert first_tokens_equal >= 0.75
+
+
+@pytest.mark.parametrize("mode", ["kv", "recompute"])
+def test_an_exhausted_pool_preempts_and_loses_nothing(params, mode):
+  # 4 slots of 64 positions, pages of 8; the pool holds 10 pages (80 positions), so
+  # four samples growing to 60 tokens cannot all stay: the youngest are preempted,
+  # continued later, and every response equals the one decoded with a full pool.
+  prompts = [p.tolist() for p in _prompts(7, [5, 9, 3, 12, 7, 4])]
+  kw = dict(max_new_tokens=48, num_slots=4, max_len=64, temperature=0.7, seed=3)
+  full = sampler.generate(CFG, params, prompts, page_size=8, return_records=True, **kw)
+  tight = sampler.generate(
+      CFG, params, prompts, page_size=8, num_pages=10, return_records=True, **kw
+  )
+  assert [r.response.tolist() for r in tight] == [r.response.tolist() for r in full]
+  np.testing.assert_allclose(
+      np.concatenate([r.logprobs for r in tight]),
+      np.concatenate([r.logprobs for r in full]),
+      rtol=1e-5,
+      atol=1e-5,
+  )
+  assert all(len(r.response) == 48 or r.finish_reason == "stop" for r in tight)
+
+
+def test_an_exhausted_pool_counts_preemptions_and_frees_every_page(params):
+  config = EngineConfig(num_slots=4, max_len=64, sync_every=8, page_size=8, num_pages=10)
+  engine = SlotEngine(CFG, params, config)
+  records = _records(_prompts(8, [6, 6, 6, 6]), max_new_tokens=50, temperature=0.0)
+  out = {}
+  queue = list(records)
+  while queue or engine.num_live:
+    while queue and engine.room_for([queue[0]]):
+      r = queue.pop(0)
+      engine.add(r) if r.started else engine.add_group([r])
+    for r in engine.step(refill=bool(queue)):
+      out[r.meta["index"]] = r
+    queue[:0] = engine.take_preempted()
+  assert engine.preemptions > 0
+  assert sorted(out) == [0, 1, 2, 3] and all(len(r.response) == 50 for r in out.values())
+  assert engine.book.used() == 0 and engine.book.free() == 10  # every usable page
+
+
+def test_a_pool_that_cannot_hold_one_sequence_is_refused_by_name():
+  with pytest.raises(ValueError, match="num_pages=7 cannot hold one sequence of max_len=64"):
+    EngineConfig(num_slots=4, max_len=64, page_size=8, num_pages=7)
+  with pytest.raises(ValueError, match="page_size must be a power of two"):
+    EngineConfig(num_slots=4, max_len=64, page_size=12)
