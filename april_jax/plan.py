@@ -227,8 +227,8 @@ def check_fits(plan: Plan) -> None:
   if not plan.fits:
     raise MemoryError(
         f"the config needs {plan.device_total / GB:.1f} GB per device but a device holds "
-        f"{plan.device_capacity / GB:.1f} GB:\n{plan.table()}\nLower rollout.num_slots or "
-        "max_response_len, enable model.remat, add microbatches, or shard over more devices."
+        f"{plan.device_capacity / GB:.1f} GB:\n{plan.table()}\nLower rollout.kv_pages (the KV pool), "
+        "rollout.max_response_len, enable model.remat, add microbatches, or shard over more devices."
     )
 
 

@@ -24,7 +24,12 @@ def get_config(arg=None):
   c.rollout.batch_size = 16
   c.rollout.n_samples_per_prompt = 8
   c.rollout.over_sampling_batch_size = 32
-  c.rollout.num_slots = 64
+  # 640 pages of 256 positions: the KV of 64 sequences at max_len (2,560), shared by
+  # 256 slots (18.8 GB at the 0.6B shape, 24.2 GB at the 4B one).
+  c.rollout.num_slots = 256
+  c.rollout.page_size = 256
+  c.rollout.kv_pages = 640
+  c.rollout.decode_block = 32768
   c.rollout.sync_every = 64
   c.rollout.max_response_len = 2048
   # The learner at these shapes fits one GPU too (python -m april_jax.plan --compile).

@@ -30,12 +30,17 @@ def get_config(arg=None):
   )
   c.model.init.update(QWEN3_SHAPES["qwen3_4b"])
   if variant == "gpu":
-    # One H200: float32 masters and AdamW (48 GB), the decode copy (8 GB), 6 slots of
-    # 17,408 tokens (15 GB of KV) and one row's gradients (63 GB with its temporaries)
-    # fit 141 GB (python -m april_jax.plan --config=configs/qwen3_4b.py --compile
+    # One H200: float32 masters and AdamW (48 GB), the decode copy (8 GB), a KV pool of
+    # 408 pages of 256 positions (15 GB: 6 sequences at max_len, about 34 at a mean of
+    # 3.1k) shared by 24 slots, and one row's gradients (63 GB with its temporaries) fit
+    # 141 GB (python -m april_jax.plan --config=configs/qwen3_4b.py --compile
     # --devices=1 --device_memory_gb=141).
-    c.rollout.num_slots = 6
+    c.rollout.num_slots = 24
+    c.rollout.kv_pages = 408
     c.train.num_microbatches = 256
   else:
-    c.rollout.num_slots = 128  # a smaller model than 8B leaves room for more KV
+    # A smaller model than 8B leaves room for more KV: 8,704 pages per device (41 GB: 128
+    # sequences at max_len), 512 slots.
+    c.rollout.num_slots = 512
+    c.rollout.kv_pages = 8704
   return c

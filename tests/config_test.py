@@ -260,7 +260,8 @@ def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
   base = load("qwen3_8b", "baseline")
   assert not base.rollout.partial_rollout and base.rollout.over_sampling_batch_size == 32
   node = load("qwen3_4b", "node+baseline")
-  assert node.rollout.num_slots == 128 and not node.rollout.partial_rollout
+  assert (node.rollout.num_slots, node.rollout.kv_pages) == (512, 8704)
+  assert not node.rollout.partial_rollout
   assert node.rollout.temperature == 0.8 and node.model.init.hidden_size == 2560
   with pytest.raises(ValueError, match="variant 'tls': one of"):
     load("qwen3_8b", "tis+tls")

@@ -60,19 +60,20 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   assert masters == (cfg.num_params() - norms) * 4 / 8 + norms * 4
   assert p.resident["optimizer state (float32)"] == 2 * masters
   assert p.resident["decode params"] == (cfg.num_params() - norms) * 2 / 8 + norms * 2
-  # KV: 64 slots on every device (one data replica), 8 KV heads over 8 devices, 1024 +
-  # 16384 tokens, 2 x 36 layers x 128 x 2 B; plus int32/float32 rows.
-  # The pool: 64 slots x 1,088 pages of 16 positions, + 1 scratch page; the page table.
+  # KV: one pool on every device (one data replica), 8 KV heads over 8 devices: 4,352
+  # pages of 256 positions + 1 scratch page, 2 x 36 layers x 128 x 2 B; plus the rows of
+  # 256 slots of 1024 + 16384 tokens (int32/float32) and their page tables (68 pages).
   assert p.resident["slot state (KV cache)"] == (
-      2 * 36 * (64 * 1088 + 1) * 1 * 16 * 128 * 2 + 64 * 17408 * 12 + 64 * 1088 * 4
+      2 * 36 * (4352 + 1) * 1 * 256 * 128 * 2 + 256 * 17408 * 12 + 256 * 68 * 4
   )
-  assert p.host_buffer_bytes == 64 * 17408 * 147456
+  # The host buffer holds at most what the pool held: 4,352 x 256 positions of KV.
+  assert p.host_buffer_bytes == 4352 * 256 * 147456
   assert p.fits
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
   config = _config("qwen3_8b")
-  config.rollout.num_slots = 4096
+  config.rollout.kv_pages = 8 * 4352  # 165 GB of KV per device
   too_big = plan.make_plan(config, hf_io.model_config(config), 8, 80e9)
   assert not too_big.fits
   with pytest.raises(MemoryError, match="needs .* GB per device but a device holds 80.0 GB"):
