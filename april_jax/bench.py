@@ -7,6 +7,7 @@ stdout line, one JSON object with every number.
   scheduler  APRIL vs the synchronous baseline on long-tailed response lengths
   resume     continuing partial samples: KV kept vs recomputed (per step, per token, bytes)
   e2e        the RL loop on the built-in task, APRIL vs baseline, over seeds
+  roofline   bytes one decode step reads at a config's shapes: paged vs live bound vs dense
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
 """
@@ -18,11 +19,18 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from april_jax.benchmarks import (common, e2e_bench, resume_bench, sampler_bench, scheduler_bench)
+from april_jax.benchmarks import (
+    common,
+    e2e_bench,
+    resume_bench,
+    roofline,
+    sampler_bench,
+    scheduler_bench,
+)
 from april_jax.benchmarks.report import Report
 
 _MODE = flags.DEFINE_enum(
-    "mode", "sampler", ["sampler", "scheduler", "resume", "e2e"], "What to measure."
+    "mode", "sampler", ["sampler", "scheduler", "resume", "e2e", "roofline"], "What to measure."
 )
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "e2e: seeds (one pair of runs each).")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -89,11 +97,13 @@ def main(argv):
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
     config = _CONFIG.value
-    if _RESPONSE_LEN.value and _MODE.value != "e2e":
+    if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline"):
       with config.unlocked():
         config.rollout.max_response_len = _RESPONSE_LEN.value
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
-    if _MODE.value == "e2e":
+    if _MODE.value == "roofline":
+      result = roofline.run(config, shape=_DIST.value)
+    elif _MODE.value == "e2e":
       result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
     elif _MODE.value == "resume":
       result = resume_bench.run(config, ratio=_RATIO.value, **common_args)

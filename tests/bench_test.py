@@ -149,3 +149,17 @@ def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
   )
   assert out["tail_prompt_lens"] == "3 x 8 + 1 x 104" and out["uniform_prompt_lens"] == "4 x 32"
   assert out["tail_over_uniform"] == out["tail_step_ms"] / out["uniform_step_ms"]
+
+
+def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
+  from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
+
+  root = Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("qwen3_8b", root / "configs" / "qwen3_8b.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  out = roofline.run(module.get_config(), devices=8, shape="dapo_math", trials=3)
+  assert 1.0 < out["paged_over_bound"] <= 1.1
+  assert out["dense_slots"] == 4352 * 256 // 17408 == 64
+  assert out["dense_per_live_token_over_paged"] > 3  # every slot read up to the longest
+  assert out["sequences_per_gb_kv_paged"] == pytest.approx(4 * out["sequences_per_gb_kv_dense"])
