@@ -153,21 +153,31 @@ def _paged_attend(layout: _CacheLayout, state: SlotState, plan, chunk_pages: int
   )
 
 
-def _page_plan(layout: _CacheLayout, state: SlotState, past_S, live_S, chunk_pages: int):
-  """Per device: its pages' owners and first positions, and its live pages first
-  (paged_attention.page_owners, live_pages). Each output is split over the slot axes."""
+def _page_owners(layout: _CacheLayout, state: SlotState):
+  """Per device: its pages' owner slots and first positions (paged_attention.page_owners;
+  the table does not change within a decode call). Split over the slot axes."""
 
-  def local(table, past, live, k):
-    owner, start = paged_attention.page_owners(table, k.shape[1], k.shape[3])
+  def local(table, k):
+    return paged_attention.page_owners(table, k.shape[1], k.shape[3])
+
+  P = PartitionSpec
+  s = layout.slot_axes
+  fn = layout.local(local, (P(s, None), P(None, s, layout.head_axes, None, None)), (P(s),) * 2)
+  return fn(state.page_table, state.kv.k)
+
+
+def _page_plan(layout: _CacheLayout, owners, past_S, live_S, chunk_pages: int):
+  """Per device: owners and first positions, and its live pages first with their count
+  (paged_attention.live_pages). Each output is split over the slot axes."""
+
+  def local(owner, start, past, live):
     pages, num_live = paged_attention.live_pages(owner, start, past, live, chunk_pages)
     return owner, start, pages, num_live[None]
 
   P = PartitionSpec
   s = layout.slot_axes
-  fn = layout.local(
-      local, (P(s, None), P(s), P(s), P(None, s, layout.head_axes, None, None)), (P(s),) * 4
-  )
-  return fn(state.page_table, past_S, live_S, state.kv.k)
+  fn = layout.local(local, (P(s),) * 4, (P(s),) * 4)
+  return fn(*owners, past_S, live_S)
 
 
 def _write_positions(
@@ -241,6 +251,7 @@ def decode(
   """
   S, M = state.tokens.shape
   rows = jnp.arange(S)
+  owners = _page_owners(layout, state)
 
   def step(carry):
     state, i, kept, finished_n = carry
@@ -248,7 +259,7 @@ def decode(
     pos = jnp.maximum(state.length - 1, 0)
     last = state.tokens[rows, pos]
     past = jnp.where(live, pos, 0)
-    plan = _page_plan(layout, state, past, live, chunk_pages)
+    plan = _page_plan(layout, owners, past, live, chunk_pages)
     attend = _paged_attend(layout, state, plan, chunk_pages)
     write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
     logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
