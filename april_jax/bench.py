@@ -64,6 +64,9 @@ _HBM = flags.DEFINE_float(
 _TAIL_MODEL = flags.DEFINE_string(
     "tail_model", "wide", "sampler: model of the long-tail vs uniform decode step ('' = skip)."
 )
+_COPY = flags.DEFINE_bool(
+    "copy_bandwidth", True, "sampler: measure the copy bandwidth, report each step's share."
+)
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
@@ -92,6 +95,7 @@ def main(argv):
         dtype=_DTYPE.value,
         hbm_gbps=_HBM.value or common.hbm_gbps(),
         tail_model=_TAIL_MODEL.value or None,
+        copy_gbps=common.copy_gbps() if _COPY.value else 0.0,
     )
   else:
     if _CONFIG.value is None:

@@ -2,12 +2,13 @@
 # Every benchmark mode on one NVIDIA GPU at real Qwen3 shapes (random weights), sized to
 # finish within about 8 minutes on an H100/H200; prints a short table at the end: decode
 # tokens/s against the memory-bandwidth bound for the Qwen3-0.6B and 4B shapes (and
-# against a plain static-batch JAX sampler), then APRIL vs the baseline and kv vs
+# against a plain static-batch JAX sampler; bytes per step over step time as a fraction of
+# the copy bandwidth measured in the same run), then APRIL vs the baseline and kv vs
 # recompute resume at the MODEL shape.
 #
 #   bash launch/bench_gpu.sh                     # scheduler and resume at Qwen3-0.6B
 #   MODEL=qwen3_4b bash launch/bench_gpu.sh      # ... at Qwen3-4B
-#   SAMPLER_MODELS=tiny CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 \
+#   SAMPLER_MODELS=tiny TAIL_MODEL=tiny CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 \
 #       bash launch/bench_gpu.sh                 # a one-minute smoke run on a CPU
 #
 # Install first: bash launch/install_gpu.sh cuda (or, offline, the machine's own jax with
@@ -35,7 +36,7 @@ run() {  # mode name, then flags; keeps the JSON line
 }
 
 run sampler --mode=sampler --models="$SAMPLER_MODELS" --hf=false --dtype=bfloat16 \
-    --batch=64 --prompt_len=256 --new_tokens=512 --repeats=2
+    --batch=64 --prompt_len=256 --new_tokens=512 --repeats=2 --tail_model="${TAIL_MODEL:-qwen3_0_6b}"
 run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
     --max_response_len="$MAX_RESPONSE_LEN"
 run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
@@ -51,9 +52,17 @@ for m in sampler_models:
   print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
         f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f}); decode step "
         f"{s[m + '_decode_step_ms']:.2f} ms vs {s[m + '_static_decode_step_ms']:.2f} ms static")
+  if m + "_copy_bandwidth_frac" in s:
+    print(f"  bytes per decode step {s[m + '_step_bytes'] / 1e9:.3f} GB: "
+          f"{s[m + '_copy_bandwidth_frac']:.0%} of the copy bandwidth measured in this run "
+          f"({s[m + '_copy_gbps']:,.0f} GB/s)")
   if m + "_bandwidth_bound_tokens_per_s" in s:
     print(f"  bandwidth bound tokens/s   {s[m + '_bandwidth_bound_tokens_per_s']:>12,.0f}"
           f"  ({s[m + '_bandwidth_utilisation']:.0%} of it)")
+tm = next((k[: -len("_tail_over_uniform")] for k in s if k.endswith("_tail_over_uniform")), None)
+if tm:
+  print(f"{tm}: decode step, long-tailed mix {s[tm + '_tail_step_ms']:.2f} ms vs uniform "
+        f"{s[tm + '_uniform_step_ms']:.2f} ms ({s[tm + '_tail_over_uniform']:.2f}x)")
 print(model)
 print(f"  APRIL vs baseline          {sch['speedup']:>11.2f}x  (occupancy "
       f"{sch['april_slot_occupancy']:.2f} vs {sch['baseline_slot_occupancy']:.2f})")

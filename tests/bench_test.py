@@ -93,8 +93,14 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
       sync_every=8,
       hf=False,
       hbm_gbps=100.0,
+      copy_gbps=10.0,
   )
   assert out["tiny_april_jax_tokens_per_s"] > 0
+  step_bytes = out["tiny_model_params"] * 4 + 2 * 2 * 4 * (8 + 8) * 2 * 32 * 4
+  assert out["tiny_step_bytes"] == step_bytes
+  assert out["tiny_copy_bandwidth_frac"] == pytest.approx(
+      step_bytes / (out["tiny_decode_step_ms"] / 1e3) / 10e9
+  )
   assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
   assert out["tiny_decode_step_ms"] > 0 and out["tiny_static_decode_step_ms"] > 0
   assert out["tiny_static_outputs_equal_frac"] == 1.0  # same greedy tokens as the yardstick

@@ -36,6 +36,24 @@ def hbm_gbps() -> float:
   return next((v for k, v in HBM_GBPS.items() if k in kind), 0.0)
 
 
+def copy_gbps(nbytes: int | None = None, repeats: int = 5) -> float:
+  """The device's copy bandwidth, measured: GB/s read + written by a jitted x + 1 over
+  `nbytes` (default 1 GiB on an accelerator, 64 MiB on a CPU), best of `repeats`."""
+  import time  # pylint: disable=g-import-not-at-top
+
+  if nbytes is None:
+    nbytes = (1 << 26) if jax.devices()[0].platform == "cpu" else (1 << 30)
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  bump = jax.jit(lambda a: a + 1)
+  jax.block_until_ready(bump(x))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(bump(x))
+    best = min(best, time.perf_counter() - start)
+  return 2 * nbytes / best / 1e9
+
+
 def bench_model(config, seed: int):
   """The config's model shape and random params as the run's sampler holds them: in the
   compute dtype (`model.dtype`), with the config's attention settings."""

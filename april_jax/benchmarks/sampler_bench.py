@@ -227,6 +227,7 @@ def run_one(
     hf: bool = True,
     dtype: str = "float32",
     hbm_gbps: float = 0.0,
+    copy_gbps: float = 0.0,
 ) -> dict:
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
   prompts = random_prompts(cfg.vocab_size, batch, prompt_len, seed)
@@ -263,6 +264,18 @@ def run_one(
         bandwidth_bound_tokens_per_s=bound,
         bandwidth_utilisation=out["april_jax_tokens_per_s"] / bound,
     )
+  if copy_gbps > 0:
+    # Bytes one steady-state step reads (the weights once, each slot's live KV at the
+    # mean length) over its time, against the copy bandwidth measured in this run.
+    nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    mean_len = prompt_len + new_tokens / 2
+    kv = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_nbytes
+    step_bytes = cfg.num_params() * nbytes + kv
+    out.update(
+        step_bytes=step_bytes,
+        copy_gbps=copy_gbps,
+        copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
+    )
   resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
   for k in ("us_per_token", "host_bytes"):
     out.update({f"resume_{mode}_{k}": resume[mode][k] for mode in ("kv", "recompute")})
@@ -298,6 +311,13 @@ def _print_row(name: str, r: dict) -> None:
       f"{r['resume_recompute_us_per_token']:>17.2f}",
       flush=True,
   )
+  if "copy_bandwidth_frac" in r:
+    print(
+        f"{'':>6} decode step reads {r['step_bytes'] / 1e9:.3f} GB: "
+        f"{r['copy_bandwidth_frac']:.0%} of the measured copy bandwidth "
+        f"({r['copy_gbps']:,.0f} GB/s)",
+        flush=True,
+    )
   if "bandwidth_bound_tokens_per_s" in r:
     print(
         f"{'':>6} memory-bandwidth bound {r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s"
@@ -338,7 +358,10 @@ def run(
     dtype: str = "float32",
     hbm_gbps: float = 0.0,
     tail_model: str | None = None,
+    copy_gbps: float = 0.0,
 ) -> dict:
+  """The decode table; copy_gbps > 0 also gives each model's bytes per decode step over
+  its time as a fraction of that (measured) copy bandwidth."""
   result = {
       "mode": "sampler",
       "batch": batch,
@@ -364,6 +387,7 @@ def run(
         hf=hf,
         dtype=dtype,
         hbm_gbps=hbm_gbps,
+        copy_gbps=copy_gbps,
     )
     r.setdefault("transformers_tokens_per_s", float("nan"))
     r.setdefault("speedup_vs_transformers", float("nan"))
