@@ -64,15 +64,13 @@ def _case(past, page, num_pages, chunk_pages, seed, live=None, L=2, layer=1):
   )
 
   @jax.jit
-  def run(q, k_new, v_new, pool_k, pool_v, table, past, live):
-    owner, start = pa.page_owners(table, num_pages, page)
-    ids, num_live = pa.live_pages(owner, start, past, live, chunk_pages)
+  def run(q, k_new, v_new, pool_k, pool_v, table, past):
     out = pa.paged_decode_attention(
-        q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, ids, num_live, chunk_pages
+        q, k_new, v_new, pool_k, pool_v, layer, past, table, chunk_pages
     )
-    return out, num_live
+    return out, jnp.sum(pa.pages_read(past, page))
 
-  got, num_live = run(q, k_new, v_new, pool_k, pool_v, table, past_eff, live)
+  got, num_live = run(q, k_new, v_new, pool_k, pool_v, table, past_eff)
   return np.asarray(got), want, int(num_live), table
 
 
@@ -95,17 +93,37 @@ def test_paged_attention_with_a_full_pool_and_done_slots():
   assert num_live == 3 + 3 + 1  # the done slot's pages are not read
 
 
-def test_live_pages_lists_exactly_the_pages_below_each_slots_length():
+def test_chunk_pairs_number_each_slots_pages_in_slot_then_position_order():
   page = 4
-  # Slot 0 holds 3 pages but has written 5 positions: its third page is not read yet.
-  table = np.array([[5, 2, 7, -1], [0, -1, -1, -1], [-1, -1, -1, -1]], np.int32)
-  owner, start = pa.page_owners(jnp.asarray(table), 9, page)
-  np.testing.assert_array_equal(owner, [1, -1, 0, -1, -1, 0, -1, 0, -1])
-  np.testing.assert_array_equal(np.asarray(start)[[5, 2, 7, 0]], [0, 4, 8, 0])
-  past, live = jnp.array([5, 2, 0]), jnp.array([True, True, False])
-  ids, n = pa.live_pages(owner, start, past, live, chunk_pages=4)
-  assert int(n) == 3 and sorted(np.asarray(ids[:3]).tolist()) == [0, 2, 5]
-  assert ids.shape == (12,)  # padded to a whole number of chunks
+  past = jnp.array([5, 0, 2, 9])  # 2, 0, 1 and 3 pages
+  n = pa.pages_read(past, page)
+  np.testing.assert_array_equal(n, [2, 0, 1, 3])
+  ends = jnp.cumsum(n)
+  slot, j = pa.chunk_pairs(jnp.int32(0), 8, ends)
+  np.testing.assert_array_equal(slot, [0, 0, 2, 3, 3, 3, 4, 4])  # 4 = S: past the end
+  np.testing.assert_array_equal(j[:6], [0, 1, 0, 0, 1, 2])
+  slot, j = pa.chunk_pairs(jnp.int32(3), 3, ends)  # a chunk that starts inside slot 3
+  np.testing.assert_array_equal(slot, [3, 3, 3])
+  np.testing.assert_array_equal(j, [0, 1, 2])
+
+
+def test_pages_past_a_slots_length_are_never_read():
+  # Slot 0 holds 3 pages but has written 5 positions; the pool's other pages hold NaN.
+  # A read of any page but the two it needs would turn its output into NaN.
+  page, L, K, G, H = 4, 1, 1, 2, 4
+  pool_k = np.full((L, 9, K, page, H), np.nan, np.float32)
+  pool_v = pool_k.copy()
+  rng = np.random.default_rng(0)
+  for p in (5, 2):
+    pool_k[0, p], pool_v[0, p] = rng.normal(size=(2, K, page, H))
+  table = jnp.array([[5, 2, 7, -1], [0, -1, -1, -1]], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(2, K, G, H)), jnp.float32)
+  kv_new = jnp.asarray(rng.normal(size=(2, K, H)), jnp.float32)
+  out = pa.paged_decode_attention(
+      q, kv_new, kv_new, jnp.asarray(pool_k), jnp.asarray(pool_v), 0, jnp.array([5, 0]), table, 2
+  )
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(out[1], np.broadcast_to(kv_new[1][:, None], (K, G, H)), rtol=1e-6)
 
 
 def test_write_pages_puts_each_live_slots_token_at_its_page_and_offset():

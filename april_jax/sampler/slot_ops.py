@@ -118,25 +118,13 @@ def _write_kv(
   return qwen3.KVCache(*fn(state.kv.k, state.kv.v, kv.k, kv.v, state.page_table, slots_W))
 
 
-def _paged_attend(layout: _CacheLayout, state: SlotState, plan, chunk_pages: int):
+def _paged_attend(layout: _CacheLayout, state: SlotState, chunk_pages: int):
   """decode_step's `attend`: ragged attention over the pool, per device on its own slots,
   pages and heads (paged_attention.py)."""
 
-  def local(q, k_new, v_new, pool_k, pool_v, layer, past, owner, start, pages, num_live):
+  def local(q, k_new, v_new, pool_k, pool_v, layer, past, table):
     return paged_attention.paged_decode_attention(
-        q,
-        k_new,
-        v_new,
-        pool_k,
-        pool_v,
-        layer,
-        past,
-        owner,
-        start,
-        pages,
-        num_live[0],
-        chunk_pages,
-        qwen3.kv_view,
+        q, k_new, v_new, pool_k, pool_v, layer, past, table, chunk_pages, qwen3.kv_view
     )
 
   P = PartitionSpec
@@ -145,39 +133,12 @@ def _paged_attend(layout: _CacheLayout, state: SlotState, plan, chunk_pages: int
   fn = layout.local(
       local,
       (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
-      + (P(s),) * 4,
+      + (P(s, None),),
       P(s, h, None, None),
   )
   return lambda q, k_new, v_new, layer, past: fn(
-      q, k_new, v_new, state.kv.k, state.kv.v, layer, past, *plan
+      q, k_new, v_new, state.kv.k, state.kv.v, layer, past, state.page_table
   )
-
-
-def _page_owners(layout: _CacheLayout, state: SlotState):
-  """Per device: its pages' owner slots and first positions (paged_attention.page_owners;
-  the table does not change within a decode call). Split over the slot axes."""
-
-  def local(table, k):
-    return paged_attention.page_owners(table, k.shape[1], k.shape[3])
-
-  P = PartitionSpec
-  s = layout.slot_axes
-  fn = layout.local(local, (P(s, None), P(None, s, layout.head_axes, None, None)), (P(s),) * 2)
-  return fn(state.page_table, state.kv.k)
-
-
-def _page_plan(layout: _CacheLayout, owners, past_S, live_S, chunk_pages: int):
-  """Per device: owners and first positions, and its live pages first with their count
-  (paged_attention.live_pages). Each output is split over the slot axes."""
-
-  def local(owner, start, past, live):
-    pages, num_live = paged_attention.live_pages(owner, start, past, live, chunk_pages)
-    return owner, start, pages, num_live[None]
-
-  P = PartitionSpec
-  s = layout.slot_axes
-  fn = layout.local(local, (P(s),) * 4, (P(s),) * 4)
-  return fn(*owners, past_S, live_S)
 
 
 def _write_positions(
@@ -251,7 +212,6 @@ def decode(
   """
   S, M = state.tokens.shape
   rows = jnp.arange(S)
-  owners = _page_owners(layout, state)
 
   def step(carry):
     state, i, kept, finished_n = carry
@@ -259,8 +219,7 @@ def decode(
     pos = jnp.maximum(state.length - 1, 0)
     last = state.tokens[rows, pos]
     past = jnp.where(live, pos, 0)
-    plan = _page_plan(layout, owners, past, live, chunk_pages)
-    attend = _paged_attend(layout, state, plan, chunk_pages)
+    attend = _paged_attend(layout, state, chunk_pages)
     write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
     logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
     keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
