@@ -11,7 +11,8 @@ A checkpoint that cannot be read (a truncated file, bad metadata) is moved to
 
 Resume order (main.py): build model, learner and engine as for a fresh run, then, if a
 checkpoint exists, replace params/optimizer state, the buffer, the data position and
-the counters with the saved ones, and continue at step + 1.
+the counters with the saved ones, and continue. Checkpoint k holds the state after k
+updates (steps count from 1, as the console, metrics.jsonl and export --step do).
 """
 
 from __future__ import annotations
@@ -24,6 +25,52 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from april_jax.errors import InputError
+
+# What a write that failed for space says, in an OSError or in Orbax's wrapped errors.
+NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
+NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")
+
+
+class DiskFull(InputError):
+  """A write of the run's files found no room; the message names the path and the room."""
+
+
+def is_no_space(error: BaseException) -> bool:
+  """True if `error`, or an error it was raised from, is a write that found no room."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+      return True
+    if any(text in str(error) for text in NO_SPACE_TEXTS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def remove_unfinished(workdir: str) -> None:
+  """Deletes the folders of saves that never committed (after a failed write): they are
+  never read, and they hold the room the next attempt needs."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if os.path.isdir(directory):
+    for name in os.listdir(directory):
+      if ".orbax-checkpoint-tmp" in name:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _folder_bytes(path: str) -> int:
+  total = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
+
+
+def _megabytes(n: float) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
 
 def _pack_buffer(buffer_state: dict[str, np.ndarray]):
   """Orbax refuses zero-size arrays: keep those as shapes in the JSON only."""
@@ -33,12 +80,17 @@ def _pack_buffer(buffer_state: dict[str, np.ndarray]):
 
 
 class Checkpointer:
+  """A run's checkpoints. `read_only` (export, inspection) creates nothing on disk and
+  refuses a workdir without checkpoints/ with FileNotFoundError."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3):
+  def __init__(self, workdir: str, max_to_keep: int = 3, read_only: bool = False):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    if read_only and not os.path.isdir(self.directory):
+      raise FileNotFoundError(f"no checkpoints/ folder in {os.path.abspath(workdir)}")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=not read_only, read_only=read_only
     )
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -62,6 +114,33 @@ class Checkpointer:
       shutil.move(os.path.join(self.directory, str(step)), target)
     self.manager.reload()
     return target
+
+  def room_problem(self, step: int, state: Any, buffer_state: dict[str, np.ndarray]) -> str | None:
+    """What is wrong, in a line, if the disk cannot hold checkpoint `step` (else None):
+    it needs about the size of the newest checkpoint (the arrays' own bytes for the first), with
+    a tenth to spare. The older checkpoints are removed only once the new one commits,
+    so the room must be there beside them."""
+    latest = self.latest_step()
+    if latest is not None:
+      need = _folder_bytes(os.path.join(self.directory, str(latest)))
+    else:
+      leaves = jax.tree.leaves(state) + list(buffer_state.values())
+      need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+    need = int(need * 1.1) + (1 << 20)
+    self.manager.wait_until_finished()  # an earlier save still writing takes its room first
+    free = shutil.disk_usage(self.directory).free
+    if free < need:
+      where = (
+          f"checkpoint {latest} is the newest intact one"
+          if latest is not None
+          else ("no checkpoint was saved yet")
+      )
+      return (
+          f"no room for checkpoint {step} in {self.directory}: it needs about "
+          f"{_megabytes(need)}, {_megabytes(free)} is left ({where}); free some space and "
+          "rerun the same command to resume"
+      )
+    return None
 
   def save(
       self, step: int, state: Any, buffer_state: dict[str, np.ndarray], host: dict[str, Any]

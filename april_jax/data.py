@@ -65,7 +65,7 @@ def _read_jsonl(path: Path, skipped: collections.Counter) -> list[Any]:
   with path.open("rb") as f:
     for line_number, raw in enumerate(f, 1):
       try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a BOM is no row
       except UnicodeDecodeError as e:
         _skip(skipped, "bad_utf8", f"{path} line {line_number}: not UTF-8 ({e})")
         continue
@@ -88,7 +88,7 @@ def _skip(skipped: collections.Counter, reason: str, message: str) -> None:
 def _read_json(path: Path) -> list[Any]:
   """Rows of a file holding one JSON list."""
   try:
-    rows = json.loads(path.read_text(encoding="utf-8"))
+    rows = json.loads(path.read_text(encoding="utf-8-sig"))
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise DataError(f"{path} is not valid JSON: {e}") from None
   if not isinstance(rows, list):
@@ -291,6 +291,22 @@ class PromptIterator:
     )
     return np.asarray(ids, np.int32)
 
+  def check_one_fits(self, where: str) -> None:
+    """Raises DataError now, at load time, if no record's prompt fits max_prompt_len
+    (naming the shortest). Prompts are tokenized in file order until one fits: one, in
+    the usual case."""
+    shortest = None
+    for record in self.records:
+      length = len(self.tokens(record))
+      if length <= self.max_prompt_len:
+        return
+      shortest = length if shortest is None else min(shortest, length)
+    raise DataError(
+        f"no prompt of the {len(self.records)} records in {where} fits "
+        f"data.max_prompt_len={self.max_prompt_len}: the shortest is {shortest} tokens "
+        "(chat template included); raise data.max_prompt_len to at least that"
+    )
+
   def _skip_too_long(self, record: dict, length: int) -> None:
     self.skipped_too_long += 1
     if record["id"] not in self._logged_too_long:
@@ -403,7 +419,7 @@ def make_prompt_source(
       sum(skipped.values()),
       f" ({_describe(skipped)})" if skipped else "",
   )
-  return PromptIterator(
+  source = PromptIterator(
       records,
       tokenizer,
       c.get("max_prompt_len", 512),
@@ -412,3 +428,5 @@ def make_prompt_source(
       system_prompt=c.get("system_prompt", ""),
       enable_thinking=c.get("enable_thinking", False),
   )
+  source.check_one_fits(c["source"])
+  return source

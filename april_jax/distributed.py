@@ -32,7 +32,12 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from april_jax.rendezvous import PeersMissing, wait_for_peers
+
 PEER_FAILURE_EXIT = 4
+PEERS_MISSING_EXIT = 5  # not every process joined within initialization_timeout_s
+
+__all__ = ["PeersMissing"]  # raised by initialize
 
 
 def parse_device_ids(text: str) -> list[int] | None:
@@ -53,8 +58,14 @@ def initialize(c) -> None:
       local_device_ids=parse_device_ids(c.local_device_ids),
   )
   if c.auto:
+    found = _cluster_params(options["local_device_ids"], options["initialization_timeout"])
+    if found is not None:
+      wait_for_peers(*found, c.initialization_timeout_s)
     jax.distributed.initialize(**options)
   elif c.coordinator_address:
+    wait_for_peers(
+        c.coordinator_address, int(c.num_processes), int(c.process_id), c.initialization_timeout_s
+    )
     jax.distributed.initialize(
         coordinator_address=c.coordinator_address,
         num_processes=int(c.num_processes),
@@ -70,6 +81,23 @@ def initialize(c) -> None:
       jax.local_device_count(),
       jax.device_count(),
   )
+
+
+def _cluster_params(local_device_ids, timeout):
+  """(coordinator address, processes, process id) as JAX finds them in the cluster's
+  environment (SLURM, Open MPI), or None where it cannot say (then JAX's own join,
+  without the plain message, is all there is)."""
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+
+    address, n, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, local_device_ids, None, timeout
+    )
+  except Exception:  # pylint: disable=broad-except  # a private API: any change, no rendezvous
+    return None
+  if address is None or n is None or pid is None:
+    return None
+  return address, int(n), int(pid)
 
 
 def is_primary() -> bool:

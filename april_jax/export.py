@@ -1,22 +1,36 @@
 """Exports a run's policy as a Hugging Face Qwen3 folder that transformers loads.
 
   python -m april_jax.export --workdir=runs/qwen3_8b --out=exports/qwen3_8b \\
-      [--step=N] [--dtype=bfloat16]
+      [--step=N] [--dtype=bfloat16] [--overwrite]
 
-Reads the params alone of checkpoint `step` (default: the latest; the optimizer state is
-not read), and the run's config from the checkpoint itself, so no --config is needed.
-Writes config.json and safetensors (in `dtype`, default float32: the masters as trained)
-and, when the run loaded a pretrained model, copies its tokenizer files beside them.
+Reads the params alone of checkpoint `step` (the state after N updates; default: the
+latest; the optimizer state is not read), and the run's config from the checkpoint
+itself, so no --config is needed. Writes config.json and safetensors (in `dtype`, default
+float32: the masters as trained) and, when the run loaded a pretrained model, copies its
+tokenizer files beside them.
+
+It never destroys a model: `--out` may not be the folder the run loaded its model or
+tokenizer from (nor inside it, nor hold it), with or without --overwrite, and an existing
+non-empty `--out` is replaced only with --overwrite. The export is written into a new
+folder beside `--out` and renamed into place, so a failed export leaves `--out` as it
+was. Checkpoints are opened read-only: nothing is created at a mistyped --workdir.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
+  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+
+  interrupt.install()
+
 import os
 import shutil
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -36,17 +50,95 @@ TOKENIZER_FILES = (
 )
 
 
-def export(workdir: str, out: str, step: int | None = None, dtype: str = "float32") -> int:
-  """Writes checkpoint `step` of `workdir` (latest if None) to `out`; returns the step."""
-  checkpointer = Checkpointer(workdir)
+def _check_out(out: str, config, overwrite: bool) -> str:
+  """`out`, resolved (symlinks too), once it is safe to write; else an InputError."""
+  target = os.path.realpath(out)
+  for field in ("path", "tokenizer_path"):
+    source = config.model.get(field)
+    if not source:
+      continue
+    source = os.path.realpath(source)
+    if os.path.commonpath([target, source]) in (target, source):
+      raise InputError(
+          f"--out={out} is {'' if target == source else 'inside or above '}the folder the "
+          f"run loaded its model from (model.{field}={config.model.get(field)}); export "
+          "never writes there, even with --overwrite: choose a new folder"
+      )
+  if os.path.exists(target) and not os.path.isdir(target):
+    raise InputError(f"--out={out} is a file, not a folder")
+  if os.path.isdir(target) and os.listdir(target) and not overwrite:
+    raise InputError(
+        f"--out={out} is not empty ({len(os.listdir(target))} entries); pass --overwrite to "
+        "replace it, or choose a new folder"
+    )
+  return target
+
+
+def _open_checkpoints(workdir: str) -> Checkpointer:
+  if not os.path.isdir(workdir):
+    raise InputError(f"--workdir={workdir} does not exist")
   try:
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.steps():
-      raise InputError(f"no checkpoint {'' if step is None else step} in {checkpointer.directory}")
+    return Checkpointer(workdir, read_only=True)
+  except FileNotFoundError as e:
+    raise InputError(f"--workdir={workdir} holds no checkpoints ({e})") from e
+
+
+def _pick_step(checkpointer: Checkpointer, step: int | None) -> int:
+  steps = checkpointer.steps()
+  if not steps:
+    raise InputError(f"no checkpoint in {checkpointer.directory}")
+  if step is None:
+    return steps[0]
+  if step not in steps:
+    raise InputError(
+        f"no checkpoint {step} in {checkpointer.directory}; the steps there: "
+        f"{', '.join(map(str, sorted(steps)))}"
+    )
+  return step
+
+
+def _write_folder(target: str, cfg, params, tokenizer_dir: str | None) -> None:
+  """Writes the export into a new folder beside `target`, then renames it into place
+  (a previous `target` is moved aside first and removed last)."""
+  parent = os.path.dirname(target)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.export-", dir=parent)
+  try:
+    hf_io.save_pretrained(staging, cfg, params)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+      if os.path.isfile(os.path.join(tokenizer_dir, name)):
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(staging, name))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; a model folder is shared
+    old = None
+    if os.path.exists(target):
+      old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
+      os.rename(target, os.path.join(old, "out"))
+    os.rename(staging, target)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def export(
+    workdir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False
+) -> int:
+  """Writes checkpoint `step` of `workdir` (latest if None) to `out`; returns the step."""
+  checkpointer = _open_checkpoints(workdir)
+  try:
+    step = _pick_step(checkpointer, step)
     saved = checkpointer.read_host(step).get("config")
     if saved is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
     config = ml_collections.ConfigDict(saved)
+    target = _check_out(out, config, overwrite)
     cfg = hf_io.model_config(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
@@ -57,19 +149,17 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "float3
   finally:
     checkpointer.close()
   params = jax.tree.map(lambda x: x.astype(dtype), params)
-  hf_io.save_pretrained(out, cfg, params)
-  tokenizer_dir = config.model.tokenizer_path or config.model.path
-  for name in TOKENIZER_FILES if tokenizer_dir else ():
-    if os.path.isfile(os.path.join(tokenizer_dir, name)):
-      shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(out, name))
+  _write_folder(target, cfg, params, config.model.tokenizer_path or config.model.path)
   return step
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
+  if not f["verbosity"].present:
+    logging.set_verbosity(logging.ERROR)  # Orbax's notes on a read-only manager are not news
   try:
-    step = export(f.workdir, f.out, None if f.step < 0 else f.step, f.dtype)
+    step = export(f.workdir, f.out, None if f.step < 0 else f.step, f.dtype, f.overwrite)
   except InputError as e:
     print(f"april_jax.export: {e}", file=sys.stderr)
     sys.exit(2)
@@ -80,6 +170,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints/).")
   flags.DEFINE_string("out", None, "The folder to write.")
   flags.DEFINE_integer("step", -1, "Checkpoint step to export (-1: the latest).")
+  flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (never the run's model).")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' dtype.")
   flags.mark_flags_as_required(["workdir", "out"])
   app.run(main)

@@ -10,10 +10,17 @@ SLURM (or coordinator_address, num_processes and process_id); see launch/ and RE
 The config is validated before anything compiles; a wrong one exits with status 2 and a
 message naming every bad field. A config whose memory plan (april_jax/plan.py) does not fit
 the devices exits with status 3 and the numbers, before any weight is allocated. A process
-of a multi-host run that loses a peer exits with status 4. Rerunning with the same workdir
+of a multi-host run that loses a peer exits with status 4; one whose peers do not all
+join within distributed.initialization_timeout_s says how many did and exits with 5. Rerunning with the same workdir
 resumes from its latest checkpoint. SIGTERM saves a checkpoint after the current step and
-exits.
+exits with status 143 (a finished run: 0). Ctrl-C, at any point, exits at once with one
+line and status 130 (interrupt.py); the rerun resumes from the last checkpoint.
 """
+
+if __name__ == "__main__":  # first of all, before jax loads: a Ctrl-C then is answered too
+  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+
+  interrupt.install()
 
 import os
 import sys
@@ -25,6 +32,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from april_jax import checkpoint
 from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import InputError
@@ -33,7 +41,12 @@ from april_jax.trainer import Trainer
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py).", lock_config=True
 )
+STOPPED_EXIT = 143  # 128 + SIGTERM: stopped by SIGTERM, checkpoint saved (finished: 0)
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+_TRACEBACK = flags.DEFINE_bool(
+    "traceback", False, "With an error's one line, also print its traceback (and nothing more)."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -50,7 +63,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     flags.FLAGS.config.keys()  # a config file that failed to load raises on first use
     return rest
   except flags.Error as e:  # an unknown flag, a bad value, a missing required flag
-    _fail(f"{e} (python -m april_jax.main --helpshort lists the flags)")
+    text = str(e)
+    if "Traceback (most recent call last)" in text:  # the config file raised: its last line
+      lines = [l.strip() for l in text.splitlines() if l.strip()]
+      flag = text.split(": Error whilst", 1)[0].removeprefix("flag ")
+      _fail(f"{flag}: the config file failed: {lines[-1]}")
+    _fail(f"{text} (python -m april_jax.main --helpshort lists the flags)")
   except OSError as e:  # the --config file cannot be loaded
     reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
     _fail(f"--config: cannot load the config file: {reason}")
@@ -61,6 +79,25 @@ def _parse_flags(argv: list[str]) -> list[str]:
     )
   except Exception as e:  # pylint: disable=broad-except  # e.g. an error inside the config file
     _fail(f"--config: the config file failed: {type(e).__name__}: {e}")
+
+
+def _no_space(error: BaseException) -> NoReturn:
+  """A write that found no room (past the check before each checkpoint): one line and
+  status 2. The unfinished save is removed (it would never be read and holds room), and
+  the process leaves at once, so the writer threads' own errors print nothing more."""
+  logging.info("the write that found no room", exc_info=error)
+  where = getattr(error, "filename", None)
+  cause = " ".join(str(error).split())[:240]
+  checkpoint.remove_unfinished(_WORKDIR.value)
+  print(
+      f"april_jax: no space left on the device while writing the run's files"
+      f"{f' ({where})' if where else ''}: {cause}; the newest committed checkpoint is "
+      "intact: free some space and rerun the same command to resume",
+      file=sys.stderr,
+      flush=True,
+  )
+  sys.stdout.flush()
+  os._exit(2)  # pylint: disable=protected-access
 
 
 def _use_compilation_cache(config, workdir: str) -> None:
@@ -85,7 +122,11 @@ def main(argv):
     sys.exit(2)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
-  distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
+  try:
+    distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
+  except distributed.PeersMissing as e:
+    print(f"april_jax: {e}", file=sys.stderr, flush=True)
+    sys.exit(distributed.PEERS_MISSING_EXIT)
   _use_compilation_cache(_CONFIG.value, _WORKDIR.value)
   try:
     validate_for_devices(_CONFIG.value, jax.device_count())
@@ -100,11 +141,19 @@ def main(argv):
       print(f"april_jax: {e}", file=sys.stderr)
       sys.exit(3)
     trainer.run()
+    if trainer.stopped:
+      sys.exit(STOPPED_EXIT)
   except InputError as e:  # a file, field, flag or workdir the user can fix: one line
     logging.info("traceback of the error below", exc_info=True)
+    if _TRACEBACK.value:
+      import traceback  # pylint: disable=g-import-not-at-top
+
+      traceback.print_exc()
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)
   except Exception as e:  # pylint: disable=broad-except
+    if checkpoint.is_no_space(e):
+      _no_space(e)
     if not distributed.is_collective_failure(e):
       raise
     import traceback  # pylint: disable=g-import-not-at-top

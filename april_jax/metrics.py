@@ -1,7 +1,8 @@
 """Where a run's numbers go: workdir/metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line.
 
   metrics.jsonl    one JSON object per step: {"step": k, "rollout/...": ..., "train/...": ...};
-                   the evaluation before training, if any, is the line of step -1
+                   step k is the k-th update (from 1, as the console and the checkpoint
+                   folders count); the evaluation before training, if any, is step 0
   rollouts.jsonl   one line per trained group: step, prompt id, rewards, response lengths,
                    the policy versions of each sample's tokens (first and last), finish reasons
   tb/              TensorBoard event files (tensorboardX), the same scalars
@@ -114,10 +115,10 @@ class MetricsWriter:
 
 def progress_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
   line = (
-      f"step {step + 1}/{num_steps}  reward {m.get('rollout/reward_mean', 0):.3f}  "
+      f"step {step}/{num_steps}  reward {m.get('rollout/reward_mean', 0):.3f}  "
       f"tok/s {m.get('rollout/tokens_per_s', 0):,.0f}  "
       f"occupancy {m.get('rollout/slot_occupancy', 0):.2f}  "
-      f"buffer {m.get('rollout/buffer_groups', 0):.0f}  "
+      f"buffer {m.get('rollout/buffer_groups', 0):.0f} groups  "
       f"off-policy {m.get('rollout/off_policy_token_frac', 0):.2f}  "
       f"loss {m.get('train/loss', 0):+.4f}"
   )

@@ -59,6 +59,17 @@ class Plan:
   def fits(self) -> bool:
     return self.device_capacity <= 0 or self.device_total <= self.device_capacity
 
+  def to_json(self) -> dict:
+    """The numbers of `table`, in bytes (the last line `plan` prints, as with --compile)."""
+    return {
+        "resident_bytes": {k: int(v) for k, v in self.resident.items()},
+        "program_bytes": {k: int(v) for k, v in self.programs.items()},
+        "peak_bytes_per_device": int(self.device_total),
+        "host_buffer_bytes": int(self.host_buffer_bytes),
+        "device_capacity_bytes": int(self.device_capacity),
+        "fits": self.fits,
+    }
+
   def table(self) -> str:
     lines = [f"{'resident (GB per device)':<34}"]
     lines += [f"  {name:<32}{value / GB:>10.2f}" for name, value in self.resident.items()]
@@ -269,6 +280,7 @@ def main(argv):
       print("not checked against a device: give --device_memory_gb (and --devices)")
     else:
       print("fits" if plan.fits else "DOES NOT FIT")
+    print(json.dumps(plan.to_json(), sort_keys=True))
     fits = plan.fits
   if not fits:
     raise SystemExit(3)

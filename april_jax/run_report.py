@@ -1,7 +1,9 @@
 """The end of a run: a short summary of metrics.jsonl, and reward and evaluation plotted
 against step in <workdir>/progress.png.
 
-Both read the whole metrics.jsonl, so a resumed run reports its history from step 0.
+Both read the whole metrics.jsonl, so a resumed run reports its history from step 1. Step k
+is the k-th update (its line holds the params after it); step 0, the evaluation before
+training.
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ def summary(lines: list[dict[str, Any]], workdir: str) -> str:
   """A few lines: reward and evaluation first -> last, rollout speed and APRIL's numbers,
   and where the run's files are."""
   evals = [l for l in lines if "eval/pass@1" in l]
-  lines = [l for l in lines if l["step"] >= 0]  # not the evaluation before training
+  lines = [l for l in lines if l["step"] >= 1]  # not the evaluation before training (0)
   if not lines:
     return f"no steps in {workdir}/metrics.jsonl"
   mean = lambda key, part=lines: float(np.mean([l[key] for l in part if key in l] or [0.0]))
   n = min(SMOOTH, len(lines))
   out = [
-      f"run summary: steps {lines[0]['step'] + 1}-{lines[-1]['step'] + 1}",
+      f"run summary: steps {lines[0]['step']}-{lines[-1]['step']}",
       f"  reward           {mean('rollout/reward_mean', lines[:n]):.3f} -> "
       f"{mean('rollout/reward_mean', lines[-n:]):.3f} (mean of the first and last {n} steps)",
   ]
   if evals:
     out.append(
-        f"  eval pass@1      {evals[0]['eval/pass@1']:.3f} (step {evals[0]['step'] + 1}) -> "
-        f"{evals[-1]['eval/pass@1']:.3f} (step {evals[-1]['step'] + 1})"
+        f"  eval pass@1      {evals[0]['eval/pass@1']:.3f} (step {evals[0]['step']}) -> "
+        f"{evals[-1]['eval/pass@1']:.3f} (step {evals[-1]['step']})"
     )
   out += [
       f"  rollout          {mean('rollout/tokens_per_s'):,.0f} tokens/s, slot occupancy "
@@ -63,7 +65,7 @@ def plot(lines: list[dict[str, Any]], workdir: str) -> str:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   trained = [l for l in lines if "rollout/reward_mean" in l]
-  steps = np.array([l["step"] + 1 for l in trained])
+  steps = np.array([l["step"] for l in trained])
   reward = np.array([l["rollout/reward_mean"] for l in trained])
   fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(10, 3.8))
   ax_r.plot(steps, reward, alpha=0.35, label="per step")
@@ -75,7 +77,7 @@ def plot(lines: list[dict[str, Any]], workdir: str) -> str:
   for key in sorted(
       {k for l in lines for k in l if k in ("eval/pass@1",) or k.startswith("eval/avg@")}
   ):
-    points = [(l["step"] + 1, l[key]) for l in lines if key in l]
+    points = [(l["step"], l[key]) for l in lines if key in l]
     ax_e.plot(*zip(*points), marker="o", label=key[len("eval/") :])
   ax_e.set(title="held-out evaluation", xlabel="step", ylim=(0, 1))
   if ax_e.lines:

@@ -91,4 +91,5 @@ def _file_items(c, tokenizer) -> list[PromptItem]:
       system_prompt=c.data.system_prompt,
       enable_thinking=c.data.enable_thinking,
   )
+  source.check_one_fits(c.eval.path)
   return [source() for _ in range(min(c.eval.num_prompts, len(records)))]

@@ -27,7 +27,7 @@ from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import run_report
 from april_jax import sharding
-from april_jax.checkpoint import Checkpointer, abstract_like
+from april_jax.checkpoint import Checkpointer, DiskFull, abstract_like
 from april_jax.configs import resume_check
 from april_jax.errors import InputError
 from april_jax.evaluation import evaluate
@@ -85,10 +85,11 @@ class Trainer:
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
     self._stop_requested = False
+    self.stopped = False  # stopped early by SIGTERM (after saving)
     if resuming:
       self._resume()
     else:  # lines of an earlier attempt that never checkpointed: these steps run again
-      self.writer.truncate_after(-2)  # the evaluation before training (step -1) too
+      self.writer.truncate_after(-1)  # the evaluation before training (step 0) too
 
   # ------------------------------------------------------------------- set-up helpers
   def _load_params(self):
@@ -165,6 +166,11 @@ class Trainer:
 
   def _warm_start(self, params):
     c = self.config
+    if distributed.is_primary():
+      print(
+          f"warm-start: {c.train.sft_steps} supervised steps before RL (compiling first)",
+          flush=True,
+      )
     params, (first, last) = sft.warm_start(
         self.model_cfg,
         params,
@@ -183,13 +189,17 @@ class Trainer:
     return params
 
   def save(self, step: int, metrics: dict[str, float]) -> float:
-    """Checkpoints step (its metrics line so far goes with it); the seconds it took."""
+    """Checkpoints the state after `step` updates (the step's metrics line so far goes
+    with it); the seconds it took."""
     start = time.perf_counter()
     arrays, learner = self.learner.state()
     buffer, scheduler = self.scheduler.state()
+    problem = self.checkpointer.room_problem(step, arrays, buffer)
+    if distributed.any_process(problem is not None):  # all stop alike, or none does
+      raise DiskFull(problem or f"another process found no room for checkpoint {step}")
     host = {
         "step": step,
-        "version": step + 1,
+        "version": step,
         "data": self.source.state(),
         "scheduler": scheduler,
         "learner": learner,
@@ -260,7 +270,7 @@ class Trainer:
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
     self.writer.truncate_after(step, host.get("metrics"))
-    self.next_step = step + 1
+    self.next_step = step  # the loop's index of step step + 1
     if self.primary:
       print(
           f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
@@ -292,10 +302,10 @@ class Trainer:
     )
 
   def _evaluate_before_training(self) -> None:
-    """The warm-started (or loaded) policy's score, as the line of step -1: the params
-    after step s's update are evaluated in step s's line, so these come before step 0."""
+    """The warm-started (or loaded) policy's score, as the line of step 0: step k's line
+    holds the params after k updates."""
     metrics = self.evaluate()
-    self.writer.write(-1, metrics)
+    self.writer.write(0, metrics)
     if self.primary:
       logging.info("evaluation before training: %s", metrics)
       print(f"before training: eval pass@1 {metrics['eval/pass@1']:.3f}", flush=True)
@@ -324,13 +334,19 @@ class Trainer:
     metrics.update(self.learner.update(batch))
     self.engine.params = self.learner.decode_params()  # version + 1
     metrics["time/train_s"] = time.perf_counter() - start
-    self.writer.write_rollouts(step, result.groups)
+    self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
     return metrics
 
   def run(self) -> None:
     c = self.config
     previous = signal.signal(signal.SIGTERM, self._on_sigterm)
     try:
+      if self.primary:
+        print(
+            "compiling the sampler and the learner for every length bucket (once per run; "
+            "the compilation cache keeps them for the next)",
+            flush=True,
+        )
       if self.next_step == 0:
         self.engine.warm_up()
         if c.eval_every and c.eval.before_training:
@@ -340,22 +356,24 @@ class Trainer:
             c.rollout.batch_size * c.rollout.n_samples_per_prompt,
             batch_lib.all_bucket_lens(c.data.max_prompt_len + c.rollout.max_response_len),
         )
-      for step in range(self.next_step, c.num_steps):
+      for index in range(self.next_step, c.num_steps):
+        step = index + 1  # steps count from 1 everywhere a user sees them: step k = k updates
         start = time.perf_counter()
-        metrics = self.train_step(step)
+        metrics = self.train_step(index)
         metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
-        last = step == c.num_steps - 1
+        last = step == c.num_steps
         # Decided once per step, and by every process alike (SIGTERM may reach only one);
         # a stopping run skips evaluation to save within the scheduler's grace period.
         stop = distributed.any_process(self._stop_requested)
-        if not stop and c.eval_every and ((step + 1) % c.eval_every == 0 or last):
+        if not stop and c.eval_every and (step % c.eval_every == 0 or last):
           metrics.update(self.evaluate())
-        if stop or last or (c.checkpoint_every and (step + 1) % c.checkpoint_every == 0):
+        if stop or last or (c.checkpoint_every and step % c.checkpoint_every == 0):
           metrics["time/checkpoint_s"] = self.save(step, metrics)
         self.writer.write(step, metrics)
-        if self.primary and c.log_every and (step % c.log_every == 0 or last):
+        if self.primary and c.log_every and (index % c.log_every == 0 or last):
           log_progress(step, c.num_steps, metrics)
         if stop:
+          self.stopped = True
           break
     finally:
       signal.signal(signal.SIGTERM, previous)
@@ -366,3 +384,9 @@ class Trainer:
         self._lock.release()
     if self.primary:
       self._report()
+      if self.stopped:
+        print(
+            f"stopped by SIGTERM after step {step} of {c.num_steps}: checkpoint {step} is "
+            "saved; rerun the same command to resume",
+            flush=True,
+        )

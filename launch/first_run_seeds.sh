@@ -22,7 +22,7 @@ import json, sys
 path, seed, wall = sys.argv[1], sys.argv[2], float(sys.argv[3])
 lines = [json.loads(line) for line in open(path, encoding="utf-8")]
 evals = [l for l in lines if "eval/pass@1" in l]
-steps = [l for l in lines if l["step"] >= 0]
+steps = [l for l in lines if l["step"] >= 1]
 mean = lambda key: sum(l[key] for l in steps) / len(steps)
 print(
     f"{seed:<6} {evals[0]['eval/pass@1']:14.3f} {evals[-1]['eval/pass@1']:14.3f} "

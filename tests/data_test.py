@@ -357,3 +357,32 @@ def test_make_prompt_source_from_the_data_config(tmp_path):
   source = make_prompt_source(c.data, _char_tokenizer(), 0)
   assert isinstance(source, PromptIterator)
   assert [source().answer for _ in range(5)] == ["0", "1", "2", "3", "0"]
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
+  path = tmp_path / "bom.jsonl"
+  path.write_bytes(
+      b'\xef\xbb\xbf{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": "4"}\n'
+  )
+  records, skipped = load_records(path)
+  assert [r["answer"] for r in records] == ["2", "4"] and not skipped
+  as_list = tmp_path / "bom.json"
+  as_list.write_bytes(b'\xef\xbb\xbf[{"problem": "1+1", "answer": "2"}]')
+  assert [r["answer"] for r in load_records(as_list)[0]] == ["2"]
+
+
+def test_no_prompt_that_fits_is_found_when_the_data_loads_with_the_shortest_length(tmp_path):
+  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+
+  c = base.get_config()
+  rows = [json.dumps({"question": "x" * n, "answer": "1"}) for n in (30, 12, 50)]
+  c.data.source = str(_write_jsonl(tmp_path / "long.jsonl", rows))
+  c.data.max_prompt_len = 8
+  tok, shortest = _char_tokenizer(), 12  # CharTokenizer: one token per character
+  with pytest.raises(DataError) as error:
+    make_prompt_source(c.data, tok, 0)
+  message = str(error.value)
+  assert f"no prompt of the 3 records in {c.data.source} fits data.max_prompt_len=8" in message
+  assert f"the shortest is {shortest} tokens" in message
+  c.data.max_prompt_len = shortest
+  assert make_prompt_source(c.data, tok, 0)().tokens.size == shortest

@@ -3,6 +3,7 @@ killed run resumes exactly where its checkpoint left it."""
 
 import json
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -68,6 +69,10 @@ def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
         (["--config.rollout.nope=1"], "names a field the config does not have: \"'nope'\""),
         (["--bogus=1"], "Unknown command line flag 'bogus'"),
         (["--config.rollout.batch_size=abc"], "--config.rollout.batch_size=abc: invalid literal"),
+        (
+            ["--config=configs/qwen3_8b.py:nosuchvariant"],
+            "the config file failed: ValueError: configs/qwen3_8b.py variant 'nosuchvariant'",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flags, expected):
@@ -76,6 +81,28 @@ def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flags, expected):
   assert proc.returncode == 2, err[-3000:]
   assert err.strip().splitlines() == [err.strip()] and err.startswith("april_jax: "), err[-3000:]
   assert expected in err
+
+
+@pytest.mark.parametrize(
+    "process_id,expected", [(0, "1 of 2 processes joined"), (1, "did not answer")]
+)
+def test_a_lone_process_of_a_multi_host_run_says_so_in_one_line_and_exits_5(
+    tmp_path, process_id, expected
+):
+  with socket.socket() as s:  # a free port
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  proc = _main(
+      tmp_path / "w",
+      f"--config.distributed.coordinator_address=localhost:{port}",
+      "--config.distributed.num_processes=2",
+      f"--config.distributed.process_id={process_id}",
+      "--config.distributed.initialization_timeout_s=3",
+  )
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 5, err[-3000:]
+  (line,) = err.strip().splitlines()
+  assert line.startswith("april_jax: ") and expected in line and f"localhost:{port}" in line
 
 
 def test_a_broken_model_folder_or_an_unusable_workdir_is_one_line_and_exit_2(tmp_path):
@@ -100,10 +127,10 @@ def test_tiny_run_learns_the_builtin_task(tmp_path):
   out, err = proc.communicate(timeout=900)
   assert proc.returncode == 0, err[-3000:]
   evals = [m for m in _read_jsonl(tmp_path / "metrics.jsonl") if "eval/pass@1" in m]
-  # Before training (step -1) the warm-started policy stops late: greedy is rarely right.
+  # Before training (step 0) the warm-started policy stops late: greedy is rarely right.
   # Seeded, so deterministic on a given platform; measured here: 0.000 -> 0.266 (and
   # 0.672 after the whole run's 120 steps, README).
-  assert [m["step"] for m in evals] == [-1, 19]
+  assert [m["step"] for m in evals] == [0, 20]
   first, last = evals[0]["eval/pass@1"], evals[1]["eval/pass@1"]
   assert first < 0.1 and last > first + 0.15, (first, last)
   assert "before training: eval pass@1 " in out and "step 20/20" in out
@@ -128,7 +155,7 @@ def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]
   metrics = _read_jsonl(tmp_path / "metrics.jsonl")
-  assert [m["step"] for m in metrics] == [-1, 0, 1]  # -1: the evaluation before training
+  assert [m["step"] for m in metrics] == [0, 1, 2]  # 0: the evaluation before training
   assert all("eval/pass@1" in m for m in metrics)
   assert all(np.isfinite(m["train/loss"]) for m in metrics[1:])
   assert "step 2/2" in out
@@ -149,7 +176,7 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
 
   killed = tmp_path / "killed"
   proc = _main(killed, *steps)
-  ckpt = killed / "checkpoints" / "3"
+  ckpt = killed / "checkpoints" / "4"
   deadline = time.monotonic() + 600
   while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
     time.sleep(0.2)
@@ -162,7 +189,7 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
   assert "resumed from step" in out
 
   a, b = _read_jsonl(straight / "metrics.jsonl"), _read_jsonl(killed / "metrics.jsonl")
-  assert [m["step"] for m in b] == list(range(6))
+  assert [m["step"] for m in b] == list(range(1, 7))
   timing = lambda k: k.startswith("time/") or k.endswith("_per_s")
   for ma, mb in zip(a, b):
     for key, value in ma.items():
@@ -204,9 +231,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   assert proc.poll() is None
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=300)
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == 143, err[-3000:]  # stopped, not finished
   last = _read_jsonl(metrics)[-1]["step"]
-  assert last < 39
+  assert last < 40
   assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped
 
 

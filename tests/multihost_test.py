@@ -110,7 +110,7 @@ def _flatten(tree, prefix=()):
 
 
 def _assert_same_run(a, b):
-  assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(5))
+  assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 6))
   for ma, mb in zip(a, b):
     assert set(ma) == set(mb)
     for key, value in ma.items():
@@ -119,10 +119,10 @@ def _assert_same_run(a, b):
 
 
 def _killed_at_the_first_checkpoint(workdir):
-  """Two processes until checkpoint 1 exists, then process 1 is killed: (process 0's
+  """Two processes until checkpoint 2 exists, then process 1 is killed: (process 0's
   exit status and stderr, seconds it took to end after the kill)."""
   procs = _two_processes(workdir)
-  ckpt = workdir / "checkpoints" / "1"
+  ckpt = workdir / "checkpoints" / "2"
   deadline = time.monotonic() + 600
   while (
       not ckpt.is_dir() and all(p.poll() is None for p in procs) and (time.monotonic() < deadline)
@@ -140,7 +140,7 @@ def _killed_at_the_first_checkpoint(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The same run twice: 1 process x 8 devices, and 2 processes x 4 devices that lose a
-  process after checkpoint 1 and are restarted (a straight 2-process run is the first
+  process after checkpoint 2 and are restarted (a straight 2-process run is the first
   half of this one: comparing the whole of it checks both)."""
   root = tmp_path_factory.mktemp("multihost")
   one = _launch(root / "one", 8)  # alongside: the pair spends much of its time waiting
@@ -154,7 +154,7 @@ def test_two_processes_give_the_metrics_and_params_of_one(runs):
   one, two, one_out, outs, _ = runs
   _assert_same_run(_metrics(one), _metrics(two))
   assert _metrics(two)[-1]["rollout/buffer_groups"] > 0  # partials crossed steps (and hosts)
-  p1, p2 = _params(one, 4), _params(two, 4)
+  p1, p2 = _params(one, 5), _params(two, 5)
   assert p1.keys() == p2.keys() and len(p1) > 5
   # gloo sums across processes in another order than one process does. Adam divides by
   # sqrt(v), so where a gradient is itself at rounding level its update's size and sign

@@ -97,14 +97,14 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
       "--config.num_steps=2",
   )
   assert second.returncode == 0, second.stderr[-3000:]
-  assert "resumed from step 0" in second.stdout
+  assert "resumed from step 1" in second.stdout
   lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   # The evaluation before training (step -1) is the fresh start's alone: not run again.
-  assert [l["step"] for l in lines] == [-1, 0, 1] and "eval/pass@1" in lines[-1]
+  assert [l["step"] for l in lines] == [0, 1, 2] and "eval/pass@1" in lines[-1]
   assert "eval/pass@1" in lines[0] and "rollout/reward_mean" not in lines[0]
   # Real prompts and the real math_dapo reward (a random model is never right: -1).
   groups = [json.loads(l) for l in (workdir / "rollouts.jsonl").read_text().splitlines()]
-  assert [g["step"] for g in groups] == [0, 0, 1, 1]
+  assert [g["step"] for g in groups] == [1, 1, 2, 2]
   assert all(g["prompt_id"].startswith("dapo_format_aime24:") for g in groups)
   assert all(g["rewards"] == [-1.0, -1.0] for g in groups)
   # (A warm-start needs reference responses, which a dataset does not have: refused at
@@ -112,7 +112,7 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
 
   export = _run(f"--workdir={workdir}", f"--out={out}", module="april_jax.export")
   assert export.returncode == 0, export.stderr[-3000:]
-  assert "exported checkpoint 1" in export.stdout
+  assert "exported checkpoint 2" in export.stdout
   assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
   hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
   assert hf_tokenizer("Hello world")["input_ids"] == [9707, 1879]
@@ -121,7 +121,7 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   cfg = hf_io.load_config(model_dir)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
   checkpointer = Checkpointer(str(workdir))
-  trained = checkpointer.restore_params(1, shapes)
+  trained = checkpointer.restore_params(2, shapes)
   checkpointer.close()
   _, initial = hf_io.load_pretrained(model_dir)
   moved = jax.tree.map(
@@ -134,3 +134,26 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   with torch.no_grad():
     theirs = hf_model(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_a_bom_file_whose_prompts_all_exceed_max_prompt_len_is_one_line_before_warm_up(
+    model_dir, tmp_path
+):
+  # Its first row (behind a UTF-8 BOM) counts as a record, and no prompt fits: said while
+  # the data loads, with the shortest prompt's length, before anything compiles.
+  data = tmp_path / "long.jsonl"
+  rows = [{"problem": "What is " + " + ".join(["1"] * n) + "?", "answer": "1"} for n in (40, 30)]
+  data.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+  proc = _run(
+      f"--config={ROOT / 'configs' / 'tiny.py'}",
+      f"--workdir={tmp_path / 'run'}",
+      f"--config.model.path={model_dir}",
+      *[a for a in RUN if not a.startswith(("--config.data.source", "--config.data.max_prompt"))],
+      f"--config.data.source={data}",
+      "--config.data.max_prompt_len=40",
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  (line,) = proc.stderr.strip().splitlines()
+  assert f"no prompt of the 2 records in {data} fits data.max_prompt_len=40" in line, line
+  assert "the shortest is" in line and "Traceback" not in proc.stderr
+  assert "compiling" not in proc.stdout

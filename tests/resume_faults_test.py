@@ -81,10 +81,10 @@ def test_a_damaged_checkpoint_and_a_lost_metrics_line_resume_from_the_one_before
   source, original = three_steps
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
-  # Step 2's checkpoint loses most of its largest array file; the run was killed after
-  # checkpoint 1 committed but before step 1's metrics line was written.
+  # Step 3's checkpoint loses most of its largest array file; the run was killed after
+  # checkpoint 2 committed but before step 2's metrics line was written.
   largest = max(
-      (workdir / "checkpoints" / "2" / "state").rglob("*"), key=lambda p: p.stat().st_size
+      (workdir / "checkpoints" / "3" / "state").rglob("*"), key=lambda p: p.stat().st_size
   )
   largest.write_bytes(largest.read_bytes()[:1000])
   with open(workdir / "metrics.jsonl", "w", encoding="utf-8") as f:
@@ -92,16 +92,16 @@ def test_a_damaged_checkpoint_and_a_lost_metrics_line_resume_from_the_one_before
   proc = _main(workdir, "--config.num_steps=4")  # num_steps may change on resume
   assert proc.returncode == 0, proc.stderr[-3000:]
   warnings = [l for l in proc.stderr.splitlines() if l.startswith("april_jax: warning:")]
-  assert len(warnings) == 1 and "checkpoint 2 is damaged" in warnings[0], proc.stderr[-3000:]
+  assert len(warnings) == 1 and "checkpoint 3 is damaged" in warnings[0], proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr
-  assert (workdir / "damaged_checkpoints" / "2" / "state").is_dir()  # kept for inspection
-  assert "resumed from step 1" in proc.stdout
+  assert (workdir / "damaged_checkpoints" / "3" / "state").is_dir()  # kept for inspection
+  assert "resumed from step 2" in proc.stdout
   lines = _lines(workdir / "metrics.jsonl")
-  assert [l["step"] for l in lines] == [0, 1, 2, 3]
+  assert [l["step"] for l in lines] == [1, 2, 3, 4]
   assert _untimed(lines[1]) == _untimed(original[1])  # the checkpoint's copy of its line
-  assert _untimed(lines[2]) == _untimed(original[2])  # step 2 again, exactly
+  assert _untimed(lines[2]) == _untimed(original[2])  # step 3 again, exactly
   shown = _tensorboard_scalars(workdir / "tb")
-  assert len(shown) == len(set(shown)) and {s for _, s in shown} == {0, 1, 2, 3}
+  assert len(shown) == len(set(shown)) and {s for _, s in shown} == {1, 2, 3, 4}
 
 
 def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_steps, tmp_path):
@@ -117,7 +117,7 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
       "rollout.max_response_len: 64 -> 32" in message
       and "eval.k" not in message.split("(may change")[0]
   )
-  for step in (0, 1, 2):
+  for step in (1, 2, 3):
     (workdir / "checkpoints" / str(step) / "host" / "metadata").write_text("not json")
   proc = _main(workdir, "--config.num_steps=4")
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -125,4 +125,4 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
       l for l in proc.stderr.splitlines() if l.startswith("april_jax:") and "warning" not in l
   ]
   assert len(errors) == 1 and "no intact checkpoint in" in errors[0]
-  assert sorted(p.name for p in (workdir / "damaged_checkpoints").iterdir()) == ["0", "1", "2"]
+  assert sorted(p.name for p in (workdir / "damaged_checkpoints").iterdir()) == ["1", "2", "3"]

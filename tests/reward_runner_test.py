@@ -146,4 +146,4 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tm
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=60)
   assert time.monotonic() - start < 5.0
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == 143, err[-3000:]  # stopped by SIGTERM, saved

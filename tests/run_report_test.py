@@ -10,7 +10,7 @@ def _lines():
   lines = []
   for step in range(12):
     line = {
-        "step": step,
+        "step": step + 1,
         "rollout/reward_mean": step / 10,
         "rollout/tokens_per_s": 1000.0,
         "rollout/slot_occupancy": 0.5 + step / 100,
@@ -26,7 +26,7 @@ def _lines():
 def test_summary_reports_first_and_last_values_and_where_the_files_are(tmp_path):
   text = run_report.summary(_lines(), str(tmp_path))
   assert text.splitlines()[0] == "run summary: steps 1-12"
-  # Reward: the mean of steps 0-4 (0.2) and of steps 7-11 (0.9).
+  # Reward: the mean of steps 1-5 (0.2) and of steps 8-12 (0.9).
   assert "reward           0.200 -> 0.900 (mean of the first and last 5 steps)" in text
   assert "eval pass@1      0.150 (step 4) -> 0.550 (step 12)" in text
   occupancy = np.mean([0.5 + s / 100 for s in range(12)])
@@ -43,7 +43,7 @@ def test_plot_writes_a_png_into_the_workdir(tmp_path):
 
 
 def test_the_evaluation_before_training_is_the_first_eval_and_not_a_step(tmp_path):
-  lines = [{"step": -1, "eval/pass@1": 0.05, "eval/avg@4": 0.04}] + _lines()
+  lines = [{"step": 0, "eval/pass@1": 0.05, "eval/avg@4": 0.04}] + _lines()
   text = run_report.summary(lines, str(tmp_path))
   assert text.splitlines()[0] == "run summary: steps 1-12"
   assert "reward           0.200 -> 0.900" in text  # the steps' rewards alone

@@ -55,7 +55,7 @@ def _run_side(
   Trainer(c, workdir).run()
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     lines = [json.loads(line) for line in f if line.strip()]
-  return [l for l in lines if l["step"] >= 0]  # the steps, not the evaluation before them
+  return [l for l in lines if l["step"] >= 1]  # the steps, not the evaluation before them (0)
 
 
 def _smooth(x: np.ndarray) -> np.ndarray:

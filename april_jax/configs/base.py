@@ -174,5 +174,5 @@ def _eval() -> ml_collections.ConfigDict:
   e.k = 4  # avg@k samples per prompt; 0 = greedy only
   e.temperature = 0.6
   e.top_p = 1.0  # nucleus of the avg@k samples
-  e.before_training = True  # also evaluate before step 0 (the line of step -1)
+  e.before_training = True  # also evaluate before step 1 (the line of step 0)
   return e

@@ -1,0 +1,70 @@
+"""Ctrl-C ends a run at once, with one line on stderr and exit status 130.
+
+A KeyboardInterrupt raised into JAX while it compiles, or into Python's shutdown while
+XLA's threads still run, gives tracebacks and can crash the runtime. So SIGINT never
+raises: the handler prints one line and leaves with `os._exit(130)`, which runs no
+destructors. A watcher thread reads the signal from `signal.set_wakeup_fd`, so this
+happens even while the main thread is inside a long XLA call (a compile, a decode), where
+a Python-level handler would wait for the call to return.
+
+Leaving at once loses nothing that counts: a checkpoint only counts once committed (an
+interrupted asynchronous save is ignored on resume), the jsonl files are cut back to the
+last checkpoint on resume (a torn last line included), and the workdir's lock goes with
+the process. Rerunning the same command resumes from the last committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+_message = "interrupted (Ctrl-C)"
+_lock = threading.Lock()
+
+
+def _leave() -> None:
+  with _lock:  # the handler and the watcher may both get here: one line, once
+    try:
+      os.write(
+          sys.stderr.fileno(),
+          f"\napril_jax: {_message}; rerun the same command to resume from the last "
+          "checkpoint\n".encode(),
+      )
+    finally:
+      os._exit(INTERRUPTED_EXIT)  # pylint: disable=protected-access
+
+
+def _handler(signum, frame) -> None:
+  del signum, frame
+  _leave()
+
+
+def _watch(read_fd: int) -> None:
+  while True:
+    try:
+      data = os.read(read_fd, 64)
+    except OSError:
+      return
+    if not data:
+      return
+    if signal.SIGINT in data:
+      _leave()
+
+
+def install() -> None:
+  """From the main thread, as early as possible (before jax is imported)."""
+  signal.signal(signal.SIGINT, _handler)
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  threading.Thread(target=_watch, args=(read_fd,), name="sigint-watch", daemon=True).start()
+
+
+def ignore_in_child() -> None:
+  """For worker processes: the terminal's Ctrl-C reaches the whole process group, and
+  the run, not each worker, answers it (a worker ends when its pipe closes)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,101 @@
+"""A run whose disk fills up stops with one line naming the path and the room needed and
+left (status 2), before it writes a checkpoint that cannot fit; the checkpoints and jsonl
+files already there stay intact, and a copy of the workdir on a roomier disk resumes and
+ends exactly as a run that never stopped."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from april_jax import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "--config=configs/tiny.py",
+    "--config.num_steps=4",
+    "--config.checkpoint_every=1",
+    "--config.train.sft_steps=0",
+    "--config.eval_every=0",
+]
+
+
+def _main(workdir, cache):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run(
+      [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN,
+       f"--config.compilation_cache_dir={cache}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+  )  # fmt: skip
+
+
+def _lines(path):
+  untimed = lambda l: {
+      k: v for k, v in l.items() if not k.startswith("time/") and "_per_s" not in k
+  }
+  return [untimed(json.loads(l)) for l in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """Mounts a tmpfs at tmp_path/small (size set by the caller), unmounted after."""
+  mounted = []
+
+  def mount(size_bytes: int) -> Path:
+    where = tmp_path / "small"
+    where.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024}k", "tmpfs", str(where)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+      pytest.skip(f"cannot mount a small filesystem here: {proc.stderr.strip()[:200]}")
+    mounted.append(where)
+    return where
+
+  yield mount
+  for where in mounted:
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_full_disk_stops_in_one_line_and_the_copy_resumes_exactly(tmp_path, small_disk):
+  cache = tmp_path / "xla_cache"
+  straight = tmp_path / "straight"
+  proc = _main(straight, cache)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = sum(p.stat().st_size for p in (straight / "checkpoints" / "4").rglob("*") if p.is_file())
+  # Room for checkpoint 1 and the run's small files, not for checkpoint 2 beside it.
+  disk = small_disk(int(one + (1.1 * one + (1 << 20)) / 2 + (200 << 10)))
+  workdir = disk / "run"
+  proc = _main(workdir, cache)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith(f"april_jax: no room for checkpoint 2 in {workdir / 'checkpoints'}")
+  assert "it needs about" in line and "is left" in line and "checkpoint 1 is the newest" in line
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1"]
+  assert [l["step"] for l in _lines(workdir / "metrics.jsonl")] == [1]
+
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  proc = _main(copy, cache)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from step 1" in proc.stdout
+  assert _lines(copy / "metrics.jsonl") == _lines(straight / "metrics.jsonl")
+
+
+def test_a_write_that_found_no_room_is_recognised_in_orbax_wrapped_errors():
+  assert checkpoint.is_no_space(OSError(28, "No space left on device"))
+  wrapped = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database: Failed to '
+      "write 365423 bytes to file 17: No space left on device [os_error_code='28']"
+  )
+  try:
+    raise RuntimeError("save failed") from wrapped
+  except RuntimeError as e:
+    assert checkpoint.is_no_space(e)
+  assert not checkpoint.is_no_space(OSError(13, "Permission denied"))
+  assert not checkpoint.is_no_space(ValueError("RESOURCE_EXHAUSTED: out of memory"))

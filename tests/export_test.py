@@ -1,0 +1,153 @@
+"""`python -m april_jax.export` never destroys: it refuses the run's own model folder
+(by path or through a symlink, with or without --overwrite) and any non-empty folder
+without --overwrite, leaving every file there byte for byte; a mistyped workdir creates
+nothing; a missing step names the steps there; a failed export leaves --out as it was."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from april_jax import export as export_lib
+from april_jax.checkpoint import Checkpointer
+from april_jax.configs import base, resume_check
+from april_jax.errors import InputError
+from april_jax.models import hf_io, qwen3
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = qwen3.Qwen3Config(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+    num_kv_heads=1, head_dim=16,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A pretrained model folder and a workdir whose checkpoints 1 and 2 loaded it."""
+  root = tmp_path_factory.mktemp("export")
+  model = root / "model"
+  hf_io.save_pretrained(model, CFG, qwen3.init_params(CFG, jax.random.key(0)))
+  (model / "tokenizer.json").write_text('{"pretend": "tokenizer"}')
+  config = base.get_config()
+  config.model.path = str(model)
+  checkpointer = Checkpointer(str(root / "workdir"))
+  for step in (1, 2):
+    params = qwen3.init_params(CFG, jax.random.key(step))
+    host = {"step": step, "config": resume_check.as_json(config)}
+    checkpointer.save(step, {"params": params}, {"ids": np.arange(3)}, host)
+  checkpointer.close()
+  return root / "workdir", model
+
+
+def _export(*args):
+  return subprocess.run(
+      [sys.executable, "-m", "april_jax.export", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+  )
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+  return {
+      str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+      for p in sorted(folder.rglob("*"))
+      if p.is_file()
+  }
+
+
+def _one_line_refusal(proc) -> str:
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  (line,) = proc.stderr.strip().splitlines()
+  return line
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("through_symlink", [False, True])
+def test_export_refuses_the_runs_own_model_folder(run, tmp_path, overwrite, through_symlink):
+  workdir, model = run
+  before = _checksums(model)
+  out = model
+  if through_symlink:
+    out = tmp_path / "link"
+    out.symlink_to(model)
+  args = [f"--workdir={workdir}", f"--out={out}"] + (["--overwrite"] if overwrite else [])
+  line = _one_line_refusal(_export(*args))
+  assert "the folder the run loaded its model from" in line and "model.path" in line
+  assert _checksums(model) == before
+  # A folder above the model (which --overwrite would replace whole) is refused too.
+  line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={model.parent}", "--overwrite"))
+  assert "inside or above" in line
+  assert _checksums(model) == before
+
+
+def test_export_refuses_a_non_empty_folder_unless_told_to_overwrite(run, tmp_path):
+  workdir, _ = run
+  out = tmp_path / "other_model"
+  out.mkdir()
+  (out / "model.safetensors").write_bytes(b"someone's weights")
+  (out / "config.json").write_text('{"mine": true}')
+  before = _checksums(out)
+  line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={out}"))
+  assert f"--out={out} is not empty" in line and "--overwrite" in line
+  assert _checksums(out) == before
+
+  proc = _export(f"--workdir={workdir}", f"--out={out}", "--overwrite")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "exported checkpoint 2" in proc.stdout
+  # Replaced whole, as asked: only the export's own files, none of the old bytes.
+  assert sorted(_checksums(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+  assert not set(_checksums(out).values()) & set(before.values())
+  loaded_cfg, params = hf_io.load_pretrained(str(out), "float32")
+  assert loaded_cfg.hidden_size == CFG.hidden_size
+  assert (out / "tokenizer.json").read_text() == '{"pretend": "tokenizer"}'
+  # Nothing of the staging is left beside --out.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["other_model"]
+
+
+def test_a_mistyped_workdir_creates_nothing_and_a_missing_step_names_the_steps(run, tmp_path):
+  workdir, _ = run
+  typo = tmp_path / "wrokdir"
+  line = _one_line_refusal(_export(f"--workdir={typo}", f"--out={tmp_path / 'out'}"))
+  assert f"--workdir={typo} does not exist" in line
+  assert not typo.exists() and not (tmp_path / "out").exists()
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  line = _one_line_refusal(_export(f"--workdir={empty}", f"--out={tmp_path / 'out'}"))
+  assert "holds no checkpoints" in line and list(empty.iterdir()) == []
+
+  line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={tmp_path / 'out'}", "--step=7"))
+  assert "no checkpoint 7" in line and "the steps there: 1, 2" in line
+  assert not (tmp_path / "out").exists()
+  proc = _export(f"--workdir={workdir}", f"--out={tmp_path / 'out'}", "--step=1")
+  assert proc.returncode == 0 and "exported checkpoint 1" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_failed_export_leaves_out_as_it_was(run, tmp_path, monkeypatch):
+  workdir, _ = run
+  out = tmp_path / "previous_export"
+  out.mkdir()
+  (out / "config.json").write_text('{"an": "earlier export"}')
+  before = _checksums(out)
+
+  def fail_midway(path, cfg, params):
+    (Path(path) / "config.json").write_text("half")
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(hf_io, "save_pretrained", fail_midway)
+  with pytest.raises(OSError, match="No space left"):
+    export_lib.export(str(workdir), str(out), overwrite=True)
+  assert _checksums(out) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["previous_export"]
+  with pytest.raises(InputError, match="is a file"):
+    (tmp_path / "a_file").write_text("x")
+    export_lib.export(str(workdir), str(tmp_path / "a_file"))
+  assert os.path.isfile(tmp_path / "a_file")

@@ -1,0 +1,114 @@
+"""Ctrl-C at any point of a run (starting, compiling, decoding, learning, evaluating,
+saving) ends it with one line and exit 130: no traceback, no crash of the runtime, ten
+tries at each point; and the run resumes afterwards. SIGTERM still finishes the step,
+saves and exits, with a status of its own (143) and a summary that says so."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRIES = 10
+QUICK = [
+    "--config=configs/tiny.py",
+    "--config.train.sft_steps=0",
+    "--config.eval.before_training=false",
+    "--config.eval.num_prompts=8",
+    "--config.num_steps=1000",
+    "--config.eval_every=1",  # after step 1 the run decodes, learns, evaluates and saves
+    "--config.checkpoint_every=1",
+]
+CRASH_SIGNS = ("Traceback", "Fatal Python error", "Segmentation fault", "Exception ignored")
+
+
+def _start(workdir, cache, *extra):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
+  return subprocess.Popen(
+      [
+          sys.executable,
+          "-m",
+          "april_jax.main",
+          f"--workdir={workdir}",
+          *QUICK,
+          f"--config.compilation_cache_dir={cache}",
+          *extra,
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      start_new_session=True,  # its own process group, as a terminal's foreground job is
+  )
+
+
+def _wait_for_line(proc, marker: str, timeout: float = 300) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      raise AssertionError(f"the run ended before {marker!r}: {proc.stderr.read()[-3000:]}")
+    if marker in line:
+      return
+  raise AssertionError(f"no {marker!r} within {timeout} s")
+
+
+def _ctrl_c_and_check(proc) -> None:
+  os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-3000:]
+  for sign in CRASH_SIGNS:
+    assert sign not in err, err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith("april_jax:")]
+  assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], err[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One compilation cache for every try: the first compiles, the rest start fast."""
+  return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.mark.parametrize("point", ["starting", "compiling", "running"])
+def test_ctrl_c_at_any_point_is_one_line_and_exit_130(point, cache, tmp_path):
+  rng = random.Random(point)
+  workdir = tmp_path / "run"  # one workdir: later tries resume what earlier ones saved
+  for _ in range(TRIES):
+    proc = _start(workdir, cache)
+    if point == "starting":  # importing jax, reading the config, building the model
+      time.sleep(rng.uniform(0.1, 3.0))
+    elif point == "compiling":
+      _wait_for_line(proc, "compiling the sampler")
+      time.sleep(rng.uniform(0.0, 3.0))
+    else:
+      _wait_for_line(proc, "step ")
+      time.sleep(rng.uniform(0.0, 2.0))
+    _ctrl_c_and_check(proc)
+  if point == "running":  # what the tries saved resumes, and the jsonl files agree with it
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    proc = _start(workdir, cache)
+    _wait_for_line(proc, f"resumed from step {steps[-1]}")
+    _wait_for_line(proc, f"step {steps[-1] + 1}/")
+    _ctrl_c_and_check(proc)
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == list(range(1, len(lines) + 1))
+
+
+def test_sigterm_saves_says_so_and_exits_143(cache, tmp_path):
+  proc = _start(tmp_path / "run", cache)
+  _wait_for_line(proc, "step 1/")
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 143, err[-3000:]
+  (stopped,) = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM after step")]
+  step = int(stopped.split("after step ")[1].split()[0])
+  assert f"checkpoint {step} is saved" in stopped
+  assert (tmp_path / "run" / "checkpoints" / str(step)).is_dir()
+  assert "Traceback" not in err
