@@ -6,7 +6,8 @@ config section (`make_prompt_source`):
 
   * `load_records` reads a `.jsonl`, `.json` (a list of objects) or `.parquet` file
     (GSM8K, MATH, AIME, or the DAPO/verl schema with chat-message prompts and
-    `reward_model.ground_truth`) into records {"id", "messages", "answer"}. A bad row is
+    `reward_model.ground_truth`) into records {"id", "messages", "answer", "row"} (row: the
+    whole row as JSON, for a reward that asks for it). A bad row is
     skipped and counted under a reason, never silently dropped and never fatal.
   * `PromptIterator` applies the tokenizer's chat template and yields PromptItems
     forever, epoch after epoch, each epoch in its own seeded order. Prompts longer than
@@ -44,6 +45,7 @@ class PromptItem:
   tokens: np.ndarray  # int32 [P]
   answer: str
   budgets: list[int] | None = None  # per-sample response budgets (default: config)
+  row: dict | None = None  # the dataset row's other columns (JSON values), for the reward
 
 
 class DataError(InputError, ValueError):
@@ -181,13 +183,30 @@ def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict
       "id": default_id if record_id is None else record_id,
       "messages": messages,
       "answer": answer,
+      "row": {str(k): _jsonable(v) for k, v in row.items()},
   }
+
+
+def _jsonable(value: Any) -> Any:
+  """A row's value as plain JSON (numpy arrays and scalars from parquet included), so it
+  can ride in the partial buffer's checkpoint and to a reward server."""
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return [_jsonable(v) for v in value.tolist()]
+  if isinstance(value, np.generic):
+    return value.item()
+  if value is None or isinstance(value, (str, int, float, bool)):
+    return value
+  return str(value)
 
 
 def load_records(
     path: str | Path, prompt_key: str = "", answer_key: str = ""
 ) -> tuple[list[dict], collections.Counter]:
-  """Reads a dataset file into records {"id", "messages", "answer"}.
+  """Reads a dataset file into records {"id", "messages", "answer", "row"}.
 
   Args:
     path: A `.jsonl`, `.json` (a JSON list of objects) or `.parquet` file.
@@ -341,7 +360,9 @@ class PromptIterator:
       if len(tokens) > self.max_prompt_len:
         self._skip_too_long(record, len(tokens))
         continue
-      return PromptItem(prompt_id=record["id"], tokens=tokens, answer=record["answer"])
+      return PromptItem(
+          prompt_id=record["id"], tokens=tokens, answer=record["answer"], row=record.get("row")
+      )
 
   def state(self) -> dict[str, int]:
     """Where the stream stands; JSON-serialisable."""

@@ -20,7 +20,8 @@ import numpy as np
 
 from april_jax import data as data_lib
 from april_jax.data import PromptItem
-from april_jax.rewards import get_reward, longtail_task
+from april_jax.rewards import loading as reward_loading
+from april_jax.rewards import longtail_task
 
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # tokens, targets, loss mask [B, T]
 
@@ -41,7 +42,7 @@ def make_task(config, tokenizer) -> Task:
   return Task(
       prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed),
       eval_items=lambda: _file_items(c, tokenizer),
-      reward=get_reward(c.rollout.reward),
+      reward=reward_loading.from_config(c.rollout),
   )
 
 
@@ -74,7 +75,7 @@ def _builtin_task(c, tokenizer) -> Task:
   return Task(
       prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed, task),
       eval_items=eval_items if not c.eval.path else lambda: _file_items(c, tokenizer),
-      reward=get_reward(c.rollout.reward),
+      reward=reward_loading.from_config(c.rollout),
       warm_start=warm_start,
   )
 

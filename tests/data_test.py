@@ -64,7 +64,7 @@ def test_each_format_loads_every_row_with_messages_and_string_answer(name):
   assert len(records) == FORMATS[name]
   assert not skipped
   for record in records:
-    assert set(record) == {"id", "messages", "answer"}
+    assert set(record) == {"id", "messages", "answer", "row"}
     assert isinstance(record["answer"], str) and record["answer"]
     assert record["messages"][-1]["role"] == "user"
     assert all(isinstance(m["content"], str) for m in record["messages"])
@@ -386,3 +386,10 @@ def test_no_prompt_that_fits_is_found_when_the_data_loads_with_the_shortest_leng
   assert f"the shortest is {shortest} tokens" in message
   c.data.max_prompt_len = shortest
   assert make_prompt_source(c.data, tok, 0)().tokens.size == shortest
+
+
+def test_records_keep_the_rows_columns_as_json_for_the_reward():
+  records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
+  row = records[0]["row"]
+  assert json.loads(json.dumps(row)) == row  # plain JSON: it rides in checkpoints
+  assert row["reward_model"]["ground_truth"] == records[0]["answer"]

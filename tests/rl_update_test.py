@@ -57,7 +57,9 @@ def _rollout_batch(params, version=0, steps=1, seed=0):
       max_response_len=24,
       temperature=TEMPERATURE,
   )
-  rewards = RewardRunner(lambda text, answer: float(len(text)), decode=lambda ids: "x" * len(ids))
+  rewards = RewardRunner(
+      lambda text, answer: float(len(text)), decode=lambda ids: "x" * len(ids), processes=False
+  )
   sched = AprilScheduler(engine, settings, source, rewards, seed=seed)
   for s in range(steps):
     result = sched.step(s, version=version + s)

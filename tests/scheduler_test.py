@@ -64,7 +64,7 @@ def _make(
     return PromptItem(prompt_id=i, tokens=prompt, answer=answers(i), budgets=budgets(i, n))
 
   runner = RewardRunner(
-      reward, decode=lambda ids: "x" * len(ids), timeout_s=timeout_s, fallback=-1.0
+      reward, decode=lambda ids: "x" * len(ids), timeout_s=timeout_s, fallback=-1.0, processes=False
   )
   rollout = RolloutSettings(
       batch_size=N, n_samples_per_prompt=n, over_sampling_batch_size=Np, **settings
@@ -299,10 +299,13 @@ def test_buffer_round_trips_through_numpy_state_and_resumes_identically():
   a.step(0, version=0)
   b.step(0, version=0)
   assert any(s.has_kv for g in b.buffer for s in g.samples)
+  for g in list(a.buffer) + list(b.buffer):  # a dataset row rides along, for the reward
+    g.row = {"level": 3, "tags": ["algebra"], "source": {"name": "amc"}}
   state = b.buffer.to_state()
   b.buffer = PartialBuffer.from_state({k: np.array(v) for k, v in state.items()})
   for ga, gb in zip(a.buffer, b.buffer):
     assert (ga.group_id, ga.prompt_id, ga.rewards) == (gb.group_id, gb.prompt_id, gb.rewards)
+    assert gb.row == ga.row
     for sa, sb in zip(ga.samples, gb.samples):
       np.testing.assert_array_equal(sa.response, sb.response)
       np.testing.assert_array_equal(sa.versions, sb.versions)

@@ -54,7 +54,9 @@ def make_side(cfg, params, config, shape, partial, ratio, seed, resume_mode=None
       max_response_len=max_resp,
       temperature=r.temperature,
   )
-  rewards = RewardRunner(lambda text, answer: 0.0, decode=lambda ids: "", num_workers=1)
+  rewards = RewardRunner(
+      lambda text, answer: 0.0, decode=lambda ids: "", num_workers=1, processes=False
+  )
   return AprilScheduler(engine, settings, source, rewards, seed=seed)
 
 

@@ -118,7 +118,10 @@ def _rollout() -> ml_collections.ConfigDict:
   r.top_k = 0
   r.dynamic_sampling = False  # DAPO: drop groups whose rewards are equal
   r.max_dropped_groups = 64  # per step; past it they are kept, so every step ends
-  r.reward = "math"
+  r.reward = "math"  # a registered name, or path/to/file.py:fn or package.module:fn
+  r.reward_url = ""  # an HTTP reward server: POSTs each sample, reads its score (wins over reward)
+  r.reward_url_timeout_s = 10.0  # per request
+  r.reward_url_retries = 2  # a failed request is tried again this many times, waits doubling
   r.reward_timeout_s = 10.0
   r.reward_fallback = 0.0
   r.reward_workers = 2

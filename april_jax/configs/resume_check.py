@@ -27,6 +27,9 @@ RESUMABLE = (
     "model.path",
     "model.tokenizer_path",
     "train.warm_up",
+    "rollout.reward_url",  # where the reward server lies and how to reach it
+    "rollout.reward_url_timeout_s",
+    "rollout.reward_url_retries",
 )
 
 

@@ -15,7 +15,8 @@ import ml_collections
 from april_jax import sharding
 from april_jax.errors import InputError
 from april_jax.models import attention
-from april_jax.rewards import REWARDS, longtail_task
+from april_jax.rewards import loading as reward_loading
+from april_jax.rewards import longtail_task
 from april_jax.rl import advantages, losses
 from april_jax.sampler.engine import RESUME_MODES
 
@@ -91,8 +92,17 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
     err(f"rollout.top_k must be >= 0, got {r.top_k}")
   if r.reward_timeout_s <= 0:
     err(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
-  if r.reward not in REWARDS:
-    err(f"rollout.reward {r.reward!r} is not a registered reward ({sorted(REWARDS)})")
+  if r.reward_url:
+    if not r.reward_url.startswith(("http://", "https://")):
+      err(f"rollout.reward_url must be an http:// or https:// URL, got {r.reward_url!r}")
+    if r.reward_url_timeout_s <= 0:
+      err(f"rollout.reward_url_timeout_s must be > 0, got {r.reward_url_timeout_s}")
+    if r.reward_url_retries < 0:
+      err(f"rollout.reward_url_retries must be >= 0, got {r.reward_url_retries}")
+  else:
+    reward_problem = reward_loading.problem(r.reward)
+    if reward_problem:
+      err(reward_problem)
 
 
 def _checks_model(c, err: Callable[[str], None]) -> None:

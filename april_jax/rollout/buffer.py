@@ -60,6 +60,7 @@ class PartialBuffer:
             "first_step": g.first_step,
             "rewards": g.rewards,
             "reward_info": g.reward_info,
+            "row": g.row,
             "samples": [
                 {
                     "max_new_tokens": s.max_new_tokens,
@@ -138,6 +139,7 @@ class PartialBuffer:
               first_step=gm["first_step"],
               rewards=gm["rewards"],
               reward_info=gm["reward_info"],
+              row=gm.get("row", {}),
           )
       )
     return buffer

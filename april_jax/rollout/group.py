@@ -31,6 +31,7 @@ class Group:
   first_step: int  # the step that first admitted the group
   rewards: list[float] | None = None  # set once, when the group completes
   reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  row: dict[str, Any] = dataclasses.field(default_factory=dict)  # the dataset row (JSON)
 
   @property
   def n(self) -> int:

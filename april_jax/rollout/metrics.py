@@ -44,7 +44,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   wall = max(st.get("rollout_s", 0.0), 1e-9)
   slot_steps = st.get("num_slots", 0) * st.get("decode_steps", 0)
   stat = lambda fn, a: float(fn(a)) if len(a) else 0.0
-  return {
+  return _reward_extras(result.groups) | {
       "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
       "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
       "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
@@ -77,3 +77,13 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "time/rollout_s": float(st.get("rollout_s", 0.0)),
       "time/reward_s": float(st.get("reward_s", 0.0)),
   }
+
+
+def _reward_extras(groups) -> dict[str, float]:
+  """`reward/<key>`: the mean over the trained samples of each extra number a dict reward
+  returned (samples without it left out)."""
+  values: dict[str, list[float]] = {}
+  for g in groups:
+    for key, per_sample in g.reward_info.get("metrics", {}).items():
+      values.setdefault(key, []).extend(v for v in per_sample if v == v)  # NaN: not given
+  return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(values.items()) if v}

@@ -20,13 +20,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import multiprocessing
+import pickle
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from april_jax import interrupt
+from april_jax.rewards import loading
 from april_jax.rollout.group import Group
 
 
@@ -35,13 +38,29 @@ class _Job:
   group: Group
   index: int
   text: str
+  context: dict | None = None  # the prompt, for a reward that takes the whole sample
   future: cf.Future | None = None
   started_at: float | None = None
   seconds: float = 0.0  # compute time, measured on the worker thread
-  result: float | None = None
+  result: Any = None  # the reward; for a group-form job, a list of (reward, extras)
+  extras: dict[str, float] = dataclasses.field(default_factory=dict)  # a dict reward's others
   status: str = "pending"  # pending | ok | error | timeout
   worker: multiprocessing.Process | None = None  # the process scoring it, while it does
   killed: bool = False
+
+
+def _samples(job: _Job) -> int:
+  """Samples a job scores: its group's n for a group-form job, else 1."""
+  return job.group.n if job.index < 0 else 1
+
+
+def _per_sample(job: _Job) -> list[tuple[float, dict, str]]:
+  """A settled job's (reward, extras, status) per sample it scored."""
+  if job.index >= 0:
+    return [(job.result, job.extras, job.status)]
+  if job.status != "ok":  # the whole group fell back
+    return [(job.result, {}, job.status)] * job.group.n
+  return [(value, extras, "ok") for value, extras in job.result]
 
 
 class _Killed(Exception):
@@ -50,6 +69,7 @@ class _Killed(Exception):
 
 def _serve(conn, reward_fn) -> None:
   """A worker process: scores (text, answer) jobs until told to stop or its pipe closes."""
+  interrupt.ignore_in_child()
   while True:
     try:
       job = conn.recv()
@@ -59,7 +79,7 @@ def _serve(conn, reward_fn) -> None:
       return
     start = time.monotonic()
     try:
-      out = (True, float(reward_fn(*job)))
+      out = (True, loading.score(reward_fn, *job))
     except Exception as e:  # pylint: disable=broad-except
       out = (False, f"{type(e).__name__}: {e}"[:500])
     conn.send(out + (time.monotonic() - start,))
@@ -94,9 +114,9 @@ class _WorkerProcesses:
       self._all.append(process)
     self._idle.put((process, parent))
 
-  def score(self, job: _Job, answer: str) -> tuple[float, float]:
-    """On a reward thread: (reward, seconds) from a worker; raises _Killed if the job's
-    worker was killed, RuntimeError if the reward raised."""
+  def score(self, job: _Job, answer: str) -> tuple[tuple[float, dict], float]:
+    """On a reward thread: ((reward, extras), seconds) from a worker; raises _Killed if
+    the job's worker was killed, RuntimeError if the reward raised."""
     worker = self._idle.get()
     if worker is None:  # closed
       self._idle.put(None)
@@ -106,7 +126,7 @@ class _WorkerProcesses:
       job.worker = process
       job.started_at = time.monotonic()
     try:
-      conn.send((job.text, answer))
+      conn.send((job.text, answer, job.context))
       ok, value, seconds = conn.recv()
     except (EOFError, OSError):
       ok = None
@@ -152,12 +172,13 @@ class RewardRunner:
       timeout_s: float = 10.0,
       fallback: float = 0.0,
       agree: Callable[[np.ndarray], np.ndarray] | None = None,
-      processes: bool = False,
+      processes: bool = True,
   ):
     """Initializes the runner.
 
     Args:
-      reward_fn: (response text, answer) -> reward.
+      reward_fn: (response text, answer) -> reward (a float, or a dict with a "score"
+        and extra metrics), or a loading.UserReward.
       decode: Token ids -> text.
       num_workers: Reward threads.
       timeout_s: A reward running longer gets `fallback` (and is counted).
@@ -166,9 +187,19 @@ class RewardRunner:
         array -> the one to use, e.g. process 0's), since a time limit can expire on one
         process and not another. Applied at the blocking calls, which every process
         reaches at the same point. None: one process.
-      processes: Score in worker processes, killed at the time limit (reward_fn must be
-        a module-level function, as registered rewards are); else on threads.
+      processes: Score in worker processes, killed at the time limit (the default, and
+        the safe one: reward_fn must be picklable, as registered rewards and UserRewards
+        are). False scores on threads, whose hung jobs can only be abandoned.
     """
+    if processes:
+      try:
+        pickle.dumps(reward_fn)
+      except Exception as e:  # pylint: disable=broad-except
+        raise TypeError(
+            f"reward_fn {reward_fn!r} cannot go to a worker process ({e}): define it at "
+            "module level, or pass processes=False to score on threads (where a reward "
+            "that hangs cannot be stopped)"
+        ) from None
     self._reward_fn, self._decode, self._agree = reward_fn, decode, agree
     self._unagreed: list[Group] = []
     self._num_workers, self.timeout_s, self.fallback = num_workers, timeout_s, fallback
@@ -183,7 +214,18 @@ class RewardRunner:
   def submit(self, group: Group) -> None:
     if group.group_id in self._jobs:
       return
-    jobs = [_Job(group, i, self._decode(s.response.tolist())) for i, s in enumerate(group.samples)]
+    context = None
+    if getattr(self._reward_fn, "takes_context", False):
+      context = {
+          "prompt": self._decode(group.prompt.tolist()),
+          "prompt_id": group.prompt_id,
+          "row": group.row,
+      }
+    texts = [self._decode(s.response.tolist()) for s in group.samples]
+    if getattr(self._reward_fn, "form", None) == "group":  # one job scores the n together
+      jobs = [_Job(group, -1, texts, context)]
+    else:
+      jobs = [_Job(group, i, text, context) for i, text in enumerate(texts)]
     self._jobs[group.group_id] = jobs
     if self._agree is not None:
       self._unagreed.append(group)
@@ -199,7 +241,7 @@ class RewardRunner:
       with self._lock:
         job.started_at = time.monotonic()
       try:
-        return float(self._reward_fn(job.text, job.group.answer))
+        return loading.score(self._reward_fn, job.text, job.group.answer, job.context)
       finally:
         job.seconds = time.monotonic() - job.started_at
 
@@ -215,17 +257,21 @@ class RewardRunner:
       return True
     if job.future.done() and not job.future.cancelled():
       try:
-        job.result, job.status = job.future.result(), "ok"
+        out = job.future.result()
+        if job.index < 0:  # a group's list of (reward, extras)
+          job.result, job.status = out, "ok"
+        else:
+          (job.result, job.extras), job.status = out, "ok"
       except Exception:  # pylint: disable=broad-except
         job.result, job.status = self.fallback, "error"
-        self.errors += 1
+        self.errors += _samples(job)
       self.seconds += job.seconds
       return True
     with self._lock:
       started = job.started_at
     if started is not None and now - started > self.timeout_s:
       job.result, job.status = self.fallback, "timeout"
-      self.timeouts += 1
+      self.timeouts += _samples(job)
       self.seconds += now - started
       if self._workers is not None:
         self._workers.kill(job)  # its thread comes back at once
@@ -251,11 +297,17 @@ class RewardRunner:
     for group_id, jobs in list(self._jobs.items()):
       if all([self._settle(job, now) for job in jobs]):
         group = jobs[0].group
-        group.rewards = [job.result for job in jobs]
+        results = [r for job in jobs for r in _per_sample(job)]  # (reward, extras, status)
+        group.rewards = [value for value, _, _ in results]
         group.reward_info = {
-            "errors": sum(j.status == "error" for j in jobs),
-            "timeouts": sum(j.status == "timeout" for j in jobs),
+            "errors": sum(status == "error" for _, _, status in results),
+            "timeouts": sum(status == "timeout" for _, _, status in results),
         }
+        extras = sorted({k for _, e, _ in results for k in e})
+        if extras:  # a dict reward's other numbers, per sample (NaN where one lacks it)
+          group.reward_info["metrics"] = {
+              k: [e.get(k, float("nan")) for _, e, _ in results] for k in extras
+          }
         del self._jobs[group_id]
         done.append(group)
     return done

@@ -151,6 +151,7 @@ class AprilScheduler:
         answer=item.answer,
         samples=samples,
         first_step=step,
+        row=item.row or {},
     )
 
   def _next_fresh_group(self, step: int, stats) -> Group | None:

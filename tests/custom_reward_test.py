@@ -1,0 +1,209 @@
+"""A reward of the user's own, by file path or module: both signatures, dict returns whose
+extra numbers are logged, scored in the killable worker processes under the time limit,
+and every way the spec can be wrong refused in one line at start-up."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from april_jax.rewards import loading
+from april_jax.rollout.group import Group
+from april_jax.rollout.reward_runner import RewardRunner
+from april_jax.sampler import SampleRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+USER_REWARDS = """
+import time
+
+def exact(response, answer):
+    return {"score": float(response.strip() == answer), "length": len(response)}
+
+def with_prompt(sample):
+    # the whole sample: the prompt it answered, its id, the response and the answer
+    return float(sample["prompt"] == "q" + sample["answer"]) + 10 * sample["prompt_id"]
+
+def by_level(sample):
+    return float(sample["row"]["level"]) if sample["row"] else -5.0
+
+def slow(response, answer):
+    time.sleep(30)
+    return 1.0
+
+def not_a_number(response, answer):
+    return "yes"
+
+def ranked(samples):
+    # a group judge: the shortest correct response scores 1, others by rank, with extras
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["response"]))
+    rank = {i: r for r, i in enumerate(order)}
+    return [{"score": 1.0 / (1 + rank[i]), "rank": rank[i]} for i in range(len(samples))]
+
+def short_group(samples):
+    return [1.0]
+
+def three(a, b, c):
+    return 0.0
+
+NOT_CALLABLE = 3
+"""
+
+
+def _decode(ids):
+  return "".join(chr(i) for i in ids)
+
+
+def _group(group_id, prompt, answer, responses):
+  samples = []
+  for text in responses:
+    ids = np.array([ord(c) for c in text], np.int32)
+    samples.append(
+        SampleRecord(
+            prompt=np.array([ord(c) for c in prompt], np.int32),
+            max_new_tokens=8,
+            rng=np.zeros(2, np.uint32),
+            response=ids,
+            logprobs=np.zeros(len(ids), np.float32),
+            versions=np.zeros(len(ids), np.int32),
+            finish_reason="stop",
+        )
+    )
+  return Group(group_id, group_id, samples[0].prompt, answer, samples, first_step=0)
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("user") / "my_rewards.py"
+  path.write_text(USER_REWARDS)
+  (path.parent / "broken.py").write_text("import no_such_package_here\n")
+  return path
+
+
+def test_a_file_reward_scores_in_worker_processes_and_its_extras_are_kept(user_file):
+  runner = RewardRunner(loading.resolve(f"{user_file}:exact"), _decode, num_workers=2)
+  group = _group(0, "q7", "7", ["7", " 8 ", "7 "])
+  runner.submit(group)
+  (scored,) = runner.wait_for([group])
+  runner.close()
+  assert scored.rewards == [1.0, 0.0, 1.0]
+  assert scored.reward_info["metrics"] == {"length": [1.0, 3.0, 2.0]}
+  assert runner.errors == runner.timeouts == 0
+
+
+def test_the_sample_form_gets_the_prompt_and_its_id(user_file):
+  runner = RewardRunner(loading.resolve(f"{user_file}:with_prompt"), _decode, num_workers=1)
+  groups = [_group(1, "q3", "3", ["a"]), _group(2, "q5", "4", ["b"])]
+  for g in groups:
+    runner.submit(g)
+  runner.wait_for(groups)
+  runner.close()
+  assert [g.rewards for g in groups] == [[11.0], [20.0]]
+
+
+def test_the_sample_form_gets_the_dataset_rows_other_columns(user_file):
+  runner = RewardRunner(loading.resolve(f"{user_file}:by_level"), _decode, num_workers=1)
+  with_row, without = _group(7, "q", "1", ["a"]), _group(8, "q", "1", ["a"])
+  with_row.row = {"level": 3, "source": "amc"}
+  for g in (with_row, without):
+    runner.submit(g)
+  runner.wait_for([with_row, without])
+  runner.close()
+  assert with_row.rewards == [3.0] and without.rewards == [-5.0]
+
+
+def test_a_user_reward_past_its_time_limit_or_returning_no_number_gets_the_fallback(user_file):
+  slow = RewardRunner(loading.resolve(f"{user_file}:slow"), _decode, 1, timeout_s=1.0, fallback=-1)
+  bad = RewardRunner(loading.resolve(f"{user_file}:not_a_number"), _decode, 1, fallback=-2)
+  a, b = _group(3, "q", "1", ["x"]), _group(4, "q", "1", ["x"])
+  slow.submit(a)
+  bad.submit(b)
+  slow.wait_for([a])
+  bad.wait_for([b])
+  slow.close()
+  bad.close()
+  assert a.rewards == [-1.0] and slow.timeouts == 1
+  assert b.rewards == [-2.0] and bad.errors == 1
+
+
+def test_the_group_form_scores_a_prompts_samples_together(user_file):
+  runner = RewardRunner(loading.resolve(f"{user_file}:ranked"), _decode, num_workers=2)
+  group = _group(5, "q", "1", ["ccc", "a", "bb"])
+  runner.submit(group)
+  runner.wait_for([group])
+  wrong = RewardRunner(loading.resolve(f"{user_file}:short_group"), _decode, 1, fallback=-1)
+  short = _group(6, "q", "1", ["a", "b"])
+  wrong.submit(short)
+  wrong.wait_for([short])
+  runner.close()
+  wrong.close()
+  assert group.rewards == [1 / 3, 1.0, 1 / 2]
+  assert group.reward_info["metrics"] == {"rank": [2.0, 0.0, 1.0]}
+  # One result for two samples: every sample gets the fallback, each counted.
+  assert short.rewards == [-1.0, -1.0] and wrong.errors == 2
+
+
+def test_a_module_reward_by_dotted_name():
+  assert loading.problem("april_jax.rewards.math:math_reward") is None
+  fn = loading.resolve("april_jax.rewards.math:math_reward")
+  assert loading.score(fn, "The answer is \\boxed{4}", "4")[0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("{dir}/nope.py:f", "LookupError: no file"),
+        ("{dir}/my_rewards.py:missing", "has no function 'missing'"),
+        ("{dir}/my_rewards.py:NOT_CALLABLE", "is a int, not a function"),
+        ("{dir}/my_rewards.py:three", "takes (a, b, c); a reward takes (response, answer)"),
+        ("{dir}/broken.py:f", "ModuleNotFoundError: No module named 'no_such_package_here'"),
+        ("no_such_module_anywhere:f", "ModuleNotFoundError"),
+        ("nosuchname", "neither a registered reward"),
+    ],
+)
+def test_each_wrong_spec_is_one_line_naming_it(user_file, spec, expected):
+  spec = spec.format(dir=user_file.parent)
+  message = loading.problem(spec)
+  assert message is not None and expected in message and "\n" not in message
+  assert message.startswith(f"rollout.reward {spec!r}")
+
+
+def _main(workdir, *flags):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run(
+      [sys.executable, "-m", "april_jax.main", "--config=configs/tiny.py",
+       f"--workdir={workdir}", *flags],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+  )  # fmt: skip
+
+
+def test_a_run_with_a_file_reward_logs_its_extras_and_a_wrong_one_stops_before_compiling(
+    user_file, tmp_path
+):
+  bad = _main(tmp_path / "bad", f"--config.rollout.reward={user_file}:missing")
+  assert bad.returncode == 2 and "has no function 'missing'" in bad.stderr, bad.stderr[-2000:]
+  assert "Traceback" not in bad.stderr and not (tmp_path / "bad" / "checkpoints").exists()
+
+  # The built-in task's answers are walks of symbols: `exact` scores them as they are.
+  run = _main(
+      tmp_path / "run",
+      f"--config.rollout.reward={user_file}:exact",
+      "--config.num_steps=2",
+      "--config.train.sft_steps=2",
+      "--config.eval_every=0",
+      "--config.rollout.dynamic_sampling=false",
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [l["step"] for l in lines] == [1, 2]
+  assert all(l["reward/length"] > 0 for l in lines)  # the dict's extra number, per step
+  assert all(0.0 <= l["rollout/reward_mean"] <= 1.0 for l in lines)
+
+
+def test_a_reward_that_cannot_reach_a_worker_process_is_refused_by_name():
+  with pytest.raises(TypeError, match="pass processes=False to score on threads"):
+    RewardRunner(lambda response, answer: 0.0, _decode)
+  RewardRunner(lambda response, answer: 0.0, _decode, processes=False).close()
