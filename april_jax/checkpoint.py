@@ -25,27 +25,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from april_jax.errors import InputError
-
-# What a write that failed for space says, in an OSError or in Orbax's wrapped errors.
-NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
-NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")
-
-
-class DiskFull(InputError):
-  """A write of the run's files found no room; the message names the path and the room."""
-
-
-def is_no_space(error: BaseException) -> bool:
-  """True if `error`, or an error it was raised from, is a write that found no room."""
-  while error is not None:
-    if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
-      return True
-    if any(text in str(error) for text in NO_SPACE_TEXTS):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
 
 def remove_unfinished(workdir: str) -> None:
   """Deletes the folders of saves that never committed (after a failed write): they are

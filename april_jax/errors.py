@@ -5,6 +5,8 @@ the traceback goes to the log (`--verbosity=1` shows it). Everything else is a b
 failure of the machine and keeps its traceback.
 """
 
+import os
+
 
 class InputError(Exception):
   """Bad input the user can fix; the message names the file, field or flag."""
@@ -12,3 +14,37 @@ class InputError(Exception):
 
 class InputFileMissing(InputError, FileNotFoundError):
   """A file or folder the config names is not there."""
+
+
+class DiskFull(InputError):
+  """A write of the run's files found no room; the message names the path and the room."""
+
+
+# What a write that failed for space says, in an OSError or in Orbax's wrapped errors.
+NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
+NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")
+
+
+def is_no_space(error: BaseException | None) -> bool:
+  """True if `error`, or an error it was raised from, is a write that found no room."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+      return True
+    if any(text in str(error) for text in NO_SPACE_TEXTS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def disk_full(path: str) -> DiskFull:
+  """The DiskFull for a write into `path` that found no room, with the room left."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  try:
+    free = f"{shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(path) or '.').free / 1e6:.1f} MB left"
+  except OSError:
+    free = "the room left unknown"
+  return DiskFull(
+      f"no space left on the device writing {path} ({free}); the newest committed "
+      "checkpoint is intact: free some space and rerun the same command to resume"
+  )

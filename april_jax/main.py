@@ -25,6 +25,7 @@ if __name__ == "__main__":  # first of all, before jax loads: a Ctrl-C then is a
 import os
 import sys
 from typing import NoReturn
+import warnings
 
 from absl import app
 from absl import flags
@@ -35,7 +36,7 @@ from ml_collections import config_flags
 from april_jax import checkpoint
 from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
-from april_jax.errors import InputError
+from april_jax.errors import DiskFull, InputError, is_no_space
 from april_jax.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -100,6 +101,28 @@ def _no_space(error: BaseException) -> NoReturn:
   os._exit(2)  # pylint: disable=protected-access
 
 
+def _one_cache_warning(directory: str) -> None:
+  """JAX warns once per program that the compilation cache cannot be written (a full
+  disk); one line says it, and the run goes on compiling as it needs."""
+  show, said = warnings.showwarning, []
+
+  def showwarning(message, category, filename, lineno, file=None, line=None):
+    if "persistent compilation cache" not in str(message):
+      return show(message, category, filename, lineno, file, line)
+    if not said:
+      said.append(message)
+      cause = str(message).rsplit(": ", 2)[-2:]
+      print(
+          f"april_jax: warning: the compilation cache in {directory} cannot be written "
+          f"({': '.join(cause)}); the run goes on, compiling what it needs",
+          file=sys.stderr,
+          flush=True,
+      )
+    return None
+
+  warnings.showwarning = showwarning
+
+
 def _use_compilation_cache(config, workdir: str) -> None:
   """Points XLA's persistent compilation cache at config.compilation_cache_dir."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -109,6 +132,7 @@ def _use_compilation_cache(config, workdir: str) -> None:
     directory = os.path.join(workdir, "xla_cache")
   if directory:
     jax.config.update("jax_compilation_cache_dir", directory)
+    _one_cache_warning(directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
@@ -149,10 +173,14 @@ def main(argv):
       import traceback  # pylint: disable=g-import-not-at-top
 
       traceback.print_exc()
-    print(f"april_jax: {e}", file=sys.stderr)
+    print(f"april_jax: {e}", file=sys.stderr, flush=True)
+    if isinstance(e, DiskFull):  # the writers' own exit handlers would fail once more
+      checkpoint.remove_unfinished(_WORKDIR.value)
+      sys.stdout.flush()
+      os._exit(2)  # pylint: disable=protected-access
     sys.exit(2)
   except Exception as e:  # pylint: disable=broad-except
-    if checkpoint.is_no_space(e):
+    if is_no_space(e):
       _no_space(e)
     if not distributed.is_collective_failure(e):
       raise

@@ -14,11 +14,14 @@ checkpoint if a kill fell between the two. TensorBoard is told to purge the drop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
 
 from absl import logging
+
+from april_jax.errors import disk_full, is_no_space
 
 
 def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) -> None:
@@ -43,6 +46,18 @@ def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) ->
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _room_for(path: str):
+  """A write into `path` that finds no room becomes one DiskFull naming it (a torn last
+  line is dropped on resume, see _truncate_jsonl)."""
+  try:
+    yield
+  except OSError as e:
+    if is_no_space(e):
+      raise disk_full(path) from e
+    raise
 
 
 class MetricsWriter:
@@ -77,17 +92,18 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:
       return
-    with open(self.metrics_path, "a", encoding="utf-8") as f:
+    with _room_for(self.metrics_path), open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps({"step": step, **metrics}) + "\n")
     if self._tb is not None:
-      for name, value in metrics.items():
-        self._tb.add_scalar(name, value, step)
-      self._tb.flush()
+      with _room_for(self._tb_dir):
+        for name, value in metrics.items():
+          self._tb.add_scalar(name, value, step)
+        self._tb.flush()
 
   def write_rollouts(self, step: int, groups) -> None:
     if not self.enabled:
       return
-    with open(self.rollouts_path, "a", encoding="utf-8") as f:
+    with _room_for(self.rollouts_path), open(self.rollouts_path, "a", encoding="utf-8") as f:
       for g in groups:
         f.write(
             json.dumps(

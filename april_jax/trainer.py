@@ -27,9 +27,9 @@ from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import run_report
 from april_jax import sharding
-from april_jax.checkpoint import Checkpointer, DiskFull, abstract_like
+from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
-from april_jax.errors import InputError
+from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, qwen3
@@ -377,9 +377,16 @@ class Trainer:
           break
     finally:
       signal.signal(signal.SIGTERM, previous)
-      self.rewards.close()
-      self.checkpointer.close()
-      self.writer.close()
+      failing = sys.exc_info()[1] is not None
+      for close in (self.rewards.close, self.checkpointer.close, self.writer.close):
+        try:
+          close()
+        except Exception as e:  # pylint: disable=broad-except
+          if not failing:
+            raise
+          # The error that ended the run is the one to report (a full disk fails the
+          # closing writes too).
+          logging.info("while closing after an error: %s", e, exc_info=True)
       if self._lock is not None:
         self._lock.release()
     if self.primary:

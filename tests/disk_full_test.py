@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from april_jax import checkpoint
+from april_jax import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
@@ -88,7 +88,7 @@ def test_a_full_disk_stops_in_one_line_and_the_copy_resumes_exactly(tmp_path, sm
 
 
 def test_a_write_that_found_no_room_is_recognised_in_orbax_wrapped_errors():
-  assert checkpoint.is_no_space(OSError(28, "No space left on device"))
+  assert errors.is_no_space(OSError(28, "No space left on device"))
   wrapped = ValueError(
       'RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database: Failed to '
       "write 365423 bytes to file 17: No space left on device [os_error_code='28']"
@@ -96,6 +96,24 @@ def test_a_write_that_found_no_room_is_recognised_in_orbax_wrapped_errors():
   try:
     raise RuntimeError("save failed") from wrapped
   except RuntimeError as e:
-    assert checkpoint.is_no_space(e)
-  assert not checkpoint.is_no_space(OSError(13, "Permission denied"))
-  assert not checkpoint.is_no_space(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+    assert errors.is_no_space(e)
+  assert not errors.is_no_space(OSError(13, "Permission denied"))
+  assert not errors.is_no_space(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+
+
+def test_a_disk_too_small_for_the_cache_and_the_logs_is_a_warning_and_one_line(small_disk):
+  # The compilation cache lives in the workdir here (the default): its writes fail
+  # first, then a jsonl or TensorBoard write does.
+  workdir = small_disk(600 << 10) / "run"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run(
+      [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+  )  # fmt: skip
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert "Traceback" not in proc.stderr and len(lines) <= 2, proc.stderr[-3000:]
+  if len(lines) == 2:
+    assert lines[0].startswith("april_jax: warning: the compilation cache in")
+  assert lines[-1].startswith(f"april_jax: no space left on the device writing {workdir}")
+  assert not [p for p in (workdir / "checkpoints").glob("*") if "tmp" in p.name]

@@ -11,7 +11,7 @@ LAYERS = [
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
     {"run_report"},
     {"workdir_lock"},
-    {"rewards", "models"},
+    {"rewards", "envs", "models"},
     {"data", "sampler"},
     {"rollout", "evaluation", "task"},
     {"rl"},

@@ -1,8 +1,9 @@
-"""Ctrl-C at any point of a run (starting, compiling, decoding, learning, evaluating,
-saving) ends it with one line and exit 130: no traceback, no crash of the runtime, ten
+"""Ctrl-C at any point of a run (starting, warm-starting, compiling, decoding, learning,
+evaluating, saving) ends it with one line and exit 130: no traceback, no crash of the runtime, ten
 tries at each point; and the run resumes afterwards. SIGTERM still finishes the step,
 saves and exits, with a status of its own (143) and a summary that says so."""
 
+import concurrent.futures
 import json
 import os
 import random
@@ -76,21 +77,41 @@ def cache(tmp_path_factory):
   return tmp_path_factory.mktemp("xla_cache")
 
 
-@pytest.mark.parametrize("point", ["starting", "compiling", "running"])
-def test_ctrl_c_at_any_point_is_one_line_and_exit_130(point, cache, tmp_path):
-  rng = random.Random(point)
-  workdir = tmp_path / "run"  # one workdir: later tries resume what earlier ones saved
-  for _ in range(TRIES):
+def _try_once(point: str, workdir, cache, rng: random.Random) -> None:
+  """One run, Ctrl-C'd at `point` after a random delay, and checked."""
+  if point == "warm-starting":  # supervised steps before RL: a fresh run each time
+    proc = _start(workdir / f"sft{rng.random()}", cache, "--config.train.sft_steps=200")
+    _wait_for_line(proc, "warm-start:")
+    time.sleep(rng.uniform(0.0, 3.0))
+  elif point == "starting":  # importing jax, reading the config, building the model
     proc = _start(workdir, cache)
-    if point == "starting":  # importing jax, reading the config, building the model
-      time.sleep(rng.uniform(0.1, 3.0))
-    elif point == "compiling":
-      _wait_for_line(proc, "compiling the sampler")
-      time.sleep(rng.uniform(0.0, 3.0))
-    else:
-      _wait_for_line(proc, "step ")
-      time.sleep(rng.uniform(0.0, 2.0))
-    _ctrl_c_and_check(proc)
+    time.sleep(rng.uniform(0.1, 3.0))
+  elif point == "compiling":
+    proc = _start(workdir, cache)
+    _wait_for_line(proc, "compiling the sampler")
+    time.sleep(rng.uniform(0.0, 3.0))
+  else:  # decoding, learning, evaluating and saving, one after the other
+    proc = _start(workdir, cache)
+    _wait_for_line(proc, "step ")
+    time.sleep(rng.uniform(0.0, 2.0))
+  _ctrl_c_and_check(proc)
+
+
+@pytest.mark.parametrize("point", ["starting", "warm-starting", "compiling", "running"])
+def test_ctrl_c_at_any_point_is_one_line_and_exit_130(point, cache, tmp_path):
+  # Two lanes of TRIES / 2 tries side by side (two cores), each with its own workdir:
+  # a lane's later tries resume what its earlier ones saved.
+  lanes = [tmp_path / "a", tmp_path / "b"]
+
+  def lane(index: int) -> None:
+    rng = random.Random(f"{point}{index}")
+    for _ in range(TRIES // len(lanes)):
+      _try_once(point, lanes[index], cache, rng)
+
+  with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
+    for done in [pool.submit(lane, i) for i in range(len(lanes))]:
+      done.result()
+  workdir = lanes[0]
   if point == "running":  # what the tries saved resumes, and the jsonl files agree with it
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     proc = _start(workdir, cache)

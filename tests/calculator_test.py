@@ -1,0 +1,48 @@
+"""The calculator tool parses arithmetic and nothing else: real values for real
+expressions, and a refusal (never an evaluation) for code, names, calls and sizes that
+could hold the process."""
+
+import pytest
+
+from april_jax.envs.calculator import CalculatorError, calculate
+
+
+@pytest.mark.parametrize(
+    "expression,value",
+    [
+        ("3 * (4 + 5) / 2", "13.5"),
+        ("2 ** 10 - 1", "1023"),
+        ("-(7 - 10) * 2", "6"),
+        ("1,234 + 766", "2000"),  # thousands separators
+        ("10 / 4", "2.5"),
+        ("10 // 4 + 10 % 4", "4"),
+        ("0.1 + 0.2", "0.3"),
+        ("48 / 2 * 3", "72"),
+        ("  12  ", "12"),
+    ],
+)
+def test_arithmetic_gives_its_value(expression, value):
+  assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression,reason",
+    [
+        ("__import__('os').system('true')", "not arithmetic: Call"),
+        ("x + 1", "not arithmetic: Name"),
+        ("(1).real", "not arithmetic: Attribute"),
+        ("[1, 2]", "not arithmetic: List"),
+        ("'a' * 3", "not arithmetic: Constant"),
+        ("True + 1", "not arithmetic: Constant"),
+        ("1 / 0", "division by zero"),
+        ("10 ** 10 ** 10", "too big"),
+        ("9" * 40 + " * " + "9" * 40, "too big"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "not an expression"),
+        ("", "empty"),
+        ("1+" * 150 + "1", "more than 200 characters"),
+    ],
+)
+def test_everything_else_is_refused_without_being_run(expression, reason):
+  with pytest.raises(CalculatorError, match=reason):  # by size, before any power is computed
+    calculate(expression)
