@@ -389,6 +389,11 @@ class Trainer:
           logging.info("while closing after an error: %s", e, exc_info=True)
       if self._lock is not None:
         self._lock.release()
+    if self.stopped:
+      # Every process has finished writing its part of the last checkpoint before any
+      # leaves with the stopped status (a launcher such as `srun --kill-on-bad-exit`
+      # would otherwise end the others mid-write).
+      distributed.any_process(False)
     if self.primary:
       self._report()
       if self.stopped:
