@@ -82,23 +82,26 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(f"--config: the config file failed: {type(e).__name__}: {e}")
 
 
-def _no_space(error: BaseException) -> NoReturn:
-  """A write that found no room (past the check before each checkpoint): one line and
-  status 2. The unfinished save is removed (it would never be read and holds room), and
-  the process leaves at once, so the writer threads' own errors print nothing more."""
+def _leave_for_space(message: str) -> NoReturn:
+  """A write that found no room: one line and status 2. The unfinished save is removed
+  (it would never be read and holds room), and the process leaves at once, so the
+  writers' own threads and exit handlers print nothing more."""
+  checkpoint.remove_unfinished(_WORKDIR.value)
+  print(f"april_jax: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(2)  # pylint: disable=protected-access
+
+
+def _no_space_message(error: BaseException) -> str:
+  """The line for a write that failed for space past the run's own checks (in Orbax)."""
   logging.info("the write that found no room", exc_info=error)
   where = getattr(error, "filename", None)
   cause = " ".join(str(error).split())[:240]
-  checkpoint.remove_unfinished(_WORKDIR.value)
-  print(
-      f"april_jax: no space left on the device while writing the run's files"
+  return (
+      f"no space left on the device while writing the run's files"
       f"{f' ({where})' if where else ''}: {cause}; the newest committed checkpoint is "
-      "intact: free some space and rerun the same command to resume",
-      file=sys.stderr,
-      flush=True,
+      "intact: free some space and rerun the same command to resume"
   )
-  sys.stdout.flush()
-  os._exit(2)  # pylint: disable=protected-access
 
 
 def _one_cache_warning(directory: str) -> None:
@@ -173,15 +176,13 @@ def main(argv):
       import traceback  # pylint: disable=g-import-not-at-top
 
       traceback.print_exc()
+    if isinstance(e, DiskFull):
+      _leave_for_space(str(e))
     print(f"april_jax: {e}", file=sys.stderr, flush=True)
-    if isinstance(e, DiskFull):  # the writers' own exit handlers would fail once more
-      checkpoint.remove_unfinished(_WORKDIR.value)
-      sys.stdout.flush()
-      os._exit(2)  # pylint: disable=protected-access
     sys.exit(2)
   except Exception as e:  # pylint: disable=broad-except
     if is_no_space(e):
-      _no_space(e)
+      _leave_for_space(_no_space_message(e))
     if not distributed.is_collective_failure(e):
       raise
     import traceback  # pylint: disable=g-import-not-at-top

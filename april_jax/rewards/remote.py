@@ -38,7 +38,8 @@ class RemoteReward:
   takes_context = True  # the runner passes the prompt and its id
 
   def __call__(self, response: str, answer: str, context: dict | None = None) -> dict:
-    body = json.dumps({**_jsonable(context or {}), "response": response, "answer": answer}).encode()
+    sample = {**(context or {}), "response": response, "answer": answer}
+    body = json.dumps(sample, default=_plain).encode()
     last = "no attempt"
     for attempt in range(self.retries + 1):
       if attempt:
@@ -77,12 +78,6 @@ def _describe(error: Exception) -> str:
   return f"{type(error).__name__}: {reason or error}"[:200]
 
 
-def _jsonable(context: dict) -> dict:
-  """The context with numpy scalars (a prompt id) as plain numbers or strings."""
-  out = {}
-  for key, value in context.items():
-    if hasattr(value, "item"):
-      value = value.item()
-    plain = isinstance(value, (str, int, float, bool, dict, list, type(None)))
-    out[key] = value if plain else str(value)
-  return out
+def _plain(value):
+  """A value json cannot write (a numpy prompt id): its Python number, else its text."""
+  return value.item() if hasattr(value, "item") else str(value)

@@ -192,7 +192,7 @@ class RewardRunner:
         are). False scores on threads, whose hung jobs can only be abandoned.
     """
     if processes:
-      try:
+      try:  # the function itself, as the worker will receive it (nothing is unpickled here)
         pickle.dumps(reward_fn)
       except Exception as e:  # pylint: disable=broad-except
         raise TypeError(
