@@ -29,6 +29,8 @@ J pages per slot (table width), C pages per chunk.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -50,6 +52,36 @@ def chunk_pairs(first: jax.Array, size: int, ends_S: jax.Array):
   return slot, e - begins_S[slot]
 
 
+class PagePlan(NamedTuple):
+  """One decode step's live (slot, page) pairs, listed once and read by every layer.
+
+  pairs_3xE: for pair e, in (slot, position) order and padded to whole chunks, the
+  slot (S for padding), its physical page (0 for padding) and how many of the page's
+  positions the slot has written (0 for padding). num_chunks: the chunks that hold
+  live pairs."""
+
+  pairs_3xE: jax.Array
+  num_chunks: jax.Array
+
+
+def plan_pages(past_S: jax.Array, table_SxJ: jax.Array, page_size: int, chunk_pages: int):
+  """The PagePlan for slots that attend to their first past_S[s] positions. Its size is
+  static: room for every page the table can list, rounded up to whole chunks."""
+  S, J = table_SxJ.shape
+  C = chunk_pages
+  size = -(-(S * J) // C) * C
+  ends_S = jnp.cumsum(pages_read(past_S, page_size), dtype=jnp.int32)
+  slot_E, j_E = chunk_pairs(jnp.int32(0), size, ends_S)
+  row_E = jnp.minimum(slot_E, S - 1)
+  page_E = table_SxJ[row_E, jnp.clip(j_E, 0, J - 1)]
+  live_E = (slot_E < S) & (page_E >= 0)
+  count_E = jnp.clip(past_S[row_E] - j_E * page_size, 0, page_size)
+  pairs = jnp.stack([slot_E, jnp.where(live_E, page_E, 0), jnp.where(live_E, count_E, 0)]).astype(
+      jnp.int32
+  )
+  return PagePlan(pairs, (ends_S[-1] + C - 1) // C)
+
+
 def paged_decode_attention(
     q_SxKxGxH,
     k_new_SxKxH,
@@ -61,18 +93,21 @@ def paged_decode_attention(
     table_SxJ,
     chunk_pages: int,
     view=lambda x: x,
+    plan: PagePlan | None = None,
 ) -> jax.Array:
   """Attention of each slot's query over its first past_S[s] pooled positions (through
   its page table row) and its own new key; a slot with past 0 sees its new key only.
-  `view` turns the pool's storage into values (qwen3.kv_view). [S, K, G, H] in the
-  pool's value dtype."""
+  `view` turns the pool's storage into values (qwen3.kv_view). `plan`: the step's
+  plan_pages (made here when None; a decode step makes it once for all layers).
+  [S, K, G, H] in the pool's value dtype."""
   S, K, G, H = q_SxKxGxH.shape
   T = pool_k_LxPxKxTxH.shape[3]
   C = chunk_pages
+  if plan is None:
+    plan = plan_pages(past_S, table_SxJ, T, C)
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   q = q_SxKxGxH.astype(dtype)
   scale = H**-0.5
-  ends_S = jnp.cumsum(pages_read(past_S, T), dtype=jnp.int32)
   # The slot's own key opens its online softmax: m = its score, l = 1, o = its value.
   m = jnp.einsum("skgh,skh->skg", q, k_new_SxKxH.astype(dtype), preferred_element_type=jnp.float32)
   m = m * scale
@@ -81,34 +116,28 @@ def paged_decode_attention(
 
   def chunk(c, carry):
     o, m, l = carry
-    slot_C, j_C = chunk_pairs(c * C, C, ends_S)
-    in_list = slot_C < S
+    slot_C, page_C, count_C = jax.lax.dynamic_slice_in_dim(plan.pairs_3xE, c * C, C, axis=1)
     row_C = jnp.minimum(slot_C, S - 1)
-    page_C = table_SxJ[row_C, jnp.clip(j_C, 0, table_SxJ.shape[1] - 1)]
-    in_list &= page_C >= 0
-    page_C = jnp.maximum(page_C, 0)
     k_c = view(pool_k_LxPxKxTxH[layer, page_C])  # [C, K, T, H]
     v_c = view(pool_v_LxPxKxTxH[layer, page_C])
     s = jnp.einsum("ckgh,ckth->ckgt", q[row_C], k_c, preferred_element_type=jnp.float32) * scale
-    pos_CxT = j_C[:, None] * T + jnp.arange(T)[None, :]
-    valid = in_list[:, None] & (pos_CxT < past_S[row_C][:, None])
-    s = jnp.where(valid[:, None, None, :], s, _NEG)
+    valid = (jnp.arange(T)[None, :] < count_C[:, None])[:, None, None, :]  # [C, 1, 1, T]
+    s = jnp.where(valid, s, _NEG)
     m_c = jnp.max(s, axis=-1)  # [C, K, G]
-    p = jnp.where(valid[:, None, None, :], jnp.exp(s - m_c[..., None]), 0.0)
+    p = jnp.where(valid, jnp.exp(s - m_c[..., None]), 0.0)
     l_c = jnp.sum(p, axis=-1)
     o_c = jnp.einsum("ckgt,ckth->ckgh", p.astype(dtype), v_c, preferred_element_type=jnp.float32)
-    # Merge each page's partial softmax into its slot.
-    hot_CxS = in_list[:, None] & (row_C[:, None] == jnp.arange(S)[None, :])
+    # Merge each page's partial softmax into its slot (padding pairs own no slot).
+    hot_CxS = slot_C[:, None] == jnp.arange(S)[None, :]
     m_new = jnp.maximum(m, jnp.max(jnp.where(hot_CxS[..., None, None], m_c[:, None], _NEG), 0))
-    w_c = jnp.where(in_list[:, None, None], jnp.exp(m_c - m_new[row_C]), 0.0)
+    w_c = jnp.where((count_C > 0)[:, None, None], jnp.exp(m_c - m_new[row_C]), 0.0)
     hot = hot_CxS.astype(jnp.float32)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.einsum("cs,ckg->skg", hot, l_c * w_c)
     o = o * corr[..., None] + jnp.einsum("cs,ckgh->skgh", hot, o_c * w_c[..., None])
     return o, m_new, l
 
-  num_chunks = (ends_S[-1] + C - 1) // C
-  o, m, l = jax.lax.fori_loop(0, num_chunks, chunk, (o, m, l))
+  o, m, l = jax.lax.fori_loop(0, plan.num_chunks, chunk, (o, m, l))
   return (o / l[..., None]).astype(dtype)
 
 

@@ -118,26 +118,36 @@ def _write_kv(
   return qwen3.KVCache(*fn(state.kv.k, state.kv.v, kv.k, kv.v, state.page_table, slots_W))
 
 
-def _paged_attend(layout: _CacheLayout, state: SlotState, chunk_pages: int):
+def _paged_attend(layout: _CacheLayout, state: SlotState, past_S: jax.Array, chunk_pages: int):
   """decode_step's `attend`: ragged attention over the pool, per device on its own slots,
-  pages and heads (paged_attention.py)."""
-
-  def local(q, k_new, v_new, pool_k, pool_v, layer, past, table):
-    return paged_attention.paged_decode_attention(
-        q, k_new, v_new, pool_k, pool_v, layer, past, table, chunk_pages, qwen3.kv_view
-    )
-
+  pages and heads (paged_attention.py). The live pages are listed once per step, here,
+  and every layer reads that list."""
   P = PartitionSpec
   s, h = layout.slot_axes, layout.head_axes
+  page_size = state.kv.k.shape[3]
+
+  def local_plan(past, table):
+    plan = paged_attention.plan_pages(past, table, page_size, chunk_pages)
+    return plan.pairs_3xE, plan.num_chunks[None]
+
+  plan_fn = layout.local(local_plan, (P(s), P(s, None)), (P(None, s), P(s)))
+  pairs, num_chunks = plan_fn(past_S, state.page_table)
+
+  def local(q, k_new, v_new, pool_k, pool_v, layer, past, table, pairs, num_chunks):
+    plan = paged_attention.PagePlan(pairs, num_chunks[0])
+    return paged_attention.paged_decode_attention(
+        q, k_new, v_new, pool_k, pool_v, layer, past, table, chunk_pages, qwen3.kv_view, plan
+    )
+
   cache_spec = P(None, s, h, None, None)
   fn = layout.local(
       local,
       (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
-      + (P(s, None),),
+      + (P(s, None), P(None, s), P(s)),
       P(s, h, None, None),
   )
   return lambda q, k_new, v_new, layer, past: fn(
-      q, k_new, v_new, state.kv.k, state.kv.v, layer, past, state.page_table
+      q, k_new, v_new, state.kv.k, state.kv.v, layer, past, state.page_table, pairs, num_chunks
   )
 
 
@@ -219,7 +229,7 @@ def decode(
     pos = jnp.maximum(state.length - 1, 0)
     last = state.tokens[rows, pos]
     past = jnp.where(live, pos, 0)
-    attend = _paged_attend(layout, state, chunk_pages)
+    attend = _paged_attend(layout, state, past, chunk_pages)
     write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
     logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
     keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
