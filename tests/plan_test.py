@@ -109,6 +109,11 @@ def test_planner_cli_plans_a_real_config_with_no_other_flag():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "8.19B params" in out.stdout and "gradients" in out.stdout
   assert "not checked against a device" in out.stdout  # no capacity given, no verdict
+  last = json.loads(out.stdout.strip().splitlines()[-1])  # the machine-readable line
+  assert last["device_capacity_bytes"] == 0 and last["fits"] in (True, False)
+  resident, programs = last["resident_bytes"].values(), last["program_bytes"].values()
+  assert "decode" in last["program_bytes"] and "gradients" in last["program_bytes"]
+  assert abs(last["peak_bytes_per_device"] - sum(resident) - max(programs)) <= len(resident) + 1
 
 
 @needs_8
