@@ -27,6 +27,8 @@ coordination service ends a process whose peers stop sending heartbeats after
 
 from __future__ import annotations
 
+import json
+
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
@@ -136,6 +138,18 @@ def agree(values: np.ndarray) -> np.ndarray:
   # As raw 32-bit words: device arrays are 32-bit unless x64 is on, and values stay exact.
   words = multihost_utils.broadcast_one_to_all(values.view(np.uint32))
   return np.asarray(words).view(values.dtype).reshape(values.shape)
+
+
+def agree_json(value):
+  """Process 0's JSON value on every process (two collectives; every process must call
+  it at the same point). Other processes pass anything: it is not read."""
+  if jax.process_count() == 1:
+    return value
+  data = json.dumps(value).encode() if jax.process_index() == 0 else b""
+  (n,) = agree(np.array([len(data)], np.int32))
+  buffer = np.zeros(-(-int(n) // 4) * 4, np.uint8)
+  buffer[: len(data)] = np.frombuffer(data, np.uint8)
+  return json.loads(agree(buffer)[: int(n)].tobytes().decode())
 
 
 def any_process(flag: bool) -> bool:

@@ -24,18 +24,35 @@ def evaluate(
     seed: int,
     top_p: float = 1.0,
     correct_at: float = 1.0,
+    episodes=None,
+    fallback: float = 0.0,
 ) -> dict[str, float]:
   """items: PromptItems (tokens, answer). Generates with `engine` (empty; its current
-  params and stop tokens) and returns eval/* metrics."""
+  params and stop tokens; with `episodes`, each prompt an episode of the run's
+  environment, scored `fallback` where the environment failed, as in training) and
+  returns eval/* metrics."""
   prompts = [item.tokens.tolist() for item in items]
+  rows = [{**(item.row or {}), "answer": item.answer} for item in items]
 
-  def score(responses, repeat):
-    rewards = [reward_fn(decode(r), items[i // repeat].answer) for i, r in enumerate(responses)]
+  def score(records, repeat):
+    rewards = [
+        fallback
+        if "env_error" in r.meta
+        else reward_fn(decode(r.response.tolist()), items[i // repeat].answer)
+        for i, r in enumerate(records)
+    ]
     return np.array(rewards, np.float64)
 
   greedy = score(
       sampler.generate_on(
-          engine, prompts, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed
+          engine,
+          prompts,
+          max_new_tokens=max_new_tokens,
+          temperature=0.0,
+          seed=seed,
+          episodes=episodes,
+          rows=rows,
+          return_records=True,
       ),
       1,
   )
@@ -53,6 +70,9 @@ def evaluate(
             temperature=temperature,
             top_p=top_p,
             seed=seed + 1,
+            episodes=episodes,
+            rows=[row for row in rows for _ in range(k)],
+            return_records=True,
         ),
         k,
     )

@@ -54,6 +54,7 @@ def _builtin_task(c, tokenizer) -> Task:
       median=t.median,
       sigma=t.sigma,
       ring_size=t.ring_size,
+      hide_target=t.get("hide_target", False),
   )
 
   def eval_items():

@@ -29,6 +29,8 @@ from april_jax import run_report
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
+from april_jax.envs import base as env_base
+from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
@@ -110,7 +112,9 @@ class Trainer:
     """One engine for the run, rollouts and evaluation alike (empty between steps), the
     reward workers, and the scheduler that drives them."""
     c, r = self.config, self.config.rollout
-    engine_config = EngineConfig.from_run_config(c, self.tokenizer.stop_ids)
+    self.episodes, turn_stop_ids = self._episodes()
+    stop_ids = self.tokenizer.stop_ids + turn_stop_ids
+    engine_config = EngineConfig.from_run_config(c, stop_ids)
     self.engine = SlotEngine(
         self.model_cfg,
         self.learner.decode_params(),
@@ -132,7 +136,37 @@ class Trainer:
         processes=r.reward != "longtail",
     )
     settings = RolloutSettings.from_config(r)
-    self.scheduler = AprilScheduler(self.engine, settings, self.source, self.rewards, seed=c.seed)
+    self.scheduler = AprilScheduler(
+        self.engine, settings, self.source, self.rewards, seed=c.seed, episodes=self.episodes
+    )
+
+  def _episodes(self) -> tuple[EpisodeRunner | None, tuple[int, ...]]:
+    """The environment's episode runner (env.name; None without one) and the token ids
+    that end a turn besides the end of a chat turn."""
+    e = self.config.env
+    if not e.name:
+      return None, ()
+    tok = self.tokenizer
+    turn_stop_ids = ()
+    if e.turn_stop:
+      ids = tok.encode(e.turn_stop)
+      if len(ids) != 1:
+        raise InputError(
+            f"env.turn_stop={e.turn_stop!r} is {len(ids)} tokens for this tokenizer; a turn "
+            "stop must be one token"
+        )
+      turn_stop_ids = tuple(ids)
+    runner = EpisodeRunner(
+        env_base.load(e.name),
+        tok.encode,
+        lambda ids: tok.decode(ids, skip_special_tokens=False),
+        EpisodeSettings.from_config(e),
+        end_of_turn_ids=tok.stop_ids,
+        # Every process runs the same episodes: process 0's environment answers for all.
+        agree=distributed.agree_json if jax.process_count() > 1 else None,
+        leader=jax.process_index() == 0,
+    )
+    return runner, turn_stop_ids
 
   def _check_same_checkpoints(self) -> None:
     """Every process must see the same latest checkpoint (a workdir they all share)."""
@@ -299,6 +333,8 @@ class Trainer:
         temperature=c.eval.temperature,
         top_p=c.eval.top_p,
         seed=c.seed,
+        episodes=self.episodes,
+        fallback=c.rollout.reward_fallback,
     )
 
   def _evaluate_before_training(self) -> None:

@@ -6,9 +6,7 @@
       --config.eval.path=/data/aime24.jsonl
 """
 
-import importlib.util
-from pathlib import Path
-
+from april_jax.configs import base
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 
@@ -20,11 +18,7 @@ def get_config(arg=None):
   if len(shapes) > 1:
     raise ValueError(f"configs/qwen3_4b.py variants {shapes}: 'gpu' or 'node', not both")
   variant = shapes[0] if shapes else "gpu"
-  spec = importlib.util.spec_from_file_location(
-      "qwen3_8b", Path(__file__).resolve().parent / "qwen3_8b.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = base.sibling(__file__, "qwen3_8b.py")
   c = module.apply_variants(
       module.get_config(), "+".join(n for n in names if n not in shapes), path="configs/qwen3_4b.py"
   )

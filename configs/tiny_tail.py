@@ -14,20 +14,11 @@ a step costs about the same with 32 or 64 in flight); see BENCHMARKS.md for what
 with 32 on a CPU.
 """
 
-import importlib.util
-import os
-
-
-def _tiny():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-  spec = importlib.util.spec_from_file_location("april_jax_config_tiny", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from april_jax.configs import base
 
 
 def get_config(arg=None):
-  c = _tiny().get_config(arg)
+  c = base.sibling(__file__, "tiny.py").get_config(arg)
   c.num_steps = 80
   c.data.task.ring_size = 32
   c.data.task.median = 12.0

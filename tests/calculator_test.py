@@ -4,7 +4,7 @@ could hold the process."""
 
 import pytest
 
-from april_jax.envs.calculator import CalculatorError, calculate
+from april_jax.envs.calculator import CalculatorEnv, CalculatorError, calculate
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,26 @@ def test_arithmetic_gives_its_value(expression, value):
 def test_everything_else_is_refused_without_being_run(expression, reason):
   with pytest.raises(CalculatorError, match=reason):  # by size, before any power is computed
     calculate(expression)
+
+
+@pytest.mark.parametrize(
+    "turn,observation",
+    [
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}}</tool_call>',
+            "27",
+        ),
+        ("first <tool_call>1 + 1</tool_call> then <tool_call>2 ** 10</tool_call>", "1024"),
+        ("<tool_call>open('/etc/passwd')</tool_call>", "error: not arithmetic: Call"),
+        ('<tool_call>{"name": "calculator", "arguments": {}}', "error: a call needs"),
+        ("The answer is \\boxed{27}.", None),
+    ],
+)
+def test_the_calculator_environment_answers_the_turns_last_call_or_ends_the_episode(
+    turn, observation
+):
+  env = CalculatorEnv()
+  out = env.step(env.reset({"answer": "27"}), turn)
+  assert out.done == (observation is None)
+  assert out.observation == observation or out.observation.startswith(observation)
+  assert out.state == {"calls": 0 if observation is None else 1}

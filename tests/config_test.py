@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from april_jax.configs import resume_check
 from april_jax.configs.validate import ConfigError, validate
 from april_jax.rl.losses import LossConfig
 
@@ -18,7 +19,7 @@ def load(name, arg=None):
   return module.get_config(arg)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_tail"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_tail", "tiny_lookup"])
 def test_tiny_configs_are_valid(name):
   validate(load(name))
 
@@ -93,10 +94,13 @@ def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tm
         ("model.path", "/nonexistent/model", "model.path '/nonexistent/model' is not a model"),
         ("model.dtype", "float16", "model.dtype must be one of"),
         ("mesh.shape", (1, 2), "mesh.shape must have 3 entries"),
+        ("env.name", "nope", "env.name='nope' is neither a registered environment"),
+        ("env.max_turns", 0, "env.max_turns must be >= 1"),
+        ("env.observation_template", "{obs}", "env.observation_template must hold"),
     ],
 )
 def test_wrong_field_is_named(field, value, message):
-  config = load("tiny")
+  config = load("tiny_lookup" if field.startswith("env.") and field != "env.name" else "tiny")
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(ConfigError, match=message):
@@ -296,3 +300,12 @@ def test_the_kv_page_pool_fields_are_checked_by_name():
   assert f"it needs {need} pages" in str(info.value)
   config.rollout.kv_pages = need
   validate(config)
+
+
+def test_a_checkpoint_saved_before_a_field_existed_resumes_at_its_default_only():
+  config = load("tiny")
+  saved = resume_check.as_json(config)
+  del saved["env"], saved["data"]["task"]["hide_target"]  # fields added since
+  assert resume_check.differences(saved, config) == []
+  config.env.name = "lookup"
+  assert resume_check.differences(saved, config) == ["env.name: '<unset>' -> 'lookup'"]

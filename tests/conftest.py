@@ -4,6 +4,8 @@ import atexit
 import lzma
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Must happen before JAX initialises its backends.
@@ -139,3 +141,15 @@ def mesh_or_skip(shape):
   if len(jax.devices()) < int(np.prod(shape)):
     pytest.skip(f"needs {int(np.prod(shape))} (CPU) devices")
   return sharding.make_mesh(shape)
+
+
+def run_main(config: str, workdir, *flags) -> subprocess.CompletedProcess:
+  """`python -m april_jax.main --config=configs/<config>` in a subprocess on one CPU
+  device, from the repository root; its exit status and output, never raising."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run(
+      [sys.executable, "-m", "april_jax.main", f"--config=configs/{config}",
+       f"--workdir={workdir}", *flags],
+      cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+      timeout=600, check=False,
+  )  # fmt: skip

@@ -3,10 +3,6 @@ extra numbers are logged, scored in the killable worker processes under the time
 and every way the spec can be wrong refused in one line at start-up."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +11,8 @@ from april_jax.rewards import loading
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import SampleRecord
+from conftest import run_main
 
-ROOT = Path(__file__).resolve().parents[1]
 USER_REWARDS = """
 import time
 
@@ -172,12 +168,7 @@ def test_each_wrong_spec_is_one_line_naming_it(user_file, spec, expected):
 
 
 def _main(workdir, *flags):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return subprocess.run(
-      [sys.executable, "-m", "april_jax.main", "--config=configs/tiny.py",
-       f"--workdir={workdir}", *flags],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-  )  # fmt: skip
+  return run_main("tiny.py", workdir, *flags)
 
 
 def test_a_run_with_a_file_reward_logs_its_extras_and_a_wrong_one_stops_before_compiling(

@@ -1,9 +1,10 @@
 """Multi-host on one machine: two processes with 4 CPU devices each, joined by
 jax.distributed (a local coordinator, gloo collectives), against one process with 8.
 
-The same tiny RL run must give the same metrics and params either way; killing one of
-the two processes must end the other promptly, with a clear message; and restarting both
-must resume from the last checkpoint and finish like the uninterrupted run."""
+The same tiny RL run (multi-turn, with a tool that process 0 alone calls, its answers
+shared) must give the same metrics and params either way; killing one of the two
+processes must end the other promptly, with a clear message; and restarting both must
+resume from the last checkpoint and finish like the uninterrupted run."""
 
 import json
 import os
@@ -20,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.py")
+TINY = str(ROOT / "configs" / "tiny_lookup.py")  # multi-turn: episodes agree across hosts
 RUN = [
     "--config.num_steps=5",
     "--config.checkpoint_every=2",

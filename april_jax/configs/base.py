@@ -7,10 +7,23 @@ overridden on the command line, e.g. `--config.rollout.over_sampling_batch_size=
 compiles, and names the field at fault.
 """
 
+import importlib.util
+from pathlib import Path
+
 import ml_collections
 from ml_collections import config_dict
 
 from april_jax import sharding
+
+
+def sibling(config_file: str, name: str):
+  """The config module `name` (e.g. "tiny.py") beside `config_file` (a config's own
+  __file__), loaded by path: configs/ is a folder of files, not a package."""
+  path = Path(config_file).resolve().parent / name
+  spec = importlib.util.spec_from_file_location(f"april_jax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -28,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed = _distributed()
   c.data = _data()
   c.rollout = _rollout()
+  c.env = _env()
   c.train = _train()
   c.eval = _eval()
   return c
@@ -90,6 +104,7 @@ def _data() -> ml_collections.ConfigDict:
   d.task.median = 8.0  # answer lengths: log-normal with this median ...
   d.task.sigma = 0.9  # ... and this sigma of the log (the tail's weight)
   d.task.demo_overshoot = 0.0  # warm-start demonstrations that walk one symbol too far
+  d.task.hide_target = False  # multi-turn: the target told only by env "lookup"
   return d
 
 
@@ -126,6 +141,24 @@ def _rollout() -> ml_collections.ConfigDict:
   r.reward_fallback = 0.0
   r.reward_workers = 2
   return r
+
+
+def _env() -> ml_collections.ConfigDict:
+  """A multi-turn environment (envs/): each sample an episode of model turns and
+  observations. Off when name is ""."""
+  e = ml_collections.ConfigDict()
+  e.name = ""  # a registered env ("calculator"), or path/to/env.py:Name or package.module:Name
+  e.turn_stop = (
+      ""  # also ends a turn, besides the end of a chat turn: one token, e.g. "</tool_call>"
+  )
+  e.max_turns = 8  # model turns per episode
+  e.max_observation_tokens = 256  # a longer observation is cut to this (counted)
+  e.timeout_s = 10.0  # per call of the environment; past it the episode ends (counted)
+  # An observation as the model sees it: the text that closes the model's turn, the
+  # observation in the chat template's tool role, and the opening of the next turn.
+  e.observation_template = "{observation}"
+  e.close_turn = ""  # before the template when the turn ended on turn_stop
+  return e
 
 
 def _train() -> ml_collections.ConfigDict:

@@ -5,7 +5,8 @@ Everything that decides what is trained and how (model, data, rollout, train, se
 layout) must match: a changed batch size or response budget would mix two runs in one
 metrics file, or not fit the saved partial buffer. How long to run, how often to log,
 evaluate and save, how evaluation samples, where the model files lie and how processes
-find each other may change.
+find each other may change. A field added to the code since the checkpoint was saved
+resumes at its default (which keeps the old behaviour).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from april_jax.configs import base
 from april_jax.errors import InputError
 
 RESUMABLE = (
@@ -51,10 +53,13 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 def differences(saved: dict[str, Any], config) -> list[str]:
   """`field: saved -> now` for every field that differs and may not change on resume."""
   before, now = _flat(saved), _flat(as_json(config))
+  defaults = _flat(as_json(base.get_config()))
   changed = []
   for key in sorted(set(before) | set(now)):
     if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE):
       continue
+    if key not in before and key in defaults and now.get(key) == defaults[key]:
+      continue  # a field added since the checkpoint, at its default: the old behaviour
     if before.get(key, "<unset>") != now.get(key, "<unset>"):
       changed.append(f"{key}: {before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}")
   return changed

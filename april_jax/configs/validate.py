@@ -13,6 +13,7 @@ from typing import Callable
 import ml_collections
 
 from april_jax import sharding
+from april_jax.envs import base as env_base
 from april_jax.errors import InputError
 from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
@@ -261,11 +262,29 @@ def _checks_finite(c, err: Callable[[str], None], prefix: str = "") -> None:
       err(f"{prefix}{key} must be a finite number, got {value}")
 
 
+def _checks_env(c, err: Callable[[str], None]) -> None:
+  e = c.get("env")
+  if e is None or not e.name:
+    return
+  for name in ("max_turns", "max_observation_tokens"):
+    if e[name] < 1:
+      err(f"env.{name} must be >= 1, got {e[name]}")
+  if e.timeout_s <= 0:
+    err(f"env.timeout_s must be > 0, got {e.timeout_s}")
+  if "{observation}" not in e.observation_template:
+    err(f"env.observation_template must hold {{observation}}, got {e.observation_template!r}")
+  try:
+    env_base.load(e.name)
+  except env_base.EnvError as problem:
+    err(str(problem))
+
+
 CHECKS: list[Callable] = [
     _checks_finite,
     _checks_top,
     _checks_model,
     _checks_rollout,
+    _checks_env,
     _checks_distributed,
     _checks_train,
 ]

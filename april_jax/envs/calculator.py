@@ -9,14 +9,19 @@ numbers, parentheses, + - * / // % ** and unary signs are accepted; a name, a ca
 attribute or any other node is refused. Sizes are bounded so no answer can hold the
 process: the expression's length, a power's exponent and the magnitude of every
 intermediate result. Thousands separators ("1,234") are accepted in numbers.
+
+`CalculatorEnv` (env.name = "calculator") is the tool as a multi-turn environment.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import re
+
+from april_jax.envs.base import EnvStep, register
 
 MAX_CHARS = 200
 MAX_EXPONENT = 64
@@ -86,3 +91,47 @@ def calculate(expression: str) -> str:
   except SyntaxError as e:
     raise CalculatorError(f"not an expression: {e.msg}") from None
   return _format(_value(tree.body))
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def tool_call_expression(turn: str) -> str | None:
+  """The expression of the turn's last `<tool_call>`: Qwen3's JSON form
+  {"name": "calculator", "arguments": {"expression": "..."}}, or the bare expression.
+  None when the turn calls no tool; CalculatorError for a JSON call without one."""
+  calls = _TOOL_CALL.findall(turn)
+  if not calls:
+    return None
+  body = calls[-1].strip()
+  try:
+    call = json.loads(body)
+  except ValueError:
+    return body
+  if isinstance(call, dict):
+    args = call.get("arguments", call)
+    if isinstance(args, dict) and isinstance(args.get("expression"), str):
+      return args["expression"]
+    raise CalculatorError('a call needs {"arguments": {"expression": "..."}}')
+  return body
+
+
+@register("calculator")
+class CalculatorEnv:
+  """GSM8K with a calculator: each turn that makes a tool call gets the result (or the
+  calculator's error) as the observation; a turn with no tool call is the final answer
+  and ends the episode. State: the number of calls made."""
+
+  def reset(self, row: dict) -> dict:
+    del row
+    return {"calls": 0}
+
+  def step(self, state: dict, turn: str) -> EnvStep:
+    try:
+      expression = tool_call_expression(turn)
+      if expression is None:
+        return EnvStep(observation=None, done=True, state=state)
+      result = calculate(expression)
+    except CalculatorError as e:
+      result = f"error: {e}"
+    return EnvStep(observation=result, done=False, state={"calls": state["calls"] + 1})

@@ -7,7 +7,9 @@
 A user's function takes one of
   (response, answer)   the decoded response text and the dataset's gold answer,
   (sample)             one dict: "prompt" (text), "prompt_id", "response", "answer",
-                       "row" (the dataset row's columns, as JSON values),
+                       "row" (the dataset row's columns, as JSON values), and for a
+                       multi-turn episode "turns" and "env_reward" (envs/episodes.py;
+                       its "response" holds the observations too),
   (samples)            the list of a prompt's n sample dicts, scored together (a pairwise
                        judge, a ranking), returning one result per sample in order,
 and each result is a float, or a dict with a float "score" and any other numbers, which
@@ -127,9 +129,11 @@ class UserReward:
     """One sample's result; in the group form `response` is the list of the group's
     responses and the result a list."""
     fn, form = load(self.spec)
-    sample = lambda text: {**(context or {}), "response": text, "answer": answer}
+    context = dict(context or {})
+    episodes = context.pop("episodes", None)  # the group form's per-sample episode fields
+    sample = lambda text, extra={}: {**context, **extra, "response": text, "answer": answer}
     if form == "group":
-      return fn([sample(text) for text in response])
+      return fn([sample(text, episodes[i] if episodes else {}) for i, text in enumerate(response)])
     if form == "sample":
       return fn(sample(response))
     return fn(response, answer)

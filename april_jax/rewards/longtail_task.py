@@ -16,6 +16,11 @@ from those samples to stop at the target: the tiny config's first run that teach
 
 Reward `longtail`: symbols matching the correct answer at the same position, divided by
 the longer of the two lengths: exactly 1.0 for the right walk, partial credit below it.
+
+The multi-turn variant (`hide_target`, the tiny_lookup config) leaves the target out of
+the prompt (`c:<from>=`): only a lookup tool tells it (envs/lookup.py). The model asks by
+ending a turn with ':' alone; the observation is `<to>=`; then it walks. Reward `lookup`
+scores the walk after the last '=' as `longtail` does.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class LongTailTask:
   median: float = 8.0
   sigma: float = 0.9
   ring_size: int = len(RING)
+  hide_target: bool = False  # multi-turn: only the lookup tool tells the target
 
   def __post_init__(self):
     ring(self.ring_size)  # validates the size
@@ -85,11 +91,21 @@ class LongTailTask:
     symbols = ring(self.ring_size)
     answer = "".join(symbols[(start + i) % self.ring_size] for i in range(d))
     last = targets(self.ring_size)[(start + d - 1) % self.ring_size]
+    if self.hide_target:
+      return {"id": index, "prompt": f"c:{answer[0]}=", "answer": answer}
     return {"id": index, "prompt": f"c:{answer[0]}{last}=", "answer": answer}
 
   def prompt_len(self) -> int:
     """Tokens in every prompt."""
-    return 5
+    return 4 if self.hide_target else 5
+
+
+LOOKUP_CALL = ":"  # a turn that is this alone asks the lookup tool for the target
+
+
+def target_of(answer: str) -> str:
+  """The target symbol (second alphabet) of a walk's last symbol, for any ring size."""
+  return chr(0x1000 + ring(MAX_RING_SIZE).index(answer[-1]))
 
 
 def copy_score(response: str, answer: str) -> float:
@@ -102,6 +118,12 @@ def copy_score(response: str, answer: str) -> float:
 @register("longtail")
 def longtail_reward(response: str, answer: str) -> float:
   return copy_score(response.strip(), answer)
+
+
+@register("lookup")
+def lookup_reward(response: str, answer: str) -> float:
+  """The walk after the episode's last observation (`<to>=`) against the answer."""
+  return copy_score(response.rpartition("=")[2].strip(), answer)
 
 
 def sft_batch(
@@ -120,8 +142,14 @@ def sft_batch(
     if np.random.default_rng([seed, 1, int(index)]).random() < overshoot:
       symbols = ring(task.ring_size)
       answer += symbols[(symbols.index(answer[-1]) + 1) % task.ring_size]
-    full = (prompt + tok.encode(answer) + [tok.eos_id])[:seq_len]
+    call, observation = [], []
+    if task.hide_target:  # ask the tool, get the target, then walk
+      call = tok.encode(LOOKUP_CALL) + [tok.eos_id]
+      observation = tok.encode(target_of(item["answer"]) + "=")
+    full = (prompt + call + observation + tok.encode(answer) + [tok.eos_id])[:seq_len]
     tokens[b, : len(full)] = full
-    mask[b, len(prompt) - 1 : len(full) - 1] = 1.0  # predict answer and stop
+    mask[b, len(prompt) - 1 : len(full) - 1] = 1.0  # predict the call, the answer and stop
+    given = len(prompt) + len(call)
+    mask[b, given - 1 : given - 1 + len(observation)] = 0.0  # the observation is given
   targets = np.roll(tokens, -1, axis=1)
   return tokens, targets, mask

@@ -6,7 +6,8 @@ token t+1; a row's response occupies t in [P-1, P+R-2]:
 
   tokens_BxT        input tokens
   targets_BxT       tokens shifted left (the token predicted at t)
-  mask_BxT          1 where targets is a response token
+  mask_BxT          1 where targets is a response token the model drew (not an
+                    environment's observation)
   behavior_BxT      the sampler's recorded logprob of that token (temperature-scaled)
   stale_BxT         True where the token was drawn by a policy older than the current one
   advantages_B      per sample
@@ -19,6 +20,7 @@ import sys
 import numpy as np
 
 from april_jax import buckets
+from april_jax.envs.episodes import observation_mask
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rollout.group import Group
 
@@ -97,7 +99,7 @@ def build_batch(
     P, R = len(s.prompt), len(s.response)
     tokens[b, :P] = s.prompt
     tokens[b, P : P + R] = s.response
-    mask[b, P - 1 : P + R - 1] = 1.0
+    mask[b, P - 1 : P + R - 1] = observation_mask(s)  # observations are given, not drawn
     behavior[b, P - 1 : P + R - 1] = s.logprobs
     stale[b, P - 1 : P + R - 1] = s.versions < version
   targets = np.concatenate([tokens[:, 1:], np.full((B, 1), pad_id, np.int32)], axis=1)

@@ -20,6 +20,8 @@ import numpy as np
 
 from april_jax.sampler import SampleRecord, sample_keys
 
+RESTART_DROPS = ("cuts", "env", "turns", "obs", "env_reward", "env_error")
+
 
 @dataclasses.dataclass
 class Group:
@@ -55,7 +57,8 @@ class Group:
     """Discards a sample's tokens so it starts again from the prompt, with a fresh key
     derived from its old one (a restart does not regrow the same response)."""
     old = self.samples[index]
-    meta = {k: v for k, v in old.meta.items() if k != "cuts"}  # a new, uncut sample
+    # A new, uncut sample; an episode starts over (envs/episodes.py).
+    meta = {k: v for k, v in old.meta.items() if k not in RESTART_DROPS}
     meta["restarts"] = meta.get("restarts", 0) + 1
     rng = sample_keys([int(x) for x in old.rng] + [meta["restarts"]], 1)[0]
     self.samples[index] = SampleRecord(

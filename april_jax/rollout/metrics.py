@@ -1,7 +1,9 @@
 """The rollout metrics of DESIGN.md, computed from one step's result.
 
-Definitions (exact; tests check them against hand counts):
-  tokens_per_s           new tokens generated this step by all slots (including tokens
+Definitions (exact; tests check them against hand counts). A multi-turn episode's
+response holds the environment's observations too: they count in the response lengths
+and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
+  tokens_per_s           new tokens drawn this step by all slots (including tokens
                          of samples that finish in a later step) / rollout wall time
   trained_tokens_per_s   response tokens in the training batch / rollout wall time
   slot_occupancy         kept tokens / (num_slots x decode steps)
@@ -21,12 +23,17 @@ Definitions (exact; tests check them against hand counts):
   preemptions            live samples moved out of their slots because the KV page pool
                          ran out (continued later as partials; never dropped)
   kv_pages_used_frac     pool pages held at the step's end of decoding / usable pages
+  env/*                  with an environment, this step's counts: turns, episodes_done,
+                         errors, timeouts, turn_limit, observations_cut, out_of_budget,
+                         observation_tokens (envs/episodes.py)
+  observation_token_frac batch response tokens that are observations / all of them
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from april_jax.envs.episodes import observation_mask
 from april_jax.rollout.scheduler import RolloutResult
 
 
@@ -34,8 +41,14 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   st = result.stats
   samples = [s for g in result.groups for s in g.samples]
   lengths = np.array([len(s.response) for s in samples], np.float64)
-  versions = np.concatenate([s.versions for s in samples]) if samples else np.zeros((0,), np.int32)
-  continued = sum(len(s.response) for s in samples if s.meta.get("cuts", 0) > 0)
+  drawn = [observation_mask(s) > 0 for s in samples]  # all of a response but observations
+  versions = (
+      np.concatenate([s.versions[d] for s, d in zip(samples, drawn)])
+      if samples
+      else np.zeros((0,), np.int32)
+  )
+  drawn_total = float(sum(d.sum() for d in drawn))
+  continued = sum(d.sum() for s, d in zip(samples, drawn) if s.meta.get("cuts", 0) > 0)
   staleness = np.array(
       [version - int(s.versions.min()) if len(s.versions) else 0 for s in samples], np.float64
   )
@@ -48,7 +61,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
       "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
       "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
-      "rollout/off_policy_token_frac": continued / lengths.sum() if lengths.sum() else 0.0,
+      "rollout/off_policy_token_frac": continued / drawn_total if drawn_total else 0.0,
       "rollout/stale_token_frac": stat(np.mean, versions < version),
       "rollout/staleness_max": stat(np.max, staleness),
       "rollout/staleness_mean": stat(np.mean, staleness),
@@ -74,6 +87,8 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/prompts_skipped": float(st.get("prompts_skipped", 0)),
       "rollout/reward_errors": float(st.get("reward_errors", 0)),
       "rollout/reward_timeouts": float(st.get("reward_timeouts", 0)),
+      **{f"rollout/{k}": float(v) for k, v in st.items() if k.startswith("env/")},
+      "rollout/observation_token_frac": 1.0 - drawn_total / lengths.sum() if lengths.sum() else 0.0,
       "time/rollout_s": float(st.get("rollout_s", 0.0)),
       "time/reward_s": float(st.get("reward_s", 0.0)),
   }

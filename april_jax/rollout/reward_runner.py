@@ -63,6 +63,13 @@ def _per_sample(job: _Job) -> list[tuple[float, dict, str]]:
   return [(value, extras, "ok") for value, extras in job.result]
 
 
+def _episode_fields(sample) -> dict:
+  """What a reward that takes the whole sample learns of its episode, if it is one."""
+  if "env" not in sample.meta:
+    return {}
+  return {"turns": sample.meta.get("turns", 0), "env_reward": sample.meta.get("env_reward")}
+
+
 class _Killed(Exception):
   """A job whose worker process was killed at its time limit."""
 
@@ -222,14 +229,23 @@ class RewardRunner:
           "row": group.row,
       }
     texts = [self._decode(s.response.tolist()) for s in group.samples]
+    episodes = [_episode_fields(s) for s in group.samples]
     if getattr(self._reward_fn, "form", None) == "group":  # one job scores the n together
+      if context is not None and any(episodes):
+        context = {**context, "episodes": episodes}
       jobs = [_Job(group, -1, texts, context)]
     else:
-      jobs = [_Job(group, i, text, context) for i, text in enumerate(texts)]
+      jobs = [
+          _Job(group, i, text, None if context is None else {**context, **episode})
+          for i, (text, episode) in enumerate(zip(texts, episodes))
+      ]
     self._jobs[group.group_id] = jobs
     if self._agree is not None:
       self._unagreed.append(group)
     for job in jobs:
+      if job.index >= 0 and "env_error" in group.samples[job.index].meta:
+        job.result, job.status = self.fallback, "env_error"  # counted by the episodes
+        continue
       self._start(job)
 
   def _start(self, job: _Job) -> None:
@@ -298,6 +314,10 @@ class RewardRunner:
       if all([self._settle(job, now) for job in jobs]):
         group = jobs[0].group
         results = [r for job in jobs for r in _per_sample(job)]  # (reward, extras, status)
+        results = [  # an episode whose environment failed gets the fallback, whatever the form
+            (self.fallback, {}, "env_error") if "env_error" in s.meta else r
+            for r, s in zip(results, group.samples)
+        ]
         group.rewards = [value for value, _, _ in results]
         group.reward_info = {
             "errors": sum(status == "error" for _, _, status in results),

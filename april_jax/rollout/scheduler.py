@@ -33,6 +33,12 @@ stale_restarts); its siblings within the limit are kept. The group is then overd
 A restart is never cut: it finishes in the step it restarts, at the current version.
 The oldest overdue group always trains in its step, so no prompt restarts forever; no
 trained token is staler than max_staleness, and the prompt itself is never lost.
+
+With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
+ends a turn is held; right after the decode call that ended it, the environment answers
+and the observation goes into the same slot, or the episode ends and the sample is
+finished. A cut snapshots an episode like any sample, mid-turn or with an observation
+not yet fed, its environment state in the sample's meta; it resumes in either mode.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Callable
 import numpy as np
 
 from april_jax.data import PromptItem
+from april_jax.envs.episodes import EpisodeRunner
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
@@ -91,6 +98,7 @@ class AprilScheduler:
       prompt_source: Callable[[], PromptItem | None],
       rewards: RewardRunner,
       seed: int = 0,
+      episodes: EpisodeRunner | None = None,
   ):
     if settings.over_sampling_batch_size < settings.batch_size:
       raise ValueError("over_sampling_batch_size must be >= batch_size")
@@ -101,7 +109,10 @@ class AprilScheduler:
           "the synchronous baseline (partial_rollout=False) needs "
           "over_sampling_batch_size == batch_size"
       )
+    if engine.config.hold_stopped != (episodes is not None):
+      raise ValueError("an environment's episodes need an engine with hold_stopped, and only they")
     self.engine, self.settings, self.rewards = engine, settings, rewards
+    self.episodes = episodes
     self._prompt_source = prompt_source
     self._seed = seed
     self.buffer = PartialBuffer()
@@ -215,6 +226,7 @@ class AprilScheduler:
         tokens0=self.engine.tokens_generated,
         steps0=self.engine.decode_steps,
         rewards0=(r.errors, r.timeouts, r.seconds),
+        env0=collections.Counter(self.episodes.counts if self.episodes else ()),
     )
 
   def _admit(self, st: "_Step") -> bool:
@@ -283,6 +295,9 @@ class AprilScheduler:
         fresh = [r for r in waiting if not r.started]
         fresh = fresh[: engine.room_for(fresh)]
         if fresh:
+          if self.episodes is not None:
+            for r in fresh:
+              self.episodes.start(r, {**group.row, "answer": group.answer})
           engine.add_group(fresh)
         started = started or bool(partial or fresh)
         if len(partial) + len(fresh) < len(waiting):
@@ -304,8 +319,11 @@ class AprilScheduler:
     """
     engine = self.engine
     refill = engine.num_free == 0 or st.blocked or self.settings.dynamic_sampling
+    finished = engine.step(refill=refill)
+    if self.episodes is not None:
+      finished = self._turns(finished)
     done: dict[int, Group] = {}
-    for record in engine.step(refill=refill):
+    for record in finished:
       group = self.buffer.get(record.meta["group"])
       if group.complete:
         done[group.group_id] = group
@@ -314,6 +332,21 @@ class AprilScheduler:
     self.totals["preemptions"] += len(preempted)
     for group in done.values():
       self._completed(st, group)
+
+  def _turns(self, stopped: list[SampleRecord]) -> list[SampleRecord]:
+    """Each held sample's environment answers its turn: the episode goes on in its slot,
+    or it is over. Returns the samples that are finished (all turns are answered before
+    any group is judged complete: a sibling still held looks finished until then)."""
+    ended = []
+    for record in stopped:
+      if record.finish_reason == "stop":
+        observation = self.episodes.turn(record)
+        if observation is not None:
+          self.engine.extend(record, observation)
+          continue
+        self.engine.release(record)
+      ended.append(record)
+    return ended
 
   def _stop(self, st: "_Step") -> bool:
     """batch_size groups accepted and every overdue one decided; the baseline also
@@ -358,6 +391,8 @@ class AprilScheduler:
         reward_timeouts=r.timeouts - st.rewards0[1],
         reward_s=r.seconds - st.rewards0[2],
     )
+    if self.episodes is not None:  # env/turns, env/errors, ... (envs/episodes.py)
+      st.stats.update({k: v - st.env0[k] for k, v in self.episodes.counts.items()})
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
 
@@ -372,6 +407,7 @@ class _Step:
   tokens0: int
   steps0: int
   rewards0: tuple
+  env0: collections.Counter
   active: list[Group] = dataclasses.field(default_factory=list)  # admitted
   active_ids: set[int] = dataclasses.field(default_factory=set)
   accepted: list[Group] = dataclasses.field(default_factory=list)  # completion order

@@ -4,6 +4,8 @@
     engine.add_group(records)          # one prefill, KV copied into len(records) slots
     engine.add(record, mode="kv")      # continue a snapshotted partial sample
     finished = engine.step()           # up to sync_every tokens per live slot
+    engine.extend(record, tokens)      # with hold_stopped: a stopped slot goes on after
+                                       # tokens it is given (an environment's turn)
     partials = engine.snapshot()       # every unfinished slot -> host records, slots freed
 
 The engine owns the device `SlotState` and knows which record each slot holds.
@@ -48,6 +50,9 @@ class EngineConfig:
   num_pages: int | None = None  # usable pool pages; None: max_len for every slot
   preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute
   refill_batch: int = 1  # with refill on, decoding returns once this many slots finish
+  # A slot that draws a stop token is held with its KV; the caller extends or releases it
+  # before the next step (multi-turn episodes: envs/episodes.py).
+  hold_stopped: bool = False
 
   def __post_init__(self):
     for name in (
@@ -92,6 +97,7 @@ class EngineConfig:
         num_pages=r.kv_pages,
         preempt_mode=r.resume_mode,
         refill_batch=r.refill_batch,
+        hold_stopped=bool(c.get("env") and c.env.name),
     )
 
   @property
@@ -107,22 +113,36 @@ def kv_version_of(record: SampleRecord) -> int:
   return int(record.versions.min()) if record.started else 0
 
 
+def kv_positions(record: SampleRecord) -> int:
+  """Positions of a record's host KV (fewer than length - 1 when the tokens it was
+  given last have not been fed yet)."""
+  return record.kv_k.shape[1]
+
+
 def rows_from_records(
-    records: list[SampleRecord], width: int, max_len: int, kv_versions: list[int]
+    records: list[SampleRecord],
+    width: int,
+    max_len: int,
+    kv_versions: list[int],
+    lengths: list[int] | None = None,
 ) -> SlotRows:
   """The slot rows of up to `width` records (fresh, partial or recomputed alike), padded
-  to `width` with inert rows; numpy, for one insert call."""
+  to `width` with inert rows; numpy, for one insert call. `lengths`: where each slot's
+  decoding stands (default: the record's length, all its KV in place); the record's
+  tokens past it are given (forced_end, state.py)."""
   W, M = width, max_len
   tokens, logprobs = np.zeros((W, M), np.int32), np.zeros((W, M), np.float32)
   versions = np.full((W, M), -1, np.int32)
-  ints = np.zeros((5, W), np.int32)  # length, prompt_len, kv_version, limit, top_k
+  ints = np.zeros((6, W), np.int32)  # length, prompt_len, kv_version, limit, top_k, forced_end
   temperature, top_p = np.zeros(W, np.float32), np.ones(W, np.float32)
   rng = np.zeros((W, 2), np.uint32)
-  for j, (r, kv_version) in enumerate(zip(records, kv_versions)):
+  if lengths is None:
+    lengths = [r.length for r in records]
+  for j, (r, kv_version, length) in enumerate(zip(records, kv_versions, lengths)):
     P = len(r.prompt)
     tokens[j, : r.length] = np.concatenate([r.prompt, r.response])
     logprobs[j, P : r.length], versions[j, P : r.length] = r.logprobs, r.versions
-    ints[:, j] = (r.length, P, kv_version, P + r.max_new_tokens, r.top_k)
+    ints[:, j] = (length, P, kv_version, P + r.max_new_tokens, r.top_k, r.length)
     temperature[j], top_p[j], rng[j] = r.temperature, r.top_p, r.rng
   return SlotRows(
       tokens=tokens,
@@ -132,6 +152,7 @@ def rows_from_records(
       prompt_len=ints[1],
       kv_version=ints[2],
       limit=ints[3],
+      forced_end=ints[5],
       temperature=temperature,
       top_k=ints[4],
       top_p=top_p,
@@ -183,13 +204,15 @@ class SlotEngine:
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
     self._held: set[int] = set()  # id() of the records in _owner
     self._lengths = np.zeros(config.num_slots, np.int64)  # host copy, as of the last sync
+    self._kv_versions = np.zeros(config.num_slots, np.int64)  # as of the last read back
     self._limits = np.zeros(config.num_slots, np.int64)  # prompt + budget, per slot
     self._age = np.zeros(config.num_slots, np.int64)  # admission order (preempt the youngest)
     self._admissions = 0
+    self._stopped: set[int] = set()  # slots held at a stop (hold_stopped): extend or release
     self.preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
     self.preemptions = 0  # over the engine's life
     self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
-    self.tokens_generated = 0  # tokens kept, summed over slots
+    self.tokens_generated = 0  # tokens drawn (not given), summed over slots
 
   # ------------------------------------------------------------------ bookkeeping
   def free_slots(self) -> list[int]:
@@ -254,38 +277,52 @@ class SlotEngine:
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     no_slots = np.full(self.config.insert_width, -1, np.int32)
     jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
+    rows = rows_from_records([], self.config.insert_width, self.config.max_len, [])
+    self.state = self.fns.write_rows(self.state, rows, no_slots)
     return len(self._buckets)
 
   # ---------------------------------------------------------------------- admit
   def _insert(
-      self, kv: qwen3.KVCache, slots: list[int], records: list[SampleRecord], kv_versions: list[int]
+      self,
+      kv: qwen3.KVCache,
+      slots: list[int],
+      records: list[SampleRecord],
+      kv_versions: list[int],
+      lengths: list[int] | None = None,
   ) -> None:
     """One insert call: up to W records into slots, with their KV [L, R, T, K, H]: one
     row each (R = W = snapshot_width), or one shared (R = 1, W = insert_width)."""
     W = kv.k.shape[1] if kv.k.shape[1] > 1 else self.config.insert_width
     padded = np.full(W, -1, np.int32)
     padded[: len(slots)] = slots
-    rows = rows_from_records(records, W, self.config.max_len, kv_versions)
+    rows = rows_from_records(records, W, self.config.max_len, kv_versions, lengths)
     self._sync_table()
     self.state = self.fns.insert(self.state, kv, rows, padded)
 
   def _insert_shared(
-      self, kv: qwen3.KVCache, kv_version: int, slots: list[int], records: list[SampleRecord]
+      self,
+      kv: qwen3.KVCache,
+      kv_version: int,
+      slots: list[int],
+      records: list[SampleRecord],
+      length: int | None = None,
   ) -> None:
-    """One sequence's KV [L, 1, T, K, H] into slots, `insert_width` slots per call."""
+    """One sequence's KV [L, 1, T, K, H] into slots, `insert_width` slots per call;
+    `length`: where their decoding stands (default: their own length)."""
     W = self.config.insert_width
+    lengths = [r.length if length is None else length for r in records]
     for i in range(0, len(slots), W):
       chunk = records[i : i + W]
-      self._insert(kv, slots[i : i + W], chunk, [kv_version] * len(chunk))
-    self._own(slots, records)
+      self._insert(kv, slots[i : i + W], chunk, [kv_version] * len(chunk), lengths[i : i + W])
+    self._own(slots, records, lengths)
 
-  def _own(self, slots: list[int], records: list[SampleRecord]) -> None:
+  def _own(self, slots: list[int], records: list[SampleRecord], lengths: list[int]) -> None:
     """The samples now live in these slots; their host KV copies are released."""
-    for slot, record in zip(slots, records):
+    for slot, record, length in zip(slots, records, lengths):
       record.drop_kv()
       self._owner[slot] = record
       self._held.add(id(record))
-      self._lengths[slot] = record.length
+      self._lengths[slot] = length
 
   def _on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
     return kv if self.fns.kv_sharding is None else jax.device_put(kv, self.fns.kv_sharding)
@@ -296,7 +333,7 @@ class SlotEngine:
     shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads, cfg.head_dim)
     k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
     for j, r in enumerate(records):
-      k[:, j, : r.length - 1], v[:, j, : r.length - 1] = r.kv_k, r.kv_v
+      k[:, j, : kv_positions(r)], v[:, j, : kv_positions(r)] = r.kv_k, r.kv_v
     return self._on_device(qwen3.KVCache(k, v))
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
@@ -313,7 +350,7 @@ class SlotEngine:
     slots = self._take_slots(with_kv)
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
     for slot, r in zip(slots, with_kv):
-      by_bucket.setdefault(self.bucket(max(r.length - 1, 1)), []).append((slot, r))
+      by_bucket.setdefault(self.bucket(max(kv_positions(r), 1)), []).append((slot, r))
     W = self.config.snapshot_width
     for kv_len, pairs in by_bucket.items():
       for i in range(0, len(pairs), W):
@@ -323,8 +360,9 @@ class SlotEngine:
             [slot for slot, _ in pairs[i : i + W]],
             chunk,
             [kv_version_of(r) for r in chunk],
+            [kv_positions(r) + 1 for r in chunk],
         )
-    self._own(slots, with_kv)
+    self._own(slots, with_kv, [kv_positions(r) + 1 for r in with_kv])
     slot_of = dict(zip(map(id, with_kv), slots))
     slot_of.update((id(r), self.add(r, mode)) for r in rest)
     return [slot_of[id(r)] for r in records]
@@ -439,8 +477,10 @@ class SlotEngine:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     self.check(record)
     slot = self._take_slots([record])
+    length = record.length
     if mode == "kv" and record.has_kv:
-      used = record.length - 1
+      used = kv_positions(record)
+      length = used + 1
       pad = ((0, 0), (0, self.bucket(max(used, 1)) - used), (0, 0), (0, 0))
       kv = self._on_device(
           qwen3.KVCache(np.pad(record.kv_k, pad)[:, None], np.pad(record.kv_v, pad)[:, None])
@@ -449,7 +489,7 @@ class SlotEngine:
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill(np.concatenate([record.prompt, record.response]))
       kv_version = self.version
-    self._insert_shared(kv, kv_version, slot, [record])
+    self._insert_shared(kv, kv_version, slot, [record], length)
     return slot[0]
 
   # ------------------------------------------------------------------ decode, harvest
@@ -462,6 +502,11 @@ class SlotEngine:
     use a freed slot. First every live slot gets the pages it can fill in this call;
     where the pool runs out the youngest are preempted (take_preempted).
     """
+    if self._stopped:
+      raise RuntimeError(
+          f"{len(self._stopped)} slots are held at a stop: extend or release each before "
+          "the next step"
+      )
     self._reserve()
     if not self.num_live:
       return []
@@ -483,10 +528,52 @@ class SlotEngine:
     )
     self._read_back(finished, with_kv=False)
     for slot, record in finished:
-      last = record.response[-1]
-      record.finish_reason = "stop" if last in self.config.stop_ids else "length"
-      self._release(slot)
+      stopped = record.response[-1] in self.config.stop_ids
+      record.finish_reason = "stop" if stopped else "length"
+      if stopped and self.config.hold_stopped:
+        self._stopped.add(slot)
+      else:
+        self._release(slot)
     return [record for _, record in finished]
+
+  def _held_stopped(self, record: SampleRecord) -> int:
+    """The slot holding `record` at a stop (hold_stopped); ValueError if none does."""
+    slot = next((s for s in self._stopped if self._owner[s] is record), None)
+    if slot is None:
+      raise ValueError("the sample is not held in a slot at a stop")
+    return slot
+
+  def extend(self, record: SampleRecord, tokens: np.ndarray) -> None:
+    """Continues a sample that stopped and was held (hold_stopped) after `tokens`, which
+    it is given rather than draws (an environment's observation): they join its
+    response with logprob 0 and the engine's version, and the next decode steps feed
+    them through the slot's own KV, in place, before it draws again. The sample must
+    have room for them and one more token."""
+    slot = self._held_stopped(record)
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if record.budget_left < len(tokens) + 1:
+      raise ValueError(
+          f"{len(tokens)} given tokens leave no room in the sample's budget "
+          f"({record.budget_left} tokens left)"
+      )
+    length = record.length
+    record.response = np.concatenate([record.response, tokens])
+    record.logprobs = np.concatenate([record.logprobs, np.zeros(len(tokens), np.float32)])
+    record.versions = np.concatenate(
+        [record.versions, np.full(len(tokens), self.version, np.int32)]
+    )
+    record.finish_reason = None
+    W = self.config.insert_width
+    slots = np.full(W, -1, np.int32)
+    slots[0] = slot
+    kv_version = int(self._kv_versions[slot])
+    rows = rows_from_records([record], W, self.config.max_len, [kv_version], [length])
+    self.state = self.fns.write_rows(self.state, rows, slots)
+    self._stopped.discard(slot)
+
+  def release(self, record: SampleRecord) -> None:
+    """Frees the slot of a sample that stopped and was held (hold_stopped)."""
+    self._release(self._held_stopped(record))
 
   def snapshot(self, with_kv: bool = True) -> list[SampleRecord]:
     """Every unfinished sample back to the host (with its KV if asked); slots freed."""
@@ -498,6 +585,7 @@ class SlotEngine:
     return [record for _, record in held]
 
   def _release(self, slot: int) -> None:
+    self._stopped.discard(slot)
     self._held.discard(id(self._owner[slot]))
     self._owner[slot] = None
     self.book.release(slot)
@@ -511,28 +599,32 @@ class SlotEngine:
       slots[: len(chunk)] = [slot for slot, _ in chunk]
       tokens, logprobs, versions, meta = to_host(self.fns.extract_rows(self.state, slots))
       for j, (slot, record) in enumerate(chunk):
-        length, P = int(meta[j, 0]), int(meta[j, 1])
-        record.response = tokens[j, P:length].copy()
-        record.logprobs = logprobs[j, P:length].copy()
-        record.versions = versions[j, P:length].copy()
+        # Given tokens not fed yet (forced_end) belong to the response all the same.
+        P, end = int(meta[j, 1]), max(int(meta[j, 0]), int(meta[j, 3]))
+        record.response = tokens[j, P:end].copy()
+        record.logprobs = logprobs[j, P:end].copy()
+        record.versions = versions[j, P:end].copy()
+        self._kv_versions[slot] = int(meta[j, 2])
         if with_kv:
           record.kv_version = int(meta[j, 2])
     if with_kv:
       self._read_back_kv(items)
 
   def _read_back_kv(self, items: list[tuple[int, SampleRecord]]) -> None:
-    """KV of the used length, slots grouped by length bucket, W per device call."""
+    """KV of the positions written (all but the pending token and any given tokens not
+    yet fed), slots grouped by length bucket, W per device call."""
     W = self.config.snapshot_width
     self._sync_table()
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
     for slot, record in items:
-      by_bucket.setdefault(self.bucket(max(record.length - 1, 1)), []).append((slot, record))
+      used = int(self._lengths[slot]) - 1
+      by_bucket.setdefault(self.bucket(max(used, 1)), []).append((slot, record))
     for kv_len, group in by_bucket.items():
       for i in range(0, len(group), W):
         chunk = group[i : i + W]
         slots = np.full(W, -1, np.int32)
         slots[: len(chunk)] = [slot for slot, _ in chunk]
         k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len))
-        for j, (_, record) in enumerate(chunk):
-          used = record.length - 1
+        for j, (slot, record) in enumerate(chunk):
+          used = int(self._lengths[slot]) - 1
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()

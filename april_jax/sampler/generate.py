@@ -103,9 +103,14 @@ def generate_on(
     seed: int = 0,
     return_records: bool = False,
     on_invalid: str = "raise",
+    episodes=None,
+    rows: Sequence[dict] | None = None,
 ):
   """`generate` on an existing, empty engine (its params, slots and stop tokens): the
-  trainer evaluates on the run's own engine instead of allocating a second KV cache."""
+  trainer evaluates on the run's own engine instead of allocating a second KV cache.
+  On an engine that holds stopped slots (hold_stopped), each prompt is an episode of
+  `episodes` (an envs.EpisodeRunner; rows[i] the row its environment resets from); with
+  none, a stopped slot simply finishes."""
   if on_invalid not in ("raise", "skip"):
     raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
   if engine.num_live:
@@ -131,6 +136,8 @@ def generate_on(
       record.finish_reason, record.meta["error"] = "rejected", str(e)
       results[i] = record
       continue
+    if episodes is not None:
+      episodes.start(record, dict(rows[i]) if rows is not None else {})
     queue.append(record)
 
   while queue or engine.num_live:
@@ -141,6 +148,12 @@ def generate_on(
       else:
         engine.add_group([record])
     for record in engine.step(refill=bool(queue)):
+      if engine.holds(record):  # held at a stop: the end of an episode's turn
+        observation = episodes.turn(record) if episodes is not None else None
+        if observation is not None:
+          engine.extend(record, observation)
+          continue
+        engine.release(record)
       results[record.meta["index"]] = record
     queue.extendleft(reversed(engine.take_preempted()))
   if return_records:

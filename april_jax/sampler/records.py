@@ -5,7 +5,9 @@ far carries, token by token, the behavior logprob and a version tag: the oldest
 policy version that token's forward pass saw (the drawing params, or older params
 whose KV it attended to; see state.py). A partial snapshotted in mode `kv` also keeps
 its KV cache for the used length only (positions 0 .. prompt+response-2: the last
-token is pending), with `kv_version`, the oldest version among those KV entries.
+token is pending), with `kv_version`, the oldest version among those KV entries. A
+sample cut while tokens it was given (an environment's observation) were still being
+fed has KV for fewer positions; the rest are fed when it resumes (engine.kv_positions).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class SampleRecord:
   response: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
   logprobs: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.float32))
   versions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
-  kv_k: np.ndarray | None = None  # [L, P+R-1, K, H] when snapshotted with KV
+  kv_k: np.ndarray | None = None  # [L, <= P+R-1, K, H] when snapshotted with KV
   kv_v: np.ndarray | None = None
   kv_version: int | None = None  # the oldest policy version in kv_k / kv_v
   finish_reason: str | None = None  # "stop", "length", or None while unfinished

@@ -9,6 +9,9 @@
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
   extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
+  write_rows(state, rows, slots[W])         -> state with W slots' rows rewritten and
+                                               decoding again, their KV untouched (an
+                                               observation appended in place)
   mark_done(state, mask)                    -> state with those slots stopped
 
 Sequences' KV travel as [L, R, T, K, H] (R rows: prefill's output, the host buffer's
@@ -199,6 +202,19 @@ def insert(
   )
 
 
+def write_rows(state: SlotState, rows: SlotRows, slots_W: jax.Array) -> SlotState:
+  """Rewrites W slots' rows (entries of slots_W < 0 are padding) and starts them
+  decoding again; their pages and KV stay as they are."""
+  S = state.tokens.shape[0]
+  at = jnp.where(slots_W >= 0, slots_W, S)
+  put = lambda a, v: a.at[at].set(v, mode="drop")
+  rows = rows.replace(rng=jax.random.wrap_key_data(rows.rng))
+  fields = {
+      f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
+  }
+  return state.replace(done=put(state.done, False), **fields)
+
+
 def decode(
     layout: _CacheLayout,
     cfg: qwen3.Qwen3Config,
@@ -213,9 +229,11 @@ def decode(
   """Up to `sync_every` decode steps; leaves early once `leave_after` slots have
   finished in this call (0: only once every slot is done).
 
-  Returns (state, steps run, tokens kept). Each token is tagged min(version, kv_version):
-  the oldest params its forward pass saw. A slot finishes on a stop token or when its
-  length reaches its limit; both are checked here, on device. Attention reads each live
+  Returns (state, steps run, tokens drawn). Each drawn token is tagged min(version,
+  kv_version): the oldest params its forward pass saw. A slot finishes on a drawn stop
+  token or when its length reaches its limit; both are checked here, on device. Below
+  forced_end a slot's next token is given (state.py): it keeps the logprob and version
+  the host wrote for it. Attention reads each live
   slot's own pages, `chunk_pages` pages at a time (paged_attention.py), so a step costs
   what the live tokens hold and no length compiles a new program. The host has given
   every live slot the pages it can fill within the call (engine.step).
@@ -235,18 +253,21 @@ def decode(
     keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
     at = jnp.minimum(state.length, M - 1)
-    put = lambda a, v: a.at[rows, at].set(jnp.where(live, v, a[rows, at]))
+    drawn = live & (state.length >= state.forced_end)  # else: the given token stays
+    put = lambda a, v: a.at[rows, at].set(jnp.where(drawn, v, a[rows, at]))
+    tokens = put(state.tokens, new_tok)
     length = state.length + live
-    finished = live & (jnp.isin(new_tok, stop_ids_E) | (length >= state.limit))
+    stopped = drawn & jnp.isin(tokens[rows, at], stop_ids_E)
+    finished = live & (stopped | (length >= state.limit))
     state = state.replace(
-        tokens=put(state.tokens, new_tok),
+        tokens=tokens,
         logprobs=put(state.logprobs, new_lp),
         versions=put(state.versions, jnp.minimum(version, state.kv_version)),
         kv=kv,
         length=length,
         done=state.done | finished,
     )
-    return state, i + 1, kept + jnp.sum(live), finished_n + jnp.sum(finished)
+    return state, i + 1, kept + jnp.sum(drawn), finished_n + jnp.sum(finished)
 
   def keep_going(carry):
     state, i, _, finished_n = carry
@@ -260,10 +281,13 @@ def decode(
 
 def extract_rows(state: SlotState, slots_W: jax.Array):
   """Rows of W slots at once (entries < 0 are padding): tokens, logprobs, versions
-  [W, M] and int32 [W, 3] (length, prompt_len, kv_version). One transfer for many
-  samples."""
+  [W, M] and int32 [W, 4] (length, prompt_len, kv_version, forced_end). One transfer
+  for many samples."""
   idx = jnp.maximum(slots_W, 0)
-  meta = jnp.stack([state.length[idx], state.prompt_len[idx], state.kv_version[idx]], axis=-1)
+  meta = jnp.stack(
+      [state.length[idx], state.prompt_len[idx], state.kv_version[idx], state.forced_end[idx]],
+      axis=-1,
+  )
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 
@@ -319,6 +343,7 @@ class DeviceFns:
   decode: Any
   extract_rows: Any
   extract_kv: Any
+  write_rows: Any
   mark_done: Any
   shards: int = 1  # the slot axes' devices: slots and pages split this many ways
   pages_per_shard: int = 0  # pool pages of each shard, its scratch page included
@@ -394,5 +419,6 @@ def device_fns(
       ),
       extract_rows=jax.jit(extract_rows),
       extract_kv=jax.jit(functools.partial(extract_kv, layout), static_argnums=2),
+      write_rows=jax.jit(write_rows, donate_argnums=0, **pin),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
   )

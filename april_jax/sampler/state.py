@@ -13,12 +13,20 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
   logprobs/versions[s, t]        for each response token t: its behavior logprob and its
                                  version tag (-1 for prompt tokens): the oldest policy
                                  version that token's forward pass saw, i.e.
-                                 min(the drawing version, kv_version[s])
+                                 min(the drawing version, kv_version[s]); a given
+                                 token keeps the tag the host wrote (engine.extend:
+                                 the version that gave it)
   kv_version[s]                  the oldest policy version whose KV the slot holds: the
                                  version of its prefill, kept when KV is put back (mode
                                  kv), renewed by a recompute. A token drawn by new params
                                  over old KV is not on-policy, and is not tagged as such.
   limit[s]                       the length at which the sample stops (prompt + budget)
+  forced_end[s]                  tokens[s, length:forced_end] are given, not drawn (an
+                                 environment's observation, or a resumed sample's tokens
+                                 whose KV it lacks): each decode step takes the next one
+                                 as its output, with logprob 0, and feeds it on, so the
+                                 slot's KV grows over them in place; a given token never
+                                 stops the slot
   rng[s]                         the sample's own key; the token at position t is drawn
                                  with fold_in(rng, t), so a sample's draws do not depend
                                  on its slot, its neighbours or on interruptions
@@ -48,6 +56,7 @@ class SlotState:
   prompt_len: jax.Array  # int32 [S]
   kv_version: jax.Array  # int32 [S]
   limit: jax.Array  # int32 [S]
+  forced_end: jax.Array  # int32 [S]
   temperature: jax.Array  # float32 [S]; 0 = greedy
   top_k: jax.Array  # int32 [S]; 0 = off
   top_p: jax.Array  # float32 [S]; 1 = off
@@ -67,6 +76,7 @@ class SlotRows:
   prompt_len: jax.Array  # int32 [W]
   kv_version: jax.Array  # int32 [W]
   limit: jax.Array  # int32 [W]
+  forced_end: jax.Array  # int32 [W]
   temperature: jax.Array  # float32 [W]
   top_k: jax.Array  # int32 [W]
   top_p: jax.Array  # float32 [W]
@@ -98,6 +108,7 @@ def init_state(
       prompt_len=zeros_i(S),
       kv_version=zeros_i(S),
       limit=zeros_i(S),
+      forced_end=zeros_i(S),
       temperature=jnp.zeros((S,), jnp.float32),
       top_k=zeros_i(S),
       top_p=jnp.ones((S,), jnp.float32),
@@ -120,6 +131,7 @@ def state_logical_axes() -> SlotState:
       prompt_len=vec,
       kv_version=vec,
       limit=vec,
+      forced_end=vec,
       temperature=vec,
       top_k=vec,
       top_p=vec,

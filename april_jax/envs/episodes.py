@@ -1,0 +1,197 @@
+"""Multi-turn episodes on the slot engine: what happens when a slot ends a turn.
+
+A sample with an environment is an episode. Its response holds every turn of the model
+and every observation, in order; `meta` keeps the rest as JSON, so it survives cuts,
+preemptions and checkpoints:
+
+  meta["env"]          the environment's state
+  meta["turns"]        model turns ended so far
+  meta["obs"]          [[start, end], ...]: the observations' token spans in the response;
+                       they are given, not drawn: logprob 0, outside the loss (rl/batch.py)
+  meta["env_reward"]   the last reward the environment gave, if any
+  meta["env_error"]    why the environment ended the episode early (it raised or ran past
+                       its time limit): the sample's reward is the fallback
+
+The engine holds a slot that draws a stop token (EngineConfig.hold_stopped). The
+scheduler hands the sample to `turn`: the environment reads the turn's text and either
+ends the episode (the slot is released, the sample finished) or answers; the answer's
+tokens, in the observation template, go into the same slot (`SlotEngine.extend`) and
+decoding goes on over the slot's own KV. Limits: max_turns (the episode ends after that
+many turns), max_observation_tokens (a longer observation is cut to it before it is put
+in its template, counted) and the sample's token budget (an observation that leaves no
+room ends the episode, counted).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from april_jax.envs.base import Env, EnvStep
+
+SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSettings:
+  max_turns: int = 8
+  max_observation_tokens: int = 256
+  timeout_s: float = 10.0  # per environment call
+  # The text around an observation: it closes the model's turn and opens the next one.
+  observation_template: str = "{observation}"
+  # Put before the template when the turn ended on a stop token that is not the end of
+  # a chat turn (e.g. `</tool_call>` rather than `<|im_end|>`).
+  close_turn: str = ""
+
+  @classmethod
+  def from_config(cls, env_config) -> "EpisodeSettings":
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(env_config).items() if k in names})
+
+
+class EpisodeRunner:
+  """Runs one environment for every episode of a run, and counts what happens.
+
+  On several hosts every process runs the same scheduler, so every process must see
+  the same episodes: process 0 alone calls the environment, and `agree` (a collective,
+  distributed.agree_json) gives its outcome to all. One process: no agreement needed."""
+
+  def __init__(
+      self,
+      env: Env,
+      encode: Callable[[str], list[int]],
+      decode: Callable[[list[int]], str],
+      settings: EpisodeSettings = EpisodeSettings(),
+      end_of_turn_ids: tuple[int, ...] = (),
+      agree: Callable[[Any], Any] | None = None,
+      leader: bool = True,
+  ):
+    self.env, self.settings = env, settings
+    self._encode, self._decode = encode, decode
+    self._end_of_turn = set(int(i) for i in end_of_turn_ids)
+    self._agree = agree or (lambda outcome: outcome)
+    self._leader = leader
+    prefix, _, suffix = settings.observation_template.partition("{observation}")
+    self._around = (prefix, suffix)
+    self.counts = collections.Counter()  # over the run
+
+  def start(self, record: SampleRecord, row: dict) -> None:
+    """Opens the sample's episode (once: a resumed sample keeps it). An environment that
+    cannot reset leaves a plain sample, ended at its first turn, counted."""
+    if "env" in record.meta:
+      return
+    outcome = self._agree(self._reset(row) if self._leader else None)
+    self._apply(record, outcome)
+
+  def turn(self, record: SampleRecord) -> np.ndarray | None:
+    """The environment's answer to the turn the sample just ended: the observation's
+    tokens to give it, or None when the episode is over."""
+    outcome = self._agree(self._step(record) if self._leader else None)
+    return self._apply(record, outcome)
+
+  # ------------------------------------------------- outcomes (process 0 computes them)
+  def _reset(self, row: dict) -> dict:
+    meta = {"env": None, "turns": 0, "obs": []}
+    try:
+      meta["env"] = _json_state(self._call(self.env.reset, row))
+      return {"meta": meta}
+    except TimeoutError:
+      return _failed(meta, "timeouts", f"reset ran past {self.settings.timeout_s} s")
+    except Exception as e:  # pylint: disable=broad-except
+      return _failed(meta, "errors", f"reset: {type(e).__name__}: {e}")
+
+  def _step(self, record: SampleRecord) -> dict:
+    """What the turn leads to, as JSON: the sample's new meta fields, the observation's
+    tokens (None: the episode is over) and the counts to add."""
+    s, old = self.settings, record.meta
+    spans = list(old.get("obs", []))
+    meta = {"turns": old.get("turns", 0) + 1, "obs": spans}
+    counts = {"env/turns": 1}
+    if "env_error" in old:  # its environment failed to reset
+      return {"meta": meta, "counts": counts}
+    start = spans[-1][1] if spans else 0
+    text = self._decode(record.response[start:].tolist())
+    try:
+      out = self._call(self.env.step, old.get("env"), text)
+      if not isinstance(out, EnvStep):
+        raise TypeError(f"step returned a {type(out).__name__}, not an EnvStep")
+      meta["env"] = _json_state(out.state)
+      if out.reward is not None:
+        meta["env_reward"] = float(out.reward)
+      if out.done or out.observation is None:
+        return {"meta": meta, "counts": counts | {"env/episodes_done": 1}}
+      observation = self._encode(str(out.observation))
+    except TimeoutError:
+      return _failed(meta, "timeouts", f"step ran past {s.timeout_s} s", counts)
+    except Exception as e:  # pylint: disable=broad-except
+      return _failed(meta, "errors", f"step: {type(e).__name__}: {e}", counts)
+    if meta["turns"] >= s.max_turns:
+      return {"meta": meta, "counts": counts | {"env/turn_limit": 1}}
+    if len(observation) > s.max_observation_tokens:  # cut the observation, not its frame
+      observation = observation[: s.max_observation_tokens]
+      counts["env/observations_cut"] = 1
+    close = "" if int(record.response[-1]) in self._end_of_turn else s.close_turn
+    prefix, suffix = self._around
+    tokens = self._encode(close + prefix) + observation + self._encode(suffix)
+    if record.budget_left < len(tokens) + 1:
+      return {"meta": meta, "counts": counts | {"env/out_of_budget": 1}}
+    spans.append([len(record.response), len(record.response) + len(tokens)])
+    counts["env/observation_tokens"] = len(tokens)
+    return {"meta": meta, "tokens": [int(t) for t in tokens], "counts": counts}
+
+  def _apply(self, record: SampleRecord, outcome: dict) -> np.ndarray | None:
+    record.meta.update(outcome["meta"])
+    self.counts.update(outcome.get("counts", {}))
+    tokens = outcome.get("tokens")
+    return None if tokens is None else np.asarray(tokens, np.int32)
+
+  def _call(self, fn, *args) -> Any:
+    """fn(*args) under the time limit (TimeoutError past it), on a daemon thread: one
+    that never returns is left behind (Python cannot stop a thread) and does not hold
+    the process at exit. Calls run one at a time: decoding waits for them."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run():
+      try:
+        box["out"] = fn(*args)
+      except BaseException as e:  # pylint: disable=broad-except
+        box["error"] = e
+      finally:
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="env").start()
+    if not done.wait(self.settings.timeout_s):
+      raise TimeoutError
+    if "error" in box:
+      raise box["error"]
+    return box["out"]
+
+
+def _failed(meta: dict, kind: str, why: str, counts: dict | None = None) -> dict:
+  """The outcome of an environment that raised or ran past its time limit: the episode
+  ends, and its reward will be the fallback."""
+  return {"meta": {**meta, "env_error": why}, "counts": (counts or {}) | {f"env/{kind}": 1}}
+
+
+def _json_state(state: Any) -> Any:
+  """The state as a checkpoint gives it back (a JSON copy: tuples become lists, keys
+  strings), so a resumed episode sees what an uninterrupted one does; TypeError when
+  JSON cannot hold it."""
+  try:
+    return json.loads(json.dumps(state))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"the environment's state is not JSON ({e})") from None
+
+
+def observation_mask(record: SampleRecord) -> np.ndarray:
+  """1.0 for each response token the model drew, 0.0 for each observation token."""
+  mask = np.ones(len(record.response), np.float32)
+  for start, end in record.meta.get("obs", ()):
+    mask[start:end] = 0.0
+  return mask

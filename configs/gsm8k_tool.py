@@ -1,0 +1,45 @@
+"""Qwen3-4B on GSM8K with a calculator tool: multi-turn episodes on one H200.
+
+  python -m april_jax.main --config=configs/gsm8k_tool.py --workdir=runs/gsm8k_tool \
+      --config.model.path=/models/Qwen3-4B \
+      --config.data.source=/data/gsm8k_train.jsonl \
+      --config.eval.path=/data/gsm8k_test.jsonl
+
+The model calls the calculator in Qwen3's tool-call format,
+<tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}</tool_call>;
+the turn ends there (env.turn_stop), the result comes back in the chat template's tool
+role, and the model goes on in the same slot. A turn without a call is the final answer
+(envs/calculator.py: expressions are parsed, never evaluated as code). The math reward
+scores the last "\\boxed{}" or "#### N" of the whole episode. Otherwise configs/qwen3_4b.py
+on one GPU.
+"""
+
+from april_jax.configs import base
+
+SYSTEM_PROMPT = """You can use a calculator. To call it, write
+<tool_call>{"name": "calculator", "arguments": {"expression": "<arithmetic>"}}</tool_call>
+and wait for its result. Finish with the final answer as \\boxed{N}."""
+
+
+def get_config(arg=None):
+  c = base.sibling(__file__, "qwen3_4b.py").get_config(arg)
+  c.data.source = ""  # required: GSM8K train (jsonl, "question" / "answer ... #### N")
+  c.data.max_prompt_len = 512
+  c.data.system_prompt = SYSTEM_PROMPT
+  c.rollout.reward = "math"
+  c.rollout.max_response_len = 2048  # every turn and every observation
+  c.rollout.dynamic_sampling = True
+  c.env.name = "calculator"
+  c.env.turn_stop = "</tool_call>"  # one token in Qwen3's vocabulary
+  c.env.close_turn = "<|im_end|>"
+  c.env.observation_template = (
+      "\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n"
+      "<|im_start|>assistant\n"
+  )
+  c.env.max_turns = 8
+  c.env.max_observation_tokens = 64
+  c.env.timeout_s = 5.0
+  c.eval.num_prompts = 256  # the first of GSM8K test
+  c.eval.k = 0
+  c.eval.temperature = 0.0
+  return c
