@@ -147,7 +147,8 @@ def agree_json(value):
     return value
   data = json.dumps(value).encode() if jax.process_index() == 0 else b""
   (n,) = agree(np.array([len(data)], np.int32))
-  buffer = np.zeros(-(-int(n) // 4) * 4, np.uint8)
+  # Sizes in powers of two: each new shape is a new program to compile on every process.
+  buffer = np.zeros(max(256, 1 << (int(n) - 1).bit_length()), np.uint8)
   buffer[: len(data)] = np.frombuffer(data, np.uint8)
   return json.loads(agree(buffer)[: int(n)].tobytes().decode())
 

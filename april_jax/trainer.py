@@ -15,6 +15,7 @@ fixed seed the continuation equals the uninterrupted run (timings aside).
 from __future__ import annotations
 
 import gc
+import logging as std_logging
 import signal
 import sys
 import time
@@ -30,7 +31,7 @@ from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import base as env_base
-from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings
+from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
@@ -280,10 +281,18 @@ class Trainer:
     """Checkpoint step's arrays, buffer and host JSON; a read error is raised, not logged
     (Orbax logs its traceback itself)."""
     verbosity = logging.get_verbosity()
+    # A failed read can leave Orbax's asyncio tasks holding the error; asyncio reports
+    # them ("exception was never retrieved", with a traceback) whenever they are
+    # collected: collect them here, while both loggers are quiet.
+    aio = std_logging.getLogger("asyncio")
+    aio_level = aio.level
     logging.set_verbosity(logging.FATAL)
+    aio.setLevel(std_logging.CRITICAL)
     try:
       return self.checkpointer.restore(step, abstract_like(self.learner.state()[0]))
     finally:
+      gc.collect()
+      aio.setLevel(aio_level)
       logging.set_verbosity(verbosity)
 
   def _set_aside(self, step: int, error: Exception) -> str:
@@ -358,7 +367,9 @@ class Trainer:
     result = self.scheduler.step(step, version)
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
-    adv = np.asarray(advantages_lib.get_advantage(c.train.advantage)(rewards))
+    lengths = [[observation_mask(s).sum() for s in g.samples] for g in result.groups]
+    estimator = advantages_lib.get_advantage(c.train.advantage)
+    adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
     batch = batch_lib.build_batch(
         result.groups,
         adv,

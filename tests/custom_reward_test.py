@@ -11,7 +11,6 @@ from april_jax.rewards import loading
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import SampleRecord
-from conftest import run_main
 
 USER_REWARDS = """
 import time
@@ -167,31 +166,8 @@ def test_each_wrong_spec_is_one_line_naming_it(user_file, spec, expected):
   assert message.startswith(f"rollout.reward {spec!r}")
 
 
-def _main(workdir, *flags):
-  return run_main("tiny.py", workdir, *flags)
-
-
-def test_a_run_with_a_file_reward_logs_its_extras_and_a_wrong_one_stops_before_compiling(
-    user_file, tmp_path
-):
-  bad = _main(tmp_path / "bad", f"--config.rollout.reward={user_file}:missing")
-  assert bad.returncode == 2 and "has no function 'missing'" in bad.stderr, bad.stderr[-2000:]
-  assert "Traceback" not in bad.stderr and not (tmp_path / "bad" / "checkpoints").exists()
-
-  # The built-in task's answers are walks of symbols: `exact` scores them as they are.
-  run = _main(
-      tmp_path / "run",
-      f"--config.rollout.reward={user_file}:exact",
-      "--config.num_steps=2",
-      "--config.train.sft_steps=2",
-      "--config.eval_every=0",
-      "--config.rollout.dynamic_sampling=false",
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert [l["step"] for l in lines] == [1, 2]
-  assert all(l["reward/length"] > 0 for l in lines)  # the dict's extra number, per step
-  assert all(0.0 <= l["rollout/reward_mean"] <= 1.0 for l in lines)
+# A run of `main` with a file reward (its extras logged, a wrong spec refused before
+# compiling) is in episodes_test.py, beside a file environment: one run serves both.
 
 
 def test_a_reward_that_cannot_reach_a_worker_process_is_refused_by_name():

@@ -97,7 +97,7 @@ def _episode(cut=None, mode="kv", seed=0):
   comes back in another slot."""
   engine, runner = _engine(), _runner()
   record = _record(seed)
-  runner.start(record, {"answer": "gold"})
+  runner.start([record], [{"answer": "gold"}])
   engine.add_group([record])
   cuts = 0
   while True:
@@ -108,7 +108,7 @@ def _episode(cut=None, mode="kv", seed=0):
           engine.release(r)
         continue
       if r.finish_reason == "stop":
-        observation = runner.turn(r)
+        observation = runner.turn([r])[0]
         if observation is not None:
           engine.extend(r, observation)
           cut_now = cut_now or cut == "turn"
@@ -244,12 +244,12 @@ def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
   runner = episodes.EpisodeRunner(env, encode, decode, episodes.EpisodeSettings(**settings))
   engine = _engine()
   record = _record()
-  runner.start(record, {"answer": ""})
+  runner.start([record], [{"answer": ""}])
   engine.add_group([record])
   while engine.num_live:
     for r in engine.step():
       if r.finish_reason == "stop":
-        observation = runner.turn(r)
+        observation = runner.turn([r])[0]
         if observation is not None:
           engine.extend(r, observation)
           continue
@@ -413,11 +413,11 @@ def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_s
   )
   call = 'Half of 48: <tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}'
   record = SampleRecord(prompt=[1, 2], max_new_tokens=200, rng=[0, 0])
-  runner.start(record, {"answer": "24"})
+  runner.start([record], [{"answer": "24"}])
   record.response = np.array(tok.encode(call) + [turn_stop], np.int32)
   record.logprobs = np.zeros(len(record.response), np.float32)
   record.versions = np.zeros(len(record.response), np.int32)
-  observation = runner.turn(record)
+  observation = runner.turn([record])[0]
   assert tok.decode(observation.tolist()) == (
       "<|im_end|>\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
       "<|im_start|>assistant\n"
@@ -430,7 +430,7 @@ def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_s
   record.response = np.append(record.response, tok.stop_ids[0]).astype(np.int32)
   record.logprobs = np.zeros(len(record.response), np.float32)
   record.versions = np.zeros(len(record.response), np.int32)
-  assert runner.turn(record) is None and runner.counts["env/episodes_done"] == 1
+  assert runner.turn([record])[0] is None and runner.counts["env/episodes_done"] == 1
 
 
 USER_ENV = '''
@@ -453,23 +453,36 @@ class Oracle:
 NOT_AN_ENV = 3
 '''
 
+USER_REWARD = '''
+def walk(sample):
+  """The walk after the last observation against the answer, and the episode's turns."""
+  walk = sample["response"].rpartition("=")[2].strip()
+  return {"score": float(walk == sample["answer"]), "turns": sample["turns"]}
+'''
+
 
 def _main(workdir, *flags):
-  return run_main("tiny_lookup.py", workdir, *flags)
+  # max_response_len as configs/tiny.py's: the programs other runs compiled are cached.
+  return run_main("tiny_lookup.py", workdir, "--config.rollout.max_response_len=64", *flags)
 
 
-def test_a_users_environment_file_drives_the_run_and_a_wrong_one_stops_before_compiling(tmp_path):
-  user = tmp_path / "my_env.py"
-  user.write_text(USER_ENV)
-  bad = _main(tmp_path / "bad", f"--config.env.name={user}:NOT_AN_ENV")
-  assert bad.returncode == 2, bad.stderr[-2000:]
-  assert "NOT_AN_ENV is a int, not a class or a factory" in bad.stderr
-  assert "Traceback" not in bad.stderr
-  assert "compiling" not in bad.stdout
+def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_early(tmp_path):
+  (tmp_path / "my_env.py").write_text(USER_ENV)
+  (tmp_path / "my_reward.py").write_text(USER_REWARD)
+  env, reward = tmp_path / "my_env.py", tmp_path / "my_reward.py"
+  for flag, message in [
+      (f"--config.env.name={env}:NOT_AN_ENV", "NOT_AN_ENV is a int, not a class or a factory"),
+      (f"--config.rollout.reward={reward}:missing", "has no function 'missing'"),
+  ]:
+    bad = _main(tmp_path / "bad", flag)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr and "compiling" not in bad.stdout
+    assert not (tmp_path / "bad" / "checkpoints").exists()
 
   run = _main(
       tmp_path / "run",
-      f"--config.env.name={user}:Oracle",
+      f"--config.env.name={env}:Oracle",
+      f"--config.rollout.reward={reward}:walk",
       "--config.num_steps=2",
       "--config.train.sft_steps=30",
       "--config.eval_every=0",
@@ -480,6 +493,8 @@ def test_a_users_environment_file_drives_the_run_and_a_wrong_one_stops_before_co
   for line in lines:  # the warm start taught the call: episodes take turns
     assert line["rollout/env/turns"] > line["rollout/env/episodes_done"] > 0
     assert 0 < line["rollout/observation_token_frac"] < 0.5
+    assert line["reward/turns"] > 1  # the reward's extra number: it saw the episodes
+    assert 0.0 <= line["rollout/reward_mean"] <= 1.0
 
 
 def test_a_held_slot_must_be_extended_or_released_before_the_next_step():
@@ -521,14 +536,14 @@ def test_on_several_hosts_process_0_answers_and_every_process_applies_the_same_o
   )
   records = [_record(5), _record(5)]
   for runner, record in zip((leader, follower), records):
-    runner.start(record, {"answer": "a"})
+    runner.start([record], [{"answer": "a"}])
   for turn in range(4):
     given = []
     for runner, record in zip((leader, follower), records):
       record.response = np.append(record.response, [10 + turn, STOPS[0]]).astype(np.int32)
       record.logprobs = np.zeros(len(record.response), np.float32)
       record.versions = np.zeros(len(record.response), np.int32)
-      given.append(runner.turn(record))
+      given.append(runner.turn([record])[0])
       if given[-1] is not None:
         record.response = np.concatenate([record.response, given[-1]])
     assert (given[0] is None) == (given[1] is None) == (turn == 3)

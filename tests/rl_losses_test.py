@@ -113,10 +113,54 @@ def test_grpo_with_one_sample_per_group_raises_naming_n():
     get_advantage("grpo")(jnp.ones((3, 1)))
 
 
+def test_rloo_is_each_reward_minus_the_mean_of_the_others():
+  rewards = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, -1.0, 2.0, 0.0]], np.float32)
+  # By hand: group 2, sample 0: 3 - (-1 + 2 + 0) / 3 = 2.6667; sample 1: -1 - 5/3.
+  expected = [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [3 - 1 / 3, -1 - 5 / 3, 2 - 2 / 3, 0 - 4 / 3]]
+  got = get_advantage("rloo")(jnp.asarray(rewards))
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  with pytest.raises(ValueError, match="n=1"):
+    get_advantage("rloo")(jnp.ones((3, 1)))
+
+
+def test_reinforce_plus_plus_whitens_rewards_over_the_batch_s_tokens():
+  rewards = np.array([[1.0, 0.0], [0.0, 0.0]], np.float32)
+  lengths = np.array([[2, 1], [1, 4]], np.float32)
+  # Tokens: 1, 1, 0, 0, 0, 0, 0, 0 -> mean 1/4, var 3/16, std sqrt(3)/4.
+  std = 3**0.5 / 4
+  expected = [[(1 - 0.25) / std, -0.25 / std], [-0.25 / std, -0.25 / std]]
+  got = get_advantage("reinforce_plus_plus")(jnp.asarray(rewards), lengths_GxN=lengths)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  # Without lengths every sample counts once: 1, 0, 0, 0 -> mean 1/4, std sqrt(3)/4 too.
+  by_sample = get_advantage("reinforce_plus_plus")(jnp.asarray(rewards))
+  np.testing.assert_allclose(by_sample, expected, rtol=1e-5)
+  # A group's shared difficulty stays in the advantage (no group baseline) ...
+  easy = get_advantage("reinforce_plus_plus")(jnp.asarray([[1.0, 1.0], [0.0, 0.0]]))
+  np.testing.assert_allclose(easy, [[1.0, 1.0], [-1.0, -1.0]], rtol=1e-5)
+  # ... and the baseline form removes it first.
+  base = get_advantage("reinforce_plus_plus_baseline")(jnp.asarray([[1.0, 1.0], [0.0, 0.0]]))
+  np.testing.assert_allclose(base, 0.0, atol=1e-6)
+
+
+def test_reinforce_plus_plus_baseline_centres_groups_then_whitens_over_tokens():
+  rewards = np.array([[1.0, 0.0], [2.0, 2.0], [0.0, 3.0]], np.float32)
+  lengths = np.array([[1, 3], [2, 2], [1, 1]], np.float32)
+  # Centred: [0.5, -0.5], [0, 0], [-1.5, 1.5]; as tokens (x length): 0.5, -0.5 x3, 0 x4,
+  # -1.5, 1.5 -> 10 tokens, mean (0.5 - 1.5 - 1.5 + 1.5) / 10 = -0.1.
+  centred = np.array([[0.5, -0.5], [0.0, 0.0], [-1.5, 1.5]])
+  mean = (centred * lengths).sum() / lengths.sum()
+  std = (((centred - mean) ** 2 * lengths).sum() / lengths.sum()) ** 0.5
+  assert mean == pytest.approx(-0.1)
+  got = get_advantage("reinforce_plus_plus_baseline")(jnp.asarray(rewards), lengths_GxN=lengths)
+  np.testing.assert_allclose(got, (centred - mean) / (std + 1e-6), rtol=1e-5)
+
+
 def test_unknown_advantage_lists_known_names():
   with pytest.raises(KeyError, match="drgrpo"):
     get_advantage("nope")
-  assert {"grpo", "drgrpo"} <= set(ADVANTAGES)
+  assert {"grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"} <= set(
+      ADVANTAGES
+  )
 
 
 def test_overlong_penalty_hand_values():

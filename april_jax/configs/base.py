@@ -164,7 +164,7 @@ def _env() -> ml_collections.ConfigDict:
 def _train() -> ml_collections.ConfigDict:
   """The objective, the optimizer and how an RL step's batch is split."""
   t = ml_collections.ConfigDict()
-  t.advantage = "grpo"  # grpo | drgrpo
+  t.advantage = "grpo"  # grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
   t.policy_loss = "ppo_clip"  # ppo_clip | gspo
   # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
   # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.

@@ -219,10 +219,10 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
   t, r = c.train, c.rollout
   if t.advantage not in advantages.ADVANTAGES:
     err(f"train.advantage {t.advantage!r} is not one of {sorted(advantages.ADVANTAGES)}")
-  elif t.advantage == "grpo" and r.n_samples_per_prompt < 2:
+  elif t.advantage in advantages.NEED_GROUPS and r.n_samples_per_prompt < 2:
     err(
-        f"train.advantage 'grpo' normalises within a group: rollout.n_samples_per_prompt "
-        f"must be >= 2, got {r.n_samples_per_prompt}"
+        f"train.advantage {t.advantage!r} compares a sample with its group: "
+        f"rollout.n_samples_per_prompt must be >= 2, got {r.n_samples_per_prompt}"
     )
   for problem in losses.loss_config_problems(
       losses.LossConfig.from_config(t), r.n_samples_per_prompt

@@ -13,7 +13,7 @@ preemptions and checkpoints:
                        its time limit): the sample's reward is the fallback
 
 The engine holds a slot that draws a stop token (EngineConfig.hold_stopped). The
-scheduler hands the sample to `turn`: the environment reads the turn's text and either
+scheduler hands the samples a decode call stopped to `turn`: the environment reads the turn's text and either
 ends the episode (the slot is released, the sample finished) or answers; the answer's
 tokens, in the observation template, go into the same slot (`SlotEngine.extend`) and
 decoding goes on over the slot's own KV. Limits: max_turns (the episode ends after that
@@ -80,19 +80,20 @@ class EpisodeRunner:
     self._around = (prefix, suffix)
     self.counts = collections.Counter()  # over the run
 
-  def start(self, record: SampleRecord, row: dict) -> None:
-    """Opens the sample's episode (once: a resumed sample keeps it). An environment that
-    cannot reset leaves a plain sample, ended at its first turn, counted."""
-    if "env" in record.meta:
-      return
-    outcome = self._agree(self._reset(row) if self._leader else None)
-    self._apply(record, outcome)
+  def start(self, records: list[SampleRecord], rows: list[dict]) -> None:
+    """Opens each sample's episode from its row (once: a resumed sample keeps it). An
+    environment that cannot reset leaves a plain sample, ended at its first turn,
+    counted."""
+    fresh = [(r, row) for r, row in zip(records, rows) if "env" not in r.meta]
+    outcomes = self._agree([self._reset(row) for _, row in fresh] if self._leader else None)
+    for (record, _), outcome in zip(fresh, outcomes):
+      self._apply(record, outcome)
 
-  def turn(self, record: SampleRecord) -> np.ndarray | None:
-    """The environment's answer to the turn the sample just ended: the observation's
-    tokens to give it, or None when the episode is over."""
-    outcome = self._agree(self._step(record) if self._leader else None)
-    return self._apply(record, outcome)
+  def turn(self, records: list[SampleRecord]) -> list[np.ndarray | None]:
+    """The environment's answer to the turn each sample just ended: the observation's
+    tokens to give it, or None when its episode is over (one agreement for all)."""
+    outcomes = self._agree([self._step(r) for r in records] if self._leader else None)
+    return [self._apply(r, outcome) for r, outcome in zip(records, outcomes)]
 
   # ------------------------------------------------- outcomes (process 0 computes them)
   def _reset(self, row: dict) -> dict:

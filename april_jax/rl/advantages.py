@@ -3,11 +3,24 @@
 An estimator turns the rewards of G groups of n samples (all n answer the same prompt)
 into one advantage per sample:
 
-    fn(rewards_GxN, eps=1e-6) -> advantages_GxN   (float32)
+    fn(rewards_GxN, eps=1e-6, lengths_GxN=None) -> advantages_GxN   (float32)
+
+lengths_GxN: each sample's trained (drawn) response tokens, for the estimators that
+normalise over the batch's tokens (default: one token each, i.e. over samples).
 
   grpo    (r - group mean) / (group std + eps), std unbiased (ddof=1) as torch.std in
           verl and slime; needs n >= 2. A group whose rewards are all equal gets zeros.
   drgrpo  Dr. GRPO: r - group mean, with no division by the std.
+  rloo    REINFORCE leave-one-out: r_i - mean of the group's other n - 1 rewards
+          = n / (n - 1) * (r_i - group mean); needs n >= 2.
+  reinforce_plus_plus
+          REINFORCE++ with gamma = 1 and no KL in the reward: every token's return is the
+          sample's reward r, whitened over the batch's response tokens, as slime and
+          OpenRLHF whiten their per-token returns: (r - mu) / (sigma + eps) with
+          mu = sum(L r) / sum(L) and sigma^2 = sum(L (r - mu)^2) / sum(L) (L = lengths).
+  reinforce_plus_plus_baseline
+          r - group mean, then whitened over the batch's tokens as above: the group
+          baseline removes the prompt's difficulty, the batch scale keeps steps alike.
 
 `overlong_penalty` is added to the rewards before the estimator runs.
 """
@@ -26,6 +39,7 @@ AdvantageFn = Callable[..., jax.Array]
 ADVANTAGES = Registry("advantage")
 register_advantage = ADVANTAGES.register
 get_advantage = ADVANTAGES.lookup
+NEED_GROUPS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need n >= 2
 
 
 def _centered(rewards_GxN: jax.Array) -> jax.Array:
@@ -33,8 +47,27 @@ def _centered(rewards_GxN: jax.Array) -> jax.Array:
   return rewards_GxN - jnp.mean(rewards_GxN, axis=-1, keepdims=True)
 
 
+def _group_size(rewards_GxN, name: str) -> int:
+  n = jnp.shape(rewards_GxN)[-1]
+  if n < 2:
+    raise ValueError(f"{name} advantages need n >= 2 samples per group; got n={n}")
+  return n
+
+
+def _token_whitened(x_GxN: jax.Array, lengths_GxN, eps: float) -> jax.Array:
+  """(x - mu) / (sigma + eps), mu and sigma over the batch's tokens: each sample's x
+  counted once per token (lengths; None: once per sample)."""
+  x_GxN = jnp.asarray(x_GxN, jnp.float32)
+  w_GxN = jnp.ones_like(x_GxN) if lengths_GxN is None else jnp.asarray(lengths_GxN, jnp.float32)
+  total = jnp.maximum(jnp.sum(w_GxN), 1.0)
+  mu = jnp.sum(w_GxN * x_GxN) / total
+  sigma = jnp.sqrt(jnp.sum(w_GxN * (x_GxN - mu) ** 2) / total)
+  return (x_GxN - mu) / (sigma + eps)
+
+
 @register_advantage("grpo")
-def grpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6) -> jax.Array:
+def grpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
+  del lengths_GxN
   n = jnp.shape(rewards_GxN)[-1]
   if n < 2:
     raise ValueError(
@@ -46,9 +79,29 @@ def grpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 @register_advantage("drgrpo")
-def drgrpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6) -> jax.Array:
-  del eps  # No std division, so nothing to guard.
+def drgrpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
+  del eps, lengths_GxN  # No std division, so nothing to guard.
   return _centered(rewards_GxN)
+
+
+@register_advantage("rloo")
+def rloo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
+  del eps, lengths_GxN
+  n = _group_size(rewards_GxN, "rloo")
+  return _centered(rewards_GxN) * (n / (n - 1))
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_pp_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None):
+  return _token_whitened(rewards_GxN, lengths_GxN, eps)
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None
+) -> jax.Array:
+  _group_size(rewards_GxN, "reinforce_plus_plus_baseline")
+  return _token_whitened(_centered(rewards_GxN), lengths_GxN, eps)
 
 
 def overlong_penalty(

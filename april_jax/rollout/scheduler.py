@@ -296,8 +296,7 @@ class AprilScheduler:
         fresh = fresh[: engine.room_for(fresh)]
         if fresh:
           if self.episodes is not None:
-            for r in fresh:
-              self.episodes.start(r, {**group.row, "answer": group.answer})
+            self.episodes.start(fresh, [{**group.row, "answer": group.answer}] * len(fresh))
           engine.add_group(fresh)
         started = started or bool(partial or fresh)
         if len(partial) + len(fresh) < len(waiting):
@@ -337,13 +336,15 @@ class AprilScheduler:
     """Each held sample's environment answers its turn: the episode goes on in its slot,
     or it is over. Returns the samples that are finished (all turns are answered before
     any group is judged complete: a sibling still held looks finished until then)."""
+    held = [r for r in stopped if r.finish_reason == "stop"]
+    answers = dict(zip(map(id, held), self.episodes.turn(held)))
     ended = []
     for record in stopped:
-      if record.finish_reason == "stop":
-        observation = self.episodes.turn(record)
-        if observation is not None:
-          self.engine.extend(record, observation)
-          continue
+      observation = answers.get(id(record))
+      if observation is not None:
+        self.engine.extend(record, observation)
+        continue
+      if id(record) in answers:
         self.engine.release(record)
       ended.append(record)
     return ended

@@ -136,9 +136,9 @@ def generate_on(
       record.finish_reason, record.meta["error"] = "rejected", str(e)
       results[i] = record
       continue
-    if episodes is not None:
-      episodes.start(record, dict(rows[i]) if rows is not None else {})
     queue.append(record)
+  if episodes is not None:
+    episodes.start(list(queue), [dict(rows[r.meta["index"]]) if rows else {} for r in queue])
 
   while queue or engine.num_live:
     while queue and engine.room_for([queue[0]]):
@@ -147,14 +147,17 @@ def generate_on(
         engine.add(record, engine.config.preempt_mode)
       else:
         engine.add_group([record])
-    for record in engine.step(refill=bool(queue)):
-      if engine.holds(record):  # held at a stop: the end of an episode's turn
-        observation = episodes.turn(record) if episodes is not None else None
-        if observation is not None:
-          engine.extend(record, observation)
-          continue
+    finished = engine.step(refill=bool(queue))
+    held = [r for r in finished if engine.holds(r)]  # held at a stop: an episode's turn
+    answers = episodes.turn(held) if episodes is not None else [None] * len(held)
+    for record, observation in zip(held, answers):
+      if observation is not None:
+        engine.extend(record, observation)
+      else:
         engine.release(record)
-      results[record.meta["index"]] = record
+    for record in finished:
+      if not engine.holds(record):
+        results[record.meta["index"]] = record
     queue.extendleft(reversed(engine.take_preempted()))
   if return_records:
     return results
