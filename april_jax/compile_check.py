@@ -33,6 +33,7 @@ from april_jax.models import qwen3
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler import engine as engine_lib
+from april_jax.sampler import rows as rows_lib
 from april_jax.sampler import slot_ops
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -229,7 +230,7 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   )
   i32 = jnp.int32
   rows = lambda w: jax.tree.map(
-      lambda x: rep(x.shape, x.dtype), engine_lib.rows_from_records([], w, max_len, [])
+      lambda x: rep(x.shape, x.dtype), rows_lib.rows_from_records([], w, max_len, [])
   )
   programs = [
       compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)), (True, False)),

@@ -95,6 +95,19 @@ class EpisodeRunner:
     outcomes = self._agree([self._step(r) for r in records] if self._leader else None)
     return [self._apply(r, outcome) for r, outcome in zip(records, outcomes)]
 
+  def resolve(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
+    """After a decode call: each sample `engine` holds at a stop gets the environment's
+    answer, and goes on in its slot (extended) or ends (released). Returns the samples
+    that are finished; all turns are answered before the caller looks at any of them (a
+    sibling still held would look finished)."""
+    held = [r for r in finished if engine.holds(r)]
+    for record, observation in zip(held, self.turn(held)):
+      if observation is not None:
+        engine.extend(record, observation)
+      else:
+        engine.release(record)
+    return [r for r in finished if not engine.holds(r)]
+
   # ------------------------------------------------- outcomes (process 0 computes them)
   def _reset(self, row: dict) -> dict:
     meta = {"env": None, "turns": 0, "obs": []}

@@ -319,8 +319,8 @@ class AprilScheduler:
     engine = self.engine
     refill = engine.num_free == 0 or st.blocked or self.settings.dynamic_sampling
     finished = engine.step(refill=refill)
-    if self.episodes is not None:
-      finished = self._turns(finished)
+    if self.episodes is not None:  # held turns answered: episodes go on or end
+      finished = self.episodes.resolve(engine, finished)
     done: dict[int, Group] = {}
     for record in finished:
       group = self.buffer.get(record.meta["group"])
@@ -331,23 +331,6 @@ class AprilScheduler:
     self.totals["preemptions"] += len(preempted)
     for group in done.values():
       self._completed(st, group)
-
-  def _turns(self, stopped: list[SampleRecord]) -> list[SampleRecord]:
-    """Each held sample's environment answers its turn: the episode goes on in its slot,
-    or it is over. Returns the samples that are finished (all turns are answered before
-    any group is judged complete: a sibling still held looks finished until then)."""
-    held = [r for r in stopped if r.finish_reason == "stop"]
-    answers = dict(zip(map(id, held), self.episodes.turn(held)))
-    ended = []
-    for record in stopped:
-      observation = answers.get(id(record))
-      if observation is not None:
-        self.engine.extend(record, observation)
-        continue
-      if id(record) in answers:
-        self.engine.release(record)
-      ended.append(record)
-    return ended
 
   def _stop(self, st: "_Step") -> bool:
     """batch_size groups accepted and every overdue one decided; the baseline also

@@ -148,16 +148,12 @@ def generate_on(
       else:
         engine.add_group([record])
     finished = engine.step(refill=bool(queue))
-    held = [r for r in finished if engine.holds(r)]  # held at a stop: an episode's turn
-    answers = episodes.turn(held) if episodes is not None else [None] * len(held)
-    for record, observation in zip(held, answers):
-      if observation is not None:
-        engine.extend(record, observation)
-      else:
-        engine.release(record)
+    if episodes is not None:  # held turns answered: episodes go on or end
+      finished = episodes.resolve(engine, finished)
     for record in finished:
-      if not engine.holds(record):
-        results[record.meta["index"]] = record
+      if engine.holds(record):  # held at a stop with no episodes to answer it
+        engine.release(record)
+      results[record.meta["index"]] = record
     queue.extendleft(reversed(engine.take_preempted()))
   if return_records:
     return results

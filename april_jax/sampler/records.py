@@ -7,7 +7,7 @@ whose KV it attended to; see state.py). A partial snapshotted in mode `kv` also 
 its KV cache for the used length only (positions 0 .. prompt+response-2: the last
 token is pending), with `kv_version`, the oldest version among those KV entries. A
 sample cut while tokens it was given (an environment's observation) were still being
-fed has KV for fewer positions; the rest are fed when it resumes (engine.kv_positions).
+fed has KV for fewer positions; the rest are fed when it resumes (rows.kv_positions).
 """
 
 from __future__ import annotations
