@@ -30,7 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
 from april_jax.models import qwen3
+from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import critic as critic_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler import engine as engine_lib
 from april_jax.sampler import rows as rows_lib
@@ -273,7 +275,7 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
       "optimizer state (float32)": _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh),
       "decode params": _abstract(jax.eval_shape(progs.decode_params, shapes), progs.decode_sh),
   }
-  if t.kl_coef > 0:
+  if update_lib.needs_reference(t):
     reference = jax.eval_shape(progs.to_reference, shapes)
     arrays["reference params"] = _abstract(reference, progs.param_sh)
   return progs, arrays
@@ -292,8 +294,11 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
   )
   f32 = jnp.float32
   mb = dict(tokens=place(jnp.int32, M, rows, T), mask=place(f32, M, rows, T))
-  mb.update(targets=mb["tokens"], behavior=mb["mask"], old_logp=mb["mask"])
-  mb.update(stale=place(bool, M, rows, T), advantages=place(f32, M, rows))
+  mb.update(targets=mb["tokens"], is_weight=mb["mask"], old_logp=mb["mask"])
+  per_token = update_lib.token_advantages(config.train)
+  mb.update(
+      stale=place(bool, M, rows, T), advantages=mb["mask"] if per_token else place(f32, M, rows)
+  )
   return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
 
 
@@ -319,7 +324,45 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   args = (masters, opt_state, masters, *acc, _replicated(mesh, (), jnp.int32))
   resident = (True, True) + (False,) * 4
   programs.append(compile_program("optimizer update", progs.apply, args, resident))
+  if config.train.advantage in advantages.CRITIC_ADVANTAGES:
+    programs += _critic_programs(config, cfg, mesh, mb, arrays)
   return programs, {k: device_bytes(v) for k, v in arrays.items()}, arrays["decode params"]
+
+
+def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dict) -> list:
+  """PPO's critic: its values, gradients and update at the longest microbatch; adds its
+  params and optimizer state to `arrays` (the resident set)."""
+  t, m = config.train, config.model
+  rules = tuple(tuple(x) for x in config.mesh.rules)
+  static = critic_lib.make_static(cfg, t, m.remat, m.dtype)
+  optimizer, schedule = update_lib.make_optimizer(
+      critic_lib.critic_train(t), max(config.num_steps, 1) * t.num_minibatches
+  )
+  shapes = jax.eval_shape(
+      lambda: critic_lib.critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg)
+  )
+  progs = critic_lib.build_programs(static, optimizer, schedule, shapes, mesh, rules)
+  params = arrays["critic params (float32)"] = _abstract(shapes, progs.param_sh)
+  opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
+  arrays["critic optimizer state (float32)"] = opt_state
+  tokens = mb["tokens"]
+  cmb = dict(tokens=tokens, mask=mb["mask"], old_values=mb["mask"], returns=mb["mask"])
+  scalar = _replicated(mesh, (), jnp.float32)
+  programs = [
+      compile_program("critic values", progs.values, (params, tokens), (True, False)),
+      compile_program(
+          "critic gradients",
+          progs.grads,
+          (params, cmb, scalar, params),
+          (True, False, False, False),
+      ),
+  ]
+  _, loss, metrics = jax.eval_shape(progs.grads, params, cmb, scalar, params)
+  rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
+  args = (params, opt_state, params, rep_like(loss), jax.tree.map(rep_like, metrics))
+  args += (_replicated(mesh, (), jnp.int32),)
+  programs.append(compile_program("critic update", progs.apply, args, (True, True) + (False,) * 4))
+  return programs
 
 
 def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0) -> Report:

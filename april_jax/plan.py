@@ -28,6 +28,7 @@ import types
 
 from april_jax import compile_check, sharding
 from april_jax.models import hf_io, qwen3
+from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 
 GB = 1e9
@@ -103,7 +104,24 @@ def params_bytes(cfg: qwen3.Qwen3Config, mesh, rules, itemsize: int) -> float:
   import jax  # pylint: disable=g-import-not-at-top
 
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
-  axes = qwen3.param_logical_axes(cfg)
+  return _tree_bytes(qwen3.param_logical_axes(cfg), shapes, mesh, rules, itemsize)
+
+
+def critic_bytes(cfg: qwen3.Qwen3Config, mesh, rules, itemsize: int) -> float:
+  """Bytes one device holds of PPO's critic (the backbone and a scalar head)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from april_jax.rl import critic  # pylint: disable=g-import-not-at-top
+
+  shapes = jax.eval_shape(
+      lambda: critic.critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg)
+  )
+  return _tree_bytes(critic.logical_axes(cfg), shapes, mesh, rules, itemsize)
+
+
+def _tree_bytes(axes, shapes, mesh, rules, itemsize: int) -> float:
+  import jax  # pylint: disable=g-import-not-at-top
+
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
   total = 0.0
   for logical, leaf in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(shapes)):
@@ -173,9 +191,17 @@ def _resident(x) -> dict[str, float]:
       "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
       "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
   }
-  if x.config.train.kl_coef > 0:
+  if x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0:
     resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)
+  if _has_critic(x.config):
+    critic = critic_bytes(cfg, x.mesh, x.rules, 4)
+    resident["critic params (float32)"] = critic
+    resident["critic optimizer state (float32)"] = 2 * critic
   return resident
+
+
+def _has_critic(config) -> bool:
+  return config.train.advantage in advantages.CRITIC_ADVANTAGES
 
 
 def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
@@ -227,19 +253,67 @@ def _learner_programs(x) -> dict[str, float]:
   logits_chunk = 3 * rows * min(t.logprob_chunk, T) * split(cfg.vocab_size, "vocab") * 4
   saved = (L if m.remat else 3 * L) * rows * T * D * x.cb
   full_layer = masters / L * min(x.num_devices, 8)  # one layer's gathered weights, float32
-  return {
+  programs = {
       "old logprobs": layer_act + logits_chunk + full_layer / 2,
       "gradients": masters + masters + saved + 2 * layer_act + logits_chunk + full_layer,
       "optimizer update": masters + 1.8 * masters,
   }
+  if _has_critic(x.config):  # the same backbone without the vocabulary's logits
+    critic = critic_bytes(cfg, x.mesh, x.rules, 4)
+    programs["critic values"] = layer_act + full_layer / 2
+    programs["critic gradients"] = critic + critic + saved + 2 * layer_act + full_layer
+    programs["critic update"] = critic + 1.8 * critic
+  return programs
 
 
-def check_fits(plan: Plan) -> None:
+def pages_that_fit(config, cfg, num_devices: int, capacity: float, native_16bit=True):
+  """The most KV pages (rollout.kv_pages) with which the arithmetic plan fits `capacity`,
+  or None if not even one sequence's pages fit."""
+  r = config.rollout
+  max_len = config.data.max_prompt_len + r.max_response_len
+  low = -(-max_len // r.page_size)  # one sequence at max_len: the least the pool may hold
+  high = r.kv_pages if r.kv_pages is not None else r.num_slots * low
+  fits = lambda pages: make_plan(
+      _with_pages(config, pages), cfg, num_devices, capacity, native_16bit
+  ).fits
+  if not fits(low):
+    return None
+  while low < high:  # the plan grows with the pool: the largest that fits
+    mid = (low + high + 1) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid - 1)
+  return low
+
+
+def _with_pages(config, pages: int):
+  c = config.copy_and_resolve_references()
+  c.rollout.kv_pages = pages
+  return c
+
+
+def what_fits(config, cfg, num_devices: int, capacity: float, native_16bit=True) -> str:
+  """One sentence naming the KV pool that fits, or saying that none does."""
+  pages = pages_that_fit(config, cfg, num_devices, capacity, native_16bit)
+  r = config.rollout
+  if pages is None:
+    return (
+        "not even one sequence's KV pages fit beside the learner: shard over more devices, "
+        "enable model.remat or add microbatches"
+    )
+  max_len = config.data.max_prompt_len + r.max_response_len
+  return (
+      f"it fits with rollout.kv_pages={pages} ({pages * r.page_size:,} KV positions, "
+      f"{pages * r.page_size // max_len} sequences at max_len; the slots keep sharing them)"
+  )
+
+
+def check_fits(plan: Plan, suggestion: str = "") -> None:
   if not plan.fits:
     raise MemoryError(
         f"the config needs {plan.device_total / GB:.1f} GB per device but a device holds "
-        f"{plan.device_capacity / GB:.1f} GB:\n{plan.table()}\nLower rollout.kv_pages (the KV pool), "
-        "rollout.max_response_len, enable model.remat, add microbatches, or shard over more devices."
+        f"{plan.device_capacity / GB:.1f} GB:\n{plan.table()}\n"
+        + (suggestion + ". " if suggestion else "")
+        + "Lower rollout.kv_pages (the KV pool), rollout.max_response_len, enable "
+        "model.remat, add microbatches, or shard over more devices."
     )
 
 
@@ -271,6 +345,8 @@ def main(argv):
     mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
     report = compile_check.check(f.config, cfg, mesh, capacity)
     print(report.table())
+    if not report.fits:  # the arithmetic plan names the pool that fits
+      print(what_fits(f.config, cfg, devices, capacity, native_16bit=False))
     print(json.dumps(report.to_json(), sort_keys=True))
     fits = report.fits
   else:
@@ -279,7 +355,7 @@ def main(argv):
     if capacity <= 0:
       print("not checked against a device: give --device_memory_gb (and --devices)")
     else:
-      print("fits" if plan.fits else "DOES NOT FIT")
+      print("fits" if plan.fits else "DOES NOT FIT: " + what_fits(f.config, cfg, devices, capacity))
     print(json.dumps(plan.to_json(), sort_keys=True))
     fits = plan.fits
   if not fits:

@@ -3,6 +3,8 @@
   step k (policy version k = params after k updates):
     rollout   scheduler.step(k, version=k) on the engine holding the learner's params
     learn     rewards (+ overlong shaping) -> advantages -> batch -> learner.update
+              (PPO with a critic: batch -> critic values, GAE -> learner.update ->
+              critic.update)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
     eval      every eval_every steps: pass@1 / avg@k with sampler.generate
     save      every checkpoint_every steps, at the end, and on SIGTERM
@@ -14,6 +16,7 @@ fixed seed the continuation equals the uninterrupted run (timings aside).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging as std_logging
 import signal
@@ -40,6 +43,8 @@ from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import sft
+from april_jax.rl.advantages import CRITIC_ADVANTAGES
+from april_jax.rl.critic import Critic
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
 from april_jax.sampler import EngineConfig, SlotEngine
@@ -82,6 +87,7 @@ class Trainer:
         compute_dtype=c.model.dtype,
         decode_rules=self.decode_rules,
     )
+    self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
     del params  # the learner's masters are the params now
     self._build_rollout()
     self.primary = distributed.is_primary()  # the one process that writes and prints
@@ -108,6 +114,38 @@ class Trainer:
     return qwen3.init_params_sharded(
         self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
     )
+
+  def _make_critic(self, policy_params) -> Critic:
+    """PPO's critic, from train.critic_path or the policy's own weights."""
+    c, t = self.config, self.config.train
+    params = policy_params
+    if t.critic_path:
+      cfg, params = hf_io.load_pretrained(t.critic_path, "float32", self.mesh, self.rules)
+      if dataclasses.replace(cfg, tie_word_embeddings=self.model_cfg.tie_word_embeddings) != (
+          self.model_cfg
+      ):
+        raise InputError(
+            f"train.critic_path {t.critic_path!r} holds a model of another shape than the "
+            f"policy's ({cfg} against {self.model_cfg}); the critic shares the policy's "
+            "architecture and vocabulary"
+        )
+    return Critic(
+        self.model_cfg,
+        params,
+        t,
+        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
+        mesh=self.mesh,
+        rules=self.rules,
+        remat=c.model.remat,
+        compute_dtype=c.model.dtype,
+    )
+
+  def _state(self) -> tuple[dict, dict]:
+    """The learner's checkpoint state, the critic's under "critic" when there is one."""
+    arrays, host = self.learner.state()
+    if self.critic is not None:
+      arrays["critic"], host["critic"] = self.critic.state()
+    return arrays, host
 
   def _build_rollout(self) -> None:
     """One engine for the run, rollouts and evaluation alike (empty between steps), the
@@ -197,7 +235,12 @@ class Trainer:
         native_16bit=jax.default_backend() != "cpu",
     )
     logging.info("memory plan:\n%s", plan.table())
-    plan_lib.check_fits(plan)
+    if not plan.fits:
+      native = jax.default_backend() != "cpu"
+      plan_lib.check_fits(
+          plan,
+          plan_lib.what_fits(self.config, self.model_cfg, jax.device_count(), capacity, native),
+      )
 
   def _warm_start(self, params):
     c = self.config
@@ -227,7 +270,7 @@ class Trainer:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
     with it); the seconds it took."""
     start = time.perf_counter()
-    arrays, learner = self.learner.state()
+    arrays, learner = self._state()
     buffer, scheduler = self.scheduler.state()
     problem = self.checkpointer.room_problem(step, arrays, buffer)
     if distributed.any_process(problem is not None):  # all stop alike, or none does
@@ -289,7 +332,7 @@ class Trainer:
     logging.set_verbosity(logging.FATAL)
     aio.setLevel(std_logging.CRITICAL)
     try:
-      return self.checkpointer.restore(step, abstract_like(self.learner.state()[0]))
+      return self.checkpointer.restore(step, abstract_like(self._state()[0]))
     finally:
       gc.collect()
       aio.setLevel(aio_level)
@@ -309,6 +352,8 @@ class Trainer:
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learner.restore(arrays, host["learner"])
+    if self.critic is not None:
+      self.critic.restore(arrays["critic"], host["learner"]["critic"])
     self.engine.params = self.learner.decode_params()
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
@@ -367,9 +412,12 @@ class Trainer:
     result = self.scheduler.step(step, version)
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
-    lengths = [[observation_mask(s).sum() for s in g.samples] for g in result.groups]
-    estimator = advantages_lib.get_advantage(c.train.advantage)
-    adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
+    if self.critic is None:
+      lengths = [[observation_mask(s).sum() for s in g.samples] for g in result.groups]
+      estimator = advantages_lib.get_advantage(c.train.advantage)
+      adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
+    else:
+      adv = np.zeros_like(rewards)  # per token, from the critic below
     batch = batch_lib.build_batch(
         result.groups,
         adv,
@@ -377,8 +425,13 @@ class Trainer:
         pad_id=self.tokenizer.pad_id,
         max_len=c.data.max_prompt_len + c.rollout.max_response_len,
     )
+    batch["rewards"] = rewards.reshape(-1)  # per sample, for per-token returns
     metrics = rollout_metrics(result, version)
+    if self.critic is not None:
+      metrics.update(self.critic.advantages(batch, rewards.reshape(-1)))
     metrics.update(self.learner.update(batch))
+    if self.critic is not None:
+      metrics.update(self.critic.update(batch))
     self.engine.params = self.learner.decode_params()  # version + 1
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data

@@ -19,6 +19,7 @@ Variants, joined by '+' (`--config=configs/qwen3_8b.py:baseline`, `...:tis+overl
              drawn by older params)
   overlong   DAPO's overlong shaping over the last 1,024 tokens of the budget
   stale4     the staleness limit: no trained token more than 4 versions old
+  ppo        PPO with a learned critic (GAE) instead of GRPO's group advantages
 configs/qwen3_4b.py takes the same variants with the 4B model.
 """
 
@@ -44,7 +45,25 @@ def _stale4(c):
   c.rollout.max_staleness = 4
 
 
-VARIANTS = {"baseline": _baseline, "tis": _tis, "overlong": _overlong, "stale4": _stale4}
+def _ppo(c):
+  # PPO with a learned critic (rl/critic.py), started from the policy's weights: GAE with
+  # gamma = lambda = 1 (advantage = reward - value), value clip 0.2, critic lr 1e-5. No
+  # dynamic sampling: a critic gives a group of equal rewards nonzero advantages.
+  c.train.advantage = "gae"
+  c.train.critic_lr = 1e-5
+  c.train.value_clip = 0.2
+  c.train.gae_gamma = 1.0
+  c.train.gae_lambda = 1.0
+  c.rollout.dynamic_sampling = False
+
+
+VARIANTS = {
+    "baseline": _baseline,
+    "tis": _tis,
+    "overlong": _overlong,
+    "stale4": _stale4,
+    "ppo": _ppo,
+}
 
 
 def apply_variants(c, arg, path="configs/qwen3_8b.py"):

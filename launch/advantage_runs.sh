@@ -2,13 +2,15 @@
 # The tiny config's first run with each advantage estimator, APRIL on and off: held-out
 # greedy pass@1 before RL and after it, and each run's wall time (launch to exit).
 #   bash launch/advantage_runs.sh [seed] [estimators...]
-#       (default seed 0; grpo reinforce_plus_plus reinforce_plus_plus_baseline rloo)
+#       (default seed 0; grpo reinforce_plus_plus reinforce_plus_plus_baseline rloo gae)
 # APRIL off is the synchronous baseline: partial_rollout=False, N' = N = 8.
+# gae is PPO with a learned critic (critic lr 1e-3; no dynamic sampling, which a critic's
+# nonzero advantages for groups of equal rewards make wasteful: validation refuses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed="${1:-0}"
 shift || true
-estimators=("${@:-grpo reinforce_plus_plus reinforce_plus_plus_baseline rloo}")
+estimators=("${@:-grpo reinforce_plus_plus reinforce_plus_plus_baseline rloo gae}")
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
@@ -16,6 +18,9 @@ printf '%-30s %-6s %14s %14s %8s\n' advantage april pass@1_before pass@1_after w
 for adv in ${estimators[*]}; do
   for april in on off; do
     flags=(--config.train.advantage="$adv" --config.seed="$seed")
+    if [[ "$adv" == gae ]]; then
+      flags+=(--config.train.critic_lr=1e-3 --config.rollout.dynamic_sampling=False)
+    fi
     if [[ "$april" == off ]]; then
       flags+=(--config.rollout.partial_rollout=False --config.rollout.over_sampling_batch_size=8)
     fi

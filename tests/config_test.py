@@ -309,3 +309,31 @@ def test_a_checkpoint_saved_before_a_field_existed_resumes_at_its_default_only()
   assert resume_check.differences(saved, config) == []
   config.env.name = "lookup"
   assert resume_check.differences(saved, config) == ["env.name: '<unset>' -> 'lookup'"]
+
+
+def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(tmp_path):
+  config = load("tiny")  # GRPO with dynamic sampling
+  t = config.train
+  t.critic_path = str(tmp_path)  # a critic for GRPO advantages
+  t.reward_kl_coef = 0.1  # a reward KL that GRPO's group advantages would ignore
+  t.ratio_anchor = "behavior"  # with TIS on (tis_cap 2): no pi_prox to weight by
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  for words in (
+      "train.critic_path is set but train.advantage is 'grpo'",
+      "train.reward_kl_coef puts a per-token KL into REINFORCE++'s returns; advantage 'grpo'",
+      "tis_cap=2.0 with ratio_anchor='behavior'",
+  ):
+    assert words in str(e.value)
+  ppo = load("tiny")
+  ppo.train.advantage = "gae"  # with the tiny config's dynamic sampling
+  ppo.train.gae_lambda = 1.5
+  with pytest.raises(ConfigError) as e:
+    validate(ppo)
+  assert "rollout.dynamic_sampling drops groups" in str(e.value)
+  assert "train.gae_lambda must be in [0, 1], got 1.5" in str(e.value)
+  ppo.rollout.dynamic_sampling, ppo.train.gae_lambda = False, 0.95
+  validate(ppo)
+  rpp = load("tiny")
+  rpp.train.advantage, rpp.train.reward_kl_coef = "reinforce_plus_plus", 0.01
+  validate(rpp)

@@ -47,6 +47,16 @@ def _unpacked_qwen3_tokenizer() -> Path:
 
 QWEN3_TOKENIZER_DIR = _unpacked_qwen3_tokenizer()
 
+
+def tiny_qwen3(**overrides):
+  """A 2-layer Qwen3 of 48 tokens for learner tests (the model package's own config)."""
+  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
+
+  shape = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2)
+  shape.update(num_heads=4, num_kv_heads=2, head_dim=8)
+  return qwen3.Qwen3Config(**dict(shape, **overrides))
+
+
 # Small Qwen3 shapes covering the cases the model must get right.
 TINY_HF_CONFIGS = {
     # head_dim (32) independent of hidden_size / num_heads (64 / 4 = 16), as in Qwen3-4B.

@@ -162,12 +162,17 @@ def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
 
 
 def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
+  # PPO with a critic: the checkpoint holds the policy, the critic and both optimizers.
+  # (GRPO's kill-and-resume: the two-process run of multihost_test.py.)
   steps = [
       "--config.num_steps=6",
       "--config.checkpoint_every=2",
       "--config.eval_every=0",
       "--config.train.sft_steps=20",
       "--config.rollout.n_samples_per_prompt=4",
+      "--config.train.advantage=gae",
+      "--config.train.critic_lr=1e-3",
+      "--config.rollout.dynamic_sampling=False",
   ]
   straight = tmp_path / "straight"
   proc = _main(straight, *steps)
@@ -190,6 +195,8 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
 
   a, b = _read_jsonl(straight / "metrics.jsonl"), _read_jsonl(killed / "metrics.jsonl")
   assert [m["step"] for m in b] == list(range(1, 7))
+  assert all(m["critic/value_loss"] > 0 for m in b)  # the critic trained, and resumed
+  assert [set(m) for m in a] == [set(m) for m in b]
   timing = lambda k: k.startswith("time/") or k.endswith("_per_s")
   for ma, mb in zip(a, b):
     for key, value in ma.items():

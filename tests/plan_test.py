@@ -80,6 +80,39 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
     plan.check_fits(too_big)
 
 
+def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
+  config = _config("qwen3_8b", "ppo")
+  cfg = hf_io.model_config(config)
+  assert plan.make_plan(config, cfg, 8, 80e9).fits  # PPO with its critic fits 8 x 80 GB
+  pages = plan.pages_that_fit(config, cfg, 8, 70e9)
+  fits = lambda n: plan.make_plan(plan._with_pages(config, n), cfg, 8, 70e9).fits
+  assert 68 <= pages < 4352 and fits(pages) and not fits(pages + 1)
+  sentence = plan.what_fits(config, cfg, 8, 70e9)
+  assert f"it fits with rollout.kv_pages={pages}" in sentence
+  assert "not even one sequence" in plan.what_fits(config, cfg, 8, 20e9)
+
+
+@needs_8
+def test_the_critics_programs_compile_within_15_percent_of_the_plan():
+  config = _config("qwen3_8b", "ppo")
+  cfg = hf_io.model_config(config)
+  mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:8])
+  arrays = {}
+  mb = compile_check._longest_microbatch(config, mesh, with_ref=False)
+  programs = compile_check._critic_programs(config, cfg, mesh, mb, arrays)
+  arithmetic = plan.make_plan(config, cfg, 8, 80e9, native_16bit=False)
+  for name, item in (("critic params (float32)", 1), ("critic optimizer state (float32)", 2)):
+    assert compile_check.device_bytes(arrays[name]) == pytest.approx(
+        arithmetic.resident["critic params (float32)"] * item, rel=1e-3
+    )
+  assert [p.name for p in programs] == ["critic values", "critic gradients", "critic update"]
+  for program in programs:
+    compiled = arithmetic.resident_total + program.added_bytes
+    estimated = arithmetic.peak(program.name)
+    assert abs(estimated - compiled) <= 0.15 * compiled, (program.name, estimated, compiled)
+  assert max(arithmetic.peak(p.name) for p in programs) < 80e9
+
+
 def test_planner_cli_names_a_missing_model_shape():
   out = subprocess.run(
       [

@@ -378,47 +378,47 @@ def test_gspo_token_form_gradient_equals_sequence_level_gspo_gradient():
   np.testing.assert_allclose(np.asarray(ours), np.asarray(direct), rtol=1e-5, atol=1e-8)
 
 
-# ------------------------------------------------------------------------------- TIS
+def test_reinforce_pp_with_the_kl_in_the_reward_matches_a_hand_computation():
+  from april_jax.rl.advantages import reinforce_pp_kl_advantages, whiten_tokens
 
-
-def test_tis_weight_is_exactly_the_cap_for_a_far_off_behavior_logprob():
-  logp = old = np.array([[-1.0]], np.float32)
-  behavior = np.array([[-30.0]], np.float32)
-  loss, metrics = run_loss(
-      LossConfig(tis_cap=2.0),
-      logp,
-      old,
-      np.array([1.0], np.float32),
-      np.ones((1, 1), np.float32),
-      behavior_logp_BxT=jnp.asarray(behavior),
+  # Row 0: drawn tokens at t = 0, 1, 3 (t = 2 an observation), reward 1; row 1: t = 0..2,
+  # reward 0. logp - ref_logp per token, beta 0.5.
+  mask = np.array([[1, 1, 0, 1], [1, 1, 1, 0]], np.float32)
+  ref = np.zeros((2, 4))
+  logp = np.array([[0.2, -0.1, 9.0, 0.3], [0.0, 0.1, 0.1, 9.0]])
+  # token rewards: row 0 [-0.1, 0.05, -, -0.15 + 1]; row 1 [0, -0.05, -0.05]
+  returns = [[0.8, 0.9, 0.0, 0.85], [-0.1, -0.1, -0.05, 0.0]]
+  live = np.array([0.8, 0.9, 0.85, -0.1, -0.1, -0.05])
+  expected = np.where(mask > 0, (np.array(returns) - live.mean()) / (live.std() + 1e-6), 0.0)
+  got = reinforce_pp_kl_advantages(np.array([1.0, 0.0]), logp, ref, mask, kl_coef=0.5)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(whiten_tokens(returns, mask), expected, rtol=1e-4, atol=1e-5)
+  # Without the KL every token's return is its sample's reward: plain REINFORCE++.
+  plain = get_advantage("reinforce_plus_plus")(
+      jnp.array([[1.0, 0.0]]), lengths_GxN=jnp.array([[3.0, 3.0]])
   )
-  assert metrics["tis_mean"] == 2.0 and metrics["tis_clipfrac"] == 1.0
-  assert loss == -2.0
+  no_kl = reinforce_pp_kl_advantages(np.array([1.0, 0.0]), logp, ref, mask, kl_coef=0.0)
+  np.testing.assert_allclose(no_kl[0, 0], plain[0, 0], rtol=1e-5)
+  np.testing.assert_allclose(no_kl[1, 2], plain[0, 1], rtol=1e-5)
 
 
-def test_tis_loss_matches_numpy_reference():
-  cap = 1.5
-  behavior = OLD - np.array([[0.1, -0.3, 5.0, 0.0, 0.2]] * 4, np.float32)
-  loss, metrics = run_loss(LossConfig(tis_cap=cap), behavior_logp_BxT=jnp.asarray(behavior))
+# ------------------------------------------------------------------ importance weights
+
+
+def test_importance_weights_multiply_each_token_term_and_carry_no_gradient():
+  weights = np.random.default_rng(1).uniform(0.0, 2.0, MASK.shape).astype(np.float32)
+  loss, _ = run_loss(LossConfig(tis_cap=2.0), is_weight_BxT=jnp.asarray(weights))
   tokens, _ = np_ppo_tokens(LOGP, OLD, ADV, MASK, 0.2, 0.2)
-  weights = np.zeros(MASK.shape)
-  for b in range(4):
-    for t in range(5):
-      weights[b, t] = min(np.exp(float(OLD[b, t]) - float(behavior[b, t])), cap)
   np.testing.assert_allclose(loss, np_token_mean(tokens * weights, MASK), rtol=1e-5)
-  np.testing.assert_allclose(metrics["tis_mean"], np_token_mean(weights, MASK), rtol=1e-5)
-  np.testing.assert_allclose(
-      metrics["tis_clipfrac"], np_token_mean(weights == cap, MASK), rtol=1e-6
-  )
-
-
-def test_tis_weights_carry_no_gradient_to_old_or_behavior():
-  cfg = LossConfig(tis_cap=2.0)
-  fn = lambda old, beh: policy_loss(
-      cfg, jnp.asarray(LOGP), old, jnp.asarray(ADV), jnp.asarray(MASK), behavior_logp_BxT=beh
+  fn = lambda w: policy_loss(
+      LossConfig(),
+      jnp.asarray(LOGP),
+      jnp.asarray(OLD),
+      jnp.asarray(ADV),
+      jnp.asarray(MASK),
+      is_weight_BxT=w,
   )[0]
-  g_old, g_beh = jax.grad(fn, argnums=(0, 1))(jnp.asarray(OLD), jnp.asarray(OLD - 0.1))
-  assert not np.any(np.asarray(g_old)) and not np.any(np.asarray(g_beh))
+  assert not np.any(np.asarray(jax.grad(fn)(jnp.asarray(weights))))
 
 
 # --------------------------------------------------------------------------- masking

@@ -16,17 +16,9 @@ from april_jax.rl.update import Learner
 from april_jax.data import PromptItem
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
-from conftest import mesh_or_skip
+from conftest import mesh_or_skip, tiny_qwen3
 
-CFG = qwen3.Qwen3Config(
-    vocab_size=48,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
+CFG = tiny_qwen3()
 TEMPERATURE = 0.8
 
 
@@ -160,7 +152,7 @@ def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches
       "train/entropy",
       "train/grad_norm",
       "train/ratio_mean",
-      "train/tis_mean",
+      "train/is_weight_mean",
   ):
     assert m_sorted[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-6), k
   jax.tree.map(
@@ -240,7 +232,50 @@ def test_off_policy_batch_uses_tis_and_reports_staleness(params):
   assert batch["stale"].any()  # partial samples carried across versions
   learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(tis_cap=2.0), TEMPERATURE, 1)
   metrics = learner.update(batch)
-  assert np.isfinite(metrics["train/loss"]) and metrics["train/tis_mean"] > 0
+  assert np.isfinite(metrics["train/loss"]) and metrics["train/is_weight_mean"] > 0
+  assert metrics["train/prox_behav_kl"] >= 0
+
+
+def _updated(params, batch, **train):
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(**train), TEMPERATURE, 1)
+  return learner.update(batch), learner.params
+
+
+def _agreeing_batch(params, seed):
+  """A rollout batch whose behaviour logprobs are the learner's own (weights exactly 1)."""
+  batch = _rollout_batch(params, seed=seed)
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
+  return dict(batch, behavior=learner.logprobs(learner.params, batch))
+
+
+def test_a_sample_the_mask_correction_drops_trains_as_if_it_were_absent(params):
+  batch = _agreeing_batch(params, seed=7)
+  far = dict(batch, behavior=batch["behavior"].copy())
+  far["behavior"][0] -= batch["mask"][0]  # row 0: every token's weight e, outside [0.5, 2]
+  mask = dict(is_level="geometric", is_mode="mask", is_low=0.5, tis_cap=2.0)
+  m_mask, p_mask = _updated(params, far, **mask)
+  absent = dict(batch, mask=batch["mask"].copy())
+  absent["mask"][0] = 0.0
+  m_absent, p_absent = _updated(params, absent, tis_cap=0.0)
+  assert m_mask["train/is_masked_frac"] == pytest.approx(
+      batch["mask"][0].sum() / batch["mask"].sum()
+  )
+  assert m_mask["train/is_weight_max"] == pytest.approx(np.e, rel=1e-5)
+  assert m_mask["train/loss"] == pytest.approx(m_absent["train/loss"], rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), p_mask, p_absent)
+
+
+def test_the_behavior_anchor_is_coupled_ppo_and_skips_the_old_logprob_pass(params):
+  batch = _agreeing_batch(params, seed=8)
+  m_behavior, p_behavior = _updated(params, batch, ratio_anchor="behavior", tis_cap=0.0)
+  m_proximal, p_proximal = _updated(params, batch, tis_cap=2.0)
+  assert "train/logprob_diff_mean" not in m_behavior and "train/is_weight_mean" not in m_behavior
+  assert m_proximal["train/is_weight_max"] == pytest.approx(1.0, abs=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), p_behavior, p_proximal)
+  # Against a sampler 0.1 nats less sure of every token the ratio starts at e^0.1.
+  shifted = dict(batch, behavior=batch["behavior"] - 0.1)
+  m_shifted, _ = _updated(params, shifted, ratio_anchor="behavior", tis_cap=0.0)
+  assert m_shifted["train/ratio_mean"] == pytest.approx(np.exp(0.1), rel=1e-4)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
@@ -290,3 +325,31 @@ def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
   lost = np.asarray(jnp.asarray(q16) + jnp.asarray(np.sign(q1 - q0) * 1e-6, jnp.bfloat16))
   big = np.abs(q0) > 1e-3  # half a bf16 ulp exceeds 1e-6 here
   assert big.mean() > 0.9 and np.array_equal(lost[big], q16[big])
+
+
+def test_reinforce_pp_puts_the_kl_to_the_reference_into_each_tokens_return(params):
+  batch = dict(_rollout_batch(params, seed=9), rewards=np.linspace(-1.0, 1.0, 8))
+  train = dict(advantage="reinforce_plus_plus", tis_cap=0.0)
+  a = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(reward_kl_coef=0.5, **train),
+              TEMPERATURE, 2)  # fmt: skip
+  b = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(**train), TEMPERATURE, 2)
+  reference = jax.tree.map(jnp.copy, b.params)
+  for _ in range(2):  # the second update: the policy has moved off the reference
+    a.update(batch)
+    adv = advantages.reinforce_pp_kl_advantages(
+        batch["rewards"], b.logprobs(b.params, batch), b.logprobs(reference, batch),
+        batch["mask"], 0.5,
+    )  # fmt: skip
+    b.update(dict(batch, advantages=adv))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a.params, b.params)
+  # ... and the KL changed the second update: without it the params differ.
+  c = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(**train), TEMPERATURE, 2)
+  flat = advantages.reinforce_pp_kl_advantages(
+      batch["rewards"], np.zeros_like(batch["mask"]), np.zeros_like(batch["mask"]),
+      batch["mask"], 0.0,
+  )  # fmt: skip
+  for _ in range(2):
+    c.update(dict(batch, advantages=flat))
+  diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(
+      jax.tree.leaves(a.params), jax.tree.leaves(c.params)))  # fmt: skip
+  assert diff > 1e-6

@@ -164,7 +164,15 @@ def _env() -> ml_collections.ConfigDict:
 def _train() -> ml_collections.ConfigDict:
   """The objective, the optimizer and how an RL step's batch is split."""
   t = ml_collections.ConfigDict()
-  t.advantage = "grpo"  # grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+  # grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline, or gae: PPO
+  # with a learned critic (rl/critic.py, the knobs below)
+  t.advantage = "grpo"
+  t.critic_path = ""  # a Qwen3 folder to start the critic from; "" = the policy's weights
+  t.critic_lr = 1e-5
+  t.value_clip = 0.2  # around the values at the start of the update; 0 = no clip
+  t.gae_gamma = 1.0
+  t.gae_lambda = 1.0
+  t.gae_whiten = True  # advantages whitened over the batch's trained tokens
   t.policy_loss = "ppo_clip"  # ppo_clip | gspo
   # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
   # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.
@@ -174,11 +182,28 @@ def _train() -> ml_collections.ConfigDict:
   # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   t.aggregation = config_dict.placeholder(str)
   t.norm_len = config_dict.placeholder(int)  # Dr.GRPO's constant normaliser (tokens)
-  t.kl_coef = 0.0  # 0: no reference params are held
+  t.kl_coef = 0.0  # the KL loss term; 0 (and reward_kl_coef 0): no reference params held
+  # REINFORCE++'s KL in the reward (advantage reinforce_plus_plus only): each drawn token's
+  # reward -reward_kl_coef * (logp - ref_logp); 0 = off
+  t.reward_kl_coef = 0.0
   t.kl_type = "low_var_kl"  # k1 | k3 | low_var_kl
   t.entropy_coef = 0.0
-  t.tis_cap = 2.0  # truncated importance sampling cap; 0 = off
-  t.mask_stale_tokens = False  # drop tokens of older policy versions from the loss
+  # Stale-data corrections (rl/corrections.py). Each token's term is weighted by
+  # w = pi_prox / pi_behav (the learner's logprob at the start of the update over the
+  # sampler's), at is_level token | sequence | geometric; is_mode truncate: min(w, tis_cap)
+  # (TIS); mask: w inside [is_low, tis_cap], outside the token or sample leaves the loss
+  # (IcePop: token, 0.5, 5; MIS: sequence or geometric). tis_cap 0 = no weight.
+  t.tis_cap = 2.0
+  t.is_level = "token"
+  t.is_mode = "truncate"
+  t.is_low = 0.0
+  # The ratio's anchor: proximal (the params at the start of the update; with a weight
+  # this is decoupled PPO) | behavior (the sampler's logprobs: coupled PPO, no old-logprob
+  # pass, tis_cap must be 0).
+  t.ratio_anchor = "proximal"
+  # Tokens drawn by an older policy version leave the loss (slime's
+  # --mask-offpolicy-in-partial-rollout: the tokens a partial sample drew before it was cut).
+  t.mask_stale_tokens = False
   t.overlong_buffer_len = config_dict.placeholder(int)  # DAPO's, in tokens; None = off
   t.overlong_penalty_factor = 1.0
   t.lr = 1e-6

@@ -217,12 +217,28 @@ def _checks_distributed(c, err: Callable[[str], None]) -> None:
 
 def _checks_train(c, err: Callable[[str], None]) -> None:
   t, r = c.train, c.rollout
-  if t.advantage not in advantages.ADVANTAGES:
-    err(f"train.advantage {t.advantage!r} is not one of {sorted(advantages.ADVANTAGES)}")
+  known = sorted(advantages.ADVANTAGES) + list(advantages.CRITIC_ADVANTAGES)
+  if t.advantage not in known:
+    err(f"train.advantage {t.advantage!r} is not one of {known}")
+  elif t.advantage in advantages.CRITIC_ADVANTAGES:
+    _checks_critic(c, err)
+  elif t.critic_path:
+    err(
+        f"train.critic_path is set but train.advantage is {t.advantage!r}: a critic is "
+        "trained only for advantage 'gae' (PPO with a critic); unset one of them"
+    )
   elif t.advantage in advantages.NEED_GROUPS and r.n_samples_per_prompt < 2:
     err(
         f"train.advantage {t.advantage!r} compares a sample with its group: "
         f"rollout.n_samples_per_prompt must be >= 2, got {r.n_samples_per_prompt}"
+    )
+  if t.reward_kl_coef < 0:
+    err(f"train.reward_kl_coef must be >= 0 (0 = off), got {t.reward_kl_coef}")
+  elif t.reward_kl_coef > 0 and t.advantage != "reinforce_plus_plus":
+    err(
+        f"train.reward_kl_coef puts a per-token KL into REINFORCE++'s returns; advantage "
+        f"{t.advantage!r} does not take it (use advantage='reinforce_plus_plus', or kl_coef "
+        "for a KL term in the loss)"
     )
   for problem in losses.loss_config_problems(
       losses.LossConfig.from_config(t), r.n_samples_per_prompt
@@ -249,6 +265,26 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     err(
         f"rollout.batch_size x n_samples_per_prompt ({batch}) must divide into "
         f"train.num_minibatches x train.num_microbatches ({split})"
+    )
+
+
+def _checks_critic(c, err: Callable[[str], None]) -> None:
+  t = c.train
+  if t.critic_lr <= 0:
+    err(f"train.critic_lr must be > 0, got {t.critic_lr}")
+  if t.value_clip < 0:
+    err(f"train.value_clip must be >= 0 (0 = no clip), got {t.value_clip}")
+  if not 0 < t.gae_gamma <= 1:
+    err(f"train.gae_gamma must be in (0, 1], got {t.gae_gamma}")
+  if not 0 <= t.gae_lambda <= 1:
+    err(f"train.gae_lambda must be in [0, 1], got {t.gae_lambda}")
+  if t.critic_path and not (Path(t.critic_path) / "config.json").is_file():
+    err(f"train.critic_path {t.critic_path!r}: no Qwen3 folder there (no config.json)")
+  if c.rollout.dynamic_sampling:
+    err(
+        "rollout.dynamic_sampling drops groups whose rewards are all equal, where group "
+        "advantages are 0; a critic's are not (advantage 'gae'): set "
+        "rollout.dynamic_sampling=False"
     )
 
 

@@ -15,10 +15,9 @@ time a reward may take.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-
-from math_verify import LatexExtractionConfig, parse, verify
 
 from april_jax.rewards.registry import register
 
@@ -28,7 +27,15 @@ _GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
 _THOUSANDS_NUMBER = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 # LaTeX only: math-verify's plain-expression extractor goes through sympy's parse_expr.
-_LATEX_ONLY = [LatexExtractionConfig(boxed_match_priority=0)]
+
+
+@functools.cache
+def _math_verify():
+  """math-verify's parse, verify and LaTeX-only extraction config, imported on first use
+  (it pulls in sympy: most of a second at every start-up of a run that never needs it)."""
+  from math_verify import LatexExtractionConfig, parse, verify  # pylint: disable=g-import-not-at-top
+
+  return parse, verify, [LatexExtractionConfig(boxed_match_priority=0)]
 
 
 def _closing_brace(text: str, open_at: int) -> int | None:
@@ -126,8 +133,9 @@ def math_verify_equal(pred: str, gold: str) -> bool:
   them with signal.alarm(), which raises in any thread but the main one. The caller
   enforces the time limit.
   """
-  gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
-  pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
+  parse, verify, latex_only = _math_verify()
+  gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=latex_only, parsing_timeout=None)
+  pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=latex_only, parsing_timeout=None)
   if not gold_parsed or not pred_parsed:
     return False
   return verify(gold_parsed, pred_parsed, timeout_seconds=None)
@@ -143,6 +151,8 @@ def is_equivalent(pred: str, gold: str) -> bool:
     if pred_number is not None and gold_number is not None:
       return math.isclose(pred_number, gold_number, rel_tol=1e-6)
     return math_verify_equal(pred, gold)
+  except ImportError:  # a broken install is not a wrong answer
+    raise
   except Exception:  # pylint: disable=broad-except
     return False
 

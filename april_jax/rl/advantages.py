@@ -22,6 +22,14 @@ normalise over the batch's tokens (default: one token each, i.e. over samples).
           r - group mean, then whitened over the batch's tokens as above: the group
           baseline removes the prompt's difficulty, the batch scale keeps steps alike.
 
+          With train.reward_kl_coef = beta > 0, REINFORCE++ puts the KL in the reward, per
+          token (`reinforce_pp_kl_advantages`, run by the learner once the old and
+          reference logprobs are known): r_t = -beta (logp_t - ref_logp_t) on every drawn
+          token, the sample's reward added at its last; G_t = sum_{s >= t} r_s; G
+          whitened over the batch's tokens.
+  gae     PPO with a learned critic: per-token advantages by GAE over the critic's values
+          (rl/critic.py); not in this registry, since it needs the values.
+
 `overlong_penalty` is added to the rewards before the estimator runs.
 """
 
@@ -31,6 +39,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from april_jax.registry import Registry
 
@@ -40,6 +49,8 @@ ADVANTAGES = Registry("advantage")
 register_advantage = ADVANTAGES.register
 get_advantage = ADVANTAGES.lookup
 NEED_GROUPS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need n >= 2
+# Per-token advantages from a learned critic (rl/critic.py), not from rewards alone.
+CRITIC_ADVANTAGES = ("gae",)
 
 
 def _centered(rewards_GxN: jax.Array) -> jax.Array:
@@ -102,6 +113,33 @@ def reinforce_pp_baseline_advantages(
 ) -> jax.Array:
   _group_size(rewards_GxN, "reinforce_plus_plus_baseline")
   return _token_whitened(_centered(rewards_GxN), lengths_GxN, eps)
+
+
+def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8) -> np.ndarray:
+  """(x - mean) / (std + eps) over the masked tokens, 0 off them (NumPy, float32)."""
+  mask = np.asarray(mask_BxT) > 0
+  if not mask.any():
+    return np.zeros(np.shape(x_BxT), np.float32)
+  x = np.asarray(x_BxT, np.float64)
+  live = x[mask]
+  return np.where(mask, (x - live.mean()) / (live.std() + eps), 0.0).astype(np.float32)
+
+
+def reinforce_pp_kl_advantages(
+    rewards_B, logp_BxT, ref_logp_BxT, mask_BxT, kl_coef: float, eps: float = 1e-6
+) -> np.ndarray:
+  """REINFORCE++ with the KL in the reward: per-token advantages [B, T] (see the module
+  docstring). logp are the policy's before the update, ref_logp the reference's; the KL is
+  k1 (logp - ref_logp), as OpenRLHF's reward KL."""
+  mask = np.asarray(mask_BxT) > 0
+  kl = np.asarray(logp_BxT, np.float64) - np.asarray(ref_logp_BxT, np.float64)
+  r = np.where(mask, -kl_coef * kl, 0.0)
+  T = mask.shape[1]
+  last = T - 1 - np.argmax(mask[:, ::-1], axis=1)
+  rows = np.flatnonzero(mask.any(axis=1))
+  r[rows, last[rows]] += np.asarray(rewards_B, np.float64)[rows]
+  returns = np.cumsum(r[:, ::-1], axis=1)[:, ::-1]  # G_t = sum over s >= t
+  return whiten_tokens(returns, mask, eps)
 
 
 def overlong_penalty(

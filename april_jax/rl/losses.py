@@ -1,13 +1,15 @@
-"""Policy losses for the RL update: PPO-clip and GSPO, with TIS, KL and entropy terms.
+"""Policy losses for the RL update: PPO-clip and GSPO, importance-weighted, with KL and
+entropy terms.
 
-Three logprobs of the same response tokens enter the loss:
+Two logprobs of the same response tokens enter the policy term:
   logp           the learner's current policy: the only one differentiated.
-  old_logp       the learner's policy before this update (recomputed, no gradient): the
-                 anchor of the PPO / GSPO ratio.
-  behavior_logp  what the sampler recorded while drawing the tokens (no gradient). With
-                 APRIL's partial rollouts these may come from several older versions;
-                 truncated importance sampling (TIS) reweights each token by
-                 min(exp(old_logp - behavior_logp), tis_cap).
+  old_logp       the ratio's anchor (no gradient): the learner's policy before this update
+                 (recomputed, the proximal policy) or, with ratio_anchor "behavior", what
+                 the sampler recorded while drawing the tokens.
+Each token's term is multiplied by an importance weight (no gradient) that corrects for
+the tokens older params drew (APRIL's partial rollouts) and for the sampler's numerics:
+rl/corrections.py builds it from the proximal and behaviour logprobs (TIS, IcePop, MIS,
+decoupled PPO).
 
 Per-token losses are reduced by `aggregate`. For gradient accumulation the caller passes
 the whole batch's `total_tokens` / `total_seqs` (see `batch_totals`, on the mask from
@@ -17,8 +19,10 @@ a plain count, additive too).
 
 Policy terms are registered by name; each returns per-token values:
 
-    fn(cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT)
+    fn(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT)
         -> (loss_BxT, clipped_BxT, ratio_BxT)
+
+advantages are per sample [B] (group estimators) or per token [B, T] (a critic's GAE).
 
 Everything is pure jnp; `cfg` is a frozen dataclass, so it can be a static jit argument.
 """
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from april_jax.registry import Registry
+from april_jax.rl import corrections
 
 GSPO_EPS_CLIP = 3e-4
 GSPO_EPS_CLIP_HIGH = 4e-4
@@ -57,7 +62,13 @@ class LossConfig:
   kl_coef: float = 0.0
   kl_type: str = "low_var_kl"  # "k1" | "k3" | "low_var_kl"
   entropy_coef: float = 0.0
-  tis_cap: float | None = None  # None: no importance reweighting
+  # The importance weight pi_prox / pi_behav (rl/corrections.py): its upper bound (None:
+  # no weight), level, what happens outside [is_low, tis_cap], and the ratio's anchor.
+  tis_cap: float | None = None
+  is_level: str = "token"  # token | sequence | geometric
+  is_mode: str = "truncate"  # truncate | mask
+  is_low: float = 0.0  # mask mode's lower bound
+  ratio_anchor: str = "proximal"  # proximal | behavior
   mask_stale_tokens: bool = False
 
   @property
@@ -92,6 +103,10 @@ class LossConfig:
         kl_type=train.kl_type,
         entropy_coef=train.entropy_coef,
         tis_cap=train.tis_cap or None,
+        is_level=train.is_level,
+        is_mode=train.is_mode,
+        is_low=train.is_low,
+        ratio_anchor=train.ratio_anchor,
         mask_stale_tokens=train.mask_stale_tokens,
     )
     if train.policy_loss == "gspo":
@@ -213,6 +228,11 @@ register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.lookup
 
 
+def _per_token(advantages) -> jax.Array:
+  """Advantages [B] as [B, 1], or [B, T] as they are: either broadcasts over tokens."""
+  return advantages[:, None] if advantages.ndim == 1 else advantages
+
+
 def _clipped_surrogate(cfg: LossConfig, ratio_BxT, adv_Bx1):
   """PPO's pessimistic surrogate; returns (loss_BxT, clipped_BxT)."""
   pg_BxT = -adv_Bx1 * ratio_BxT
@@ -224,7 +244,7 @@ def _clipped_surrogate(cfg: LossConfig, ratio_BxT, adv_Bx1):
 def ppo_clip_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
   """Token-level PPO-clip (clip-higher when eps_clip_high > eps_clip), optionally
   dual-clipped: for A < 0 the loss is capped at -A * dual_clip_c."""
-  adv_Bx1 = advantages_B[:, None]
+  adv_Bx1 = _per_token(advantages_B)
   ratio_BxT = jnp.exp(_masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT))
   loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, adv_Bx1)
   if cfg.dual_clip_c is not None:
@@ -243,7 +263,7 @@ def gspo_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
   ratio_BxT = jax.lax.stop_gradient(s_B)[:, None] * jnp.exp(
       live_logp_BxT - jax.lax.stop_gradient(live_logp_BxT)
   )
-  loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, advantages_B[:, None])
+  loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, _per_token(advantages_B))
   return loss_BxT, clipped_BxT, ratio_BxT
 
 
@@ -259,17 +279,6 @@ def effective_mask(cfg: LossConfig, mask_BxT: jax.Array, stale_BxT=None) -> jax.
   return mask_BxT.astype(jnp.float32)
 
 
-def _importance_weights(cfg: LossConfig, old_logp_BxT, behavior_logp_BxT, mask_BxT):
-  """TIS weights min(exp(old - behavior), cap), no gradient; (weights, capped)."""
-  if cfg.tis_cap is None:
-    return jnp.ones_like(mask_BxT), jnp.zeros(mask_BxT.shape, bool)
-  if behavior_logp_BxT is None:
-    raise ValueError("LossConfig.tis_cap is set but no behavior_logp_BxT was given")
-  behavior_logp_BxT = jax.lax.stop_gradient(jnp.asarray(behavior_logp_BxT, jnp.float32))
-  raw_BxT = jnp.exp(_masked_log_ratio(old_logp_BxT, behavior_logp_BxT, mask_BxT))
-  return jnp.minimum(raw_BxT, cfg.tis_cap), raw_BxT > cfg.tis_cap
-
-
 def policy_loss(
     cfg: LossConfig,
     logp_BxT: jax.Array,
@@ -277,7 +286,7 @@ def policy_loss(
     advantages_B: jax.Array,
     mask_BxT: jax.Array,
     *,
-    behavior_logp_BxT=None,
+    is_weight_BxT=None,
     ref_logp_BxT=None,
     entropy_BxT=None,
     stale_BxT=None,
@@ -286,11 +295,13 @@ def policy_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The scalar loss to minimise, and scalar metrics.
 
-  loss = aggregate(policy term * TIS weight) + kl_coef * aggregate(KL)
+  loss = aggregate(policy term * importance weight) + kl_coef * aggregate(KL)
          - entropy_coef * aggregate(entropy)
-  Metrics: pg_loss (the first term), pg_clipfrac, ratio_mean, tis_mean, tis_clipfrac
-  (token means), kl (aggregated; 0 without ref_logp), entropy (aggregated; only when
-  entropy_BxT is given), num_tokens (sum of the effective mask).
+  is_weight_BxT: the weights from rl/corrections.py (None: 1); tokens a mask-mode
+  correction removes are expected out of mask_BxT already.
+  Metrics: pg_loss (the first term), pg_clipfrac, ratio_mean (token means), kl
+  (aggregated; 0 without ref_logp), entropy (aggregated; only when entropy_BxT is given),
+  num_tokens (sum of the effective mask).
   """
   mask_BxT = effective_mask(cfg, mask_BxT, stale_BxT)
   logp_BxT = jnp.asarray(logp_BxT, jnp.float32)
@@ -304,8 +315,9 @@ def policy_loss(
   term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
       cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT
   )
-  tis_BxT, tis_capped_BxT = _importance_weights(cfg, old_logp_BxT, behavior_logp_BxT, mask_BxT)
-  loss = pg_loss = agg(term_BxT * tis_BxT)
+  if is_weight_BxT is not None:
+    term_BxT = term_BxT * jax.lax.stop_gradient(jnp.asarray(is_weight_BxT, jnp.float32))
+  loss = pg_loss = agg(term_BxT)
 
   kl = jnp.zeros((), jnp.float32)
   if ref_logp_BxT is not None:
@@ -319,8 +331,6 @@ def policy_loss(
       "pg_clipfrac": token_mean(clipped_BxT),
       "kl": kl,
       "ratio_mean": token_mean(ratio_BxT),
-      "tis_mean": token_mean(tis_BxT),
-      "tis_clipfrac": token_mean(tis_capped_BxT),
       "num_tokens": jnp.sum(mask_BxT),
   }
   if entropy_BxT is not None:
@@ -352,7 +362,12 @@ def loss_config_problems(cfg: LossConfig, n_samples: int) -> list[str]:
       "eps_clip_high",
       "must be > 0 (or None for eps_clip)",
   )
-  need(cfg.tis_cap is None or cfg.tis_cap > 1, "tis_cap", "must be > 1 (or None for no TIS)")
+  problems += [
+      f"LossConfig.{p}"
+      for p in corrections.problems(
+          cfg.is_level, cfg.is_mode, cfg.is_low, cfg.tis_cap, cfg.ratio_anchor
+      )
+  ]
   need(
       cfg.dual_clip_c is None or cfg.dual_clip_c > 1,
       "dual_clip_c",

@@ -1,8 +1,11 @@
 """The learner: jitted policy-gradient updates of the very params the sampler decodes with.
 
 One RL step's batch (rl/batch.py) goes through:
-  1. old logprobs: the learner's logprobs under the params before this step's updates,
-     in chunks over the sequence (never [B, T, vocab]) and in microbatches;
+  1. old logprobs: the learner's logprobs under the params before this step's updates
+     (the proximal policy), in chunks over the sequence (never [B, T, vocab]) and in
+     microbatches; from them and the sampler's logprobs, on the host, the importance
+     weights of rl/corrections.py (with ratio_anchor "behavior" this pass is skipped and
+     the sampler's logprobs anchor the ratio);
   2. ppo_epochs x num_minibatches optimizer updates, each the sum of num_microbatches
      gradient evaluations, aggregated with the whole minibatch's token and sequence
      counts so accumulation equals one big batch. With `train.microbatch_by_length`,
@@ -37,7 +40,9 @@ import optax
 from april_jax import sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
+from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import corrections
 from april_jax.rl import losses
 
 
@@ -128,7 +133,7 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
         micro["old_logp"],
         micro["advantages"],
         micro["mask"],
-        behavior_logp_BxT=micro["behavior"],
+        is_weight_BxT=micro["is_weight"],
         ref_logp_BxT=micro.get("ref_logp"),
         entropy_BxT=entropy,
         stale_BxT=micro["stale"],
@@ -136,6 +141,13 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
         total_seqs=total_seqs,
     )
 
+  return accumulate_grads(micro_loss, params, mb, grads)
+
+
+def accumulate_grads(micro_loss, params, mb: dict[str, Any], grads):
+  """grads plus the gradients of micro_loss(params, micro) -> (loss, metrics) over the
+  microbatches [M, ...] of mb (lax.scan); the summed loss and metrics. Each microbatch's
+  metrics are its share of the minibatch's: they add up."""
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def accumulate(carry, micro):
@@ -144,7 +156,6 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
     return (jax.tree.map(jnp.add, grads, g), loss_sum + loss), metrics
 
   (grads, loss), metrics = jax.lax.scan(accumulate, (grads, jnp.zeros(())), mb)
-  # Each microbatch's metrics are its share of the minibatch's: they add up.
   return grads, loss, {k: jnp.sum(v) for k, v in metrics.items()}
 
 
@@ -165,12 +176,16 @@ def _apply(optimizer, schedule, params, opt_state, grads, loss, metrics, attempt
   return optax.apply_updates(params, updates), opt_state, out
 
 
+def _trained(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
+  """losses.effective_mask on the host, as bools (no device op, so nothing compiles)."""
+  mask_BxT = mask_BxT > 0
+  return mask_BxT & ~stale_BxT if loss_cfg.mask_stale_tokens else mask_BxT
+
+
 def _totals(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
   """A minibatch's (total_tokens, total_seqs), counted on the host as losses.batch_totals
-  counts them on losses.effective_mask (no device op, so nothing compiles here)."""
-  mask_BxT = mask_BxT > 0
-  if loss_cfg.mask_stale_tokens:
-    mask_BxT = mask_BxT & ~stale_BxT
+  counts them on losses.effective_mask."""
+  mask_BxT = _trained(loss_cfg, mask_BxT, stale_BxT)
   return np.float32(mask_BxT.sum()), np.float32((mask_BxT.sum(-1) > 0).sum())
 
 
@@ -272,7 +287,30 @@ def _abstract(tree, on_mesh: bool):
   )
 
 
-def _dummy_batch(B: int, T: int, with_ref: bool) -> dict[str, np.ndarray]:
+def needs_reference(train) -> bool:
+  """Whether reference params are held: a KL term in the loss or in the reward."""
+  return train.kl_coef > 0 or train.reward_kl_coef > 0
+
+
+def token_advantages(train) -> bool:
+  """Whether advantages are per token [B, T] (a critic's GAE, REINFORCE++'s reward KL)."""
+  return train.advantage in advantages_lib.CRITIC_ADVANTAGES or train.reward_kl_coef > 0
+
+
+# The arrays a gradient call reads (advantages [B], or [B, T] from a critic's GAE).
+UPDATE_KEYS = (
+    "tokens",
+    "targets",
+    "mask",
+    "is_weight",
+    "old_logp",
+    "stale",
+    "advantages",
+    "ref_logp",
+)
+
+
+def _dummy_batch(B: int, T: int, with_ref: bool, token_advantages: bool) -> dict[str, np.ndarray]:
   """A batch [B, T] of the update's arrays whose rows are all full length, so every
   microbatch is cut at T."""
   mask = np.zeros((B, T), np.float32)
@@ -282,10 +320,10 @@ def _dummy_batch(B: int, T: int, with_ref: bool) -> dict[str, np.ndarray]:
       "tokens": tokens,
       "targets": tokens,
       "mask": mask,
-      "behavior": mask,
+      "is_weight": mask,
       "old_logp": mask,
       "stale": np.zeros((B, T), bool),
-      "advantages": np.zeros((B,), np.float32),
+      "advantages": mask if token_advantages else np.zeros((B,), np.float32),
   }
   return dict(batch, ref_logp=mask) if with_ref else batch
 
@@ -294,6 +332,38 @@ def microbatch_sharding(shape, mesh, rules=sharding.TRAIN_RULES):
   """Where microbatch arrays [M, b, ...] live: rows b over the batch axes of the mesh."""
   axes = (None, "batch") + ("seq",) * (len(shape) - 2)
   return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh, rules))
+
+
+def place(x: np.ndarray, mesh, rules=sharding.TRAIN_RULES):
+  """Places [M, b, ...] arrays with b over the batch axes of the mesh."""
+  if mesh is None:
+    return jnp.asarray(x)
+  return jax.device_put(x, microbatch_sharding(x.shape, mesh, rules))
+
+
+def plan(mask_BxT: np.ndarray, train) -> list[list[tuple[np.ndarray, int]]]:
+  """Per minibatch, its microbatches as [(batch rows [m, b], padded length)]."""
+  t = train
+  B = mask_BxT.shape[0]
+  if B % (t.num_minibatches * t.num_microbatches):
+    raise ValueError(
+        f"batch of {B} samples does not split into train.num_minibatches="
+        f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}"
+    )
+  by_length = bool(t.microbatch_by_length)
+  return [
+      [
+          (rows[local], T)
+          for local, T in batch_lib.microbatches(mask_BxT[rows], t.num_microbatches, by_length)
+      ]
+      for rows in np.arange(B).reshape(t.num_minibatches, -1)
+  ]
+
+
+def piece(batch: dict[str, np.ndarray], rows: np.ndarray, T: int, mesh, rules) -> dict:
+  """The rows [m, b] of every array, cut to length T, on the mesh."""
+  cut = lambda v: v[rows][..., :T] if v.ndim == 2 else v[rows]
+  return {k: place(cut(v), mesh, rules) for k, v in batch.items()}
 
 
 class Learner:
@@ -325,9 +395,9 @@ class Learner:
     self.params = p.to_masters(params)
     self.opt_state = p.init_opt(self.params)
     # No reference params are held unless a KL term needs them.
-    self.ref_params = p.to_reference(self.params) if train.kl_coef > 0 else None
+    self.ref_params = p.to_reference(self.params) if needs_reference(train) else None
     self.attempted = 0  # optimizer updates tried; the skipped ones are in opt_state
-    self.by_length = bool(train.microbatch_by_length)
+    self.token_advantages = token_advantages(train)
     self._logprobs, self._zeros = p.logprobs, p.zeros
     self._grads, self._add, self._apply = p.grads, p.add, p.apply
 
@@ -350,33 +420,13 @@ class Learner:
     return self.programs.decode_params(self.params)
 
   def _put(self, x: np.ndarray):
-    """Places [M, b, ...] arrays with b over the batch axes of the mesh."""
-    if self.mesh is None:
-      return jnp.asarray(x)
-    return jax.device_put(x, microbatch_sharding(x.shape, self.mesh, self.rules))
+    return place(x, self.mesh, self.rules)
 
   def _plan(self, batch: dict[str, np.ndarray]) -> list[list[tuple[np.ndarray, int]]]:
-    """Per minibatch, its microbatches as [(batch rows [m, b], padded length)]."""
-    t = self.train
-    B = batch["tokens"].shape[0]
-    if B % (t.num_minibatches * t.num_microbatches):
-      raise ValueError(
-          f"batch of {B} samples does not split into train.num_minibatches="
-          f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}"
-      )
-    return [
-        [
-            (rows[local], T)
-            for local, T in batch_lib.microbatches(
-                batch["mask"][rows], t.num_microbatches, self.by_length
-            )
-        ]
-        for rows in np.arange(B).reshape(t.num_minibatches, -1)
-    ]
+    return plan(batch["mask"], self.train)
 
   def _piece(self, batch: dict[str, np.ndarray], rows: np.ndarray, T: int) -> dict:
-    """The rows [m, b] of every array, cut to length T, on the mesh."""
-    return {k: self._put(v[rows][..., :T] if v.ndim == 2 else v[rows]) for k, v in batch.items()}
+    return piece(batch, rows, T, self.mesh, self.rules)
 
   def warm_up(self, batch_size: int, lengths) -> int:
     """Compiles, ahead of time, every program an update at these padded lengths calls.
@@ -396,7 +446,7 @@ class Learner:
     grads0, seen = compile_(self._zeros, params), set()
     totals = (np.float32(1), np.float32(1))
     for T in lengths:
-      batch = _dummy_batch(batch_size, T, with_ref=self.ref_params is not None)
+      batch = _dummy_batch(batch_size, T, self.ref_params is not None, self.token_advantages)
       for pieces in self._plan(batch):
         acc = None
         for rows, length in pieces:
@@ -445,14 +495,32 @@ class Learner:
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """All of one RL step's optimizer updates; returns train/* metrics (one host read)."""
-    t = self.train
+    t, cfg = self.train, self.loss_cfg
     plan = self._plan(batch)
-    old_logp = self.logprobs(self.params, batch, plan)
+    behavior = batch["behavior"]  # on the host only: the device needs the weights
+    extra = {}
+    if cfg.ratio_anchor == "behavior":  # coupled PPO: no old-logprob pass, no weight
+      old_logp = behavior
+    else:
+      old_logp = self.logprobs(self.params, batch, plan)
+      same_version = (batch["mask"] > 0) & ~batch["stale"]
+      diff = np.abs(behavior - old_logp)[same_version]
+      extra["train/logprob_diff_mean"] = float(diff.mean()) if diff.size else 0.0
+      trained = _trained(cfg, batch["mask"], batch["stale"])
+      weights = corrections.importance_weights(
+          cfg.is_level, cfg.is_mode, cfg.is_low, cfg.tis_cap, old_logp, behavior, trained
+      )
+      extra.update({f"train/{k}": v for k, v in weights.metrics.items()})
+      batch = dict(batch, is_weight=weights.weight_BxT, mask=batch["mask"] * weights.keep_BxT)
     batch = dict(batch, old_logp=old_logp)
+    batch.setdefault("is_weight", np.ones_like(batch["mask"]))
     if self.ref_params is not None:
       batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
-    same_version = (batch["mask"] > 0) & ~batch["stale"]
-    diff = np.abs(batch["behavior"] - old_logp)[same_version]
+    if t.reward_kl_coef > 0:  # REINFORCE++ with the KL in the reward: per token
+      batch["advantages"] = advantages_lib.reinforce_pp_kl_advantages(
+          batch["rewards"], old_logp, batch["ref_logp"], batch["mask"], t.reward_kl_coef
+      )
+    batch = {k: v for k, v in batch.items() if k in UPDATE_KEYS}  # what goes to the devices
     metrics = [self._minibatch(batch, pieces) for _ in range(t.ppo_epochs) for pieces in plan]
     metrics, skipped = to_host((metrics, self.opt_state.total_notfinite))
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
@@ -465,8 +533,7 @@ class Learner:
         "train/grad_norm": mean("grad_norm"),
         "train/lr": mean("lr"),
         "train/ratio_mean": mean("ratio_mean"),
-        "train/tis_mean": mean("tis_mean"),
-        "train/logprob_diff_mean": float(diff.mean()) if diff.size else 0.0,
+        **extra,
         "train/skipped_updates": float(skipped),
         "train/updates": float(self.attempted - int(skipped)),
     }

@@ -1,0 +1,304 @@
+"""PPO's learned critic: a Qwen3 backbone with a scalar value head, GAE over the response
+tokens, the clipped value loss, and the critic's own optimizer (train.advantage "gae").
+
+The value model is the policy's architecture without its output head: the final-normed
+hidden state h_t gives V_t = h_t . w + b (float32). It starts from the policy's weights,
+or from train.critic_path (a Hugging Face Qwen3 folder), with w = 0 and b = 0, so its
+first values are 0 and its first gradients move the head only. Values are indexed like the
+policy's batch arrays: V[t] is the value of the state that has read tokens[:t+1], from
+which targets[t] (a drawn response token where mask[t] = 1) is drawn.
+
+GAE runs over each sample's drawn tokens k = 1..K in order (a multi-turn episode's
+observation tokens are skipped: the environment wrote them, they are not actions):
+  delta_k = r_k + gamma V_{k+1} - V_k     (r_K the sample's reward, r_k = 0 before it;
+                                           V_{K+1} = 0: the episode ends)
+  A_k = delta_k + gamma lambda A_{k+1}    R_k = A_k + V_k, the value target.
+With gamma = lambda = 1, A_k = r - V_k. The advantages the policy loss uses are whitened
+over the batch's trained tokens when train.gae_whiten (as OpenRLHF and verl do).
+
+Value loss, a token mean over the trained tokens (c = train.value_clip, 0 = no clip):
+  0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
+
+Values are computed by the current critic, for the whole batch the step trains, at the
+start of the update (V_old above). A partial sample's values from the step that began it
+are not kept, for three reasons: the sampler never runs the critic (decode pays for the
+policy only, and the slot state holds no values); GAE telescopes only if every V_k comes
+from one critic, and the critic has been updated since those tokens were drawn; and the
+value clip is a trust region around the critic being trained, which an older critic's
+values are not. The price is one forward pass of the critic per trained sample and
+step, the same as the policy's old-logprob pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from april_jax import sharding
+from april_jax.distributed import to_host
+from april_jax.models import qwen3
+from april_jax.rl import advantages as advantages_lib
+from april_jax.rl import update as update_lib
+
+HEAD = "value_head"
+
+
+def critic_params(policy_params, cfg: qwen3.Qwen3Config):
+  """A critic from a policy's params: its backbone (no output head), a zero value head."""
+  params = {k: v for k, v in policy_params.items() if k != "lm_head"}
+  dtype = params["final_norm"].dtype
+  params[HEAD] = {"w": jnp.zeros((cfg.hidden_size,), dtype), "b": jnp.zeros((), dtype)}
+  return params
+
+
+def logical_axes(cfg: qwen3.Qwen3Config):
+  axes = {k: v for k, v in qwen3.param_logical_axes(cfg).items() if k != "lm_head"}
+  axes[HEAD] = {"w": ("norm",), "b": ()}
+  return axes
+
+
+def param_shardings(cfg: qwen3.Qwen3Config, mesh, rules=sharding.TRAIN_RULES):
+  shapes = jax.eval_shape(lambda: critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg))
+  return sharding.named_shardings(logical_axes(cfg), shapes, mesh, rules)
+
+
+def values(cfg: qwen3.Qwen3Config, params, tokens_BxT, *, compute_dtype=None, remat=False):
+  """V [B, T], float32 (see the module docstring for what V[t] values)."""
+  h = qwen3.hidden_states(cfg, params, tokens_BxT, remat=remat, compute_dtype=compute_dtype)
+  head = params[HEAD]
+  return jnp.einsum(
+      "btd,d->bt", h, head["w"].astype(h.dtype), preferred_element_type=jnp.float32
+  ) + head["b"].astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------- GAE, loss
+
+
+def gae(rewards_B, values_BxT, mask_BxT, gamma: float, lam: float):
+  """(advantages, returns) [B, T] float32 by GAE over each row's masked tokens (0 off
+  them); the reward is received at a row's last masked token."""
+  mask = np.asarray(mask_BxT) > 0
+  V = np.where(mask, np.asarray(values_BxT, np.float64), 0.0)
+  B, T = mask.shape
+  last = T - 1 - np.argmax(mask[:, ::-1], axis=1)
+  reward = np.zeros((B, T))
+  rows = np.flatnonzero(mask.any(axis=1))
+  reward[rows, last[rows]] = np.asarray(rewards_B, np.float64)[rows]
+  adv = np.zeros((B, T))
+  next_value, next_adv = np.zeros(B), np.zeros(B)
+  for t in range(T - 1, -1, -1):
+    m = mask[:, t]
+    a = reward[:, t] + gamma * next_value - V[:, t] + gamma * lam * next_adv
+    adv[:, t] = np.where(m, a, 0.0)
+    next_value = np.where(m, V[:, t], next_value)
+    next_adv = np.where(m, a, next_adv)
+  returns = np.where(mask, adv + V, 0.0)
+  return adv.astype(np.float32), returns.astype(np.float32)
+
+
+def value_loss(values_BxT, old_values_BxT, returns_BxT, mask_BxT, clip: float, total_tokens):
+  """The clipped value loss (token mean over total_tokens) and its metrics (additive over
+  microbatches, as the policy loss's are)."""
+  mask = jnp.asarray(mask_BxT, jnp.float32)
+  err = jnp.square(values_BxT - returns_BxT)
+  if clip > 0:
+    clipped_v = old_values_BxT + jnp.clip(values_BxT - old_values_BxT, -clip, clip)
+    err_clipped = jnp.square(clipped_v - returns_BxT)
+    loss_BxT, clipped = jnp.maximum(err, err_clipped), err_clipped > err
+  else:
+    loss_BxT, clipped = err, jnp.zeros_like(err, bool)
+  n = jnp.maximum(total_tokens, 1.0)
+  mean = lambda x: jnp.sum(jnp.where(mask > 0, x, 0.0)) / n
+  loss = 0.5 * mean(loss_BxT)
+  return loss, {"value_loss": loss, "value_clipfrac": mean(clipped.astype(jnp.float32))}
+
+
+# ---------------------------------------------------------------------------- programs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  model: qwen3.Qwen3Config
+  value_clip: float
+  remat: bool
+  compute_dtype: str
+
+
+def _values(static: _Static, params, tokens_MxbxT):
+  fn = lambda tokens: values(static.model, params, tokens, compute_dtype=static.compute_dtype)
+  return jax.lax.map(fn, tokens_MxbxT)
+
+
+def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, grads):
+  """grads plus the value-loss gradients of microbatches [M, b, T] (see update._grads)."""
+
+  def micro_loss(p, micro):
+    v = values(
+        static.model, p, micro["tokens"], compute_dtype=static.compute_dtype, remat=static.remat
+    )
+    return value_loss(
+        v, micro["old_values"], micro["returns"], micro["mask"], static.value_clip, total_tokens
+    )
+
+  return update_lib.accumulate_grads(micro_loss, params, mb, grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The critic's jitted programs (built from shapes alone, as update.Programs)."""
+
+  param_sh: Any
+  opt_sh: Any
+  init_opt: Any
+  values: Any  # (params, tokens [M, b, T]) -> V [M, b, T]
+  zeros: Any
+  grads: Any
+  add: Any
+  apply: Any
+
+
+def critic_train(train):
+  """The train section the critic's optimizer reads: the policy's, at train.critic_lr."""
+  t = train.copy_and_resolve_references()
+  t.lr = float(train.critic_lr)
+  return t
+
+
+def build_programs(
+    static: _Static, optimizer, schedule, params_shape, mesh=None, rules=sharding.TRAIN_RULES
+) -> Programs:
+  if mesh is None:
+    param_sh = opt_sh = None
+    pin = lambda sh: {}
+  else:
+    param_sh = param_shardings(static.model, mesh, rules)
+    opt_sh = update_lib.optimizer_shardings(optimizer, params_shape, param_sh, mesh)
+    pin = lambda sh: {"out_shardings": sh}
+  traced = lambda fn: sharding.traced_under(fn, mesh, rules)
+  return Programs(
+      param_sh=param_sh,
+      opt_sh=opt_sh,
+      init_opt=jax.jit(optimizer.init, **pin(opt_sh)),
+      values=jax.jit(traced(functools.partial(_values, static))),
+      zeros=jax.jit(update_lib._zeros_like, **pin(param_sh)),  # pylint: disable=protected-access
+      grads=jax.jit(
+          traced(functools.partial(_grads, static)), donate_argnums=3, **pin((param_sh, None, None))
+      ),
+      add=jax.jit(update_lib._add),  # pylint: disable=protected-access
+      apply=jax.jit(
+          functools.partial(update_lib._apply, optimizer, schedule),  # pylint: disable=protected-access
+          donate_argnums=(0, 1),
+          **pin((param_sh, opt_sh, None)),
+      ),
+  )
+
+
+def make_static(model_cfg, train, remat: bool, compute_dtype: str) -> _Static:
+  return _Static(model_cfg, float(train.value_clip), bool(remat), str(compute_dtype))
+
+
+CRITIC_KEYS = ("tokens", "mask", "old_values", "returns")
+
+
+class Critic:
+  """Holds the critic's float32 masters and optimizer state; turns a step's rewards into
+  per-token advantages (`advantages`) and regresses its values on the returns (`update`).
+  Made from a policy's params (or a critic folder's): their backbone, a new zero head."""
+
+  def __init__(
+      self,
+      model_cfg: qwen3.Qwen3Config,
+      params,
+      train,
+      total_updates: int,
+      mesh=None,
+      rules=sharding.TRAIN_RULES,
+      remat: bool = False,
+      compute_dtype: str = "float32",
+  ):
+    self.train, self.mesh, self.rules = train, mesh, rules
+    self.static = make_static(model_cfg, train, remat, compute_dtype)
+    self.optimizer, self.schedule = update_lib.make_optimizer(critic_train(train), total_updates)
+    from_policy = lambda p: critic_params(update_lib.cast(p, jnp.float32), model_cfg)
+    shapes = jax.eval_shape(from_policy, params)
+    self.programs = p = build_programs(
+        self.static, self.optimizer, self.schedule, shapes, mesh, rules
+    )
+    # The head is made inside the program, in its sharding (on every host of a run).
+    pin = {} if mesh is None else {"out_shardings": p.param_sh}
+    self.params = jax.jit(from_policy, **pin)(params)
+    self.opt_state = p.init_opt(self.params)
+    self.attempted = 0
+
+  def state(self) -> tuple[dict[str, Any], dict]:
+    return {"params": self.params, "opt_state": self.opt_state}, {"attempted": self.attempted}
+
+  def restore(self, arrays: dict[str, Any], host: dict) -> None:
+    self.params, self.opt_state = arrays["params"], arrays["opt_state"]
+    self.attempted = host["attempted"]
+
+  def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
+    """V [B, T] under the current critic (0 past a microbatch's cut)."""
+    pieces = [p for mb in (plan or update_lib.plan(batch["mask"], self.train)) for p in mb]
+    put = lambda x: update_lib.place(x, self.mesh, self.rules)
+    out = np.zeros(batch["tokens"].shape, np.float32)
+    vs = [
+        self.programs.values(self.params, put(batch["tokens"][rows][..., :T])) for rows, T in pieces
+    ]
+    for (rows, T), v in zip(pieces, to_host(vs)):
+      out[rows, :T] = v
+    return out
+
+  def advantages(self, batch: dict[str, np.ndarray], rewards_B, plan=None) -> dict[str, float]:
+    """Sets batch's per-token "advantages" (GAE, whitened if asked), "returns" and
+    "old_values" from the samples' rewards; returns critic/* metrics."""
+    t = self.train
+    mask = batch["mask"]
+    old_values = self.values(batch, plan)
+    adv, returns = gae(rewards_B, old_values, mask, t.gae_gamma, t.gae_lambda)
+    batch["old_values"], batch["returns"] = old_values, returns
+    batch["advantages"] = advantages_lib.whiten_tokens(adv, mask) if t.gae_whiten else adv
+    live = mask > 0
+    v, r = old_values[live], returns[live]
+    explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
+    return {
+        "critic/values_mean": float(v.mean()) if v.size else 0.0,
+        "critic/returns_mean": float(r.mean()) if r.size else 0.0,
+        "critic/advantages_mean": float(adv[live].mean()) if v.size else 0.0,
+        "critic/explained_variance": float(explained),
+    }
+
+  def update(self, batch: dict[str, np.ndarray], plan=None) -> dict[str, float]:
+    """ppo_epochs x num_minibatches optimizer updates of the value loss on the returns
+    `advantages` set; critic/* metrics (one host read)."""
+    t = self.train
+    plan = plan or update_lib.plan(batch["mask"], t)
+    arrays = {k: batch[k] for k in CRITIC_KEYS}
+    metrics = []
+    for _ in range(t.ppo_epochs):
+      for pieces in plan:
+        rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
+        total = np.float32((arrays["mask"][rows] > 0).sum())
+        grads, acc = self.programs.zeros(self.params), None
+        for rows, T in pieces:
+          mb = update_lib.piece(arrays, rows, T, self.mesh, self.rules)
+          grads, loss, m = self.programs.grads(self.params, mb, total, grads)
+          acc = (loss, m) if acc is None else self.programs.add(acc, (loss, m))
+        self.params, self.opt_state, m = self.programs.apply(
+            self.params, self.opt_state, grads, *acc, np.int32(self.attempted)
+        )
+        self.attempted += 1
+        metrics.append(m)
+    metrics = to_host(metrics)
+    mean = lambda k: float(np.mean([m[k] for m in metrics]))
+    return {
+        "critic/value_loss": mean("value_loss"),
+        "critic/value_clipfrac": mean("value_clipfrac"),
+        "critic/grad_norm": mean("grad_norm"),
+        "critic/lr": mean("lr"),
+    }
