@@ -336,7 +336,7 @@ def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dic
   rules = tuple(tuple(x) for x in config.mesh.rules)
   static = critic_lib.make_static(cfg, t, m.remat, m.dtype)
   optimizer, schedule = update_lib.make_optimizer(
-      critic_lib.critic_train(t), max(config.num_steps, 1) * t.num_minibatches
+      critic_lib.critic_train(t), max(config.num_steps, 1) * t.num_minibatches * t.ppo_epochs
   )
   shapes = jax.eval_shape(
       lambda: critic_lib.critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg)

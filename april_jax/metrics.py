@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from typing import Any
 
 from absl import logging
@@ -60,6 +61,22 @@ def _room_for(path: str):
     raise
 
 
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported without torch and boto3. tensorboardX tries
+  both at import when they are installed (torch for tensor types, boto3 for S3 paths): 1.4 s
+  at every start-up, for scalars that need neither. Left importable for everyone else."""
+  blocked = [name for name in ("torch", "boto3") if name not in sys.modules]
+  for name in blocked:
+    sys.modules[name] = None  # `import name` raises ImportError: tensorboardX goes on
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  finally:
+    for name in blocked:
+      if sys.modules.get(name, False) is None:
+        del sys.modules[name]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """metrics.jsonl, rollouts.jsonl and TensorBoard; `enabled=False` (processes other
   than 0 of a multi-host run) writes nothing."""
@@ -71,10 +88,8 @@ class MetricsWriter:
     self.rollouts_path = os.path.join(workdir, "rollouts.jsonl")
     self._tb = None
     if tensorboard and enabled:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-
       self._tb_dir = os.path.join(workdir, "tb")
-      self._tb = SummaryWriter(self._tb_dir)
+      self._tb = _summary_writer()(self._tb_dir)
 
   def truncate_after(self, step: int, metrics_line: dict | None = None) -> None:
     """Drops lines of steps > step (they are about to be run again); `metrics_line`, the
@@ -84,10 +99,8 @@ class MetricsWriter:
     _truncate_jsonl(self.metrics_path, step, metrics_line)
     _truncate_jsonl(self.rollouts_path, step)
     if self._tb is not None:  # a new event file that hides the old files' later steps
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-
       self._tb.close()
-      self._tb = SummaryWriter(self._tb_dir, purge_step=step + 1)
+      self._tb = _summary_writer()(self._tb_dir, purge_step=step + 1)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:

@@ -16,7 +16,6 @@ fixed seed the continuation equals the uninterrupted run (timings aside).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging as std_logging
 import signal
@@ -44,6 +43,7 @@ from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import sft
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
+from april_jax.rl import critic as critic_lib
 from april_jax.rl.critic import Critic
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
@@ -120,15 +120,7 @@ class Trainer:
     c, t = self.config, self.config.train
     params = policy_params
     if t.critic_path:
-      cfg, params = hf_io.load_pretrained(t.critic_path, "float32", self.mesh, self.rules)
-      if dataclasses.replace(cfg, tie_word_embeddings=self.model_cfg.tie_word_embeddings) != (
-          self.model_cfg
-      ):
-        raise InputError(
-            f"train.critic_path {t.critic_path!r} holds a model of another shape than the "
-            f"policy's ({cfg} against {self.model_cfg}); the critic shares the policy's "
-            "architecture and vocabulary"
-        )
+      params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules)
     return Critic(
         self.model_cfg,
         params,

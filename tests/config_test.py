@@ -315,14 +315,17 @@ def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(
   config = load("tiny")  # GRPO with dynamic sampling
   t = config.train
   t.critic_path = str(tmp_path)  # a critic for GRPO advantages
+  t.gae_lambda = 0.95
+  t.is_mode = "mask"  # ... and a mask with no bound (tis_cap 0, below)
   t.reward_kl_coef = 0.1  # a reward KL that GRPO's group advantages would ignore
-  t.ratio_anchor = "behavior"  # with TIS on (tis_cap 2): no pi_prox to weight by
+  t.ratio_anchor = "behavior"
+  t.tis_cap = 0.0
   with pytest.raises(ConfigError) as e:
     validate(config)
   for words in (
-      "train.critic_path is set but train.advantage is 'grpo'",
+      "train.critic_path, train.gae_lambda set but train.advantage is 'grpo'",
       "train.reward_kl_coef puts a per-token KL into REINFORCE++'s returns; advantage 'grpo'",
-      "tis_cap=2.0 with ratio_anchor='behavior'",
+      "is_mode='mask' needs an upper bound: tis_cap > 1",
   ):
     assert words in str(e.value)
   ppo = load("tiny")

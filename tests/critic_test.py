@@ -1,17 +1,20 @@
 """PPO's critic (rl/critic.py): GAE and the value loss against hand computations, the
 value model's shape and start, and a critic whose value loss falls on a fixed batch."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from april_jax.configs import base
-from april_jax.models import qwen3
+from april_jax.errors import InputError
+from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.update import Learner
-from conftest import tiny_qwen3
+from conftest import TINY_HF_CONFIGS, mesh_or_skip, save_random_hf_qwen3, tiny_qwen3
 
 CFG = tiny_qwen3(tie_word_embeddings=False)  # an output head, which the critic drops
 
@@ -130,3 +133,41 @@ def test_the_policy_loss_takes_a_critics_per_token_advantages(tmp_path):
   learner.update(batch)
   after = learner.logprobs(learner.params, batch)
   assert after[0, 5] > before + 1e-3
+
+
+def test_a_critic_starts_from_a_model_folder_of_the_policys_shape_and_no_other(tmp_path):
+  folder = save_random_hf_qwen3(tmp_path / "critic", **TINY_HF_CONFIGS["head_dim_decoupled"])
+  cfg = hf_io.load_config(folder)
+  params = critic_lib.load_backbone(str(folder), cfg)
+  critic = critic_lib.Critic(cfg, params, _train(), total_updates=1)
+  _, reference = hf_io.load_pretrained(folder)
+  np.testing.assert_array_equal(critic.params["layers"]["down"], reference["layers"]["down"])
+  np.testing.assert_array_equal(critic.params["embed"], reference["embed"])
+  other = dataclasses.replace(cfg, num_layers=3)
+  with pytest.raises(InputError, match="another shape than the policy's"):
+    critic_lib.load_backbone(str(folder), other)
+
+
+def test_the_critic_sharded_over_8_devices_gives_the_values_and_update_of_one():
+  mesh = mesh_or_skip((2, 2, 2))
+  policy = qwen3.init_params(CFG, jax.random.key(3), std=0.3)
+  rng = np.random.default_rng(2)
+  batch = {"tokens": rng.integers(0, 48, (8, 16)).astype(np.int32)}
+  batch["mask"] = (rng.random((8, 16)) < 0.6).astype(np.float32)
+  rewards = rng.normal(size=8)
+  out = []
+  for m in (None, mesh):
+    params = policy if m is None else jax.device_put(policy, qwen3.param_shardings(CFG, m))
+    critic = critic_lib.Critic(CFG, params, _train(), total_updates=2, mesh=m)
+    b = dict(batch)
+    critic.advantages(b, rewards)
+    metrics = [critic.update(b) for _ in range(2)]
+    out.append((critic.values(b), metrics, jax.tree.map(np.asarray, critic.params)))
+    if m is not None:
+      spec = critic.params["layers"]["gate"].sharding.spec
+      assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  (v1, m1, p1), (v8, m8, p8) = out
+  np.testing.assert_allclose(v8, v1, atol=1e-5)
+  for a, b in zip(m1, m8):
+    assert b["critic/value_loss"] == pytest.approx(a["critic/value_loss"], rel=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), p1, p8)

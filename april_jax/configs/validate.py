@@ -13,6 +13,7 @@ from typing import Callable
 import ml_collections
 
 from april_jax import sharding
+from april_jax.configs import base
 from april_jax.envs import base as env_base
 from april_jax.errors import InputError
 from april_jax.models import attention
@@ -222,10 +223,11 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     err(f"train.advantage {t.advantage!r} is not one of {known}")
   elif t.advantage in advantages.CRITIC_ADVANTAGES:
     _checks_critic(c, err)
-  elif t.critic_path:
+  elif critic_knobs := [k for k in CRITIC_KNOBS if t[k] != _DEFAULT_TRAIN[k]]:
     err(
-        f"train.critic_path is set but train.advantage is {t.advantage!r}: a critic is "
-        "trained only for advantage 'gae' (PPO with a critic); unset one of them"
+        f"train.{', train.'.join(critic_knobs)} set but train.advantage is {t.advantage!r}: "
+        "a critic is trained only for advantage 'gae' (PPO with a critic); leave them at "
+        "their defaults or set advantage='gae'"
     )
   elif t.advantage in advantages.NEED_GROUPS and r.n_samples_per_prompt < 2:
     err(
@@ -266,6 +268,11 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
         f"rollout.batch_size x n_samples_per_prompt ({batch}) must divide into "
         f"train.num_minibatches x train.num_microbatches ({split})"
     )
+
+
+# The critic's settings: set away from their defaults they mean advantage 'gae'.
+CRITIC_KNOBS = ("critic_path", "critic_lr", "value_clip", "gae_gamma", "gae_lambda", "gae_whiten")
+_DEFAULT_TRAIN = base.get_config().train
 
 
 def _checks_critic(c, err: Callable[[str], None]) -> None:

@@ -126,11 +126,13 @@ def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8) -> np.ndarray:
 
 
 def reinforce_pp_kl_advantages(
-    rewards_B, logp_BxT, ref_logp_BxT, mask_BxT, kl_coef: float, eps: float = 1e-6
+    rewards_B, logp_BxT, ref_logp_BxT, mask_BxT, kl_coef: float, eps: float = 1e-6, whiten_mask=None
 ) -> np.ndarray:
   """REINFORCE++ with the KL in the reward: per-token advantages [B, T] (see the module
   docstring). logp are the policy's before the update, ref_logp the reference's; the KL is
-  k1 (logp - ref_logp), as OpenRLHF's reward KL."""
+  k1 (logp - ref_logp), as OpenRLHF's reward KL. The returns run over mask_BxT (the drawn
+  tokens); the whitening's statistics over whiten_mask (the trained ones; default: the
+  same)."""
   mask = np.asarray(mask_BxT) > 0
   kl = np.asarray(logp_BxT, np.float64) - np.asarray(ref_logp_BxT, np.float64)
   r = np.where(mask, -kl_coef * kl, 0.0)
@@ -139,7 +141,7 @@ def reinforce_pp_kl_advantages(
   rows = np.flatnonzero(mask.any(axis=1))
   r[rows, last[rows]] += np.asarray(rewards_B, np.float64)[rows]
   returns = np.cumsum(r[:, ::-1], axis=1)[:, ::-1]  # G_t = sum over s >= t
-  return whiten_tokens(returns, mask, eps)
+  return whiten_tokens(returns, mask if whiten_mask is None else whiten_mask, eps)
 
 
 def overlong_penalty(

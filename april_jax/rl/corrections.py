@@ -127,7 +127,11 @@ def problems(level: str, mode: str, low: float, high: float | None, anchor: str)
     out.append(f"is_mode={mode!r}: must be one of {list(MODES)}")
   if anchor not in ANCHORS:
     out.append(f"ratio_anchor={anchor!r}: must be one of {list(ANCHORS)}")
-  if not high:
+  if not high:  # no weight: only measured, so nothing may bound it
+    if mode == "mask":
+      out.append("is_mode='mask' needs an upper bound: tis_cap > 1 (tis_cap 0 is no weight)")
+    if low:
+      out.append(f"is_low={low!r} bounds a weight, and tis_cap 0 is none: leave it at 0")
     return out
   if anchor == "behavior":
     out.append(

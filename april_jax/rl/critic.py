@@ -4,7 +4,8 @@ tokens, the clipped value loss, and the critic's own optimizer (train.advantage 
 The value model is the policy's architecture without its output head: the final-normed
 hidden state h_t gives V_t = h_t . w + b (float32). It starts from the policy's weights,
 or from train.critic_path (a Hugging Face Qwen3 folder), with w = 0 and b = 0, so its
-first values are 0 and its first gradients move the head only. Values are indexed like the
+first values are 0 and its first gradients reach the head only (weight decay, if set,
+shrinks the backbone from the first update). Values are indexed like the
 policy's batch arrays: V[t] is the value of the state that has read tokens[:t+1], from
 which targets[t] (a drawn response token where mask[t] = 1) is drawn.
 
@@ -14,7 +15,9 @@ observation tokens are skipped: the environment wrote them, they are not actions
                                            V_{K+1} = 0: the episode ends)
   A_k = delta_k + gamma lambda A_{k+1}    R_k = A_k + V_k, the value target.
 With gamma = lambda = 1, A_k = r - V_k. The advantages the policy loss uses are whitened
-over the batch's trained tokens when train.gae_whiten (as OpenRLHF and verl do).
+over the batch's trained tokens when train.gae_whiten (as OpenRLHF and verl do): the drawn
+tokens, less the stale ones when train.mask_stale_tokens (a mask-mode importance weight
+drops its tokens later, as a rejection).
 
 Value loss, a token mean over the trained tokens (c = train.value_clip, 0 = no clip):
   0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
@@ -41,11 +44,18 @@ import numpy as np
 
 from april_jax import sharding
 from april_jax.distributed import to_host
-from april_jax.models import qwen3
+from april_jax.errors import InputError
+from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import update as update_lib
 
 HEAD = "value_head"
+# What a critic folder must share with the policy (its head, tied or not, is dropped; the
+# attention kernel is the run's choice).
+SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+)  # fmt: skip
 
 
 def critic_params(policy_params, cfg: qwen3.Qwen3Config):
@@ -54,6 +64,20 @@ def critic_params(policy_params, cfg: qwen3.Qwen3Config):
   dtype = params["final_norm"].dtype
   params[HEAD] = {"w": jnp.zeros((cfg.hidden_size,), dtype), "b": jnp.zeros((), dtype)}
   return params
+
+
+def load_backbone(path: str, cfg: qwen3.Qwen3Config, mesh=None, rules=sharding.TRAIN_RULES):
+  """The params of a Hugging Face Qwen3 folder (train.critic_path) to start a critic from;
+  an InputError unless it has the policy's architecture and vocabulary (its output head,
+  tied or not, is dropped)."""
+  found = hf_io.load_config(path)
+  shape = lambda c: [getattr(c, f) for f in SHAPE_FIELDS]
+  if shape(found) != shape(cfg):
+    raise InputError(
+        f"train.critic_path {path!r} holds a model of another shape than the policy's "
+        f"({found} against {cfg}): the critic shares the policy's architecture and vocabulary"
+    )
+  return hf_io.load_pretrained(path, "float32", mesh, rules)[1]
 
 
 def logical_axes(cfg: qwen3.Qwen3Config):
@@ -262,7 +286,8 @@ class Critic:
     old_values = self.values(batch, plan)
     adv, returns = gae(rewards_B, old_values, mask, t.gae_gamma, t.gae_lambda)
     batch["old_values"], batch["returns"] = old_values, returns
-    batch["advantages"] = advantages_lib.whiten_tokens(adv, mask) if t.gae_whiten else adv
+    trained = update_lib.trained_mask(t, mask, batch.get("stale"))
+    batch["advantages"] = advantages_lib.whiten_tokens(adv, trained) if t.gae_whiten else adv
     live = mask > 0
     v, r = old_values[live], returns[live]
     explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0

@@ -23,7 +23,8 @@ from april_jax.rl.update import Learner
 # PPO token mean with no extra terms, Adam at a constant rate, one update per batch.
 SFT_LOSS = dict(policy_loss="ppo_clip", aggregation="token_mean", eps_clip=0.2)
 SFT_LOSS.update(eps_clip_high=None, dual_clip_c=None, tis_cap=0.0, mask_stale_tokens=False)
-SFT_LOSS.update(is_mode="truncate", is_low=0.0, ratio_anchor="proximal")
+SFT_LOSS.update(is_mode="truncate", is_low=0.0, ratio_anchor="proximal", reward_kl_coef=0.0)
+SFT_LOSS.update(advantage="grpo")  # unused (the batch brings its own), but no critic's
 SFT_LOSS.update(kl_coef=0.0, entropy_coef=0.0)
 SFT_OPTIMIZER = dict(lr_schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0)
 SFT_OPTIMIZER.update(b1=0.9, b2=0.999)

@@ -176,16 +176,21 @@ def _apply(optimizer, schedule, params, opt_state, grads, loss, metrics, attempt
   return optax.apply_updates(params, updates), opt_state, out
 
 
-def _trained(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
-  """losses.effective_mask on the host, as bools (no device op, so nothing compiles)."""
-  mask_BxT = mask_BxT > 0
-  return mask_BxT & ~stale_BxT if loss_cfg.mask_stale_tokens else mask_BxT
+def trained_mask(train, mask_BxT: np.ndarray, stale_BxT=None) -> np.ndarray:
+  """The tokens the policy loss trains on (before a mask-mode weight rejects any): the
+  drawn ones, less the stale ones when train.mask_stale_tokens (losses.effective_mask on
+  the host, as bools: no device op, so nothing compiles). train: the config's train
+  section or a LossConfig."""
+  mask_BxT = np.asarray(mask_BxT) > 0
+  if train.mask_stale_tokens and stale_BxT is not None:
+    mask_BxT = mask_BxT & ~np.asarray(stale_BxT, bool)
+  return mask_BxT
 
 
 def _totals(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
   """A minibatch's (total_tokens, total_seqs), counted on the host as losses.batch_totals
   counts them on losses.effective_mask."""
-  mask_BxT = _trained(loss_cfg, mask_BxT, stale_BxT)
+  mask_BxT = trained_mask(loss_cfg, mask_BxT, stale_BxT)
   return np.float32(mask_BxT.sum()), np.float32((mask_BxT.sum(-1) > 0).sum())
 
 
@@ -498,6 +503,7 @@ class Learner:
     t, cfg = self.train, self.loss_cfg
     plan = self._plan(batch)
     behavior = batch["behavior"]  # on the host only: the device needs the weights
+    original_mask = batch["mask"]  # the drawn tokens (a mask-mode weight may drop some)
     extra = {}
     if cfg.ratio_anchor == "behavior":  # coupled PPO: no old-logprob pass, no weight
       old_logp = behavior
@@ -506,7 +512,7 @@ class Learner:
       same_version = (batch["mask"] > 0) & ~batch["stale"]
       diff = np.abs(behavior - old_logp)[same_version]
       extra["train/logprob_diff_mean"] = float(diff.mean()) if diff.size else 0.0
-      trained = _trained(cfg, batch["mask"], batch["stale"])
+      trained = trained_mask(cfg, batch["mask"], batch["stale"])
       weights = corrections.importance_weights(
           cfg.is_level, cfg.is_mode, cfg.is_low, cfg.tis_cap, old_logp, behavior, trained
       )
@@ -517,8 +523,14 @@ class Learner:
     if self.ref_params is not None:
       batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
     if t.reward_kl_coef > 0:  # REINFORCE++ with the KL in the reward: per token
+      drawn = original_mask > 0
       batch["advantages"] = advantages_lib.reinforce_pp_kl_advantages(
-          batch["rewards"], old_logp, batch["ref_logp"], batch["mask"], t.reward_kl_coef
+          batch["rewards"],
+          old_logp,
+          batch["ref_logp"],
+          drawn,
+          t.reward_kl_coef,
+          whiten_mask=trained_mask(t, drawn, batch["stale"]),
       )
     batch = {k: v for k, v in batch.items() if k in UPDATE_KEYS}  # what goes to the devices
     metrics = [self._minibatch(batch, pieces) for _ in range(t.ppo_epochs) for pieces in plan]
