@@ -22,8 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_lookup.py")  # multi-turn: episodes agree across hosts
+STEPS = 4  # checkpoints 2 and 4: the pair is killed after the first, resumes for the rest
 RUN = [
-    "--config.num_steps=5",
+    f"--config.num_steps={STEPS}",
     "--config.checkpoint_every=2",
     "--config.eval_every=0",
     "--config.train.sft_steps=10",
@@ -111,7 +112,7 @@ def _flatten(tree, prefix=()):
 
 
 def _assert_same_run(a, b):
-  assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 6))
+  assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))
   for ma, mb in zip(a, b):
     assert set(ma) == set(mb)
     for key, value in ma.items():
@@ -155,21 +156,22 @@ def test_two_processes_give_the_metrics_and_params_of_one(runs):
   one, two, one_out, outs, _ = runs
   _assert_same_run(_metrics(one), _metrics(two))
   assert _metrics(two)[-1]["rollout/buffer_groups"] > 0  # partials crossed steps (and hosts)
-  p1, p2 = _params(one, 5), _params(two, 5)
+  p1, p2 = _params(one, STEPS), _params(two, STEPS)
   assert p1.keys() == p2.keys() and len(p1) > 5
   # gloo sums across processes in another order than one process does. Adam divides by
   # sqrt(v), so where a gradient is itself at rounding level its update's size and sign
-  # are noise: up to lr per update apart (lr 3e-4, 5 updates, 2 sides). Elsewhere the
+  # are noise: up to lr per update apart (lr 3e-4, STEPS updates, 2 sides). Elsewhere the
   # difference stays at float32 rounding; a wrong shard or a missed reduction would move
   # most elements, not a few.
-  bound = 2 * 3e-4 * 5
+  bound = 2 * 3e-4 * STEPS
   for name in p1:
     diff = np.abs(p2[name] - p1[name])
     assert diff.max() <= bound, (name, diff.max())
     off = ~np.isclose(p2[name], p1[name], rtol=1e-4, atol=1e-5)
     assert off.mean() < 1e-3 and diff.mean() < 1e-6, (name, off.sum(), diff.mean())
   # Only process 0 prints progress (and writes metrics: one file, one line per step).
-  assert "step 5/5" in one_out and "step 5/5" in outs[0][0] and "step" not in outs[1][0]
+  last = f"step {STEPS}/{STEPS}"
+  assert last in one_out and last in outs[0][0] and "step" not in outs[1][0]
 
 
 def test_a_killed_process_fails_its_peer_promptly_and_both_resume(runs):
