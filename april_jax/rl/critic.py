@@ -308,15 +308,11 @@ class Critic:
     for _ in range(t.ppo_epochs):
       for pieces in plan:
         rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
-        total = np.float32((arrays["mask"][rows] > 0).sum())
-        grads, acc = self.programs.zeros(self.params), None
-        for rows, T in pieces:
-          mb = update_lib.piece(arrays, rows, T, self.mesh, self.rules)
-          grads, loss, m = self.programs.grads(self.params, mb, total, grads)
-          acc = (loss, m) if acc is None else self.programs.add(acc, (loss, m))
-        self.params, self.opt_state, m = self.programs.apply(
-            self.params, self.opt_state, grads, *acc, np.int32(self.attempted)
-        )
+        totals = (np.float32((arrays["mask"][rows] > 0).sum()),)
+        self.params, self.opt_state, m = update_lib.minibatch_update(
+            self.programs, self.params, self.opt_state, arrays, pieces, totals,
+            self.attempted, self.mesh, self.rules,
+        )  # fmt: skip
         self.attempted += 1
         metrics.append(m)
     metrics = to_host(metrics)

@@ -371,6 +371,19 @@ def piece(batch: dict[str, np.ndarray], rows: np.ndarray, T: int, mesh, rules) -
   return {k: place(cut(v), mesh, rules) for k, v in batch.items()}
 
 
+def minibatch_update(programs, params, opt_state, batch, pieces, totals, attempted, mesh, rules):
+  """One optimizer update over one minibatch with a learner's `programs` (zeros, grads,
+  add, apply): its microbatches' gradients summed into one buffer (one call per padded
+  length), then the update. (params, opt_state, metrics on device)."""
+  grads, acc = programs.zeros(params), None
+  for rows, T in pieces:
+    grads, loss, metrics = programs.grads(
+        params, piece(batch, rows, T, mesh, rules), *totals, grads
+    )
+    acc = (loss, metrics) if acc is None else programs.add(acc, (loss, metrics))
+  return programs.apply(params, opt_state, grads, *acc, np.int32(attempted))
+
+
 class Learner:
   """Holds float32 master params, optimizer state and the (optional) reference params
   (in the compute dtype); updates them."""
@@ -488,13 +501,10 @@ class Learner:
     one buffer (one call per padded length), then the update. Its metrics, on device."""
     rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
     totals = _totals(self.loss_cfg, batch["mask"][rows], batch["stale"][rows])
-    grads, acc = self._zeros(self.params), None
-    for rows, T in pieces:
-      grads, loss, metrics = self._grads(self.params, self._piece(batch, rows, T), *totals, grads)
-      acc = (loss, metrics) if acc is None else self._add(acc, (loss, metrics))
-    self.params, self.opt_state, m = self._apply(
-        self.params, self.opt_state, grads, *acc, np.int32(self.attempted)
-    )
+    self.params, self.opt_state, m = minibatch_update(
+        self.programs, self.params, self.opt_state, batch, pieces, totals, self.attempted,
+        self.mesh, self.rules,
+    )  # fmt: skip
     self.attempted += 1
     return m
 
