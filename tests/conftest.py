@@ -9,7 +9,12 @@ import sys
 import tempfile
 
 # Must happen before JAX initialises its backends.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The tests run small programs a few times each, so compiling is most of their time: XLA's
+# backend optimisations cost more to run than they save here (they halve the sampler tests'
+# time). The `python -m april_jax.main` subprocesses set their own flags.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, inherited by the `python -m
 # april_jax.main` subprocesses: each compiles the same small programs, and XLA's compile

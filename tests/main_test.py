@@ -216,7 +216,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
       "--config.num_steps=40",
       "--config.checkpoint_every=0",
       "--config.eval_every=0",
-      "--config.train.sft_steps=5",
+      "--config.train.sft_steps=0",
       "--config.rollout.n_samples_per_prompt=4",
   )
   metrics = tmp_path / "metrics.jsonl"
@@ -237,11 +237,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   assert "Traceback" not in second_err
   assert proc.poll() is None
   proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=300)
-  assert proc.returncode == 143, err[-3000:]  # stopped, not finished
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 143, err[-3000:]  # stopped, not finished, with a status of its own
+  assert "Traceback" not in err
   last = _read_jsonl(metrics)[-1]["step"]
   assert last < 40
   assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped
+  (stopped,) = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM after step")]
+  assert f"stopped by SIGTERM after step {last}" in stopped  # the summary says so
+  assert f"checkpoint {last} is saved" in stopped
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):

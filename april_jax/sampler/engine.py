@@ -405,7 +405,8 @@ class SlotEngine:
     return self.fns.prefill_kv(self.params, padded)
 
   def add_group(self, records: list[SampleRecord]) -> list[int]:
-    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots.
+    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots
+    (each slot owns its pages; README.md says why pages are not shared).
 
     Each sample keeps its own response budget, rng and sampling params.
     """
