@@ -22,10 +22,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_lookup.py")  # multi-turn: episodes agree across hosts
-STEPS = 4  # checkpoints 2 and 4: the pair is killed after the first, resumes for the rest
+STEPS = 2  # checkpoints 1 and 2: the pair is killed after the first, resumes for the second
 RUN = [
     f"--config.num_steps={STEPS}",
-    "--config.checkpoint_every=2",
+    "--config.checkpoint_every=1",
     "--config.eval_every=0",
     "--config.train.sft_steps=10",
     "--config.rollout.max_response_len=16",
@@ -121,10 +121,10 @@ def _assert_same_run(a, b):
 
 
 def _killed_at_the_first_checkpoint(workdir):
-  """Two processes until checkpoint 2 exists, then process 1 is killed: (process 0's
+  """Two processes until checkpoint 1 exists, then process 1 is killed: (process 0's
   exit status and stderr, seconds it took to end after the kill)."""
   procs = _two_processes(workdir)
-  ckpt = workdir / "checkpoints" / "2"
+  ckpt = workdir / "checkpoints" / "1"
   deadline = time.monotonic() + 600
   while (
       not ckpt.is_dir() and all(p.poll() is None for p in procs) and (time.monotonic() < deadline)
@@ -142,7 +142,7 @@ def _killed_at_the_first_checkpoint(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The same run twice: 1 process x 8 devices, and 2 processes x 4 devices that lose a
-  process after checkpoint 2 and are restarted (a straight 2-process run is the first
+  process after checkpoint 1 and are restarted (a straight 2-process run is the first
   half of this one: comparing the whole of it checks both)."""
   root = tmp_path_factory.mktemp("multihost")
   one = _launch(root / "one", 8)  # alongside: the pair spends much of its time waiting
