@@ -41,10 +41,9 @@ from april_jax.models import hf_io, qwen3
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import critic as critic_lib
 from april_jax.rl import sft
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
-from april_jax.rl import critic as critic_lib
-from april_jax.rl.critic import Critic
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
 from april_jax.sampler import EngineConfig, SlotEngine
@@ -115,13 +114,13 @@ class Trainer:
         self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
     )
 
-  def _make_critic(self, policy_params) -> Critic:
+  def _make_critic(self, policy_params) -> critic_lib.Critic:
     """PPO's critic, from train.critic_path or the policy's own weights."""
     c, t = self.config, self.config.train
     params = policy_params
     if t.critic_path:
       params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules)
-    return Critic(
+    return critic_lib.Critic(
         self.model_cfg,
         params,
         t,

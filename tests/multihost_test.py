@@ -52,7 +52,8 @@ def _launch(workdir, devices: int, *flags):
       *RUN,
       *flags,
   ]
-  # Backend optimisations off: these runs are mostly compiling (see main_test.py).
+  # Backend optimisations off, as conftest.py sets them for the tests: these runs are
+  # mostly compiling.
   env = dict(
       os.environ,
       XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
