@@ -11,7 +11,8 @@ import tempfile
 # Must happen before JAX initialises its backends.
 # The tests run small programs a few times each, so compiling is most of their time: XLA's
 # backend optimisations cost more to run than they save here (without them the sampler
-# tests take 75 s instead of 124 s). The `python -m april_jax.main` subprocesses set their own flags.
+# tests take 75 s instead of 124 s). The `python -m april_jax.main` subprocesses set their
+# own flags.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
