@@ -138,3 +138,25 @@ def test_write_pages_puts_each_live_slots_token_at_its_page_and_offset():
   np.testing.assert_array_equal(k[:, 4, :, 2], new[:, 1])  # position 2: page 4, entry 2
   np.testing.assert_array_equal(k[:, P - 1, :, 0], new[:, 2])  # a free slot: scratch
   assert int(jnp.count_nonzero(k[:, : P - 1])) == 2 * L * K * H
+
+
+def test_a_chunk_is_never_wider_than_the_pool():
+  # 4 slots of one 256-position page each and decode_block 32,768 (the 8B config's):
+  # 128-page chunks would gather 124 pages of padding per layer and step. The decode
+  # program's scratch memory stays within a few pools.
+  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
+  from april_jax.sampler import slot_ops  # pylint: disable=g-import-not-at-top
+
+  cfg = qwen3.Qwen3Config(
+      vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+      num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+  )  # fmt: skip
+  params = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
+  fns = slot_ops.device_fns(cfg, 4, 256, 1, decode_block=32768, page_size=256)
+  state = jax.eval_shape(fns.init)
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  compiled = fns.decode.lower(
+      params, state, i32, jax.ShapeDtypeStruct((1,), jnp.int32), i32
+  ).compile()
+  pool_bytes = 2 * state.kv.k.size * state.kv.k.dtype.itemsize  # 5 pages, k and v
+  assert compiled.memory_analysis().temp_size_in_bytes < 3 * pool_bytes

@@ -374,7 +374,9 @@ def device_fns(
   `rules` place the slot state and the activations (the sampler's: DECODE_RULES). The
   pool has `num_pages` usable pages (default: max_len for every slot), split over the
   slot axes' shards, plus one scratch page per shard. Attention reads decode_block //
-  page_size pages per chunk."""
+  page_size pages per chunk, or a shard's whole pool when that is fewer: a chunk
+  wider than the pool would gather padding (at 16 pages of 256 positions and
+  decode_block 32,768, a chunk of 128 pages made a step 14x slower)."""
   shards = 1
   if mesh is not None:
     spec = sharding.logical_to_spec(("batch",), (num_slots,), mesh, rules)[0]
@@ -383,7 +385,7 @@ def device_fns(
   if num_pages is None:
     num_pages = num_slots * -(-max_len // page_size)
   per_shard = -(-num_pages // shards) + 1
-  chunk_pages = max(1, decode_block // page_size)
+  chunk_pages = max(1, min(decode_block // page_size, per_shard - 1))
   init = lambda: init_state(
       cfg, num_slots, max_len, jnp.dtype(kv_dtype), page_size, shards * per_shard
   )
