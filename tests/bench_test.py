@@ -104,6 +104,9 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
   assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
   assert out["tiny_decode_step_ms"] > 0 and out["tiny_static_decode_step_ms"] > 0
   assert out["tiny_static_outputs_equal_frac"] == 1.0  # same greedy tokens as the yardstick
+  # One layer's attention timed both ways, on the same keys and values, to the same result.
+  assert out["tiny_attention_max_abs_diff"] < 1e-5
+  assert min(out[f"tiny_attention_{k}_us"] for k in ("paged", "dense", "gather")) > 0
   assert out["tiny_speedup_vs_transformers"] != out["tiny_speedup_vs_transformers"]  # NaN
 
 

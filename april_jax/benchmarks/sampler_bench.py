@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
-from april_jax.benchmarks import common, static_sampler, tail_step
+from april_jax.benchmarks import attention_split, common, static_sampler, tail_step
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
@@ -239,6 +239,16 @@ def run_one(
   step_s, static_step_s = decode_step_seconds(
       cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats
   )
+  engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
+  split = attention_split.run(
+      cfg,
+      batch,
+      prompt_len + new_tokens // 2,  # the mean cached length over the timed steps
+      engine_config.page_size,
+      engine_config.decode_block,
+      repeats,
+      seed=seed,
+  )
   out = {
       "model_params": cfg.num_params(),
       "april_jax_tokens_per_s": tokens / ours_s,
@@ -248,6 +258,10 @@ def run_one(
       "static_decode_step_ms": 1e3 * static_step_s,
       "step_slots_vs_static": static_step_s / step_s,
       "static_outputs_equal_frac": _equal_frac(ours_out, static_out),
+      "attention_paged_us": split["paged_us"],
+      "attention_dense_us": split["dense_us"],
+      "attention_gather_us": split["gather_us"],
+      "attention_max_abs_diff": split["max_abs_diff"],
   }
   if hf:
     hf_s, hf_out = _transformers_side(cfg, params, prompts, new_tokens, repeats)
@@ -309,6 +323,12 @@ def _print_row(name: str, r: dict) -> None:
       f"{r['transformers_tokens_per_s']:>19.1f} {r['speedup_vs_transformers']:>5.2f}x "
       f"{r['greedy_outputs_equal_frac']:>6.0%} {r['resume_kv_us_per_token']:>10.2f} "
       f"{r['resume_recompute_us_per_token']:>17.2f}",
+      flush=True,
+  )
+  print(
+      f"{'':>6} one layer's decode attention: paged {r['attention_paged_us']:.1f} us (its "
+      f"page gathers alone {r['attention_gather_us']:.1f}), dense {r['attention_dense_us']:.1f}"
+      f" us: {r['attention_dense_us'] / r['attention_paged_us']:.2f}x",
       flush=True,
   )
   if "copy_bandwidth_frac" in r:
