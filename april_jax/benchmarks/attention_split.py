@@ -54,17 +54,18 @@ def run(
     repeats: int = 3,
     layers: int = 16,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> dict:
   """Per-layer microseconds (paged_us, dense_us, gather_us) with every slot at `length`
   cached positions, the engine's pages in shuffled pool order and the dense cache
-  holding the same keys and values (float32); max_abs_diff between their outputs."""
+  holding the same keys and values (in `dtype`); max_abs_diff between their outputs."""
   rng = np.random.default_rng(seed)
   K, H, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
   per_slot = pages_lib.pages_for(length, page_size)
   P = slots * per_slot + 1  # and a scratch page, as the engine's pool
   chunk = max(1, min(decode_block // page_size, P - 1))
   table = rng.permutation(P - 1).astype(np.int32).reshape(slots, per_slot)
-  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   pool_k, pool_v = normal(2, P, K, page_size, H), normal(2, P, K, page_size, H)
   # The dense cache holds what each slot's pages hold, in its order: [2, S, K, positions, H].
   as_dense = (

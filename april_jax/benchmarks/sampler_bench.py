@@ -248,6 +248,7 @@ def run_one(
       engine_config.decode_block,
       repeats,
       seed=seed,
+      dtype=kv_dtype,
   )
   out = {
       "model_params": cfg.num_params(),
@@ -308,6 +309,9 @@ _COLUMNS = (
     ("transformers tokens/s", "transformers_tokens_per_s"),
     ("ratio", "speedup_vs_transformers"),
     ("greedy outputs equal", "greedy_outputs_equal_frac"),
+    ("attention us/layer, paged", "attention_paged_us"),
+    ("its gathers us", "attention_gather_us"),
+    ("attention us/layer, dense", "attention_dense_us"),
     ("kv us/token", "resume_kv_us_per_token"),
     ("recompute us/token", "resume_recompute_us_per_token"),
 )
