@@ -38,6 +38,14 @@ def test_scheduler_bench_reports_both_sides_and_april_fills_slots_better():
   # Occupancy is a count (kept tokens / slot-steps), not a timing.
   assert out["april_slot_occupancy"] > out["baseline_slot_occupancy"]
   assert out["baseline_off_policy_token_frac"] == 0.0 == out["baseline_staleness_max"]
+  # The yardsticks: occupancy is counted; decoding is a share of each side's rollout time.
+  assert out["occupancy_ideal"] == pytest.approx(
+      out["april_slot_occupancy"] / out["baseline_slot_occupancy"]
+  )
+  assert out["of_occupancy_ideal"] == pytest.approx(out["speedup"] / out["occupancy_ideal"])
+  for side in ("april", "baseline"):
+    assert 0 < out[f"{side}_decode_frac"] < 1
+  assert out["of_host_free_ideal"] == pytest.approx(out["speedup"] / out["host_free_ideal"])
 
 
 def test_length_distributions_are_long_tailed():
