@@ -83,6 +83,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # tables on stdout; libraries stay quiet
   report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
+    if _NEW_TOKENS.value <= sampler_bench.SYNC_EVERY:
+      raise app.UsageError(
+          f"--new_tokens={_NEW_TOKENS.value} must exceed {sampler_bench.SYNC_EVERY}, the "
+          "decode steps of the engine's first (untimed) call, to time a steady-state step"
+      )
     result = sampler_bench.run(
         models=_MODELS.value,
         batch=_BATCH.value,

@@ -118,6 +118,13 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
   assert out["tiny_speedup_vs_transformers"] != out["tiny_speedup_vs_transformers"]  # NaN
 
 
+def test_sampler_bench_refuses_a_run_too_short_to_time_a_decode_step():
+  from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match=r"new_tokens \(8\) must exceed sync_every \(8\)"):
+    sampler_bench.run(models=("tiny",), new_tokens=8, sync_every=8, hf=False)
+
+
 def test_e2e_bench_trains_both_sides_and_reports_the_spread():
   from april_jax.benchmarks import e2e_bench  # pylint: disable=g-import-not-at-top
 

@@ -24,6 +24,10 @@ from april_jax.benchmarks import attention_split, common, static_sampler, tail_s
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
+# Decode steps per host round trip of the bench's engines. The first engine call of a
+# run is not timed, so a run needs more new tokens than this for a steady-state step.
+SYNC_EVERY = 32
+
 BENCH_MODELS = {
     # The size of the CPU RL default: per-step framework overhead dominates.
     "tiny": qwen3.Qwen3Config(
@@ -375,7 +379,7 @@ def run(
     prompt_len: int = 32,
     new_tokens: int = 128,
     repeats: int = 3,
-    sync_every: int = 32,
+    sync_every: int = SYNC_EVERY,
     seed: int = 0,
     report=None,
     hf: bool = True,
@@ -386,6 +390,11 @@ def run(
 ) -> dict:
   """The decode table; copy_gbps > 0 also gives each model's bytes per decode step over
   its time as a fraction of that (measured) copy bandwidth."""
+  if new_tokens <= sync_every:
+    raise ValueError(
+        f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "
+        "first call is not timed, so nothing would be left to time a decode step by"
+    )
   result = {
       "mode": "sampler",
       "batch": batch,
