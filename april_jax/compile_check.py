@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from april_jax import sharding
+from april_jax import buckets, sharding
 from april_jax.models import qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
@@ -255,7 +255,11 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
           "extract_kv (snapshot)", fns.extract_kv, (state, rep((Wr,), i32), T), (True, False, False)
       ),
   ]
-  return programs, device_bytes(state)
+  # The last prompt's prefilled KV, kept for the rest of its group (SlotEngine._prompt_kv).
+  prompt = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, max_len)
+  kept = jax.eval_shape(fns.prefill_kv, decode_params, rep((1, prompt), i32))
+  kv_sh = qwen3.KVCache(fns.kv_sharding, fns.kv_sharding)
+  return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))
 
 
 def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
@@ -368,6 +372,7 @@ def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dic
 def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0) -> Report:
   """Compiles every program of a run of `config` on `mesh`; the per-device report."""
   learner, resident, decode_params = _learner_programs(config, cfg, mesh)
-  sampler, state_bytes = _sampler_programs(config, cfg, mesh, decode_params)
+  sampler, state_bytes, prompt_bytes = _sampler_programs(config, cfg, mesh, decode_params)
   resident["slot state (KV cache)"] = state_bytes
+  resident["the last prompt's KV (kept)"] = prompt_bytes
   return Report(resident=resident, programs=sampler + learner, device_bytes=device_bytes_limit)

@@ -26,7 +26,8 @@ import os
 import sys
 import types
 
-from april_jax import compile_check, sharding
+from april_jax import buckets, compile_check, sharding
+from april_jax.sampler.engine import EngineConfig
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
@@ -176,6 +177,14 @@ def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
   return usable, per_shard
 
 
+def prompt_kv_bytes(config, cfg: qwen3.Qwen3Config, kv_heads: float) -> float:
+  """The KV of one prompt at the longest prompt bucket, which the engine keeps for the
+  rest of its group (SlotEngine._prompt_kv); kv_heads: the KV heads on one device."""
+  econf = EngineConfig.from_run_config(config)
+  T = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, econf.max_len)
+  return 2 * cfg.num_layers * T * kv_heads * cfg.head_dim * dtype_bytes(config.model.kv_dtype)
+
+
 def _resident(x) -> dict[str, float]:
   """What stays on each device for the whole run."""
   cfg, r, m = x.cfg, x.config.rollout, x.config.model
@@ -190,6 +199,7 @@ def _resident(x) -> dict[str, float]:
       "optimizer state (float32)": 2 * masters,
       "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
       "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
+      "the last prompt's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
   }
   if x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0:
     resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)

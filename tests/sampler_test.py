@@ -281,6 +281,26 @@ def test_group_prefills_once_and_siblings_differ_by_rng(params):
   assert len(responses) == 4  # same prompt and KV, different draws
 
 
+def test_a_group_started_one_sample_at_a_time_prefills_its_prompt_once(params):
+  # Two slots for a group of four: its samples start as slots free up, as under APRIL.
+  prompt = _prompts(7, [6])[0]
+  whole = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=32))
+  whole.add_group(_records([prompt] * 4, 10, temperature=1.0))
+  want = {r.meta["index"]: r for r in _drain(whole)}
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=32))
+  got = _run_to_end(engine, _records([prompt] * 4, 10, temperature=1.0))
+  assert whole.prefills == engine.prefills == 1
+  for i in range(4):  # the kept KV is the prefill's, bit for bit
+    np.testing.assert_array_equal(got[i].response, want[i].response)
+    np.testing.assert_array_equal(got[i].logprobs, want[i].logprobs)
+  # New weights, or a new policy version: the prompt is prefilled again.
+  engine.params = jax.tree.map(lambda x: x * 1.0, params)
+  engine.add_group(_records([prompt], 10))
+  engine.version += 1
+  engine.add_group(_records([prompt], 10, seed=1))
+  assert engine.prefills == 3
+
+
 def test_no_compilation_after_warm_up(params, compiles):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
 

@@ -188,6 +188,7 @@ def run(
     side["decode_frac"] = clocks[name].seconds / sum(
         res.stats["rollout_s"] for res in results[name]
     )
+    side["prefills_per_step"] = sides[name].engine.prefills / steps
   r = config.rollout
   speedup = april["tokens_per_s"] / base["tokens_per_s"]
   occupancy_ideal = april["slot_occupancy"] / base["slot_occupancy"]
@@ -234,7 +235,8 @@ def run(
       f"of the occupancy ideal ({occupancy_ideal:.2f}x): {out['of_occupancy_ideal']:.0%}; "
       f"of the host-free ideal ({host_free_ideal:.2f}x, decoding alone): "
       f"{out['of_host_free_ideal']:.0%}; time in decoding: APRIL {april['decode_frac']:.0%}, "
-      f"baseline {base['decode_frac']:.0%}"
+      f"baseline {base['decode_frac']:.0%}; prefills per step: APRIL "
+      f"{april['prefills_per_step']:.1f}, baseline {base['prefills_per_step']:.1f}"
   )
   return out
 

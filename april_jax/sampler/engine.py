@@ -159,6 +159,17 @@ class SlotEngine:
     self.preemptions = 0  # over the engine's life
     self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0  # tokens drawn (not given), summed over slots
+    self.prefills = 0  # prefill calls (prompts, and recomputed partials)
+
+  @property
+  def params(self):
+    return self._params
+
+  @params.setter
+  def params(self, params) -> None:
+    """New weights: the kept prompt KV (add_group) was computed by the old ones."""
+    self._params = params
+    self._last_prompt = None
 
   # ------------------------------------------------------------------ bookkeeping
   def free_slots(self) -> list[int]:
@@ -402,11 +413,23 @@ class SlotEngine:
   def _prefill(self, tokens: np.ndarray) -> qwen3.KVCache:
     padded = np.zeros((1, self.bucket(len(tokens))), np.int32)
     padded[0, : len(tokens)] = tokens
+    self.prefills += 1
     return self.fns.prefill_kv(self.params, padded)
 
+  def _prompt_kv(self, prompt: np.ndarray) -> qwen3.KVCache:
+    """The prompt's prefilled KV. The last prompt's is kept on the device (one prompt
+    bucket of KV, in the memory plan), so a group whose samples start as slots free up,
+    one or a few at a time, prefills its prompt once; new params or a new version drop
+    it. The kept KV is what a new prefill would compute, bit for bit."""
+    key = (np.asarray(prompt, np.int32).tobytes(), self.version)
+    if self._last_prompt is None or self._last_prompt[0] != key:
+      self._last_prompt = (key, self._prefill(prompt))
+    return self._last_prompt[1]
+
   def add_group(self, records: list[SampleRecord]) -> list[int]:
-    """Fresh samples of one prompt: prefilled once, KV copied into len(records) slots
-    (each slot owns its pages; README.md says why pages are not shared).
+    """Fresh samples of one prompt: prefilled once (also across calls, while it is the
+    last prompt added: _prompt_kv), KV copied into len(records) slots (each slot owns
+    its pages; README.md says why pages are not shared).
 
     Each sample keeps its own response budget, rng and sampling params.
     """
@@ -415,7 +438,7 @@ class SlotEngine:
       if r.started or not np.array_equal(r.prompt, records[0].prompt):
         raise ValueError("add_group takes fresh samples of one and the same prompt")
     slots = self._take_slots(records)
-    self._insert_shared(self._prefill(records[0].prompt), self.version, slots, records)
+    self._insert_shared(self._prompt_kv(records[0].prompt), self.version, slots, records)
     return slots
 
   def add(self, record: SampleRecord, mode: str = "kv") -> int:
