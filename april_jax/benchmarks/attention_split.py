@@ -12,14 +12,14 @@ and the per-slot merge add. Each is timed as `layers` applications inside one pr
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from april_jax.benchmarks import common
 from april_jax.models import attention, paged_attention, qwen3
 from april_jax.sampler import pages as pages_lib
+from april_jax.sampler import slot_ops
 
 
 def _per_layer_us(fn, args, layers: int, repeats: int, calls: int = 50) -> float:
@@ -34,15 +34,12 @@ def _per_layer_us(fn, args, layers: int, repeats: int, calls: int = 50) -> float
 
     return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(layers))[0]
 
-  jax.block_until_ready(run(*args))
-  best = float("inf")
-  for _ in range(max(repeats, 3)):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = run(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - start) / calls)
-  return 1e6 * best / layers
+  def many_calls():
+    return jax.block_until_ready([run(*args) for _ in range(calls)])
+
+  many_calls()  # compiles
+  best, _ = common.best_of(max(repeats, 3), many_calls)
+  return 1e6 * best / calls / layers
 
 
 def run(
@@ -63,7 +60,7 @@ def run(
   K, H, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
   per_slot = pages_lib.pages_for(length, page_size)
   P = slots * per_slot + 1  # and a scratch page, as the engine's pool
-  chunk = max(1, min(decode_block // page_size, P - 1))
+  chunk = slot_ops.chunk_pages_for(decode_block, page_size, P - 1)
   table = rng.permutation(P - 1).astype(np.int32).reshape(slots, per_slot)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   pool_k, pool_v = normal(2, P, K, page_size, H), normal(2, P, K, page_size, H)

@@ -357,6 +357,12 @@ class DeviceFns:
 
 
 @functools.lru_cache(maxsize=32)
+def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
+  """Pages per chunk of decode attention: decode_block positions, or the pool's
+  `pool_pages` usable pages when that is fewer (a wider chunk would gather padding)."""
+  return max(1, min(decode_block // page_size, pool_pages))
+
+
 def device_fns(
     cfg: qwen3.Qwen3Config,
     num_slots: int,
@@ -385,7 +391,7 @@ def device_fns(
   if num_pages is None:
     num_pages = num_slots * -(-max_len // page_size)
   per_shard = -(-num_pages // shards) + 1
-  chunk_pages = max(1, min(decode_block // page_size, per_shard - 1))
+  chunk_pages = chunk_pages_for(decode_block, page_size, per_shard - 1)
   init = lambda: init_state(
       cfg, num_slots, max_len, jnp.dtype(kv_dtype), page_size, shards * per_shard
   )
