@@ -322,6 +322,10 @@ def test_no_compilation_after_warm_up(params, compiles):
     workload(seed)
   assert len(compiles) == before, compiles[before:]
   assert engine.fns.cache_sizes() == sizes
+  # A new engine of the same settings (each `generate` builds one) compiles nothing either.
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
+  workload(4)
+  assert len(compiles) == before, compiles[before:]
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])

@@ -356,13 +356,13 @@ class DeviceFns:
     return {name: fn._cache_size() for name, fn in fns.items() if hasattr(fn, "_cache_size")}
 
 
-@functools.lru_cache(maxsize=32)
 def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
   """Pages per chunk of decode attention: decode_block positions, or the pool's
   `pool_pages` usable pages when that is fewer (a wider chunk would gather padding)."""
   return max(1, min(decode_block // page_size, pool_pages))
 
 
+@functools.lru_cache(maxsize=32)
 def device_fns(
     cfg: qwen3.Qwen3Config,
     num_slots: int,
