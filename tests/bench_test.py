@@ -169,10 +169,12 @@ def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
   from april_jax.benchmarks import sampler_bench, tail_step  # pylint: disable=g-import-not-at-top
 
   out = tail_step.run(
-      sampler_bench.BENCH_MODELS["tiny"], slots=4, short=8, long=104, n1=4, n2=12, repeats=1
+      sampler_bench.BENCH_MODELS["tiny"], slots=4, short=8, long=104, n1=4, n2=12, repeats=3
   )
   assert out["tail_prompt_lens"] == "3 x 8 + 1 x 104" and out["uniform_prompt_lens"] == "4 x 32"
-  assert out["tail_over_uniform"] == out["tail_step_ms"] / out["uniform_step_ms"]
+  assert out["rounds"] == 3 and out["tail_step_ms"] > 0 and out["uniform_step_ms"] > 0
+  # The ratio is the median round's: within the rounds' range, one of the three.
+  assert out["tail_over_uniform_min"] <= out["tail_over_uniform"] <= out["tail_over_uniform_max"]
 
 
 def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():

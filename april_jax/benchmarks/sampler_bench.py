@@ -387,6 +387,7 @@ def run(
     hbm_gbps: float = 0.0,
     tail_model: str | None = None,
     copy_gbps: float = 0.0,
+    tail_rounds: int = 5,
 ) -> dict:
   """The decode table; copy_gbps > 0 also gives each model's bytes per decode step over
   its time as a fraction of that (measured) copy bandwidth."""
@@ -428,12 +429,14 @@ def run(
     result.update({f"{name}_{k}": v for k, v in r.items()})
     _print_row(name, r)
   if tail_model:
-    tail = tail_step.run(BENCH_MODELS[tail_model], repeats=repeats, seed=seed)
+    tail = tail_step.run(BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed)
     result.update({f"{tail_model}_{k}": v for k, v in tail.items()})
     print(
         f"{tail_model}: decode step, long-tailed mix ({tail['tail_prompt_lens']}) "
         f"{tail['tail_step_ms']:.2f} ms vs uniform ({tail['uniform_prompt_lens']}) "
-        f"{tail['uniform_step_ms']:.2f} ms: {tail['tail_over_uniform']:.2f}x",
+        f"{tail['uniform_step_ms']:.2f} ms: {tail['tail_over_uniform']:.2f}x (median of "
+        f"{tail['rounds']} rounds, {tail['tail_over_uniform_min']:.2f}-"
+        f"{tail['tail_over_uniform_max']:.2f}x)",
         flush=True,
     )
   if report is not None:

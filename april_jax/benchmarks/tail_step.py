@@ -6,8 +6,11 @@ token). One decode step's cost is the difference of two runs that decode `n1` an
 tokens (prefill and admission cancel), divided by n2 - n1. The long-tailed mix is
 `slots - 1` short prompts and one long one; the uniform mix gives every slot the same
 prompt length, the mean of the tailed mix, so both hold the same live tokens at every
-step. Both run on the same engine (slots of the long prompt's length, the same pool). With attention over each slot's own pages the ratio is about 1; an engine that
-reads every slot up to the longest one pays for slots x the longest length.
+step. Both run on the same engine (slots of the long prompt's length, the same pool),
+in rounds that time both mixes back to back; the ratio is the median of the rounds'
+ratios, so a machine whose speed drifts between rounds does not bias it. With attention
+over each slot's own pages the ratio is about 1; an engine that reads every slot up to
+the longest one pays for slots x the longest length.
 """
 
 from __future__ import annotations
@@ -45,24 +48,37 @@ def _decode_seconds(engine, prompts, new_tokens: int) -> float:
 
 
 def step_seconds(
-    cfg, params, prompt_lens, n1: int, n2: int, repeats: int, page_size: int, max_len: int
-):
-  """Best-of seconds per decode step at these prompt lengths: (t(n2) - t(n1)) / (n2 - n1),
-  on an engine of slots of max_len (both mixes get the same engine, so the same pool)."""
+    cfg, params, mixes: dict, n1: int, n2: int, repeats: int, page_size: int, max_len: int
+) -> dict:
+  """Seconds per decode step of each mix of prompt lengths, (t(n2) - t(n1)) / (n2 - n1),
+  one value per round, on one engine of slots of max_len (every mix the same pool).
+
+  Each round times every mix back to back, in an order that turns round by round, so
+  a machine whose speed drifts over minutes shifts all mixes of a round alike and
+  their ratio within the round stays fair."""
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
-  engine = _engine(cfg, params, len(prompts), max_len, page_size)
+  prompts = {
+      name: [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in lens]
+      for name, lens in mixes.items()
+  }
+  slots = len(next(iter(prompts.values())))
+  engine = _engine(cfg, params, slots, max_len, page_size)
   # Compiles, and writes every slot's KV memory once: memory never written reads as the
   # operating system's shared zero page, nearly free on a CPU, which would hide what an
   # engine reads past the live tokens.
-  full = [rng.integers(1, cfg.vocab_size, max_len - n2).astype(np.int32) for _ in prompts]
+  full = [rng.integers(1, cfg.vocab_size, max_len - n2).astype(np.int32) for _ in range(slots)]
   _decode_seconds(engine, full, n2)
-  _decode_seconds(engine, prompts, n2)
-  best = {n1: float("inf"), n2: float("inf")}
-  for _ in range(repeats):
-    for n in (n1, n2):
-      best[n] = min(best[n], _decode_seconds(engine, prompts, n))
-  return (best[n2] - best[n1]) / (n2 - n1)
+  names = list(prompts)
+  for name in names:
+    _decode_seconds(engine, prompts[name], n2)
+  out = {name: [] for name in names}
+  for round_ in range(repeats):
+    order = names[round_ % len(names) :] + names[: round_ % len(names)]
+    for name in order:
+      t1 = _decode_seconds(engine, prompts[name], n1)
+      t2 = _decode_seconds(engine, prompts[name], n2)
+      out[name].append((t2 - t1) / (n2 - n1))
+  return out
 
 
 def run(
@@ -76,17 +92,22 @@ def run(
     page_size: int = 16,
     seed: int = 0,
 ) -> dict:
-  """The long-tailed and the uniform mix's step times, and their ratio."""
+  """The long-tailed and the uniform mix's step times (medians over rounds), and their
+  ratio: the median of the rounds' ratios, with the lowest and highest."""
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.float32)
   tailed = [short] * (slots - 1) + [long]
   uniform = [sum(tailed) // slots] * slots
-  max_len = long + n2
-  tail_s = step_seconds(cfg, params, tailed, n1, n2, repeats, page_size, max_len)
-  uniform_s = step_seconds(cfg, params, uniform, n1, n2, repeats, page_size, max_len)
+  steps = step_seconds(
+      cfg, params, {"tail": tailed, "uniform": uniform}, n1, n2, repeats, page_size, long + n2
+  )
+  ratios = np.array(steps["tail"]) / np.array(steps["uniform"])
   return {
       "tail_prompt_lens": f"{slots - 1} x {short} + 1 x {long}",
       "uniform_prompt_lens": f"{slots} x {uniform[0]}",
-      "tail_step_ms": 1e3 * tail_s,
-      "uniform_step_ms": 1e3 * uniform_s,
-      "tail_over_uniform": tail_s / uniform_s,
+      "tail_step_ms": 1e3 * float(np.median(steps["tail"])),
+      "uniform_step_ms": 1e3 * float(np.median(steps["uniform"])),
+      "tail_over_uniform": float(np.median(ratios)),
+      "tail_over_uniform_min": float(ratios.min()),
+      "tail_over_uniform_max": float(ratios.max()),
+      "rounds": repeats,
   }
