@@ -4,7 +4,8 @@
 # tokens/s against the memory-bandwidth bound for the Qwen3-0.6B and 4B shapes (and
 # against a plain static-batch JAX sampler; bytes per step over step time as a fraction of
 # the copy bandwidth measured in the same run), then APRIL vs the baseline and kv vs
-# recompute resume at the MODEL shape.
+# recompute resume at the MODEL shape, and whether this backend copies the pages that
+# decode attention gathers (one chunk compiled at the 8B config's shapes).
 #
 #   bash launch/bench_gpu.sh                     # scheduler and resume at Qwen3-0.6B
 #   MODEL=qwen3_4b bash launch/bench_gpu.sh      # ... at Qwen3-4B
@@ -41,12 +42,15 @@ run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
     --max_response_len="$MAX_RESPONSE_LEN"
 run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
     --max_response_len=$((MAX_RESPONSE_LEN / 2))
+# Compiles one chunk of paged decode attention at the 8B config's per-device shapes on
+# this backend: whether the gathered pages are copied into scratch (seconds, no weights).
+run roofline --mode=roofline --config="${ROOFLINE_CONFIG:-configs/qwen3_8b.py}" --dist=dapo_math
 
 python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" <<'PY'
 import json, sys
 out, model, sampler_models = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 load = lambda name: json.load(open(f"{out}/{name}.json"))
-s, sch, res = load("sampler"), load("scheduler"), load("resume")
+s, sch, res, roof = load("sampler"), load("scheduler"), load("resume"), load("roofline")
 print(f"\non {s['machine']['device_kind']}")
 for m in sampler_models:
   print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
@@ -62,10 +66,17 @@ for m in sampler_models:
 tm = next((k[: -len("_tail_over_uniform")] for k in s if k.endswith("_tail_over_uniform")), None)
 if tm:
   print(f"{tm}: decode step, long-tailed mix {s[tm + '_tail_step_ms']:.2f} ms vs uniform "
-        f"{s[tm + '_uniform_step_ms']:.2f} ms ({s[tm + '_tail_over_uniform']:.2f}x)")
+        f"{s[tm + '_uniform_step_ms']:.2f} ms (medians); ratio, median of the rounds "
+        f"{s[tm + '_tail_over_uniform']:.2f}x ({s[tm + '_tail_over_uniform_min']:.2f}-"
+        f"{s[tm + '_tail_over_uniform_max']:.2f}x)")
 print(model)
 print(f"  APRIL vs baseline          {sch['speedup']:>11.2f}x  (occupancy "
       f"{sch['april_slot_occupancy']:.2f} vs {sch['baseline_slot_occupancy']:.2f})")
 print(f"  resume kv vs recompute     {res['kv_us_per_held_token']:.2f} vs "
       f"{res['recompute_us_per_held_token']:.2f} us per held token")
+print(f"8B decode attention compiled on {roof['backend']}: a chunk's scratch "
+      f"{roof['chunk_scratch_bytes'] / 1e6:.1f} MB for {roof['chunk_kv_bytes'] / 1e6:.1f} MB "
+      f"of KV ({roof['chunk_scratch_over_kv']:.2f}x; near 1: the gather is copied, and a "
+      f"step moves {roof['paged_copied_over_bound']:.2f}x the live bound, not "
+      f"{roof['paged_over_bound']:.2f}x)")
 PY

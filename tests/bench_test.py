@@ -189,3 +189,9 @@ def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
   assert out["dense_slots"] == 4352 * 256 // 17408 == 64
   assert out["dense_per_live_token_over_paged"] > 3  # every slot read up to the longest
   assert out["sequences_per_gb_kv_paged"] == pytest.approx(4 * out["sequences_per_gb_kv_dense"])
+  # One chunk compiled at a device's shapes: 128 pages of 256 positions, 1 KV head of 128,
+  # bfloat16 keys and values; if the gather is copied, the KV is read, written, read.
+  assert out["chunk_pages"] == 32768 // 256 and out["chunk_kv_bytes"] == 2 * 128 * 256 * 128 * 2
+  assert out["chunk_scratch_bytes"] > 0
+  params = out["decode_params_gb"]
+  assert out["paged_copied_gb"] == pytest.approx(params + 3 * (out["paged_gb"] - params))

@@ -12,22 +12,78 @@ current length is uniform within it. Per device and step:
               same memory held at max_len
 The byte counts use the planner's own arithmetic (plan.py): decode params as sharded,
 KV bytes per token over the KV-head shards.
+
+Cross-check with the compiled program: one chunk of decode attention (the part that
+reads the pool, paged_attention.page_partials) is compiled at one device's shapes on
+this machine's backend, and its scratch memory is set against the chunk's KV bytes. A
+ratio near 1 means the backend copies the gathered pages into a temporary before the
+score and value products read them: the chunk's KV is then read, written and read
+again, and the row `paged, gather copied` counts the step's KV bytes three times. A
+ratio near 0 means the gather fused into its readers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from april_jax import plan as plan_lib
 from april_jax import sharding
 from april_jax.benchmarks import length_dists
-from april_jax.models import hf_io
+from april_jax.models import hf_io, paged_attention, qwen3
+from april_jax.sampler import slot_ops
+from april_jax.sampler.state import init_state
 
 
 def _steady_lengths(rng, shape: str, prompt: int, max_resp: int, slots: int) -> np.ndarray:
   whole = length_dists.sample_lengths(shape, max_resp, 200_000, seed=int(rng.integers(1 << 30)))
   picked = rng.choice(whole, size=slots, p=whole / whole.sum())  # length-biased
   return prompt + np.floor(rng.uniform(size=slots) * picked).astype(np.int64) + 1
+
+
+def compiled_chunk(config, cfg: qwen3.Qwen3Config, mesh, rules) -> dict:
+  """One chunk of decode attention compiled at one device's shapes (its KV heads, its
+  shard of slots and pages): the chunk's KV bytes and the program's scratch bytes."""
+  r = config.rollout
+  kv_heads = cfg.num_kv_heads // plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
+  slots = r.num_slots // plan_lib._split(r.num_slots, "batch", mesh, rules)  # pylint: disable=protected-access
+  _, shard_pages = plan_lib.pool_pages(config, mesh, rules)
+  chunk = slot_ops.chunk_pages_for(r.decode_block, r.page_size, shard_pages - 1)
+  group = cfg.num_heads // cfg.num_kv_heads
+  local = dataclasses.replace(cfg, num_kv_heads=kv_heads, num_heads=kv_heads * group)
+  pool = jax.eval_shape(
+      lambda: init_state(
+          local, slots, r.page_size, jnp.dtype(config.model.kv_dtype), r.page_size, shard_pages
+      )
+  ).kv.k
+  sds = jax.ShapeDtypeStruct
+  i32 = lambda *shape: sds(shape, jnp.int32)
+  attend = lambda q, k, v, layer, page, count: paged_attention.page_partials(
+      q, k, v, layer, page, count, qwen3.kv_view
+  )
+  compiled = (
+      jax.jit(attend)
+      .lower(
+          sds((chunk, kv_heads, group, cfg.head_dim), jnp.float32),
+          pool,
+          pool,
+          i32(),
+          i32(chunk),
+          i32(chunk),
+      )
+      .compile()
+  )
+  value_bytes = jnp.dtype(qwen3.kv_view(jnp.zeros((), pool.dtype)).dtype).itemsize
+  kv = 2 * chunk * kv_heads * r.page_size * cfg.head_dim * value_bytes
+  return {
+      "chunk_pages": chunk,
+      "chunk_kv_bytes": kv,
+      "chunk_scratch_bytes": compiled.memory_analysis().temp_size_in_bytes,
+      "backend": jax.default_backend(),
+  }
 
 
 def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, trials: int = 50):
@@ -57,10 +113,13 @@ def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, t
     dense = dense_slots * dense_live.max() * per_token
     rows.append((len(lengths), weights + live, weights + paged, dense_slots, weights + dense))
   a = np.array(rows, np.float64).mean(0)
+  chunk = compiled_chunk(config, cfg, mesh, rules)
+  copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
   out = {
       "mode": "roofline",
       "shape": shape,
       "devices": devices,
+      "decode_params_gb": weights / 1e9,
       "live_slots": a[0],
       "live_bound_gb": a[1] / 1e9,
       "paged_gb": a[2] / 1e9,
@@ -70,6 +129,10 @@ def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, t
       "dense_per_live_token_over_paged": (a[4] / a[3]) / (a[2] / a[0]),
       "sequences_per_gb_kv_paged": a[0] / (usable * page * per_token / 1e9),
       "sequences_per_gb_kv_dense": dense_slots / (usable * page * per_token / 1e9),
+      **chunk,
+      "chunk_scratch_over_kv": chunk["chunk_scratch_bytes"] / chunk["chunk_kv_bytes"],
+      "paged_copied_gb": copied / 1e9,
+      "paged_copied_over_bound": copied / a[1],
   }
   print(
       f"{shape} steady state, {devices} devices, per device and decode step:\n"
@@ -78,7 +141,13 @@ def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, t
       f"  dense       {out['dense_gb']:.3f} GB for {dense_slots} slots: "
       f"{out['dense_per_live_token_over_paged']:.2f}x the paged bytes per sequence\n"
       f"  sequences per GB of KV: paged {out['sequences_per_gb_kv_paged']:.1f}, "
-      f"dense {out['sequences_per_gb_kv_dense']:.1f}",
+      f"dense {out['sequences_per_gb_kv_dense']:.1f}\n"
+      f"  compiled ({out['backend']}): a chunk of {out['chunk_pages']} pages holds "
+      f"{out['chunk_kv_bytes'] / 1e6:.1f} MB of KV; its program's scratch is "
+      f"{out['chunk_scratch_bytes'] / 1e6:.1f} MB ({out['chunk_scratch_over_kv']:.2f}x)\n"
+      f"  paged, gather copied  {out['paged_copied_gb']:.3f} GB = "
+      f"{out['paged_copied_over_bound']:.3f}x the bound (if the backend copies each "
+      "chunk's pages, as a scratch near 1x says)",
       flush=True,
   )
   return out

@@ -82,6 +82,25 @@ def plan_pages(past_S: jax.Array, table_SxJ: jax.Array, page_size: int, chunk_pa
   return PagePlan(pairs, (ends_S[-1] + C - 1) // C)
 
 
+def page_partials(q_CxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, page_C, count_C, view):
+  """The part of a chunk that reads the pool: pages page_C of one layer, each scored
+  against its slot's query (q_CxKxGxH: the query of the slot that owns page c) over its
+  first count_C[c] positions, and reduced to a partial online softmax. Returns m, l
+  [C, K, G] and o [C, K, G, H] (float32; o not yet divided by l)."""
+  T, H = pool_k_LxPxKxTxH.shape[3], q_CxKxGxH.shape[-1]
+  k_c = view(pool_k_LxPxKxTxH[layer, page_C])  # [C, K, T, H]
+  v_c = view(pool_v_LxPxKxTxH[layer, page_C])
+  q = q_CxKxGxH.astype(k_c.dtype)
+  s = jnp.einsum("ckgh,ckth->ckgt", q, k_c, preferred_element_type=jnp.float32) * H**-0.5
+  valid = (jnp.arange(T)[None, :] < count_C[:, None])[:, None, None, :]  # [C, 1, 1, T]
+  s = jnp.where(valid, s, _NEG)
+  m_c = jnp.max(s, axis=-1)  # [C, K, G]
+  p = jnp.where(valid, jnp.exp(s - m_c[..., None]), 0.0)
+  l_c = jnp.sum(p, axis=-1)
+  o_c = jnp.einsum("ckgt,ckth->ckgh", p.astype(k_c.dtype), v_c, preferred_element_type=jnp.float32)
+  return m_c, l_c, o_c
+
+
 def paged_decode_attention(
     q_SxKxGxH,
     k_new_SxKxH,
@@ -118,15 +137,9 @@ def paged_decode_attention(
     o, m, l = carry
     slot_C, page_C, count_C = jax.lax.dynamic_slice_in_dim(plan.pairs_3xE, c * C, C, axis=1)
     row_C = jnp.minimum(slot_C, S - 1)
-    k_c = view(pool_k_LxPxKxTxH[layer, page_C])  # [C, K, T, H]
-    v_c = view(pool_v_LxPxKxTxH[layer, page_C])
-    s = jnp.einsum("ckgh,ckth->ckgt", q[row_C], k_c, preferred_element_type=jnp.float32) * scale
-    valid = (jnp.arange(T)[None, :] < count_C[:, None])[:, None, None, :]  # [C, 1, 1, T]
-    s = jnp.where(valid, s, _NEG)
-    m_c = jnp.max(s, axis=-1)  # [C, K, G]
-    p = jnp.where(valid, jnp.exp(s - m_c[..., None]), 0.0)
-    l_c = jnp.sum(p, axis=-1)
-    o_c = jnp.einsum("ckgt,ckth->ckgh", p.astype(dtype), v_c, preferred_element_type=jnp.float32)
+    m_c, l_c, o_c = page_partials(
+        q[row_C], pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, page_C, count_C, view
+    )
     # Merge each page's partial softmax into its slot (padding pairs own no slot).
     hot_CxS = slot_C[:, None] == jnp.arange(S)[None, :]
     m_new = jnp.maximum(m, jnp.max(jnp.where(hot_CxS[..., None, None], m_c[:, None], _NEG), 0))
