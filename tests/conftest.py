@@ -159,10 +159,20 @@ def mesh_or_skip(shape):
   return sharding.make_mesh(shape)
 
 
+# XLA_FLAGS of the tests' `python -m april_jax.main` subprocesses: one CPU device. The
+# runs of the tiny config share their compiled programs through the session's cache with
+# the first run that teaches (20 steps: there running dominates, so it keeps XLA's
+# optimisations). Runs with programs of their own (their own cache, model or shapes) and a
+# few steps are mostly compiling, so they turn the optimisations off, as the tests do
+# (a full disk's three runs: 49 s -> 32 s).
+MAIN_XLA_FLAGS = "--xla_force_host_platform_device_count=1"
+MAIN_XLA_FLAGS_UNOPTIMISED = MAIN_XLA_FLAGS + " --xla_backend_optimization_level=0"
+
+
 def run_main(config: str, workdir, *flags) -> subprocess.CompletedProcess:
   """`python -m april_jax.main --config=configs/<config>` in a subprocess on one CPU
   device, from the repository root; its exit status and output, never raising."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS)
   return subprocess.run(
       [sys.executable, "-m", "april_jax.main", f"--config=configs/{config}",
        f"--workdir={workdir}", *flags],

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
+
 from april_jax import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     "--config=configs/tiny.py",
-    "--config.num_steps=4",
+    "--config.num_steps=2",
     "--config.checkpoint_every=1",
     "--config.train.sft_steps=0",
     "--config.eval_every=0",
@@ -25,7 +27,7 @@ RUN = [
 
 
 def _main(workdir, cache):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
   return subprocess.run(
       [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN,
        f"--config.compilation_cache_dir={cache}"],
@@ -67,7 +69,7 @@ def test_a_full_disk_stops_in_one_line_and_the_copy_resumes_exactly(tmp_path, sm
   straight = tmp_path / "straight"
   proc = _main(straight, cache)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  one = sum(p.stat().st_size for p in (straight / "checkpoints" / "4").rglob("*") if p.is_file())
+  one = sum(p.stat().st_size for p in (straight / "checkpoints" / "2").rglob("*") if p.is_file())
   # Room for checkpoint 1 and the run's small files, not for checkpoint 2 beside it.
   disk = small_disk(int(one + (1.1 * one + (1 << 20)) / 2 + (200 << 10)))
   workdir = disk / "run"
@@ -105,7 +107,7 @@ def test_a_disk_too_small_for_the_cache_and_the_logs_is_a_warning_and_one_line(s
   # The compilation cache lives in the workdir here (the default): its writes fail
   # first, then a jsonl or TensorBoard write, or the room check before checkpoint 1.
   workdir = small_disk(600 << 10) / "run"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
   proc = subprocess.run(
       [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,

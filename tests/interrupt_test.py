@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
+
 ROOT = Path(__file__).resolve().parents[1]
 TRIES = 10
 QUICK = [
@@ -30,7 +32,7 @@ CRASH_SIGNS = ("Traceback", "Fatal Python error", "Segmentation fault", "Excepti
 
 
 def _start(workdir, cache, *extra):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED, PYTHONUNBUFFERED="1")
   return subprocess.Popen(
       [
           sys.executable,

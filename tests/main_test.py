@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MAIN_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
 
@@ -26,7 +28,7 @@ def _main(workdir, *overrides, **kwargs):
       f"--workdir={workdir}",
       *overrides,
   ]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS)
   return subprocess.Popen(
       cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
   )
@@ -174,12 +176,10 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
       "--config.train.critic_lr=1e-3",
       "--config.rollout.dynamic_sampling=False",
   ]
-  straight = tmp_path / "straight"
-  proc = _main(straight, *steps)
-  _, err = proc.communicate(timeout=600)
-  assert proc.returncode == 0, err[-3000:]
-
-  killed = tmp_path / "killed"
+  # The uninterrupted run alongside the one that is killed (two cores: each compiles
+  # mostly on one). Both write their own workdir.
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  uninterrupted = _main(straight, *steps)
   proc = _main(killed, *steps)
   ckpt = killed / "checkpoints" / "4"
   deadline = time.monotonic() + 600
@@ -188,6 +188,8 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
   assert proc.poll() is None, "the run ended before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
+  _, err = uninterrupted.communicate(timeout=600)
+  assert uninterrupted.returncode == 0, err[-3000:]
   proc = _main(killed, *steps)
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]

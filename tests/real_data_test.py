@@ -16,7 +16,7 @@ import pytest
 
 from april_jax.checkpoint import Checkpointer
 from april_jax.models import hf_io, qwen3
-from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
+from conftest import MAIN_XLA_FLAGS_UNOPTIMISED, MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -47,7 +47,7 @@ RUN = [
 
 
 def _run(*args, module="april_jax.main"):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
   return subprocess.run(
       [sys.executable, "-m", module, *args],
       cwd=ROOT,

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from tensorboardX.proto import event_pb2
 
+from conftest import MAIN_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config.checkpoint_every=1", "--config.eval_every=0", "--config.train.sft_steps=2"]
 RUN += ["--config.rollout.n_samples_per_prompt=4"]
@@ -29,7 +31,7 @@ def _main(workdir, *overrides):
       *RUN,
       *overrides,
   ]
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env = {"XLA_FLAGS": MAIN_XLA_FLAGS}
   return subprocess.run(
       cmd,
       cwd=ROOT,

@@ -14,6 +14,7 @@ import numpy as np
 from april_jax.rewards.math import math_reward
 from april_jax.rollout import Group, RewardRunner
 from april_jax.sampler import SampleRecord
+from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
 
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{10^{10^{10}}}"  # sympy would compute 10**(10**10) holding the GIL
@@ -119,7 +120,7 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tm
   ]
   env = dict(
       os.environ,
-      XLA_FLAGS="--xla_force_host_platform_device_count=1",
+      XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED,
       PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
   )
   proc = subprocess.Popen(
