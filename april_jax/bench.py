@@ -64,6 +64,9 @@ _HBM = flags.DEFINE_float(
 _TAIL_MODEL = flags.DEFINE_string(
     "tail_model", "wide", "sampler: model of the long-tail vs uniform decode step ('' = skip)."
 )
+_TAIL_ROUNDS = flags.DEFINE_integer(
+    "tail_rounds", 5, "sampler: rounds of the long-tail vs uniform step (median of their ratios)."
+)
 _COPY = flags.DEFINE_bool(
     "copy_bandwidth", True, "sampler: measure the copy bandwidth, report each step's share."
 )
@@ -100,6 +103,7 @@ def main(argv):
         dtype=_DTYPE.value,
         hbm_gbps=_HBM.value or common.hbm_gbps(),
         tail_model=_TAIL_MODEL.value or None,
+        tail_rounds=_TAIL_ROUNDS.value,
         copy_gbps=common.copy_gbps() if _COPY.value else 0.0,
     )
   else:

@@ -172,9 +172,15 @@ def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
       sampler_bench.BENCH_MODELS["tiny"], slots=4, short=8, long=104, n1=4, n2=12, repeats=3
   )
   assert out["tail_prompt_lens"] == "3 x 8 + 1 x 104" and out["uniform_prompt_lens"] == "4 x 32"
-  assert out["rounds"] == 3 and out["tail_step_ms"] > 0 and out["uniform_step_ms"] > 0
-  # The ratio is the median round's: within the rounds' range, one of the three.
-  assert out["tail_over_uniform_min"] <= out["tail_over_uniform"] <= out["tail_over_uniform_max"]
+  tail, uniform = np.array(out["tail_step_ms_rounds"]), np.array(out["uniform_step_ms_rounds"])
+  assert out["rounds"] == len(tail) == len(uniform) == 3
+  medians = (out["tail_step_ms"], out["uniform_step_ms"])
+  assert medians == pytest.approx((np.median(tail), np.median(uniform)), rel=1e-12)
+  ratios = tail / uniform  # the ratio is the median round's, not the ratio of the medians
+  assert out["tail_over_uniform"] == pytest.approx(np.median(ratios), rel=1e-12)
+  assert (out["tail_over_uniform_min"], out["tail_over_uniform_max"]) == pytest.approx(
+      (ratios.min(), ratios.max()), rel=1e-12
+  )
 
 
 def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
@@ -192,6 +198,7 @@ def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
   # One chunk compiled at a device's shapes: 128 pages of 256 positions, 1 KV head of 128,
   # bfloat16 keys and values; if the gather is copied, the KV is read, written, read.
   assert out["chunk_pages"] == 32768 // 256 and out["chunk_kv_bytes"] == 2 * 128 * 256 * 128 * 2
-  assert out["chunk_scratch_bytes"] > 0
+  if out["backend"] == "cpu":  # XLA on the CPU copies the gathered pages (BENCHMARKS.md)
+    assert 0.9 < out["chunk_scratch_over_kv"] < 1.2
   params = out["decode_params_gb"]
   assert out["paged_copied_gb"] == pytest.approx(params + 3 * (out["paged_gb"] - params))
