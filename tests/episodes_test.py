@@ -1,5 +1,6 @@
 """Multi-turn episodes: observations fed in place, cuts and resumes, loss masks, the env."""
 
+import concurrent.futures
 import importlib.util
 import itertools
 import json
@@ -470,23 +471,29 @@ def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_
   (tmp_path / "my_env.py").write_text(USER_ENV)
   (tmp_path / "my_reward.py").write_text(USER_REWARD)
   env, reward = tmp_path / "my_env.py", tmp_path / "my_reward.py"
-  for flag, message in [
+  wrong = [
       (f"--config.env.name={env}:NOT_AN_ENV", "NOT_AN_ENV is a int, not a class or a factory"),
       (f"--config.rollout.reward={reward}:missing", "has no function 'missing'"),
-  ]:
-    bad = _main(tmp_path / "bad", flag)
+  ]
+  # The three runs side by side (two cores; the wrong ones end before compiling).
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    bad_runs = [pool.submit(_main, tmp_path / f"bad{i}", flag) for i, (flag, _) in enumerate(wrong)]
+    good_run = pool.submit(
+        _main,
+        tmp_path / "run",
+        f"--config.env.name={env}:Oracle",
+        f"--config.rollout.reward={reward}:walk",
+        "--config.num_steps=2",
+        "--config.train.sft_steps=30",
+        "--config.eval_every=0",
+    )
+  for i, ((_, message), bad) in enumerate(zip(wrong, bad_runs)):
+    bad = bad.result()
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr and "compiling" not in bad.stdout
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+    assert not (tmp_path / f"bad{i}" / "checkpoints").exists()
 
-  run = _main(
-      tmp_path / "run",
-      f"--config.env.name={env}:Oracle",
-      f"--config.rollout.reward={reward}:walk",
-      "--config.num_steps=2",
-      "--config.train.sft_steps=30",
-      "--config.eval_every=0",
-  )
+  run = good_run.result()
   assert run.returncode == 0, run.stderr[-3000:]
   lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [l["step"] for l in lines] == [1, 2]
