@@ -237,22 +237,28 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   programs = [
       compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)), (True, False)),
       compile_program(
-          "insert", fns.insert, (state, kv(1), rows(W), rep((W,), i32)), (True, False, False, False)
+          "insert",
+          fns.insert,
+          (state, kv(1), rows(W), rep((W,), i32), state.page_table),
+          (True, False, False, False, False),
       ),
       compile_program(
           "insert_rows (restore)",
           fns.insert,
-          (state, kv(Wr), rows(Wr), rep((Wr,), i32)),
-          (True, False, False, False),
+          (state, kv(Wr), rows(Wr), rep((Wr,), i32), state.page_table),
+          (True, False, False, False, False),
       ),
       compile_program(
           "decode",
           fns.decode,
-          (decode_params, state, rep((), i32), rep((1,), i32), rep((), i32)),
-          (True, True, False, False, False),
+          (decode_params, state, rep((), i32), rep((1,), i32), rep((), i32), state.page_table),
+          (True, True, False, False, False, False),
       ),
       compile_program(
-          "extract_kv (snapshot)", fns.extract_kv, (state, rep((Wr,), i32), T), (True, False, False)
+          "extract_kv (snapshot)",
+          fns.extract_kv,
+          (state, rep((Wr,), i32), T, state.page_table),
+          (True, False, False, False),
       ),
   ]
   # The last prompt's prefilled KV, kept for the rest of its group (SlotEngine._prompt_kv).

@@ -156,7 +156,7 @@ def test_a_chunk_is_never_wider_than_the_pool():
   state = jax.eval_shape(fns.init)
   i32 = jax.ShapeDtypeStruct((), jnp.int32)
   compiled = fns.decode.lower(
-      params, state, i32, jax.ShapeDtypeStruct((1,), jnp.int32), i32
+      params, state, i32, jax.ShapeDtypeStruct((1,), jnp.int32), i32, state.page_table
   ).compile()
   pool_bytes = 2 * state.kv.k.size * state.kv.k.dtype.itemsize  # 5 pages, k and v
   assert compiled.memory_analysis().temp_size_in_bytes < 3 * pool_bytes

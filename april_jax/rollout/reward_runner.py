@@ -336,14 +336,16 @@ class RewardRunner:
     """Blocks until every group given is scored; returns them in the order given."""
     while any(g.group_id in self._jobs for g in groups):
       self.poll()
-      time.sleep(poll_s)
+      if any(g.group_id in self._jobs for g in groups):
+        time.sleep(poll_s)
     self._settle_agreement(groups)
     return list(groups)
 
   def wait_all(self, poll_s: float = 0.002) -> None:
     while self._jobs:
       self.poll()
-      time.sleep(poll_s)
+      if self._jobs:
+        time.sleep(poll_s)
     self._settle_agreement(self._unagreed)
 
   def _settle_agreement(self, groups: list[Group]) -> None:

@@ -146,6 +146,7 @@ class SlotEngine:
     )
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
+    self._table_arg = None  # the page table as last passed to a device call (_table)
     self._buckets = buckets.all_buckets(config.min_bucket, config.max_len)
     self._owner: list[SampleRecord | None] = [None] * config.num_slots
     self._held: set[int] = set()  # id() of the records in _owner
@@ -181,7 +182,7 @@ class SlotEngine:
 
   @property
   def num_free(self) -> int:
-    return self._owner.count(None)
+    return self.config.num_slots - len(self._held)
 
   @property
   def num_live(self) -> int:
@@ -222,14 +223,15 @@ class SlotEngine:
     cfg, Wr = self.cfg, self.config.snapshot_width
     for b in self._buckets:
       self._insert(self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32)), [], [], [])
-      jax.block_until_ready(self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b))
+      jax.block_until_ready(
+          self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b, self._table())
+      )
       zeros = np.zeros(
           (cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype
       )
       self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), [], [], [])
-    self._sync_table()
     self.state, _, _ = self.fns.decode(
-        self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(1)
+        self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(1), self._table()
     )
     self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
     no_slots = np.full(self.config.insert_width, -1, np.int32)
@@ -253,8 +255,7 @@ class SlotEngine:
     padded = np.full(W, -1, np.int32)
     padded[: len(slots)] = slots
     rows = rows_from_records(records, W, self.config.max_len, kv_versions, lengths)
-    self._sync_table()
-    self.state = self.fns.insert(self.state, kv, rows, padded)
+    self.state = self.fns.insert(self.state, kv, rows, padded, self._table())
 
   def _insert_shared(
       self,
@@ -348,6 +349,8 @@ class SlotEngine:
   def room_for(self, records: list[SampleRecord]) -> int:
     """How many of `records`, in order, can start now: each needs a free slot, and
     pages on that slot's shard for its KV and one decode call's growth."""
+    if not records:
+      return 0
     left: dict[int, int] = {}
     n = 0
     for slot, r in zip(self.free_slots(), records):
@@ -361,14 +364,19 @@ class SlotEngine:
       n += 1
     return n
 
-  def _sync_table(self) -> None:
-    """The host's page table onto the device, if it changed."""
-    if self.book.dirty:
-      table = self.book.table
-      if self.fns.state_sharding is not None:
-        table = jax.device_put(table, self.fns.state_sharding.page_table)
-      self.state = self.state.replace(page_table=jnp.asarray(table))
-      self.book.dirty = False
+  def _table(self):
+    """The page table for an insert or decode call, which makes it the state's: the
+    host's, uploaded with the call (no device call of its own), and once more only
+    after it changes. Never the state's own buffer, which the call donates."""
+    if self.book.dirty or self._table_arg is None:
+      self._table_arg, self.book.dirty = self._upload_table(), False
+    return self._table_arg
+
+  def _upload_table(self):
+    table = self.book.table.copy()  # the host edits its table in place
+    if self.fns.state_sharding is not None:
+      return jax.device_put(table, self.fns.state_sharding.page_table)
+    return table
 
   def _reserve(self) -> None:
     """Pages for every live slot's next decode call, oldest slots first. Where a shard
@@ -480,10 +488,14 @@ class SlotEngine:
     self._reserve()
     if not self.num_live:
       return []
-    self._sync_table()
     leave_after = min(self.config.refill_batch, self.num_live) if refill else 0
     self.state, steps, kept = self.fns.decode(
-        self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(leave_after)
+        self.params,
+        self.state,
+        np.int32(self.version),
+        self._stop_ids,
+        np.int32(leave_after),
+        self._table(),
     )
     done, lengths, steps, kept = to_host((self.state.done, self.state.length, steps, kept))
     grown = np.array(lengths) - self._lengths  # a live slot gains one token per step
@@ -584,7 +596,6 @@ class SlotEngine:
     """KV of the positions written (all but the pending token and any given tokens not
     yet fed), slots grouped by length bucket, W per device call."""
     W = self.config.snapshot_width
-    self._sync_table()
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
     for slot, record in items:
       used = int(self._lengths[slot]) - 1
@@ -594,7 +605,7 @@ class SlotEngine:
         chunk = group[i : i + W]
         slots = np.full(W, -1, np.int32)
         slots[: len(chunk)] = [slot for slot, _ in chunk]
-        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len))
+        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len, self._table()))
         for j, (slot, record) in enumerate(chunk):
           used = int(self._lengths[slot]) - 1
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()

@@ -1,14 +1,14 @@
 """The sampler's device functions: prefill, insert, decode, extract (all pure).
 
   prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, 1, T, K, H]
-  insert(state, kv, rows, slots[W])         -> state with W slots written: their rows
+  insert(state, kv, rows, slots[W], table)  -> state with W slots written: their rows
                                                (SlotRows) and KV, [L, W, T, K, H] (each
                                                its own) or [L, 1, T, K, H] (one shared),
                                                into the pages their table rows list
-  decode(params, state, version, stop_ids, leave_after)
+  decode(params, state, version, stop_ids, leave_after, table)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
-  extract_kv(state, slots[W], T)            -> several slots' KV up to T, one transfer
+  extract_kv(state, slots[W], T, table)     -> several slots' KV up to T, one transfer
   write_rows(state, rows, slots[W])         -> state with W slots' rows rewritten and
                                                decoding again, their KV untouched (an
                                                observation appended in place)
@@ -16,7 +16,8 @@
 
 Sequences' KV travel as [L, R, T, K, H] (R rows: prefill's output, the host buffer's
 format); the slots' KV lives in a page pool [L, P, K, page, H] with a page table per
-slot (state.py, pages.py; the host allocates, the device only reads the table). Writes
+slot (state.py, pages.py; the host allocates, the device only reads the table, which
+comes with each call that reads or writes pages, so uploading it is no call of its own). Writes
 into and reads out of the pool, and decode attention, run per device on its own slots
 and pages (`shard_map` with local indices): a page index is traced, and a dynamic slice
 or gather at a traced index along a sharded axis would make XLA gather the whole pool
@@ -88,27 +89,23 @@ def _write_kv(
       pad = ((0, 0), (0, 0), (0, n_pages * span - T), (0, 0), (0, 0))
       nk, nv = jnp.pad(nk, pad), jnp.pad(nv, pad)
     scratch = ck.shape[1] - 1
-    # Once into the pool's layout and storage: [L, R, K, T', H].
-    nk, nv = (qwen3.kv_store(n.transpose(0, 1, 3, 2, 4), c.dtype) for n, c in ((nk, ck), (nv, cv)))
-
-    def put(i, caches):
-      at = slots[i] - first
-      ok = (slots[i] >= 0) & (at >= 0) & (at < S_local)
-      row = jnp.minimum(i, nk.shape[1] - 1)
-
-      def put_page(j, caches):
-        page_id = table[jnp.clip(at, 0, S_local - 1), j]
-        page_id = jnp.where(ok & (page_id >= 0), page_id, scratch)
-        out = []
-        for c, n in zip(caches, (nk, nv)):
-          L, _, K, _, H = n.shape
-          new = jax.lax.dynamic_slice(n, (0, row, 0, j * span, 0), (L, 1, K, span, H))
-          out.append(jax.lax.dynamic_update_slice(c, new, (0, page_id, 0, 0, 0)))
-        return tuple(out)
-
-      return jax.lax.fori_loop(0, n_pages, put_page, caches)
-
-    return jax.lax.fori_loop(0, slots.shape[0], put, (ck, cv))
+    # Once into the pool's layout and storage, by page: [L, R, n_pages, K, span, H].
+    L, R, _, K, H = nk.shape
+    by_page = lambda n, c: qwen3.kv_store(
+        n.reshape(L, R, n_pages, span, K, H).transpose(0, 1, 2, 4, 3, 5), c.dtype
+    )
+    nk, nv = by_page(nk, ck), by_page(nv, cv)
+    at = slots - first
+    ok = (slots >= 0) & (at >= 0) & (at < S_local)
+    ids = table[jnp.clip(at, 0, S_local - 1), :n_pages]  # [W, n_pages]
+    ids = jnp.where(ok[:, None] & (ids >= 0), ids, scratch)
+    # One scatter of a slot's pages per slot (W, static, unrolled): no loop over pages,
+    # and a shared row is read in place rather than broadcast to W copies.
+    for i in range(slots.shape[0]):
+      row = min(i, R - 1)
+      ck = ck.at[:, ids[i], :, :span, :].set(nk[:, row])
+      cv = cv.at[:, ids[i], :, :span, :].set(nv[:, row])
+    return ck, cv
 
   P = PartitionSpec
   cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
@@ -184,16 +181,19 @@ def insert(
     kv_LxRxTxKxH: qwen3.KVCache,
     rows: SlotRows,
     slots_W: jax.Array,
+    table_SxJ: jax.Array,
 ) -> SlotState:
   """Writes W slots: their KV (positions < T; see _write_kv) and their rows. Entries of
-  slots_W < 0 are padding and change nothing. The slots start undone.
+  slots_W < 0 are padding and change nothing. The slots start undone. table_SxJ: the
+  page table as the host holds it now (it becomes the state's), so that an upload is no
+  device call of its own.
 
   W and R are fixed per call site (one compile per T bucket, whatever the group size).
   """
+  state = state.replace(page_table=table_SxJ)
   S = state.tokens.shape[0]
   at = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
   put = lambda a, v: a.at[at].set(v, mode="drop")
-  rows = rows.replace(rng=jax.random.wrap_key_data(rows.rng))  # host key data -> typed keys
   fields = {
       f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
   }
@@ -208,7 +208,6 @@ def write_rows(state: SlotState, rows: SlotRows, slots_W: jax.Array) -> SlotStat
   S = state.tokens.shape[0]
   at = jnp.where(slots_W >= 0, slots_W, S)
   put = lambda a, v: a.at[at].set(v, mode="drop")
-  rows = rows.replace(rng=jax.random.wrap_key_data(rows.rng))
   fields = {
       f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
   }
@@ -224,10 +223,12 @@ def decode(
     state: SlotState,
     version: jax.Array,
     stop_ids_E: jax.Array,
-    leave_after: jax.Array = 1,
+    leave_after: jax.Array,
+    table_SxJ: jax.Array,
 ):
   """Up to `sync_every` decode steps; leaves early once `leave_after` slots have
-  finished in this call (0: only once every slot is done).
+  finished in this call (0: only once every slot is done). table_SxJ: the page table as
+  the host holds it now (it becomes the state's, as in insert).
 
   Returns (state, steps run, tokens drawn). Each drawn token is tagged min(version,
   kv_version): the oldest params its forward pass saw. A slot finishes on a drawn stop
@@ -238,6 +239,7 @@ def decode(
   what the live tokens hold and no length compiles a new program. The host has given
   every live slot the pages it can fill within the call (engine.step).
   """
+  state = state.replace(page_table=table_SxJ)
   S, M = state.tokens.shape
   rows = jnp.arange(S)
 
@@ -250,7 +252,7 @@ def decode(
     attend = _paged_attend(layout, state, past, chunk_pages)
     write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
     logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
-    keys = jax.vmap(jax.random.fold_in)(state.rng, state.length)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.length)
     new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
     at = jnp.minimum(state.length, M - 1)
     drawn = live & (state.length >= state.forced_end)  # else: the given token stays
@@ -291,11 +293,14 @@ def extract_rows(state: SlotState, slots_W: jax.Array):
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 
-def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_len: int):
+def extract_kv(
+    layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_len: int, table_SxJ: jax.Array
+):
   """The KV of W slots for positions < kv_len (entries < 0 are padding, zeros; so are
-  positions past a slot's pages): k, v [L, W, kv_len, K, H]. Each device reads its own
-  slots' pages; the W rows are summed over the slot axes (one of them nonzero), so no
-  device gathers the pool."""
+  positions past a slot's pages): k, v [L, W, kv_len, K, H], through the page table
+  table_SxJ (the host's, as insert and decode take it). Each device reads its own slots'
+  pages; the W rows are summed over the slot axes (one of them nonzero), so no device
+  gathers the pool."""
 
   def local(ck, cv, table, slots):
     S_local, page = table.shape[0], ck.shape[3]
@@ -326,7 +331,7 @@ def extract_kv(layout: _CacheLayout, state: SlotState, slots_W: jax.Array, kv_le
   fn = layout.local(
       local, (cache_spec, cache_spec, P(layout.slot_axes, None), P()), (out_spec, out_spec)
   )
-  return fn(state.kv.k, state.kv.v, state.page_table, slots_W)
+  return fn(state.kv.k, state.kv.v, table_SxJ, slots_W)
 
 
 def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:

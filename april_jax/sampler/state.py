@@ -3,7 +3,8 @@
 S slots, each able to hold M tokens (prompt + response). A slot holding a sample keeps
   tokens[s, :length]             prompt then response so far
   page_table[s, :]               the pool pages holding its KV, in order (-1 past the
-                                 last; local page ids, see pages.py)
+                                 last; local page ids, see pages.py): the host's table
+                                 as the last insert or decode call was given it
   kv.k/kv.v[:, page, :, i]       the pool, [L, P, K, page_size, H]: position t of slot s
                                  is entry t % page_size of page page_table[s, t //
                                  page_size]. The pool holds the KV of all but the last
@@ -60,7 +61,8 @@ class SlotState:
   temperature: jax.Array  # float32 [S]; 0 = greedy
   top_k: jax.Array  # int32 [S]; 0 = off
   top_p: jax.Array  # float32 [S]; 1 = off
-  rng: jax.Array  # key [S], typed PRNG keys (threefry)
+  rng: jax.Array  # uint32 [S, 2], raw threefry key data (typed where it is used: plain
+  # arrays cost nothing to rebuild on the host after each device call)
   done: jax.Array  # bool [S]
 
 
@@ -80,7 +82,7 @@ class SlotRows:
   temperature: jax.Array  # float32 [W]
   top_k: jax.Array  # int32 [W]
   top_p: jax.Array  # float32 [W]
-  rng: jax.Array  # uint32 [W, 2], raw key data (typed on insert)
+  rng: jax.Array  # uint32 [W, 2], raw key data
 
 
 def init_state(
@@ -112,7 +114,7 @@ def init_state(
       temperature=jnp.zeros((S,), jnp.float32),
       top_k=zeros_i(S),
       top_p=jnp.ones((S,), jnp.float32),
-      rng=jax.random.wrap_key_data(jnp.zeros((S, 2), jnp.uint32)),
+      rng=jnp.zeros((S, 2), jnp.uint32),
       done=jnp.ones((S,), bool),
   )
 
@@ -135,6 +137,6 @@ def state_logical_axes() -> SlotState:
       temperature=vec,
       top_k=vec,
       top_p=vec,
-      rng=vec,
+      rng=("batch", None),
       done=vec,
   )
