@@ -287,6 +287,8 @@ class AprilScheduler:
         if not engine.num_free:
           return
         waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
+        if not waiting:
+          continue
         partial = [r for r in waiting if r.started]
         partial = partial[: engine.room_for(partial)]
         if partial:
