@@ -8,7 +8,8 @@ local to the shard, so every device reads and writes its own pages only.
 
 A slot's table row lists its pages in order, -1 past the last. The host allocates before
 the device needs a page (engine.step reserves the pages a slot can fill within one
-decode call), so the device never allocates. The table is uploaded whenever it changed.
+decode call), so the device never allocates. The table goes to the device with the next
+insert, decode or KV read call after it changed (SlotEngine._table).
 """
 
 from __future__ import annotations
