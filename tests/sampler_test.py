@@ -439,6 +439,23 @@ def test_an_exhausted_pool_counts_preemptions_and_frees_every_page(params):
   assert engine.book.used() == 0 and engine.book.free() == 10  # every usable page
 
 
+def test_a_sample_given_twice_or_already_held_takes_no_second_slot(params):
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=4, max_len=32, page_size=8))
+  a, b = _records(_prompts(9, [5, 5]), max_new_tokens=8)
+  b.prompt = a.prompt  # one group: the same prompt
+  with pytest.raises(ValueError, match="one slot only"):
+    engine.add_group([a, a])
+  assert engine.num_free == 4 and engine.book.used() == 0
+  engine.add_group([a, b])
+  with pytest.raises(ValueError, match="one slot only"):
+    engine.add(a)
+  assert engine.num_free == 2 and engine.num_live == 2
+  done = []
+  while engine.num_live:
+    done += engine.step()
+  assert sorted(map(id, done)) == sorted([id(a), id(b)]) and engine.num_free == 4
+
+
 def test_a_pool_that_cannot_hold_one_sequence_is_refused_by_name():
   with pytest.raises(ValueError, match="num_pages=7 cannot hold one sequence of max_len=64"):
     EngineConfig(num_slots=4, max_len=64, page_size=8, num_pages=7)

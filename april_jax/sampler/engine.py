@@ -327,6 +327,9 @@ class SlotEngine:
 
   def _take_slots(self, records: list[SampleRecord]) -> list[int]:
     """Free slots for the records, each with pages for its KV and one decode call."""
+    ids = {id(r) for r in records}
+    if len(ids) < len(records) or not ids.isdisjoint(self._held):
+      raise ValueError("a sample can be in one slot only: it is given twice or already held")
     if self.room_for(records) < len(records):
       raise RuntimeError(
           f"{len(records)} samples do not fit: {self.num_free} slots and "
@@ -365,9 +368,11 @@ class SlotEngine:
     return n
 
   def _table(self):
-    """The page table for an insert or decode call, which makes it the state's: the
-    host's, uploaded with the call (no device call of its own), and once more only
-    after it changes. Never the state's own buffer, which the call donates."""
+    """The page table for an insert, decode or KV read call (insert and decode make it
+    the state's): the host's, passed with the call rather than uploaded by a device call
+    of its own. On a mesh it is put on the devices once per change; without one the
+    host's copy (remade once per change) goes with each call. Never the state's own
+    buffer, which insert and decode donate."""
     if self.book.dirty or self._table_arg is None:
       self._table_arg, self.book.dirty = self._upload_table(), False
     return self._table_arg
