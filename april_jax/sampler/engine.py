@@ -373,15 +373,12 @@ class SlotEngine:
     of its own. On a mesh it is put on the devices once per change; without one the
     host's copy (remade once per change) goes with each call. Never the state's own
     buffer, which insert and decode donate."""
-    if self.book.dirty or self._table_arg is None:
-      self._table_arg, self.book.dirty = self._upload_table(), False
+    if self.book.dirty:  # (a new book starts dirty)
+      self._table_arg = self.book.table.copy()  # the host edits its table in place
+      if self.fns.state_sharding is not None:
+        self._table_arg = jax.device_put(self._table_arg, self.fns.state_sharding.page_table)
+      self.book.dirty = False
     return self._table_arg
-
-  def _upload_table(self):
-    table = self.book.table.copy()  # the host edits its table in place
-    if self.fns.state_sharding is not None:
-      return jax.device_put(table, self.fns.state_sharding.page_table)
-    return table
 
   def _reserve(self) -> None:
     """Pages for every live slot's next decode call, oldest slots first. Where a shard
