@@ -112,7 +112,7 @@ class Report:
     lines += [f"  {name:<32}{gb(b)}" for name, b in self.resident.items()]
     lines.append(f"  {'total':<32}{gb(self.resident_bytes)}")
     lines.append(
-        f"{'program (GB per device)':<22}{'args':>9}{'outputs':>9}{'temps':>9}"
+        f"{'program (GB per device)':<28}{'args':>9}{'outputs':>9}{'temps':>9}"
         f"{'aliased':>9}{'peak':>9}  collectives (count, largest GB)"
     )
     for p in self.programs:
@@ -122,7 +122,7 @@ class Report:
         kinds[kind] = (count + 1, max(largest, b))
       coll = ", ".join(f"{k} {n} x <= {b / 1e9:.3f}" for k, (n, b) in sorted(kinds.items()))
       lines.append(
-          f"{p.name:<22}{gb(p.argument_bytes)}{gb(p.output_bytes)}"
+          f"{p.name:<28}{gb(p.argument_bytes)}{gb(p.output_bytes)}"
           f"{gb(p.temp_bytes)}{gb(p.alias_bytes)}{gb(self.peak(p))}  {coll or '-'}"
       )
     verdict = "fits" if self.fits else "DOES NOT FIT"
@@ -227,26 +227,42 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   kv_dtype = jnp.dtype(m.kv_dtype)
   rep = functools.partial(_replicated, mesh)
   W, Wr = econf.insert_width, econf.snapshot_width
-  kv = lambda r: qwen3.KVCache(
-      *(jax.ShapeDtypeStruct((L, r, T, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
+  kv = lambda r, t=T: qwen3.KVCache(
+      *(jax.ShapeDtypeStruct((L, r, t, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
   )
   i32 = jnp.int32
   rows = lambda w: jax.tree.map(
       lambda x: rep(x.shape, x.dtype), rows_lib.rows_from_records([], w, max_len, [])
   )
+  insert_args = lambda r, w, t=T: (state, kv(r, t), rows(w), rep((w,), i32), rep((w,), i32))
+  # Prompts that start together: prefill_rows of them at the longest prompt bucket.
+  prompt = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, max_len)
+  B = econf.prefill_rows(prompt)
   programs = [
       compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)), (True, False)),
       compile_program(
+          "prefill (prompts together)",
+          fns.prefill_kv,
+          (decode_params, rep((B, prompt), i32)),
+          (True, False),
+      ),
+      compile_program(
           "insert",
           fns.insert,
-          (state, kv(1), rows(W), rep((W,), i32), state.page_table),
-          (True, False, False, False, False),
+          insert_args(1, W) + (state.page_table,),
+          (True, False, False, False, False, False),
+      ),
+      compile_program(
+          "insert (prompts together)",
+          fns.insert,
+          insert_args(B, W, prompt) + (state.page_table,),
+          (True, False, False, False, False, False),
       ),
       compile_program(
           "insert_rows (restore)",
           fns.insert,
-          (state, kv(Wr), rows(Wr), rep((Wr,), i32), state.page_table),
-          (True, False, False, False, False),
+          insert_args(Wr, Wr) + (state.page_table,),
+          (True, False, False, False, False, False),
       ),
       compile_program(
           "decode",
@@ -261,9 +277,9 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
           (True, False, False, False),
       ),
   ]
-  # The last prompt's prefilled KV, kept for the rest of its group (SlotEngine._prompt_kv).
-  prompt = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, max_len)
-  kept = jax.eval_shape(fns.prefill_kv, decode_params, rep((1, prompt), i32))
+  # The KV of the prefill call that held the last prompt, kept for the rest of its group
+  # (SlotEngine._prompt_kvs).
+  kept = jax.eval_shape(fns.prefill_kv, decode_params, rep((B, prompt), i32))
   kv_sh = qwen3.KVCache(fns.kv_sharding, fns.kv_sharding)
   return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))
 
@@ -380,5 +396,5 @@ def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0)
   learner, resident, decode_params = _learner_programs(config, cfg, mesh)
   sampler, state_bytes, prompt_bytes = _sampler_programs(config, cfg, mesh, decode_params)
   resident["slot state (KV cache)"] = state_bytes
-  resident["the last prompt's KV (kept)"] = prompt_bytes
+  resident["the last prefill's KV (kept)"] = prompt_bytes
   return Report(resident=resident, programs=sampler + learner, device_bytes=device_bytes_limit)

@@ -178,11 +178,15 @@ def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
 
 
 def prompt_kv_bytes(config, cfg: qwen3.Qwen3Config, kv_heads: float) -> float:
-  """The KV of one prompt at the longest prompt bucket, which the engine keeps for the
-  rest of its group (SlotEngine._prompt_kv); kv_heads: the KV heads on one device."""
+  """The KV of one prefill call of prompts started together (prefill_rows of them at
+  the longest prompt bucket), which the engine keeps for the rest of the last one's
+  group (SlotEngine._prompt_kvs); kv_heads: the KV heads on one device."""
   econf = EngineConfig.from_run_config(config)
   T = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, econf.max_len)
-  return 2 * cfg.num_layers * T * kv_heads * cfg.head_dim * dtype_bytes(config.model.kv_dtype)
+  rows = econf.prefill_rows(T)
+  return (
+      2 * cfg.num_layers * rows * T * kv_heads * cfg.head_dim * dtype_bytes(config.model.kv_dtype)
+  )
 
 
 def _resident(x) -> dict[str, float]:
@@ -199,7 +203,7 @@ def _resident(x) -> dict[str, float]:
       "optimizer state (float32)": 2 * masters,
       "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
       "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
-      "the last prompt's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
+      "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
   }
   if x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0:
     resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)
@@ -236,9 +240,14 @@ def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
   # A chunk of decode_block pooled positions, gathered (k, v) and scored.
   block = max(r.decode_block, r.page_size)
   attention = 4 * block * kv_heads * cfg.head_dim * 4 + 2 * slots * kv_heads * cfg.head_dim * 4
+  # Prompts that start together: prefill_rows of them at the longest prompt bucket, as
+  # many tokens as one max_len sequence at most (EngineConfig.prefill_rows).
+  together = prompt_kv_bytes(x.config, cfg, kv_heads)
   return {
       "prefill": seq_kv + prefill_act + upcast,
+      "prefill (prompts together)": together + prefill_act * together / seq_kv + upcast,
       "insert": seq_kv,
+      "insert (prompts together)": together,
       "insert_rows (restore)": 3 * snapshot_width * seq_kv,
       "decode": 3 * logits + attention + upcast,
       "extract_kv (snapshot)": 1.5 * snapshot_width * seq_kv,

@@ -156,7 +156,9 @@ def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
   names = [p.name for p in report.programs]
   for expected in (
       "prefill",
+      "prefill (prompts together)",
       "insert",
+      "insert (prompts together)",
       "insert_rows (restore)",
       "decode",
       "extract_kv (snapshot)",
@@ -174,7 +176,8 @@ def test_qwen3_8b_every_program_fits_8_x_80gb_compiled_at_real_shapes():
 def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only():
   config, cfg, report = _compiled("qwen3_8b", 8, 80)
   cache = report.resident["slot state (KV cache)"]  # one device's share (20.5 GB)
-  sampler = ("prefill", "insert", "insert_rows (restore)", "decode", "extract_kv (snapshot)")
+  sampler = [p.name for p in report.programs[:7]]
+  assert sampler[0] == "prefill" and sampler[-1] == "extract_kv (snapshot)"
   for program in report.programs:
     assert program.largest_collective() < cache / 8, (program.name, program.collectives)
     if program.name in sampler:

@@ -301,13 +301,48 @@ def test_a_group_started_one_sample_at_a_time_prefills_its_prompt_once(params):
   assert engine.prefills == 3
 
 
+def test_prompts_that_start_together_share_prefill_calls_and_each_slot_gets_its_own(params):
+  # Six prompts of two samples each, started in one call: the four of bucket 16 share a
+  # prefill call (prefill_width 4), the 32 and the 64 each take one (4 x 64 > max_len).
+  prompts = _prompts(13, [5, 20, 9, 40, 14, 3])
+  groups = [_records([p] * 2, 12, temperature=0.0, seed=i) for i, p in enumerate(prompts)]
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=12, max_len=64))
+  slots = engine.add_groups(groups)
+  assert sorted(s for g in slots for s in g) == list(range(12))
+  assert engine.prefills == 3
+  _drain(engine)
+  for p, group in zip(prompts, groups):  # each sample decodes its own prompt
+    alone = SlotEngine(CFG, params, EngineConfig(num_slots=2, max_len=64))
+    want = alone.add_group(_records([p], 12, temperature=0.0)) and _drain(alone)[0]
+    for r in group:
+      np.testing.assert_array_equal(r.response, want.response)
+      np.testing.assert_allclose(r.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_the_last_prompt_of_a_shared_prefill_is_kept_for_the_rest_of_its_group(params):
+  # Five slots for three groups of two: the third group's second sample starts later,
+  # from the kept KV of the call that prefilled all three prompts.
+  prompts = _prompts(17, [6, 11, 4])
+  groups = [_records([p] * 2, 8, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=5, max_len=64))
+  engine.add_groups([groups[0], groups[1], groups[2][:1]])
+  assert engine.prefills == 1
+  engine.step()
+  engine.add_group(groups[2][1:])
+  assert engine.prefills == 1
+  # A prompt of that call other than the last is prefilled again: only one is kept.
+  engine.add_group(_records([prompts[0]], 8, seed=9))
+  assert engine.prefills == 2
+  _drain(engine)
+  assert all(r.finished and len(r.response) == 8 for g in groups for r in g)
+
+
 def test_no_compilation_after_warm_up(params, compiles):
   engine = SlotEngine(CFG, params, EngineConfig(num_slots=3, max_len=64, sync_every=3))
 
   def workload(seed):
     records = _records(_prompts(seed, [5, 20, 9, 33, 14, 2]), 18, temperature=1.0, seed=seed)
-    for r in records[:3]:
-      engine.add_group([r])
+    engine.add_groups([[r] for r in records[:3]])  # a shared prefill (bucket 16) and one alone
     engine.step()
     for mode in ("kv", "recompute"):
       for partial in engine.snapshot(with_kv=(mode == "kv")):
@@ -338,6 +373,8 @@ def test_warm_up_compiles_everything_a_run_needs(params, mesh_shape, compiles):
   assert engine.warm_up() == len(buckets.all_buckets(16, 80))
   before = len(compiles)
   assert before > 0
+  engine.add_groups([[r] for r in _records(_prompts(12, [9, 5]), 19)])  # one prefill call
+  _drain(engine)
   records = _records(_prompts(11, [3, 30, 12, 61, 7, 20, 45]), 19, temperature=1.0)
   engine.add_group(records[:1] * 1)
   for mode in ("kv", "recompute"):

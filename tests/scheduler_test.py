@@ -113,6 +113,32 @@ def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():
     assert rollout_metrics(result, step)["rollout/off_policy_token_frac"] == 0.0
 
 
+@pytest.mark.parametrize("partial_rollout", [True, False])
+def test_groups_admitted_together_share_prefill_calls(partial_rollout):
+  # Twelve slots take the step's four groups of three at once: their prompts (one length
+  # bucket) are prefilled in one call, not four. Equal budgets: nothing starts later.
+  sched, _ = _make(
+      lambda i, n: np.full(n, 6), N=4, Np=4, num_slots=12, partial_rollout=partial_rollout
+  )
+  result = sched.step(0, version=0)
+  assert len(result.groups) == 4 and result.stats["admitted_groups"] == 4
+  assert sched.engine.prefills == 1
+  assert all(len(s.response) == 6 for g in result.groups for s in g.samples)
+  # Each sample decoded its own group's prompt: greedy-equal to a fresh engine's.
+  for group in result.groups:
+    alone = SlotEngine(CFG, PARAMS, EngineConfig(num_slots=3, max_len=64))
+    fresh = [
+        SampleRecord(s.prompt, s.max_new_tokens, s.rng, s.temperature, s.top_k, s.top_p)
+        for s in group.samples
+    ]
+    alone.add_group(fresh)
+    while alone.num_live:
+      alone.step()
+    for s, want in zip(group.samples, fresh):
+      np.testing.assert_array_equal(s.response, want.response)
+      np.testing.assert_allclose(s.logprobs, want.logprobs, atol=1e-5)
+
+
 def test_synchronous_baseline_refuses_to_over_sample():
   # N' > N would complete surplus groups and train them a step later, off-policy.
   with pytest.raises(ValueError, match="over_sampling_batch_size == batch_size"):

@@ -127,6 +127,7 @@ def _rollout() -> ml_collections.ConfigDict:
   r.kv_pages = config_dict.placeholder(int)
   r.decode_block = 1024
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
+  r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
   r.max_response_len = 256
   r.temperature = 1.0
   r.top_p = 1.0

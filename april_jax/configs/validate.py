@@ -62,6 +62,7 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
       "page_size",
       "decode_block",
       "refill_batch",
+      "prefill_width",
   ):
     if int(r[name]) < 1:
       err(f"rollout.{name} must be >= 1, got {r[name]}")

@@ -277,38 +277,67 @@ class AprilScheduler:
 
   def _fill(self, st: "_Step") -> None:
     """Free slots take the admitted groups' waiting samples (partials first), as far as
-    the KV pages allow, then admit another group, until no slot is free, a waiting
-    sample lacks pages, or the stop rule holds."""
-    engine = self.engine
-    st.blocked = False
-    while engine.num_free and not self._stop(st):
-      started = False
-      for group in st.active:
-        if not engine.num_free:
-          return
-        waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
-        if not waiting:
-          continue
-        partial = [r for r in waiting if r.started]
-        partial = partial[: engine.room_for(partial)]
-        if partial:
-          engine.add_partials(partial, mode=self.settings.resume_mode)
-          st.stats["partial_samples"] += len(partial)
-        fresh = [r for r in waiting if not r.started]
-        fresh = fresh[: engine.room_for(fresh)]
-        if fresh:
-          if self.episodes is not None:
-            self.episodes.start(fresh, [{**group.row, "answer": group.answer}] * len(fresh))
-          engine.add_group(fresh)
-        started = started or bool(partial or fresh)
-        if len(partial) + len(fresh) < len(waiting):
-          st.blocked = True  # the pool is full: admit nothing more until pages free up
+    the KV pages allow; while slots stay free, more groups are admitted, as many as
+    the free slots can take, and started together (their prompts share prefill calls),
+    until no slot is free, a waiting sample lacks pages, or the stop rule holds."""
+    while self.engine.num_free and not self._stop(st):
+      started = self._start_waiting(st)
       if st.blocked:
+        return  # a waiting sample lacks a slot or pages: admit nothing more for now
+      if not started and not self._admit_for_free_slots(st):
         return
-      if not started:
-        if not self._admit(st):
-          return
-        self._judge(st)
+
+  def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
+    """Each admitted group's samples that wait for a slot (unfinished, not in one),
+    its partials first."""
+    engine = self.engine
+    out = []
+    for group in st.active:
+      waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
+      if waiting:
+        out.append((group, sorted(waiting, key=lambda r: not r.started)))
+    return out
+
+  def _start_waiting(self, st: "_Step") -> bool:
+    """Starts waiting samples, groups in admission order and each group's partials
+    before its fresh samples, as far as slots and pages allow: the partials in one
+    call, the fresh samples in another (their prompts prefilled together). Sets
+    st.blocked if a waiting sample is left; True if any started."""
+    engine = self.engine
+    waiting = self._waiting(st)
+    order = [r for _, rs in waiting for r in rs]
+    room = engine.room_for(order)
+    st.blocked = room < len(order)
+    starting = {id(r) for r in order[:room]}
+    partial = [r for r in order[:room] if r.started]
+    if partial:
+      engine.add_partials(partial, mode=self.settings.resume_mode)
+      st.stats["partial_samples"] += len(partial)
+    fresh = []
+    for group, rs in waiting:
+      rs = [r for r in rs if not r.started and id(r) in starting]
+      if rs:
+        fresh.append(rs)
+        if self.episodes is not None:
+          self.episodes.start(rs, [{**group.row, "answer": group.answer}] * len(rs))
+    if fresh:
+      engine.add_groups(fresh)
+    return room > 0
+
+  def _admit_for_free_slots(self, st: "_Step") -> bool:
+    """Admits groups while the stop rule allows and the waiting samples can all start
+    but leave a slot free, so that the groups start together; True if any was."""
+    admitted = False
+    while not self._stop(st):
+      if admitted:
+        waiting = [r for _, rs in self._waiting(st) for r in rs]
+        if len(waiting) >= self.engine.num_free or self.engine.room_for(waiting) < len(waiting):
+          break
+      if not self._admit(st):
+        break
+      self._judge(st)
+      admitted = True
+    return admitted
 
   def _decode(self, st: "_Step") -> None:
     """One engine step; the groups it completed, in completion order, once each.
@@ -401,7 +430,7 @@ class _Step:
   rejected: list[Group] = dataclasses.field(default_factory=list)
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
-  blocked: bool = False  # a waiting sample found no free KV pages at the last fill
+  blocked: bool = False  # a waiting sample found no free slot or pages at the last fill
   stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def accept(self, group: Group) -> None:

@@ -2,6 +2,8 @@
 
     engine = SlotEngine(cfg, params, EngineConfig(num_slots=64, max_len=4096))
     engine.add_group(records)          # one prefill, KV copied into len(records) slots
+    engine.add_groups([g1, g2, g3])    # several prompts: one prefill call per bucket and
+                                       # prefill_width prompts
     engine.add(record, mode="kv")      # continue a snapshotted partial sample
     finished = engine.step()           # up to sync_every tokens per live slot
     engine.extend(record, tokens)      # with hold_stopped: a stopped slot goes on after
@@ -50,6 +52,8 @@ class EngineConfig:
   num_pages: int | None = None  # usable pool pages; None: max_len for every slot
   preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute
   refill_batch: int = 1  # with refill on, decoding returns once this many slots finish
+  prefill_width: int = 4  # prompts of one length bucket prefilled per call (add_groups)
+  prompt_len: int | None = None  # the longest prompt (batched prefills up to its bucket)
   # A slot that draws a stop token is held with its KV; the caller extends or releases it
   # before the next step (multi-turn episodes: envs/episodes.py).
   hold_stopped: bool = False
@@ -65,6 +69,7 @@ class EngineConfig:
         "decode_block",
         "page_size",
         "refill_batch",
+        "prefill_width",
     ):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -97,6 +102,8 @@ class EngineConfig:
         num_pages=r.kv_pages,
         preempt_mode=r.resume_mode,
         refill_batch=r.refill_batch,
+        prefill_width=r.prefill_width,
+        prompt_len=c.data.max_prompt_len,
         hold_stopped=bool(c.get("env") and c.env.name),
     )
 
@@ -104,6 +111,14 @@ class EngineConfig:
   def pages_per_sequence(self) -> int:
     """Pages one sequence of max_len holds (KV of all but its last token)."""
     return pages.pages_for(self.max_len - 1, self.page_size)
+
+  def prefill_rows(self, bucket: int) -> int:
+    """Prompts one prefill call of this length bucket takes: prefill_width up to the
+    longest prompt's bucket, so long as they hold no more tokens than one max_len
+    sequence (the memory plan's prefill); else 1."""
+    longest = buckets.bucket(self.prompt_len or self.max_len, self.min_bucket, self.max_len)
+    width = self.prefill_width
+    return width if bucket <= longest and width * bucket <= self.max_len else 1
 
 
 class SlotEngine:
@@ -214,22 +229,25 @@ class SlotEngine:
       )
 
   def warm_up(self) -> int:
-    """Compiles every program a run can use: per length bucket, prefill, insert (one
-    shared KV, and one KV per row) and KV extract; then decode. Runs on the engine's own
-    state, as no-ops (no memory for a second state), so the engine must be empty.
-    Returns the number of buckets."""
+    """Compiles every program a run can use: per length bucket, prefill and its insert
+    (one prompt, and prefill_rows prompts where that is more), the insert of restored
+    KV and the KV extract; then decode. Runs on the engine's own state, as no-ops (no
+    memory for a second state), so the engine must be empty. Returns the number of
+    buckets."""
     if self.num_live:
       raise RuntimeError("warm_up needs an empty engine")
-    cfg, Wr = self.cfg, self.config.snapshot_width
+    cfg, W, Wr = self.cfg, self.config.insert_width, self.config.snapshot_width
     for b in self._buckets:
-      self._insert(self.fns.prefill_kv(self.params, np.zeros((1, b), np.int32)), [], [], [])
+      for rows in sorted({1, self.config.prefill_rows(b)}):
+        kv = self.fns.prefill_kv(self.params, np.zeros((rows, b), np.int32))
+        self._insert(kv, W, [], [], [], [], [])
       jax.block_until_ready(
           self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b, self._table())
       )
       zeros = np.zeros(
           (cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype
       )
-      self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), [], [], [])
+      self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), Wr, [], [], [], [], [])
     self.state, _, _ = self.fns.decode(
         self.params, self.state, np.int32(self.version), self._stop_ids, np.int32(1), self._table()
     )
@@ -244,35 +262,35 @@ class SlotEngine:
   def _insert(
       self,
       kv: qwen3.KVCache,
+      width: int,
       slots: list[int],
       records: list[SampleRecord],
       kv_versions: list[int],
-      lengths: list[int] | None = None,
+      lengths: list[int],
+      kv_rows: list[int],
   ) -> None:
-    """One insert call: up to W records into slots, with their KV [L, R, T, K, H]: one
-    row each (R = W = snapshot_width), or one shared (R = 1, W = insert_width)."""
-    W = kv.k.shape[1] if kv.k.shape[1] > 1 else self.config.insert_width
-    padded = np.full(W, -1, np.int32)
-    padded[: len(slots)] = slots
-    rows = rows_from_records(records, W, self.config.max_len, kv_versions, lengths)
-    self.state = self.fns.insert(self.state, kv, rows, padded, self._table())
+    """One insert call of `width` slots (insert_width, or snapshot_width for restored
+    KV): up to that many records into slots, each with row kv_rows[i] of the KV
+    [L, R, T, K, H] (rows may be shared) and decoding at lengths[i]."""
+    padded, rows_at = np.full(width, -1, np.int32), np.zeros(width, np.int32)
+    padded[: len(slots)], rows_at[: len(kv_rows)] = slots, kv_rows
+    rows = rows_from_records(records, width, self.config.max_len, kv_versions, lengths)
+    self.state = self.fns.insert(self.state, kv, rows, padded, rows_at, self._table())
 
   def _insert_shared(
       self,
       kv: qwen3.KVCache,
       kv_version: int,
-      slots: list[int],
-      records: list[SampleRecord],
+      items: list[tuple[int, SampleRecord, int]],
       length: int | None = None,
   ) -> None:
-    """One sequence's KV [L, 1, T, K, H] into slots, `insert_width` slots per call;
-    `length`: where their decoding stands (default: their own length)."""
+    """KV [L, R, T, K, H] into slots, `insert_width` slots per call: items are (slot,
+    record, its KV row); `length`: where their decoding stands (default: their own)."""
     W = self.config.insert_width
-    lengths = [r.length if length is None else length for r in records]
-    for i in range(0, len(slots), W):
-      chunk = records[i : i + W]
-      self._insert(kv, slots[i : i + W], chunk, [kv_version] * len(chunk), lengths[i : i + W])
-    self._own(slots, records, lengths)
+    for i in range(0, len(items), W):
+      slots, records, kv_rows = zip(*items[i : i + W])
+      lengths = [r.length if length is None else length for r in records]
+      self._insert(kv, W, slots, records, [kv_version] * len(slots), lengths, kv_rows)
 
   def _own(self, slots: list[int], records: list[SampleRecord], lengths: list[int]) -> None:
     """The samples now live in these slots; their host KV copies are released."""
@@ -315,10 +333,12 @@ class SlotEngine:
         chunk = [r for _, r in pairs[i : i + W]]
         self._insert(
             self._host_kv(chunk, kv_len),
+            W,
             [slot for slot, _ in pairs[i : i + W]],
             chunk,
             [kv_version_of(r) for r in chunk],
             [kv_positions(r) + 1 for r in chunk],
+            list(range(len(chunk))),
         )
     self._own(slots, with_kv, [kv_positions(r) + 1 for r in with_kv])
     slot_of = dict(zip(map(id, with_kv), slots))
@@ -420,43 +440,83 @@ class SlotEngine:
     out, self.preempted = self.preempted, []
     return out
 
-  def _prefill(self, tokens: np.ndarray) -> qwen3.KVCache:
-    padded = np.zeros((1, self.bucket(len(tokens))), np.int32)
-    padded[0, : len(tokens)] = tokens
+  def _prefill(self, sequences: list[np.ndarray]) -> qwen3.KVCache:
+    """One prefill call: the KV [L, B, T, K, H] of sequences of one length bucket T,
+    row i the i-th; B = 1 for one sequence, else prefill_rows(T) (rows past the
+    sequences are padding)."""
+    T = self.bucket(max(len(t) for t in sequences))
+    padded = np.zeros((1 if len(sequences) == 1 else self.config.prefill_rows(T), T), np.int32)
+    for i, tokens in enumerate(sequences):
+      padded[i, : len(tokens)] = tokens
     self.prefills += 1
     return self.fns.prefill_kv(self.params, padded)
 
-  def _prompt_kv(self, prompt: np.ndarray) -> qwen3.KVCache:
-    """The prompt's prefilled KV. The last prompt's is kept on the device (one prompt
-    bucket of KV, in the memory plan), so a group whose samples start as slots free up,
-    one or a few at a time, prefills its prompt once; new params or a new version drop
-    it. The kept KV is what a new prefill would compute, bit for bit."""
-    key = (np.asarray(prompt, np.int32).tobytes(), self.version)
-    if self._last_prompt is None or self._last_prompt[0] != key:
-      self._last_prompt = (key, self._prefill(prompt))
-    return self._last_prompt[1]
+  def _prompt_kvs(self, prompts: list[np.ndarray]):
+    """Yields (KV [L, B, T, K, H], [(prompt index, row)]): every prompt's prefilled KV.
+    Prompts of one length bucket share prefill calls, prefill_rows per call, and a
+    prompt given twice is prefilled once. The KV of the call that holds the last
+    prompt is kept on the device (one call's KV, in the memory plan), so a group whose
+    samples start as slots free up, one or a few at a time, prefills its prompt once;
+    new params or a new version drop it. Kept KV is what a new prefill call computes."""
+    at: dict[bytes, list[int]] = {}
+    for i, p in enumerate(prompts):
+      at.setdefault(np.asarray(p, np.int32).tobytes(), []).append(i)
+    last = np.asarray(prompts[-1], np.int32).tobytes()
+    kept = self._last_prompt
+    if kept is not None and kept[0] == self.version and kept[1] in at:
+      yield kept[2], [(i, kept[3]) for i in at.pop(kept[1])]
+    by_bucket: dict[int, list[bytes]] = {}
+    for key, where in at.items():
+      by_bucket.setdefault(self.bucket(len(prompts[where[0]])), []).append(key)
+    for T, keys in by_bucket.items():
+      width = self.config.prefill_rows(T)
+      for c in range(0, len(keys), width):
+        chunk = keys[c : c + width]
+        kv = self._prefill([prompts[at[key][0]] for key in chunk])
+        if last in chunk:
+          self._last_prompt = (self.version, last, kv, chunk.index(last))
+        yield kv, [(i, row) for row, key in enumerate(chunk) for i in at[key]]
 
   def add_group(self, records: list[SampleRecord]) -> list[int]:
-    """Fresh samples of one prompt: prefilled once (also across calls, while it is the
-    last prompt added: _prompt_kv), KV copied into len(records) slots (each slot owns
-    its pages; README.md says why pages are not shared).
+    """Fresh samples of one prompt: see add_groups."""
+    return self.add_groups([records])[0]
+
+  def add_groups(self, groups: list[list[SampleRecord]]) -> list[list[int]]:
+    """Fresh samples of several prompts, one list per prompt: each prompt prefilled
+    once (also across calls, while it is in the last prefill call: _prompt_kvs), in
+    calls of up to prefill_width prompts of one length bucket; its KV copied into its
+    samples' slots, insert_width slots per insert call (each slot owns its pages;
+    README.md says why pages are not shared). Returns each group's slots.
 
     Each sample keeps its own response budget, rng and sampling params.
     """
-    for r in records:
-      self.check(r)
-      if r.started or not np.array_equal(r.prompt, records[0].prompt):
-        raise ValueError("add_group takes fresh samples of one and the same prompt")
-    slots = self._take_slots(records)
-    self._insert_shared(self._prompt_kv(records[0].prompt), self.version, slots, records)
-    return slots
+    for records in groups:
+      for r in records:
+        self.check(r)
+        if r.started or not np.array_equal(r.prompt, records[0].prompt):
+          raise ValueError("add_groups takes fresh samples of one prompt per group")
+    flat = [r for records in groups for r in records]
+    slots = self._take_slots(flat)
+    taken = iter(slots)
+    group_slots = [[next(taken) for _ in records] for records in groups]
+    started = [g for g, records in enumerate(groups) if records]
+    if started:
+      for kv, members in self._prompt_kvs([groups[g][0].prompt for g in started]):
+        items = [
+            (slot, r, row)
+            for i, row in members
+            for slot, r in zip(group_slots[started[i]], groups[started[i]])
+        ]
+        self._insert_shared(kv, self.version, items)
+    self._own(slots, flat, [r.length for r in flat])
+    return group_slots
 
   def add(self, record: SampleRecord, mode: str = "kv") -> int:
     """Continues one sample: fresh, or partial (its KV put back, or recomputed)."""
     if mode not in RESUME_MODES:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     self.check(record)
-    slot = self._take_slots([record])
+    [slot] = self._take_slots([record])
     length = record.length
     if mode == "kv" and record.has_kv:
       used = kv_positions(record)
@@ -467,10 +527,11 @@ class SlotEngine:
       )
       kv_version = kv_version_of(record)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
-      kv = self._prefill(np.concatenate([record.prompt, record.response]))
+      kv = self._prefill([np.concatenate([record.prompt, record.response])])
       kv_version = self.version
-    self._insert_shared(kv, kv_version, slot, [record], length)
-    return slot[0]
+    self._insert_shared(kv, kv_version, [(slot, record, 0)], length)
+    self._own([slot], [record], [length])
+    return slot
 
   # ------------------------------------------------------------------ decode, harvest
   def step(self, refill: bool = True) -> list[SampleRecord]:

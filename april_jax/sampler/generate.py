@@ -1,12 +1,14 @@
 """`generate`: batch generation on the slot engine, for evaluation and for users.
 
 More prompts than slots is the normal case: finished slots are refilled from the queue
-at once, so every sequence decodes exactly as it would alone (greedy, same params).
+at once, and prompts that start together share prefill calls. Every sequence decodes as
+it would alone (greedy, same params), up to the float rounding of a shared prefill.
 """
 
 from __future__ import annotations
 
 import collections
+from itertools import islice
 from typing import Sequence
 
 import numpy as np
@@ -141,12 +143,14 @@ def generate_on(
     episodes.start(list(queue), [dict(rows[r.meta["index"]]) if rows else {} for r in queue])
 
   while queue or engine.num_live:
-    while queue and engine.room_for([queue[0]]):
-      record = queue.popleft()
-      if record.started:  # preempted for pages: continue it
-        engine.add(record, engine.config.preempt_mode)
-      else:
-        engine.add_group([record])
+    # As many as slots and pages allow, in order; the fresh ones' prompts are prefilled
+    # together (add_groups), the preempted ones continued.
+    starting = [
+        queue.popleft() for _ in range(engine.room_for(list(islice(queue, engine.num_free))))
+    ]
+    for record in (r for r in starting if r.started):  # preempted for pages
+      engine.add(record, engine.config.preempt_mode)
+    engine.add_groups([[r] for r in starting if not r.started])
     finished = engine.step(refill=bool(queue))
     if episodes is not None:  # held turns answered: episodes go on or end
       finished = episodes.resolve(engine, finished)

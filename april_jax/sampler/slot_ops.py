@@ -1,10 +1,12 @@
 """The sampler's device functions: prefill, insert, decode, extract (all pure).
 
-  prefill_kv(params, tokens[1, T])          -> the KV of one sequence, [L, 1, T, K, H]
-  insert(state, kv, rows, slots[W], table)  -> state with W slots written: their rows
-                                               (SlotRows) and KV, [L, W, T, K, H] (each
-                                               its own) or [L, 1, T, K, H] (one shared),
-                                               into the pages their table rows list
+  prefill_kv(params, tokens[B, T])          -> the KV of B sequences, [L, B, T, K, H]
+  insert(state, kv, rows, slots[W], kv_rows[W], table)
+                                            -> state with W slots written: their rows
+                                               (SlotRows) and KV, slot i taking row
+                                               kv_rows[i] of kv [L, R, T, K, H] (rows
+                                               may be shared: a prompt's samples), into
+                                               the pages their table rows list
   decode(params, state, version, stop_ids, leave_after, table)
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
@@ -43,9 +45,9 @@ from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.state import SlotRows, SlotState, init_state, state_logical_axes
 
 
-def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_1xT: jax.Array) -> qwen3.KVCache:
-  """The KV of one (right-padded) sequence: k, v [L, 1, T, K, H]."""
-  _, kv = qwen3.hidden_states(cfg, params, tokens_1xT, return_kv=True)
+def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_BxT: jax.Array) -> qwen3.KVCache:
+  """The KV of B (right-padded) sequences: k, v [L, B, T, K, H]."""
+  _, kv = qwen3.hidden_states(cfg, params, tokens_BxT, return_kv=True)
   return kv
 
 
@@ -72,15 +74,19 @@ class _CacheLayout:
 
 
 def _write_kv(
-    layout: _CacheLayout, state: SlotState, kv: qwen3.KVCache, slots_W: jax.Array
+    layout: _CacheLayout,
+    state: SlotState,
+    kv: qwen3.KVCache,
+    slots_W: jax.Array,
+    kv_rows_W: jax.Array,
 ) -> qwen3.KVCache:
   """Copies sequences' KV [L, R, T, K, H] into the pages of the slots slots_W (entries
   < 0 are padding), positions < T, each device into its own pages. Slot i takes KV row
-  min(i, R - 1): R = W gives each its own, R = 1 shares one (a prompt's samples). Only
-  the pages a slot holds are written: pages past them go to the scratch page."""
+  kv_rows_W[i]: several slots may share one (a prompt's samples). Only the pages a
+  slot holds are written: pages past them go to the scratch page."""
   T = kv.k.shape[2]
 
-  def local(ck, cv, nk, nv, table, slots):
+  def local(ck, cv, nk, nv, table, slots, kv_rows):
     S_local, page = table.shape[0], ck.shape[3]
     first = layout.first_local_slot(S_local)
     span = min(T, page)  # positions per page write
@@ -101,10 +107,10 @@ def _write_kv(
     ids = jnp.where(ok[:, None] & (ids >= 0), ids, scratch)
     # One scatter of a slot's pages per slot (W, static, unrolled): no loop over pages,
     # and a shared row is read in place rather than broadcast to W copies.
+    row = lambda n, i: n[:, 0] if R == 1 else jax.lax.dynamic_index_in_dim(n, kv_rows[i], 1, False)
     for i in range(slots.shape[0]):
-      row = min(i, R - 1)
-      ck = ck.at[:, ids[i], :, :span, :].set(nk[:, row])
-      cv = cv.at[:, ids[i], :, :span, :].set(nv[:, row])
+      ck = ck.at[:, ids[i], :, :span, :].set(row(nk, i))
+      cv = cv.at[:, ids[i], :, :span, :].set(row(nv, i))
     return ck, cv
 
   P = PartitionSpec
@@ -112,10 +118,11 @@ def _write_kv(
   new_spec = P(None, None, None, layout.head_axes, None)
   fn = layout.local(
       local,
-      (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes, None), P()),
+      (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes, None), P(), P()),
       (cache_spec, cache_spec),
   )
-  return qwen3.KVCache(*fn(state.kv.k, state.kv.v, kv.k, kv.v, state.page_table, slots_W))
+  k, v = fn(state.kv.k, state.kv.v, kv.k, kv.v, state.page_table, slots_W, kv_rows_W)
+  return qwen3.KVCache(k, v)
 
 
 def _paged_attend(layout: _CacheLayout, state: SlotState, past_S: jax.Array, chunk_pages: int):
@@ -181,12 +188,13 @@ def insert(
     kv_LxRxTxKxH: qwen3.KVCache,
     rows: SlotRows,
     slots_W: jax.Array,
+    kv_rows_W: jax.Array,
     table_SxJ: jax.Array,
 ) -> SlotState:
-  """Writes W slots: their KV (positions < T; see _write_kv) and their rows. Entries of
-  slots_W < 0 are padding and change nothing. The slots start undone. table_SxJ: the
-  page table as the host holds it now (it becomes the state's), so that an upload is no
-  device call of its own.
+  """Writes W slots: their KV (slot i takes row kv_rows_W[i] of kv, positions < T; see
+  _write_kv) and their rows. Entries of slots_W < 0 are padding and change nothing. The
+  slots start undone. table_SxJ: the page table as the host holds it now (it becomes
+  the state's), so that an upload is no device call of its own.
 
   W and R are fixed per call site (one compile per T bucket, whatever the group size).
   """
@@ -198,7 +206,9 @@ def insert(
       f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
   }
   return state.replace(
-      kv=_write_kv(layout, state, kv_LxRxTxKxH, slots_W), done=put(state.done, False), **fields
+      kv=_write_kv(layout, state, kv_LxRxTxKxH, slots_W, kv_rows_W),
+      done=put(state.done, False),
+      **fields,
   )
 
 
