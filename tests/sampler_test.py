@@ -1,5 +1,7 @@
 """The slot sampler: parity with transformers, refills, snapshot/restore, budgets, compiles."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,6 +337,25 @@ def test_the_last_prompt_of_a_shared_prefill_is_kept_for_the_rest_of_its_group(p
   assert engine.prefills == 2
   _drain(engine)
   assert all(r.finished and len(r.response) == 8 for g in groups for r in g)
+
+
+def test_a_prefill_call_runs_beside_at_most_one_other_call_s_kv(params):
+  # Prompts started in one call, some after a call whose KV is kept: while each prefill
+  # runs, at most one other call's KV is alive (the memory plan's kept line), not the
+  # call before it, which is inserted by then.
+  engine = SlotEngine(CFG, params, EngineConfig(num_slots=12, max_len=64))
+  prefill, alive = engine.fns.prefill_kv, []
+  is_kv = lambda a: a.ndim == 5 and a.shape[0] == CFG.num_layers and a.shape[3:] == (2, 16)
+
+  def counted(p, tokens):
+    alive.append(sum(map(is_kv, jax.live_arrays())) // 2)  # k and v
+    return prefill(p, tokens)
+
+  engine.fns = dataclasses.replace(engine.fns, prefill_kv=counted)
+  engine.add_groups([_records(_prompts(1, [5]), 4)])  # kept
+  engine.add_groups([_records([p], 4, seed=i) for i, p in enumerate(_prompts(2, [5] * 8))])
+  engine.add_groups([_records([p], 4, seed=i) for i, p in enumerate(_prompts(3, [5] * 3))])
+  assert len(alive) == 4 and max(alive) <= 1, alive
 
 
 def test_no_compilation_after_warm_up(params, compiles):

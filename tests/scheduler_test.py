@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from april_jax import sharding
 from april_jax.models import qwen3
 from april_jax.data import PromptItem
 from april_jax.rollout import (
@@ -48,11 +49,19 @@ def _make(
     sync_every=4,
     reward=_parity_reward,
     timeout_s=5.0,
+    mesh=None,
+    engine_settings=None,
     **settings
 ):
   """A scheduler over a tiny model; responses run exactly to their budgets (no stop)."""
+  params = PARAMS if mesh is None else jax.device_put(PARAMS, qwen3.param_shardings(CFG, mesh))
   engine = SlotEngine(
-      CFG, PARAMS, EngineConfig(num_slots=num_slots, max_len=64, sync_every=sync_every)
+      CFG,
+      params,
+      EngineConfig(
+          num_slots=num_slots, max_len=64, sync_every=sync_every, **(engine_settings or {})
+      ),
+      mesh=mesh,
   )
   handed_out = []
   counter = itertools.count()
@@ -98,6 +107,69 @@ def test_every_admitted_prompt_is_trained_once_rejected_or_buffered(resume_mode)
   assert sorted(everything) == sorted(handed_out)  # nothing lost
   assert rejected and sched.totals["rejected"] == len(rejected)
   assert sched.totals["trained"] == len(trained) == 24
+
+
+@pytest.mark.parametrize("resume_mode", ["kv", "recompute"])
+def test_a_scarce_pool_over_two_slot_shards_starts_what_fits_and_loses_nothing(resume_mode):
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 (CPU) devices")
+  # Slots split over two devices, each with pages for little more than one long sample:
+  # partials and fresh samples compete for pages shard by shard, and each must go to a
+  # slot on a shard whose pages room_for counted for it.
+  budgets = lambda i, n: np.random.default_rng(2000 + i).integers(5, 58, n)
+  sched, handed_out = _make(
+      budgets,
+      num_slots=6,
+      resume_mode=resume_mode,
+      mesh=sharding.make_mesh((2, 1, 1), jax.devices()[:2]),
+      engine_settings=dict(page_size=8, num_pages=20, preempt_mode=resume_mode),
+  )
+  trained = []
+  for step in range(6):
+    result = sched.step(step, version=step)
+    assert len(result.groups) == 2
+    for g in result.groups:
+      assert [len(s.response) for s in g.samples] == list(budgets(g.prompt_id, 3))
+    trained += [g.prompt_id for g in result.groups]
+  assert sched.totals["preemptions"] > 0
+  everything = trained + [g.prompt_id for g in sched.buffer]
+  assert sorted(everything) == sorted(handed_out) and len(set(everything)) == len(everything)
+
+
+def test_waiting_samples_take_slots_on_shards_with_pages_for_them():
+  # Slots 0-1 on one device, 2-3 on another, 8 pages each. A long sample in slot 0
+  # leaves its shard 2 pages. Group A waits with a short fresh sample, group B with a
+  # long partial (6 pages). The partial starts in slot 2, on the shard with the pages,
+  # and the fresh sample in slot 1. (Counted in group order, the fresh sample was given
+  # slot 1 and the partial slot 2, but the partials' call then took slot 1 and raised.)
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 (CPU) devices")
+  sched, _ = _make(
+      lambda i, n: np.full(n, 20),
+      num_slots=4,
+      mesh=sharding.make_mesh((2, 1, 1), jax.devices()[:2]),
+      engine_settings=dict(page_size=8, num_pages=16),
+  )
+  engine = sched.engine
+  record = lambda P, budget: SampleRecord(np.arange(P) % 32, budget, np.zeros(2, np.uint32))
+  partial = record(40, 20)
+  engine.add_group([partial])
+  engine.step(refill=False)
+  engine.snapshot(with_kv=True)
+  assert partial.started and partial.has_kv
+  engine.add_group([record(40, 20)])  # slot 0
+  assert engine.book.free(1) == 2 and engine.book.free(2) == 8
+  fresh = record(4, 4)
+  st = sched._begin(0, 0)  # pylint: disable=protected-access
+  st.active = [Group(g, g, r.prompt, "", [r], 0) for g, r in enumerate([fresh, partial])]
+  assert sched._start_waiting(st) and not st.blocked  # pylint: disable=protected-access
+  owner = engine._owner  # pylint: disable=protected-access
+  assert owner[1] is fresh and owner[2] is partial and engine.book.free(2) == 2
+  finished = []
+  while engine.num_live:
+    finished += engine.step()
+  assert len(fresh.response) == 4 and len(partial.response) == 20
+  assert any(r is partial for r in finished)
 
 
 def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():

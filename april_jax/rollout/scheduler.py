@@ -288,24 +288,25 @@ class AprilScheduler:
         return
 
   def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
-    """Each admitted group's samples that wait for a slot (unfinished, not in one),
-    its partials first."""
+    """Each admitted group's samples that wait for a slot (unfinished, not in one)."""
     engine = self.engine
     out = []
     for group in st.active:
       waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
       if waiting:
-        out.append((group, sorted(waiting, key=lambda r: not r.started)))
+        out.append((group, waiting))
     return out
 
   def _start_waiting(self, st: "_Step") -> bool:
-    """Starts waiting samples, groups in admission order and each group's partials
-    before its fresh samples, as far as slots and pages allow: the partials in one
-    call, the fresh samples in another (their prompts prefilled together). Sets
-    st.blocked if a waiting sample is left; True if any started."""
+    """Starts waiting samples, partials first, then fresh ones, each in the groups'
+    admission order, as far as slots and pages allow: the partials in one call, the
+    fresh samples in another (their prompts prefilled together), which take the free
+    slots in the order room_for counted them. Sets st.blocked if a waiting sample is
+    left; True if any started."""
     engine = self.engine
     waiting = self._waiting(st)
-    order = [r for _, rs in waiting for r in rs]
+    order = [r for _, rs in waiting for r in rs if r.started]
+    order += [r for _, rs in waiting for r in rs if not r.started]
     room = engine.room_for(order)
     st.blocked = room < len(order)
     starting = {id(r) for r in order[:room]}

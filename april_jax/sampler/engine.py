@@ -313,49 +313,51 @@ class SlotEngine:
     return self._on_device(qwen3.KVCache(k, v))
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
-    """Continues several partial samples; in mode kv, snapshot_width per device call.
-
-    Samples without KV (or in mode recompute) go through `add` one by one.
+    """Continues several partial samples, in the free slots room_for counts for them
+    (in order); in mode kv, snapshot_width per device call. Samples without KV (or in
+    mode recompute) are prefilled one by one.
     """
     if mode not in RESUME_MODES:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
-    with_kv = [r for r in records if mode == "kv" and r.has_kv]
-    rest = [r for r in records if not (mode == "kv" and r.has_kv)]
-    for r in with_kv:
+    for r in records:
       self.check(r)
-    slots = self._take_slots(with_kv)
+    slots = self._take_slots(records)
+    pairs = list(zip(slots, records))
+    with_kv = [(slot, r) for slot, r in pairs if mode == "kv" and r.has_kv]
+    rest = [(slot, r) for slot, r in pairs if not (mode == "kv" and r.has_kv)]
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
-    for slot, r in zip(slots, with_kv):
+    for slot, r in with_kv:
       by_bucket.setdefault(self.bucket(max(kv_positions(r), 1)), []).append((slot, r))
     W = self.config.snapshot_width
-    for kv_len, pairs in by_bucket.items():
-      for i in range(0, len(pairs), W):
-        chunk = [r for _, r in pairs[i : i + W]]
+    for kv_len, items in by_bucket.items():
+      for i in range(0, len(items), W):
+        chunk = [r for _, r in items[i : i + W]]
         self._insert(
             self._host_kv(chunk, kv_len),
             W,
-            [slot for slot, _ in pairs[i : i + W]],
+            [slot for slot, _ in items[i : i + W]],
             chunk,
             [kv_version_of(r) for r in chunk],
             [kv_positions(r) + 1 for r in chunk],
             list(range(len(chunk))),
         )
-    self._own(slots, with_kv, [kv_positions(r) + 1 for r in with_kv])
-    slot_of = dict(zip(map(id, with_kv), slots))
-    slot_of.update((id(r), self.add(r, mode)) for r in rest)
-    return [slot_of[id(r)] for r in records]
+    kv_slots, kv_records = [s for s, _ in with_kv], [r for _, r in with_kv]
+    self._own(kv_slots, kv_records, [kv_positions(r) + 1 for r in kv_records])
+    for slot, r in rest:
+      self._continue(slot, r, mode)
+    return slots
 
   def _take_slots(self, records: list[SampleRecord]) -> list[int]:
     """Free slots for the records, each with pages for its KV and one decode call."""
     ids = {id(r) for r in records}
     if len(ids) < len(records) or not ids.isdisjoint(self._held):
       raise ValueError("a sample can be in one slot only: it is given twice or already held")
-    if self.room_for(records) < len(records):
+    slots = self._place(records)
+    if len(slots) < len(records):
       raise RuntimeError(
           f"{len(records)} samples do not fit: {self.num_free} slots and "
           f"{self.book.free()} pages free (check room_for first)"
       )
-    slots = self.free_slots()[: len(records)]
     for slot, r in zip(slots, records):
       self.book.grow(slot, self._window(r.length, len(r.prompt) + r.max_new_tokens))
       self._limits[slot] = len(r.prompt) + r.max_new_tokens
@@ -371,21 +373,28 @@ class SlotEngine:
 
   def room_for(self, records: list[SampleRecord]) -> int:
     """How many of `records`, in order, can start now: each needs a free slot, and
-    pages on that slot's shard for its KV and one decode call's growth."""
-    if not records:
-      return 0
-    left: dict[int, int] = {}
-    n = 0
-    for slot, r in zip(self.free_slots(), records):
-      shard = self.book.shard_of(slot)
-      free = left.setdefault(shard, self.book.free(slot))
+    pages on that slot's shard for its KV and one decode call's growth (_place)."""
+    return len(self._place(records))
+
+  def _place(self, records: list[SampleRecord]) -> list[int]:
+    """Slots for the records, in order, as far as they fit: each takes the lowest free
+    slot on a shard with pages for it. Calls that take slots for a list in parts, in
+    order, get what one call for the whole list would: room_for counts what they get."""
+    free: dict[int, list[int]] = {}  # shard -> its free slots, lowest first
+    for slot in self.free_slots():
+      free.setdefault(self.book.shard_of(slot), []).append(slot)
+    left = {shard: self.book.free(slots[0]) for shard, slots in free.items()}
+    out = []
+    for r in records:
       window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
       need = pages.pages_for(window, self.config.page_size)
-      if need > free:
+      fits = [shard for shard, slots in free.items() if slots and left[shard] >= need]
+      if not fits:
         break
-      left[shard] = free - need
-      n += 1
-    return n
+      shard = min(fits, key=lambda shard: free[shard][0])
+      out.append(free[shard].pop(0))
+      left[shard] -= need
+    return out
 
   def _table(self):
     """The page table for an insert, decode or KV read call (insert and decode make it
@@ -457,7 +466,9 @@ class SlotEngine:
     prompt given twice is prefilled once. The KV of the call that holds the last
     prompt is kept on the device (one call's KV, in the memory plan), so a group whose
     samples start as slots free up, one or a few at a time, prefills its prompt once;
-    new params or a new version drop it. Kept KV is what a new prefill call computes."""
+    new params or a new version drop it. Kept KV is what a new prefill call computes.
+    At most two calls' KV are alive at once: the kept one and the newest (the caller
+    lets each go once inserted)."""
     at: dict[bytes, list[int]] = {}
     for i, p in enumerate(prompts):
       at.setdefault(np.asarray(p, np.int32).tobytes(), []).append(i)
@@ -465,6 +476,8 @@ class SlotEngine:
     kept = self._last_prompt
     if kept is not None and kept[0] == self.version and kept[1] in at:
       yield kept[2], [(i, kept[3]) for i in at.pop(kept[1])]
+    if last in at:
+      self._last_prompt = kept = None  # replaced below: let it go before prefilling
     by_bucket: dict[int, list[bytes]] = {}
     for key, where in at.items():
       by_bucket.setdefault(self.bucket(len(prompts[where[0]])), []).append(key)
@@ -476,6 +489,7 @@ class SlotEngine:
         if last in chunk:
           self._last_prompt = (self.version, last, kv, chunk.index(last))
         yield kv, [(i, row) for row, key in enumerate(chunk) for i in at[key]]
+        del kv
 
   def add_group(self, records: list[SampleRecord]) -> list[int]:
     """Fresh samples of one prompt: see add_groups."""
@@ -508,6 +522,7 @@ class SlotEngine:
             for slot, r in zip(group_slots[started[i]], groups[started[i]])
         ]
         self._insert_shared(kv, self.version, items)
+        del kv  # inserted: the next prefill call's output need not sit beside it
     self._own(slots, flat, [r.length for r in flat])
     return group_slots
 
@@ -517,6 +532,11 @@ class SlotEngine:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     self.check(record)
     [slot] = self._take_slots([record])
+    self._continue(slot, record, mode)
+    return slot
+
+  def _continue(self, slot: int, record: SampleRecord, mode: str) -> None:
+    """One sample into its slot (taken, with pages): its KV put back, or recomputed."""
     length = record.length
     if mode == "kv" and record.has_kv:
       used = kv_positions(record)
@@ -531,7 +551,6 @@ class SlotEngine:
       kv_version = self.version
     self._insert_shared(kv, kv_version, [(slot, record, 0)], length)
     self._own([slot], [record], [length])
-    return slot
 
   # ------------------------------------------------------------------ decode, harvest
   def step(self, refill: bool = True) -> list[SampleRecord]:
