@@ -95,7 +95,7 @@ def test_a_reward_that_raises_in_a_worker_gets_the_fallback_and_is_counted():
     runner.close()
 
 
-def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tmp_path):
+def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_10_s_of_sigterm(tmp_path):
   # `main` on the built-in task with a reward (tests/runaway_reward.py) that never returns.
   launcher = (
       "import runaway_reward; from absl import app; from april_jax import main; "
@@ -146,5 +146,7 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_5_s_of_sigterm(tm
   start = time.monotonic()
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=60)
-  assert time.monotonic() - start < 5.0
+  # The rest of the step (1 s of reward time limit), a checkpoint and the shutdown: about
+  # 3 s beside another test process; a runaway reward that held the exit would never end.
+  assert time.monotonic() - start < 10.0
   assert proc.returncode == 143, err[-3000:]  # stopped by SIGTERM, saved
