@@ -91,6 +91,7 @@ def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tm
         ("rollout.resume_mode", "disk", "rollout.resume_mode must be one of"),
         ("rollout.reward", "nope", "rollout.reward 'nope' is neither a registered reward"),
         ("rollout.top_p", 0.0, r"rollout.top_p must be in \(0, 1\]"),
+        ("rollout.prefill_width", 0, "rollout.prefill_width must be >= 1, got 0"),
         ("model.path", "/nonexistent/model", "model.path '/nonexistent/model' is not a model"),
         ("model.dtype", "float16", "model.dtype must be one of"),
         ("mesh.shape", (1, 2), "mesh.shape must have 3 entries"),

@@ -339,6 +339,17 @@ def test_the_last_prompt_of_a_shared_prefill_is_kept_for_the_rest_of_its_group(p
   assert all(r.finished and len(r.response) == 8 for g in groups for r in g)
 
 
+def test_prefill_rows_follow_the_longest_prompt_and_max_len():
+  config = EngineConfig(num_slots=2, max_len=256, prompt_len=40, prefill_width=4)
+  # Up to the longest prompt's bucket (64), and 4 x 64 tokens <= max_len.
+  assert [config.prefill_rows(b) for b in (16, 32, 64, 128)] == [4, 4, 4, 1]
+  assert EngineConfig(num_slots=2, max_len=100, prompt_len=40).prefill_rows(64) == 1
+  assert EngineConfig(num_slots=2, max_len=256, prefill_width=1).prefill_rows(16) == 1
+  for bad in (dict(prompt_len=0), dict(prompt_len=300), dict(prefill_width=0)):
+    with pytest.raises(ValueError, match="EngineConfig.(prompt_len|prefill_width)"):
+      EngineConfig(num_slots=2, max_len=256, **bad)
+
+
 def test_a_prefill_call_runs_beside_at_most_one_other_call_s_kv(params):
   # Prompts started in one call, some after a call whose KV is kept: while each prefill
   # runs, at most one other call's KV is alive (the memory plan's kept line), not the

@@ -78,6 +78,10 @@ class EngineConfig:
           f"EngineConfig.page_size must be a power of two (so every length bucket is a "
           f"whole number of pages or fits in one), got {self.page_size}"
       )
+    if self.prompt_len is not None and not 1 <= self.prompt_len <= self.max_len:
+      raise ValueError(
+          f"EngineConfig.prompt_len must be in [1, max_len={self.max_len}], got {self.prompt_len}"
+      )
     if self.preempt_mode not in RESUME_MODES:
       raise ValueError(f"EngineConfig.preempt_mode must be one of {RESUME_MODES}")
     if self.num_pages is not None and self.num_pages < self.pages_per_sequence:
