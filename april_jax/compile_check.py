@@ -34,7 +34,7 @@ from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import update as update_lib
-from april_jax.sampler import engine as engine_lib
+from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler import rows as rows_lib
 from april_jax.sampler import slot_ops
 
@@ -207,7 +207,7 @@ def compile_program(
 def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tuple:
   r, m = config.rollout, config.model
   max_len = config.data.max_prompt_len + r.max_response_len
-  econf = engine_lib.EngineConfig.from_run_config(config)
+  econf = EngineConfig.from_run_config(config)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   fns = slot_ops.device_fns(
       cfg,

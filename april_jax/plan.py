@@ -30,7 +30,7 @@ from april_jax import buckets, compile_check, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
-from april_jax.sampler.engine import EngineConfig
+from april_jax.sampler.engine_config import EngineConfig
 
 GB = 1e9
 

@@ -20,7 +20,7 @@ from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages, losses
-from april_jax.sampler.engine import RESUME_MODES
+from april_jax.sampler.engine_config import RESUME_MODES
 
 DTYPES = ("float32", "bfloat16")
 
