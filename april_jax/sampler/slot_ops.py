@@ -3,7 +3,7 @@
   prefill_kv(params, tokens[B, T])          -> the KV of B sequences, [L, B, T, K, H]
   insert(state, kv, rows, slots[W], kv_rows[W], table)
                                             -> state with W slots written: their rows
-                                               (SlotRows) and KV, slot i taking row
+                                               (rows.PackedRows) and KV, slot i taking row
                                                kv_rows[i] of kv [L, R, T, K, H] (rows
                                                may be shared: a prompt's samples), into
                                                the pages their table rows list
@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from april_jax import sharding
 from april_jax.models import paged_attention, qwen3
 from april_jax.sampler.sampling import sample_tokens
-from april_jax.sampler.state import SlotRows, SlotState, init_state, state_logical_axes
+from april_jax.sampler.rows import PackedRows, unpack
+from april_jax.sampler.state import SlotState, init_state, state_logical_axes
 
 
 def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_BxT: jax.Array) -> qwen3.KVCache:
@@ -186,7 +187,7 @@ def insert(
     layout: _CacheLayout,
     state: SlotState,
     kv_LxRxTxKxH: qwen3.KVCache,
-    rows: SlotRows,
+    rows: PackedRows,
     slots_W: jax.Array,
     kv_rows_W: jax.Array,
     table_SxJ: jax.Array,
@@ -199,6 +200,7 @@ def insert(
   W and R are fixed per call site (one compile per T bucket, whatever the group size).
   """
   state = state.replace(page_table=table_SxJ)
+  rows = unpack(rows)
   S = state.tokens.shape[0]
   at = jnp.where(slots_W >= 0, slots_W, S)  # out of range: dropped by the scatters below
   put = lambda a, v: a.at[at].set(v, mode="drop")
@@ -212,9 +214,10 @@ def insert(
   )
 
 
-def write_rows(state: SlotState, rows: SlotRows, slots_W: jax.Array) -> SlotState:
+def write_rows(state: SlotState, rows: PackedRows, slots_W: jax.Array) -> SlotState:
   """Rewrites W slots' rows (entries of slots_W < 0 are padding) and starts them
   decoding again; their pages and KV stay as they are."""
+  rows = unpack(rows)
   S = state.tokens.shape[0]
   at = jnp.where(slots_W >= 0, slots_W, S)
   put = lambda a, v: a.at[at].set(v, mode="drop")
