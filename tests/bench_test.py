@@ -116,6 +116,10 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
   assert out["tiny_attention_max_abs_diff"] < 1e-5
   assert min(out[f"tiny_attention_{k}_us"] for k in ("paged", "dense", "gather")) > 0
   assert out["tiny_speedup_vs_transformers"] != out["tiny_speedup_vs_transformers"]  # NaN
+  # The host round trip: a decode step at one per call, against sync_every (8) per call.
+  assert out["tiny_host_sync_every"] == 8
+  assert out["tiny_host_step_us"] > 0 and out["tiny_host_step_us_one_per_call"] > 0
+  assert np.isfinite(out["tiny_host_round_trip_us"])  # the median of paired differences
 
 
 def test_sampler_bench_refuses_a_run_too_short_to_time_a_decode_step():

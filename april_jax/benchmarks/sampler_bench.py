@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
-from april_jax.benchmarks import attention_split, common, static_sampler, tail_step
+from april_jax.benchmarks import attention_split, common, round_trip, static_sampler, tail_step
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
@@ -295,6 +295,8 @@ def run_one(
         copy_gbps=copy_gbps,
         copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
     )
+  trip = round_trip.run(cfg, params, prompts, sync_every, kv_dtype)
+  out.update({f"host_{k}": v for k, v in trip.items()})
   resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
   for k in ("us_per_token", "host_bytes"):
     out.update({f"resume_{mode}_{k}": resume[mode][k] for mode in ("kv", "recompute")})
@@ -316,6 +318,7 @@ _COLUMNS = (
     ("attention us/layer, paged", "attention_paged_us"),
     ("its gathers us", "attention_gather_us"),
     ("attention us/layer, dense", "attention_dense_us"),
+    ("host round trip us", "host_round_trip_us"),
     ("kv us/token", "resume_kv_us_per_token"),
     ("recompute us/token", "resume_recompute_us_per_token"),
 )
@@ -337,6 +340,12 @@ def _print_row(name: str, r: dict) -> None:
       f"{'':>6} one layer's decode attention: paged {r['attention_paged_us']:.1f} us (its "
       f"page gathers alone {r['attention_gather_us']:.1f}), dense {r['attention_dense_us']:.1f}"
       f" us: {r['attention_dense_us'] / r['attention_paged_us']:.2f}x",
+      flush=True,
+  )
+  print(
+      f"{'':>6} host round trip: {r['host_round_trip_us']:.0f} us a call (a decode step "
+      f"{r['host_step_us_one_per_call']:.0f} us at one step a call, "
+      f"{r['host_step_us']:.0f} us at {r['host_sync_every']} a call)",
       flush=True,
   )
   if "copy_bandwidth_frac" in r:

@@ -1,0 +1,74 @@
+"""What a host round trip adds to decoding (part of mode `sampler`).
+
+The same live slots decode the same greedy steps twice: one decode step per
+`SlotEngine.step` call, and `sync_every` steps per call. Per decode step, the
+difference is what each round trip costs on top of the device's work: the call's
+dispatch, reading back the slots' done flags and lengths, and the host's bookkeeping.
+Nothing finishes during the timed steps (every budget outlasts them), so no slot's rows
+are read back and no refill runs. The two settings alternate in short rounds and the
+round trip is the median of the rounds' differences: on a machine whose speed swings by
+more than the round trip costs, a difference of two separate runs would not resolve it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from april_jax import sampler
+
+
+def _engine(cfg, params, slots: int, max_len: int, sync_every: int, kv_dtype: str):
+  config = sampler.EngineConfig(
+      num_slots=slots, max_len=max_len, sync_every=sync_every, kv_dtype=kv_dtype
+  )
+  engine = sampler.SlotEngine(cfg, params, config)
+  engine.warm_up()
+  return engine
+
+
+def _step_seconds(engine, prompts, keys, skip: int, steps: int, budget: int) -> float:
+  """Seconds per decode step over `steps` steps of every slot, after `skip` untimed ones
+  (the same for both settings, so that both time the same positions)."""
+  engine.add_groups(
+      [
+          [sampler.SampleRecord(prompt=p, max_new_tokens=budget, rng=keys[i], temperature=0.0)]
+          for i, p in enumerate(prompts)
+      ]
+  )
+  begin = engine.decode_steps
+  while engine.decode_steps - begin < skip:
+    engine.step(refill=False)
+  jax.block_until_ready(engine.state)
+  first, start = engine.decode_steps, time.perf_counter()
+  while engine.decode_steps - first < steps:
+    engine.step(refill=False)
+  jax.block_until_ready(engine.state)
+  seconds = (time.perf_counter() - start) / (engine.decode_steps - first)
+  engine.snapshot(with_kv=False)
+  return seconds
+
+
+def run(cfg, params, prompts, sync_every: int, kv_dtype: str, rounds: int = 16, steps: int = 32):
+  """Microseconds per decode step at one step per call and at sync_every per call, and
+  the round trip's cost per call. Each round times `steps` steps both ways back to back;
+  the results are the medians over the rounds (the round trip: of the rounds'
+  differences), so a machine whose speed drifts between rounds does not bias them."""
+  steps = -(-steps // sync_every) * sync_every  # whole calls at sync_every
+  budget = steps + 2 * sync_every + 1  # no slot finishes while timed
+  max_len = len(prompts[0]) + budget
+  keys = sampler.sample_keys(0, len(prompts))
+  engines = {n: _engine(cfg, params, len(prompts), max_len, n, kv_dtype) for n in (1, sync_every)}
+  times = {n: [] for n in engines}
+  for _ in range(max(rounds, 1)):
+    for n, engine in engines.items():
+      times[n].append(_step_seconds(engine, prompts, keys, sync_every, steps, budget))
+  one, many = np.array(times[1]), np.array(times[sync_every])
+  return {
+      "step_us_one_per_call": 1e6 * float(np.median(one)),
+      "step_us": 1e6 * float(np.median(many)),
+      "round_trip_us": 1e6 * float(np.median(one - many)),
+      "sync_every": sync_every,
+  }
