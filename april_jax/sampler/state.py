@@ -69,7 +69,7 @@ class SlotState:
 @flax.struct.dataclass
 class SlotRows:
   """W slots' rows as `insert` writes them (the SlotState fields of W slots but KV and
-  done); built on the host from SampleRecords by rows.rows_from_records."""
+  done): rows.unpack of the PackedRows that rows.rows_from_records builds on the host."""
 
   tokens: jax.Array  # int32 [W, M]
   logprobs: jax.Array  # float32 [W, M]
