@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from april_jax import sampler
 from april_jax.models import hf_io, qwen3
 
 
@@ -62,6 +63,25 @@ def bench_model(config, seed: int):
       cfg, jax.random.key(seed), dtype=jnp.dtype(config.model.dtype), std=config.model.init.std
   )
   return cfg, params
+
+
+def greedy_engine(cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str):
+  """A slot engine with a slot per prompt, each prompt + new_tokens long."""
+  config = sampler.EngineConfig(
+      num_slots=len(prompts),
+      max_len=len(prompts[0]) + new_tokens,
+      sync_every=sync_every,
+      kv_dtype=kv_dtype,
+  )
+  return sampler.SlotEngine(cfg, params, config)
+
+
+def add_greedy_groups(engine, prompts, keys, new_tokens: int) -> None:
+  """Admits each prompt as a one-sample greedy group, prompt i drawing from keys[i]."""
+  for i, p in enumerate(prompts):
+    engine.add_group(
+        [sampler.SampleRecord(prompt=p, max_new_tokens=new_tokens, rng=keys[i], temperature=0.0)]
+    )
 
 
 def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -18,26 +18,13 @@ import jax
 import numpy as np
 
 from april_jax import sampler
-
-
-def _engine(cfg, params, slots: int, max_len: int, sync_every: int, kv_dtype: str):
-  config = sampler.EngineConfig(
-      num_slots=slots, max_len=max_len, sync_every=sync_every, kv_dtype=kv_dtype
-  )
-  engine = sampler.SlotEngine(cfg, params, config)
-  engine.warm_up()
-  return engine
+from april_jax.benchmarks import common
 
 
 def _step_seconds(engine, prompts, keys, skip: int, steps: int, budget: int) -> float:
   """Seconds per decode step over `steps` steps of every slot, after `skip` untimed ones
   (the same for both settings, so that both time the same positions)."""
-  engine.add_groups(
-      [
-          [sampler.SampleRecord(prompt=p, max_new_tokens=budget, rng=keys[i], temperature=0.0)]
-          for i, p in enumerate(prompts)
-      ]
-  )
+  common.add_greedy_groups(engine, prompts, keys, budget)
   begin = engine.decode_steps
   while engine.decode_steps - begin < skip:
     engine.step(refill=False)
@@ -58,9 +45,12 @@ def run(cfg, params, prompts, sync_every: int, kv_dtype: str, rounds: int = 16, 
   differences), so a machine whose speed drifts between rounds does not bias them."""
   steps = -(-steps // sync_every) * sync_every  # whole calls at sync_every
   budget = steps + 2 * sync_every + 1  # no slot finishes while timed
-  max_len = len(prompts[0]) + budget
   keys = sampler.sample_keys(0, len(prompts))
-  engines = {n: _engine(cfg, params, len(prompts), max_len, n, kv_dtype) for n in (1, sync_every)}
+  engines = {
+      n: common.greedy_engine(cfg, params, prompts, budget, n, kv_dtype) for n in (1, sync_every)
+  }
+  for engine in engines.values():
+    engine.warm_up()
   times = {n: [] for n in engines}
   for _ in range(max(rounds, 1)):
     for n, engine in engines.items():

@@ -116,34 +116,15 @@ def _transformers_side(cfg, params, prompts, new_tokens, repeats):
     return _warm_best_of(repeats, run)
 
 
-def _greedy_engine(cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str):
-  """A slot engine with a slot per prompt, each prompt + new_tokens long."""
-  config = sampler.EngineConfig(
-      num_slots=len(prompts),
-      max_len=len(prompts[0]) + new_tokens,
-      sync_every=sync_every,
-      kv_dtype=kv_dtype,
-  )
-  return sampler.SlotEngine(cfg, params, config)
-
-
-def _add_greedy_groups(engine, prompts, keys, new_tokens: int) -> None:
-  """Admits each prompt as a one-sample greedy group, prompt i drawing from keys[i]."""
-  for i, p in enumerate(prompts):
-    engine.add_group(
-        [sampler.SampleRecord(prompt=p, max_new_tokens=new_tokens, rng=keys[i], temperature=0.0)]
-    )
-
-
 def resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype="float32"):
   """Seconds per held token to snapshot + restore unfinished samples, kv vs recompute."""
   out = {}
   for mode in ("kv", "recompute"):
-    engine = _greedy_engine(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
+    engine = common.greedy_engine(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
     keys = sampler.sample_keys(0, len(prompts))
     timings = []
     for trial in range(3):  # trial 0 warms up (compiles) the snapshot/restore path
-      _add_greedy_groups(engine, prompts, keys, new_tokens)
+      common.add_greedy_groups(engine, prompts, keys, new_tokens)
       for _ in range(new_tokens // (2 * sync_every)):
         engine.step()  # about half the budget
       jax.block_until_ready(engine.state)
@@ -176,12 +157,12 @@ def decode_step_seconds(
   (time for new_tokens - time for 1) / (new_tokens - 1). The two sides alternate, trial
   by trial, so a slow spell of the machine hits both; best of `repeats` each."""
   # Slots as long as the static sampler's cache: both read the same window.
-  engine = _greedy_engine(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
+  engine = common.greedy_engine(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
   keys = sampler.sample_keys(0, len(prompts))
   stacked = jnp.asarray(np.stack(prompts))
 
   def engine_step():
-    _add_greedy_groups(engine, prompts, keys, new_tokens)
+    common.add_greedy_groups(engine, prompts, keys, new_tokens)
     engine.step()
     jax.block_until_ready(engine.state)
     steps, start = engine.decode_steps, time.perf_counter()
