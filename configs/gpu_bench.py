@@ -1,7 +1,7 @@
 """Benchmark shapes for one GPU: random weights of a real Qwen3 shape (no checkpoint needed).
 
   python -m april_jax.bench --mode=scheduler --config=configs/gpu_bench.py:qwen3_0_6b
-  bash launch/bench_gpu.sh                      # every mode, under 10 minutes on an H100/H200
+  bash launch/bench_gpu.sh                      # every mode, each part at most 5 minutes
 
 Variants: qwen3_0_6b (default), qwen3_4b. Only the model shape, the rollout shape and the
 precision are set; the scheduler and resume modes draw their own prompts and lengths.

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Every benchmark mode on one NVIDIA GPU at real Qwen3 shapes (random weights), sized to
-# finish within about 8 minutes on an H100/H200; prints a short table at the end: whether
-# this backend copies the pages that decode attention gathers (one chunk compiled at the 8B
-# config's shapes), decode tokens/s against the memory-bandwidth bound for the Qwen3-0.6B
-# and 4B shapes (and against a plain static-batch JAX sampler; bytes per step over step time
-# as a fraction of the copy bandwidth measured in the same run), then APRIL vs the baseline
-# and kv vs recompute resume at the MODEL shape.
+# Every benchmark mode on one NVIDIA GPU at real Qwen3 shapes (random weights), in parts,
+# the quickest and most telling first; prints a short table at the end:
+#   roofline    one chunk of paged decode attention compiled and timed at the 8B config's
+#               per-device shapes (seconds): does this backend copy the gathered pages,
+#               and what does that cost against the same pages read in place
+#   sampler     decode tokens/s at the Qwen3-0.6B shape against a plain static-batch JAX
+#               sampler, bytes per step over step time as a fraction of the copy
+#               bandwidth measured in the same run, and a long-tailed vs uniform step
+#   scheduler   APRIL vs the baseline at the MODEL shape
+#   resume      kv vs recompute resume at the MODEL shape
+#   sampler_4b  the sampler part at the Qwen3-4B shape
+# Each part stops after PART_LIMIT seconds (default 300), keeping what its log printed
+# (each sampler stage is named on stderr as it starts), and the next part runs. On an
+# H200 (2026-12-04) the sampler part at 0.6B and 4B with 512 new tokens did not finish in
+# 6.5 minutes, so it now runs 0.6B alone at 256 new tokens.
 #
 #   bash launch/bench_gpu.sh                     # scheduler and resume at Qwen3-0.6B
 #   MODEL=qwen3_4b bash launch/bench_gpu.sh      # ... at Qwen3-4B
 #   PARTS="roofline sampler" bash launch/bench_gpu.sh   # some parts only, in this order
-#   SAMPLER_MODELS=tiny TAIL_MODEL=tiny CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 \
-#       bash launch/bench_gpu.sh                 # a smoke run on a CPU (about 6 minutes)
+#   PARTS="roofline sampler scheduler resume" SAMPLER_MODELS=tiny TAIL_MODEL=tiny \
+#       CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 bash launch/bench_gpu.sh   # CPU smoke run
 #
 # Each part's log (its last line is the JSON result) goes to OUT; the Markdown reports and
 # plots go to REPORTS (default OUT), so OUT can be kept to a handful of files.
@@ -27,18 +35,21 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-roofline sampler scheduler resume}
+PARTS=${PARTS:-roofline sampler scheduler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 CONFIG=${CONFIG:-configs/gpu_bench.py:${MODEL}}
-SAMPLER_MODELS=${SAMPLER_MODELS:-qwen3_0_6b,qwen3_4b}
+SAMPLER_MODELS=${SAMPLER_MODELS:-qwen3_0_6b}
+NEW_TOKENS=${NEW_TOKENS:-256}
+PART_LIMIT=${PART_LIMIT:-300}  # seconds; a part past it is stopped and the next one runs
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
 
-run() {  # mode name, then flags; the log's last line is the JSON result
+run() {  # part name, then flags; the log's last line is the JSON result (if it finished)
   local name=$1; shift
   echo "== $name ($(date -u +%H:%M:%S))"
-  python -m april_jax.bench --out_dir="$REPORTS" "$@" | tee "$OUT/$name.log"
+  timeout "$PART_LIMIT" python -m april_jax.bench --out_dir="$REPORTS" "$@" \
+    | tee "$OUT/$name.log" || echo "== $name stopped (exit ${PIPESTATUS[0]}, limit ${PART_LIMIT}s)"
 }
 
 for part in $PARTS; do
@@ -48,8 +59,11 @@ for part in $PARTS; do
     roofline) run roofline --mode=roofline --config="${ROOFLINE_CONFIG:-configs/qwen3_8b.py}" \
         --dist=dapo_math ;;
     sampler) run sampler --mode=sampler --models="$SAMPLER_MODELS" --hf=false --dtype=bfloat16 \
-        --batch=64 --prompt_len=256 --new_tokens=512 --repeats=2 \
-        --tail_model="${TAIL_MODEL:-qwen3_0_6b}" ;;
+        --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
+        --tail_model="${TAIL_MODEL-qwen3_0_6b}" --tail_rounds=3 ;;
+    # The Qwen3-4B shape alone, without the long-tail rounds (run after the others).
+    sampler_4b) run sampler_4b --mode=sampler --models=qwen3_4b --hf=false --dtype=bfloat16 \
+        --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model= ;;
     scheduler) run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
@@ -62,8 +76,13 @@ done
 python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" <<'PY'
 import json, sys
 out, model, sampler_models, parts = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
-load = lambda name: json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
-r = {name: load(name) for name in parts.split()}
+def load(name):
+  try:
+    return json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
+  except (OSError, IndexError, ValueError):
+    print(f"{name}: did not finish (see its log)")
+    return None
+r = {name: res for name in parts.split() if (res := load(name)) is not None}
 kinds = [v["machine"]["device_kind"] for v in r.values() if "machine" in v]
 print(f"\non {kinds[0] if kinds else r.get('roofline', {}).get('backend', '?')}")
 if "roofline" in r:
@@ -75,9 +94,20 @@ if "roofline" in r:
         + (f"the gathered pages are copied; a step moves up to "
            f"{roof['paged_copied_over_bound']:.2f}x the live bound" if copied else
            f"the gather is fused; a step reads about {roof['paged_over_bound']:.2f}x the live bound"))
-if "sampler" in r:
-  s = r["sampler"]
-  for m in sampler_models:
+  if "chunk_gathered_us" in roof:
+    mb = lambda name: roof[f"chunk_{name}_scratch_bytes"] / 1e6
+    print(f"  timed, us a chunk (scratch MB): gathered {roof['chunk_gathered_us']:.1f} "
+          f"({mb('gathered'):.1f}), gathered by multiply-and-sum {roof['chunk_reduced_us']:.1f} "
+          f"({mb('reduced'):.1f}), the same pages side by side "
+          f"{roof['chunk_side_by_side_us']:.1f} ({mb('side_by_side'):.1f}): "
+          f"{roof['chunk_gather_time_ratio']:.2f}x and {roof['chunk_reduced_time_ratio']:.2f}x "
+          f"the side-by-side time; gathered, {roof['chunk_gathered_copy_frac']:.0%} of the copy "
+          f"bandwidth")
+for part, models in (("sampler", sampler_models), ("sampler_4b", ["qwen3_4b"])):
+  if part not in r:
+    continue
+  s = r[part]
+  for m in models:
     print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
           f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f}); decode step "
           f"{s[m + '_decode_step_ms']:.2f} ms vs {s[m + '_static_decode_step_ms']:.2f} ms static")

@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -194,7 +195,7 @@ def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
   spec = importlib.util.spec_from_file_location("qwen3_8b", root / "configs" / "qwen3_8b.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  out = roofline.run(module.get_config(), devices=8, shape="dapo_math", trials=3)
+  out = roofline.run(module.get_config(), devices=8, shape="dapo_math", trials=3, timed=False)
   assert 1.0 < out["paged_over_bound"] <= 1.1
   assert out["dense_slots"] == 4352 * 256 // 17408 == 64
   assert out["dense_per_live_token_over_paged"] > 3  # every slot read up to the longest
@@ -206,3 +207,37 @@ def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
     assert 0.9 < out["chunk_scratch_over_kv"] < 1.2
   params = out["decode_params_gb"]
   assert out["paged_copied_gb"] == pytest.approx(params + 3 * (out["paged_gb"] - params))
+  assert "chunk_gathered_us" not in out  # timed=False: compiled, not run
+
+
+def test_timed_chunk_scores_gathered_pages_as_the_same_pages_side_by_side():
+  from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
+  from april_jax.models import paged_attention, qwen3  # pylint: disable=g-import-not-at-top
+
+  # page_partials is its gather then score_pages, and the multiply-and-sum candidate is
+  # score_pages up to float32 rounding (full, one-token and empty pages): the timed
+  # programs compute one function.
+  rng = np.random.default_rng(3)
+  pool = jnp.asarray(rng.standard_normal((2, 2, 9, 2, 16, 8)), jnp.bfloat16)  # k, v [L, P, K, T, H]
+  q = jnp.asarray(rng.standard_normal((4, 2, 3, 8)), jnp.float32)
+  pages, count = jnp.array([7, 2, 2, 5]), jnp.array([16, 1, 9, 0])
+  got = paged_attention.page_partials(q, pool[0], pool[1], 1, pages, count, qwen3.kv_view)
+  want = paged_attention.score_pages(q, pool[0][1, pages], pool[1][1, pages], count)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  reduced = roofline.score_pages_by_reduction(q, pool[0][1, pages], pool[1][1, pages], count)
+  live = np.asarray(count) > 0
+  for a, b in zip(reduced, want):
+    np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(reduced[1])[~live], 0.0)  # an empty page adds nothing
+
+  kv = 2 * 4 * 2 * 16 * 8 * 2
+  out = roofline.timed_chunk((1, 32, 2, 16, 8), jnp.bfloat16, (2, 3, 8), 4, kv, calls=4)
+  for name in ("gathered", "reduced", "side_by_side"):
+    assert out[f"chunk_{name}_us"] > 0 and out[f"chunk_{name}_scratch_bytes"] >= 0
+  side = out["chunk_side_by_side_us"]
+  assert out["chunk_gather_time_ratio"] == pytest.approx(out["chunk_gathered_us"] / side)
+  assert out["chunk_reduced_time_ratio"] == pytest.approx(out["chunk_reduced_us"] / side)
+  gbps = kv / out["chunk_gathered_us"] / 1e3
+  assert out["chunk_gathered_gbps"] == pytest.approx(gbps)
+  assert out["chunk_gathered_copy_frac"] == pytest.approx(gbps / out["chunk_copy_gbps"])

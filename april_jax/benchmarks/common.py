@@ -107,6 +107,17 @@ def progress(label: str, done: int, total: int) -> None:
   )
 
 
+def stage_logger(name: str) -> Callable[[str], None]:
+  """log(label): one stderr line, `name: label (seconds since this call)`, so a run cut
+  short by a time limit still says which stage it was in and where the time went."""
+  start = time.perf_counter()
+
+  def log(label: str) -> None:
+    print(f"{name}: {label} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+
+  return log
+
+
 def emit(result: dict[str, Any]) -> None:
   """The last stdout line of every mode: one JSON object."""
   print(json.dumps(result, sort_keys=True), flush=True)

@@ -20,6 +20,15 @@ ratio near 1 means the backend copies the gathered pages into a temporary before
 score and value products read them: the chunk's KV is then read, written and read
 again, and the row `paged, gather copied` counts the step's KV bytes three times. A
 ratio near 0 means the gather fused into its readers.
+
+Then the chunk is timed, with real arrays at the same per-device shapes: its pages
+gathered from shuffled places in a pool eight chunks long (the engine's case), against
+the same scoring of the same pages laid side by side in an array of their own, read in
+place.
+Each call takes the next chunk's pages, so no call finds its pages in a cache. Their
+time ratio is what the gather costs on this backend, in seconds rather than bytes; the
+chunk's KV bytes over its time, against the copy bandwidth measured in the same run,
+say how near the memory bound the gathered chunk runs.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import numpy as np
 
 from april_jax import plan as plan_lib
 from april_jax import sharding
-from april_jax.benchmarks import length_dists
+from april_jax.benchmarks import common, length_dists
 from april_jax.models import hf_io, paged_attention, qwen3
 from april_jax.sampler import slot_ops
 from april_jax.sampler.state import init_state
@@ -44,9 +53,10 @@ def _steady_lengths(rng, shape: str, prompt: int, max_resp: int, slots: int) -> 
   return prompt + np.floor(rng.uniform(size=slots) * picked).astype(np.int64) + 1
 
 
-def compiled_chunk(config, cfg: qwen3.Qwen3Config, mesh, rules) -> dict:
+def compiled_chunk(config, cfg: qwen3.Qwen3Config, mesh, rules, timed: bool = True) -> dict:
   """One chunk of decode attention compiled at one device's shapes (its KV heads, its
-  shard of slots and pages): the chunk's KV bytes and the program's scratch bytes."""
+  shard of slots and pages): the chunk's KV bytes and the program's scratch bytes; with
+  `timed`, the chunk's time, its pages gathered against side by side (timed_chunk)."""
   r = config.rollout
   kv_heads = cfg.num_kv_heads // plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
   slots = r.num_slots // plan_lib._split(r.num_slots, "batch", mesh, rules)  # pylint: disable=protected-access
@@ -78,15 +88,106 @@ def compiled_chunk(config, cfg: qwen3.Qwen3Config, mesh, rules) -> dict:
   )
   value_bytes = jnp.dtype(qwen3.kv_view(jnp.zeros((), pool.dtype)).dtype).itemsize
   kv = 2 * chunk * kv_heads * r.page_size * cfg.head_dim * value_bytes
-  return {
+  out = {
       "chunk_pages": chunk,
       "chunk_kv_bytes": kv,
       "chunk_scratch_bytes": compiled.memory_analysis().temp_size_in_bytes,
       "backend": jax.default_backend(),
   }
+  if timed:
+    shape = (1, 8 * chunk) + pool.shape[2:]  # one layer, eight chunks of pages
+    out.update(timed_chunk(shape, pool.dtype, (kv_heads, group, cfg.head_dim), chunk, kv))
+  return out
 
 
-def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, trials: int = 50):
+def score_pages_by_reduction(q_CxKxGxH, k_CxKxTxH, v_CxKxTxH, count_C):
+  """paged_attention.score_pages with its two products as multiply-and-sum in float32
+  rather than dots: the same function (up to float32 rounding), in a form whose gather a
+  backend may fuse into the reductions instead of copying it out for a dot. A candidate
+  measured here; the engine uses score_pages."""
+  T, H = k_CxKxTxH.shape[2], q_CxKxGxH.shape[-1]
+  f32 = jnp.float32
+  q = q_CxKxGxH.astype(k_CxKxTxH.dtype).astype(f32)
+  s = jnp.sum(q[:, :, :, None, :] * k_CxKxTxH[:, :, None].astype(f32), axis=-1) * H**-0.5
+  valid = (jnp.arange(T)[None, :] < count_C[:, None])[:, None, None, :]  # [C, 1, 1, T]
+  s = jnp.where(valid, s, -1e30)
+  m_c = jnp.max(s, axis=-1)  # [C, K, G]
+  p = jnp.where(valid, jnp.exp(s - m_c[..., None]), 0.0)
+  l_c = jnp.sum(p, axis=-1)
+  p = p.astype(v_CxKxTxH.dtype).astype(f32)  # as score_pages rounds it for its product
+  o_c = jnp.sum(p[..., None] * v_CxKxTxH[:, :, None].astype(f32), axis=3)
+  return m_c, l_c, o_c
+
+
+def timed_chunk(pool_shape, pool_dtype, q_shape, chunk: int, kv_bytes: int, calls: int = 40):
+  """Microseconds per chunk of decode attention over a real pool of pool_shape
+  [1, P, K, T, H] (random values), three ways; each call moves on to the next chunk's
+  pages, so none finds them in a cache:
+    gathered      page_partials, its pages gathered from shuffled places (the engine's)
+    reduced       the same gather scored by score_pages_by_reduction (a candidate)
+    side by side  score_pages on the same pages laid side by side in arrays of their own
+                  (read in place: the time without the gather)
+  Also each program's scratch bytes (near the chunk's KV: the gathered pages are copied),
+  the gathered chunk's KV GB/s and its share of the copy bandwidth measured here."""
+  rng = np.random.default_rng(0)
+  P, T = pool_shape[1], pool_shape[3]
+  assert P % chunk == 0, f"a pool of {P} pages is not whole chunks of {chunk}"
+  k, v = (
+      jax.random.normal(jax.random.key(i), pool_shape, jnp.float32).astype(pool_dtype)
+      for i in (1, 2)
+  )
+  q = jnp.asarray(rng.standard_normal((chunk,) + q_shape), jnp.float32)
+  count = jnp.full((chunk,), T, jnp.int32)  # every page full: the bytes counted are read
+  order = jnp.asarray(rng.permutation(P).reshape(-1, chunk), jnp.int32)  # [P / chunk, chunk]
+
+  def gathered_by(score):
+    def chunk_of(q, k, v, i):
+      pages = order[i % order.shape[0]]
+      k_c, v_c = (qwen3.kv_view(x[0, pages]) for x in (k, v))
+      return score(q, k_c, v_c, count)
+
+    return jax.jit(chunk_of)
+
+  # The same chunks' pages, each chunk its own arrays: arguments are read where they lie.
+  as_chunks = lambda x: [qwen3.kv_view(x[0, pages]) for pages in np.asarray(order)]
+  k_chunks, v_chunks = as_chunks(k), as_chunks(v)
+  side_by_side = jax.jit(lambda q, k_c, v_c, i: paged_attention.score_pages(q, k_c, v_c, count))
+  programs = {
+      "gathered": (gathered_by(paged_attention.score_pages), lambda i: (q, k, v, i)),
+      "reduced": (gathered_by(score_pages_by_reduction), lambda i: (q, k, v, i)),
+      "side_by_side": (
+          side_by_side,
+          lambda i: (q, k_chunks[i % len(k_chunks)], v_chunks[i % len(v_chunks)], i),
+      ),
+  }
+  out = {}
+  for name, (fn, args) in programs.items():
+    many = lambda fn=fn, args=args: jax.block_until_ready([fn(*args(i)) for i in range(calls)])
+    many()  # compiles
+    best, _ = common.best_of(3, many)
+    out[f"chunk_{name}_us"] = 1e6 * best / calls
+    compiled = fn.lower(*args(0)).compile()
+    out[f"chunk_{name}_scratch_bytes"] = compiled.memory_analysis().temp_size_in_bytes
+  copy = common.copy_gbps()
+  gbps = kv_bytes / out["chunk_gathered_us"] / 1e3
+  return {
+      **out,
+      "chunk_gather_time_ratio": out["chunk_gathered_us"] / out["chunk_side_by_side_us"],
+      "chunk_reduced_time_ratio": out["chunk_reduced_us"] / out["chunk_side_by_side_us"],
+      "chunk_gathered_gbps": gbps,
+      "chunk_copy_gbps": copy,
+      "chunk_gathered_copy_frac": gbps / copy,
+  }
+
+
+def run(
+    config,
+    devices: int = 8,
+    shape: str = "dapo_math",
+    prompt: int = 256,
+    trials: int = 50,
+    timed: bool = True,
+):
   cfg = hf_io.model_config(config)
   r = config.rollout
   mesh_shape = sharding.resolve_mesh_shape(tuple(config.mesh.shape), devices)
@@ -113,7 +214,7 @@ def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, t
     dense = dense_slots * dense_live.max() * per_token
     rows.append((len(lengths), weights + live, weights + paged, dense_slots, weights + dense))
   a = np.array(rows, np.float64).mean(0)
-  chunk = compiled_chunk(config, cfg, mesh, rules)
+  chunk = compiled_chunk(config, cfg, mesh, rules, timed)
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
   out = {
       "mode": "roofline",
@@ -150,4 +251,17 @@ def run(config, devices: int = 8, shape: str = "dapo_math", prompt: int = 256, t
       "chunk's pages, as a scratch near 1x says)",
       flush=True,
   )
+  if "chunk_gathered_us" in out:
+    mb = lambda name: out[f"chunk_{name}_scratch_bytes"] / 1e6
+    print(
+        f"  timed ({out['backend']}), us a chunk (scratch MB): pages gathered "
+        f"{out['chunk_gathered_us']:.1f} ({mb('gathered'):.1f}); gathered, by multiply-and-sum "
+        f"{out['chunk_reduced_us']:.1f} ({mb('reduced'):.1f}); the same pages side by side "
+        f"{out['chunk_side_by_side_us']:.1f} ({mb('side_by_side'):.1f}). Gathered over side by "
+        f"side {out['chunk_gather_time_ratio']:.2f}x, by multiply-and-sum "
+        f"{out['chunk_reduced_time_ratio']:.2f}x; gathered, {out['chunk_gathered_gbps']:.0f} "
+        f"GB/s of KV = {out['chunk_gathered_copy_frac']:.0%} of the copy bandwidth measured "
+        f"here ({out['chunk_copy_gbps']:.0f} GB/s)",
+        flush=True,
+    )
   return out

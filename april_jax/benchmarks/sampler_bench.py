@@ -213,18 +213,23 @@ def run_one(
     dtype: str = "float32",
     hbm_gbps: float = 0.0,
     copy_gbps: float = 0.0,
+    log=lambda label: None,
 ) -> dict:
+  log("random params")
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
   prompts = random_prompts(cfg.vocab_size, batch, prompt_len, seed)
   kv_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+  log("whole generations, engine and static sampler")
   (ours_s, ours_out), (static_s, static_out) = _time_whole_generations(
       cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype
   )
   tokens = batch * new_tokens
+  log("steady decode steps")
   step_s, static_step_s = decode_step_seconds(
       cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats
   )
   engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
+  log("one layer's attention, paged and dense")
   split = attention_split.run(
       cfg,
       batch,
@@ -250,6 +255,7 @@ def run_one(
       "attention_max_abs_diff": split["max_abs_diff"],
   }
   if hf:
+    log("transformers' generate")
     hf_s, hf_out = _transformers_side(cfg, params, prompts, new_tokens, repeats)
     out.update(
         transformers_tokens_per_s=tokens / hf_s,
@@ -276,11 +282,14 @@ def run_one(
         copy_gbps=copy_gbps,
         copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
     )
+  log("host round trip")
   trip = round_trip.run(cfg, params, prompts, sync_every, kv_dtype)
   out.update({f"host_{k}": v for k, v in trip.items()})
+  log("resume costs, kv and recompute")
   resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
   for k in ("us_per_token", "host_bytes"):
     out.update({f"resume_{mode}_{k}": resume[mode][k] for mode in ("kv", "recompute")})
+  log("done")
   return out
 
 
@@ -397,7 +406,8 @@ def run(
       f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'static tok/s':>13} "
       f"{'ratio':>6} {'step ms':>8} {'static step ms':>15} {'ratio':>6} "
       f"{'transformers tok/s':>19} {'ratio':>6} {'equal':>6} {'kv us/tok':>10} "
-      f"{'recompute us/tok':>17}"
+      f"{'recompute us/tok':>17}",
+      flush=True,
   )
   for name in models:
     r = run_one(
@@ -412,6 +422,7 @@ def run(
         dtype=dtype,
         hbm_gbps=hbm_gbps,
         copy_gbps=copy_gbps,
+        log=common.stage_logger(name),
     )
     r.setdefault("transformers_tokens_per_s", float("nan"))
     r.setdefault("speedup_vs_transformers", float("nan"))
@@ -419,6 +430,7 @@ def run(
     result.update({f"{name}_{k}": v for k, v in r.items()})
     _print_row(name, r)
   if tail_model:
+    common.stage_logger(tail_model)("decode steps, long-tailed mix vs uniform")
     tail = tail_step.run(BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed)
     result.update({f"{tail_model}_{k}": v for k, v in tail.items()})
     print(

@@ -87,17 +87,25 @@ def page_partials(q_CxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, page_C, 
   against its slot's query (q_CxKxGxH: the query of the slot that owns page c) over its
   first count_C[c] positions, and reduced to a partial online softmax. Returns m, l
   [C, K, G] and o [C, K, G, H] (float32; o not yet divided by l)."""
-  T, H = pool_k_LxPxKxTxH.shape[3], q_CxKxGxH.shape[-1]
   k_c = view(pool_k_LxPxKxTxH[layer, page_C])  # [C, K, T, H]
   v_c = view(pool_v_LxPxKxTxH[layer, page_C])
-  q = q_CxKxGxH.astype(k_c.dtype)
-  s = jnp.einsum("ckgh,ckth->ckgt", q, k_c, preferred_element_type=jnp.float32) * H**-0.5
+  return score_pages(q_CxKxGxH, k_c, v_c, count_C)
+
+
+def score_pages(q_CxKxGxH, k_CxKxTxH, v_CxKxTxH, count_C):
+  """page_partials after its gather: C pages' keys and values, in hand, scored against
+  their slots' queries over each page's first count_C[c] positions."""
+  T, H = k_CxKxTxH.shape[2], q_CxKxGxH.shape[-1]
+  q = q_CxKxGxH.astype(k_CxKxTxH.dtype)
+  s = jnp.einsum("ckgh,ckth->ckgt", q, k_CxKxTxH, preferred_element_type=jnp.float32) * H**-0.5
   valid = (jnp.arange(T)[None, :] < count_C[:, None])[:, None, None, :]  # [C, 1, 1, T]
   s = jnp.where(valid, s, _NEG)
   m_c = jnp.max(s, axis=-1)  # [C, K, G]
   p = jnp.where(valid, jnp.exp(s - m_c[..., None]), 0.0)
   l_c = jnp.sum(p, axis=-1)
-  o_c = jnp.einsum("ckgt,ckth->ckgh", p.astype(k_c.dtype), v_c, preferred_element_type=jnp.float32)
+  o_c = jnp.einsum(
+      "ckgt,ckth->ckgh", p.astype(v_CxKxTxH.dtype), v_CxKxTxH, preferred_element_type=jnp.float32
+  )
   return m_c, l_c, o_c
 
 
