@@ -71,6 +71,13 @@ _COPY = flags.DEFINE_bool(
     "copy_bandwidth", True, "sampler: measure the copy bandwidth, report each step's share."
 )
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention",
+    "xla",
+    ["xla", "pallas"],
+    "sampler: how the engine's decode step reads the pool (rollout.decode_attention); "
+    "pallas is interpreted, slowly, on a CPU.",
+)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is reported).")
@@ -105,6 +112,7 @@ def main(argv):
         tail_model=_TAIL_MODEL.value or None,
         tail_rounds=_TAIL_ROUNDS.value,
         copy_gbps=common.copy_gbps() if _COPY.value else 0.0,
+        decode_attention=_DECODE_ATTENTION.value,
     )
   else:
     if _CONFIG.value is None:

@@ -220,6 +220,7 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
       econf.decode_block,
       econf.page_size,
       econf.num_pages,
+      econf.decode_attention,
   )
   state = _abstract(jax.eval_shape(fns.init), fns.state_sharding)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim

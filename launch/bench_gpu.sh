@@ -3,12 +3,14 @@
 # the quickest and most telling first; prints a short table at the end:
 #   roofline    one chunk of paged decode attention compiled and timed at the 8B config's
 #               per-device shapes (seconds): does this backend copy the gathered pages,
-#               and what does that cost against the same pages read in place
+#               and what does that cost against the same pages read in place; and one
+#               layer at the steady state through the XLA path and the Pallas kernel
 #   sampler     decode tokens/s at the Qwen3-0.6B shape against a plain static-batch JAX
 #               sampler, bytes per step over step time as a fraction of the copy
 #               bandwidth measured in the same run, and a long-tailed vs uniform step
 #   scheduler   APRIL vs the baseline at the MODEL shape
 #   resume      kv vs recompute resume at the MODEL shape
+#   sampler_kernel  the sampler part with the engine decoding through the Pallas kernel
 #   sampler_4b  the sampler part at the Qwen3-4B shape
 # Each part stops after PART_LIMIT seconds (default 300), keeping what its log printed
 # (each sampler stage is named on stderr as it starts), and the next part runs. On an
@@ -35,7 +37,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-roofline sampler scheduler resume sampler_4b}
+PARTS=${PARTS:-roofline sampler sampler_kernel scheduler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -61,6 +63,10 @@ for part in $PARTS; do
     sampler) run sampler --mode=sampler --models="$SAMPLER_MODELS" --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
         --tail_model="${TAIL_MODEL-qwen3_0_6b}" --tail_rounds=3 ;;
+    # The sampler part's decode through the Pallas kernel (rollout.decode_attention).
+    sampler_kernel) run sampler_kernel --mode=sampler --models=qwen3_0_6b --hf=false \
+        --dtype=bfloat16 --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
+        --tail_model= --decode_attention=pallas ;;
     # The Qwen3-4B shape alone, without the long-tail rounds (run after the others).
     sampler_4b) run sampler_4b --mode=sampler --models=qwen3_4b --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model= ;;
@@ -68,7 +74,8 @@ for part in $PARTS; do
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
-    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (roofline sampler scheduler resume)" >&2
+    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (roofline sampler sampler_kernel" \
+         "scheduler resume sampler_4b)" >&2
        exit 2 ;;
   esac
 done
@@ -94,6 +101,12 @@ if "roofline" in r:
         + (f"the gathered pages are copied; a step moves up to "
            f"{roof['paged_copied_over_bound']:.2f}x the live bound" if copied else
            f"the gather is fused; a step reads about {roof['paged_over_bound']:.2f}x the live bound"))
+  if "layer_kernel_us" in roof:
+    print(f"  one layer's decode attention, {roof['layer_slots']} slots: XLA path "
+          f"{roof['layer_xla_us']:.0f} us ({roof['layer_xla_gbps']:.0f} GB/s of live KV), "
+          f"Pallas kernel {roof['layer_kernel_us']:.0f} us ({roof['layer_kernel_gbps']:.0f} "
+          f"GB/s): {roof['layer_kernel_over_xla']:.2f}x; outputs differ by at most "
+          f"{roof['layer_kernel_max_abs_diff']:.2g}")
   if "chunk_gathered_us" in roof:
     mb = lambda name: roof[f"chunk_{name}_scratch_bytes"] / 1e6
     print(f"  timed, us a chunk (scratch MB): gathered {roof['chunk_gathered_us']:.1f} "
@@ -103,12 +116,13 @@ if "roofline" in r:
           f"{roof['chunk_gather_time_ratio']:.2f}x and {roof['chunk_reduced_time_ratio']:.2f}x "
           f"the side-by-side time; gathered, {roof['chunk_gathered_copy_frac']:.0%} of the copy "
           f"bandwidth")
-for part, models in (("sampler", sampler_models), ("sampler_4b", ["qwen3_4b"])):
+for part, models in (
+    ("sampler", sampler_models), ("sampler_kernel", ["qwen3_0_6b"]), ("sampler_4b", ["qwen3_4b"])):
   if part not in r:
     continue
   s = r[part]
   for m in models:
-    print(f"{m}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
+    print(f"{m}, decode attention {s.get('decode_attention', 'xla')}: decode tokens/s {s[m + '_april_jax_tokens_per_s']:>10,.0f}"
           f"  (static-batch sampler {s[m + '_static_tokens_per_s']:,.0f}); decode step "
           f"{s[m + '_decode_step_ms']:.2f} ms vs {s[m + '_static_decode_step_ms']:.2f} ms static")
     if m + "_copy_bandwidth_frac" in s:

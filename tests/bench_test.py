@@ -241,3 +241,17 @@ def test_timed_chunk_scores_gathered_pages_as_the_same_pages_side_by_side():
   gbps = kv / out["chunk_gathered_us"] / 1e3
   assert out["chunk_gathered_gbps"] == pytest.approx(gbps)
   assert out["chunk_gathered_copy_frac"] == pytest.approx(gbps / out["chunk_copy_gbps"])
+
+
+def test_timed_layer_runs_the_xla_path_and_the_kernel_on_the_same_pages():
+  from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
+
+  lengths = [1, 16, 17, 40, 0]  # one token, a whole page, across a boundary, empty
+  out = roofline.timed_layer(lengths, 2, 3, 16, 16, jnp.float32, calls=2, interpret=True)
+  assert out["layer_slots"] == 5
+  assert out["layer_live_kv_bytes"] == 2 * sum(lengths) * 2 * 16 * 4
+  assert out["layer_kernel_max_abs_diff"] < 1e-5  # the kernel computes the XLA path's attention
+  for name in ("xla", "kernel"):
+    gbps = out["layer_live_kv_bytes"] / out[f"layer_{name}_us"] / 1e3
+    assert out[f"layer_{name}_gbps"] == pytest.approx(gbps)
+  assert out["layer_kernel_over_xla"] == pytest.approx(out["layer_kernel_us"] / out["layer_xla_us"])

@@ -65,13 +65,16 @@ def bench_model(config, seed: int):
   return cfg, params
 
 
-def greedy_engine(cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str):
+def greedy_engine(
+    cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str, decode_attention="xla"
+):
   """A slot engine with a slot per prompt, each prompt + new_tokens long."""
   config = sampler.EngineConfig(
       num_slots=len(prompts),
       max_len=len(prompts[0]) + new_tokens,
       sync_every=sync_every,
       kv_dtype=kv_dtype,
+      decode_attention=decode_attention,
   )
   return sampler.SlotEngine(cfg, params, config)
 

@@ -21,6 +21,10 @@ score and value products read them: the chunk's KV is then read, written and rea
 again, and the row `paged, gather copied` counts the step's KV bytes three times. A
 ratio near 0 means the gather fused into its readers.
 
+On an accelerator, one layer's decode attention at the steady state's lengths is also
+timed through the XLA path and through the Pallas kernel that reads pages in place
+(paged_attention_kernel.py), with the largest difference between their outputs.
+
 Then the chunk is timed, with real arrays at the same per-device shapes: its pages
 gathered from shuffled places in a pool eight chunks long (the engine's case), against
 the same scoring of the same pages laid side by side in an array of their own, read in
@@ -42,7 +46,7 @@ import numpy as np
 from april_jax import plan as plan_lib
 from april_jax import sharding
 from april_jax.benchmarks import common, length_dists
-from april_jax.models import hf_io, paged_attention, qwen3
+from april_jax.models import hf_io, paged_attention, paged_attention_kernel, qwen3
 from april_jax.sampler import slot_ops
 from april_jax.sampler.state import init_state
 
@@ -180,6 +184,63 @@ def timed_chunk(pool_shape, pool_dtype, q_shape, chunk: int, kv_bytes: int, call
   }
 
 
+def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20, interpret=None):
+  """One layer's decode attention for slots of these cached lengths, each in its own
+  shuffled pages of a real pool (random values), through the XLA path (decode_block of
+  1,024 positions) and through the kernel (paged_attention_kernel): microseconds per
+  call, each one's KV GB/s (the live bytes over its time), and the largest difference
+  between their outputs, which checks the kernel as this backend compiled it."""
+  rng = np.random.default_rng(1)
+  lengths = np.asarray(lengths, np.int32)
+  need = -(-lengths // T)
+  P = int(need.sum()) + 1
+  ids = rng.permutation(P - 1)
+  table = np.full((len(lengths), max(int(need.max()), 1)), -1, np.int32)
+  ends = np.cumsum(need)
+  for s, n in enumerate(need):
+    table[s, :n] = ids[ends[s] - n : ends[s]]
+  S = len(lengths)
+  key = lambda i: jax.random.key(i)
+  values = lambda i, shape: jax.random.normal(key(i), shape, jnp.float32).astype(dtype)
+  args = (
+      values(1, (S, K, G, H)).astype(jnp.float32),
+      values(2, (S, K, H)),
+      values(3, (S, K, H)),
+      values(4, (1, P, K, T, H)),
+      values(5, (1, P, K, T, H)),
+      jnp.int32(0),
+      jnp.asarray(lengths),
+      jnp.asarray(table),
+  )
+  chunk = slot_ops.chunk_pages_for(1024, T, P - 1)
+  xla = jax.jit(
+      lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=chunk, view=qwen3.kv_view)
+  )
+  kernel = jax.jit(
+      lambda *a: paged_attention_kernel.paged_decode_attention(
+          *a, view=qwen3.kv_view, interpret=interpret
+      )
+  )
+  out = {}
+  for name, fn in (("xla", xla), ("kernel", kernel)):
+    many = lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
+    many()  # compiles
+    best, results = common.best_of(3, many)
+    out[f"layer_{name}_us"] = 1e6 * best / calls
+    out[f"_{name}_out"] = np.asarray(results[-1].astype(jnp.float32))
+  live = 2 * int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize
+  diff = float(np.max(np.abs(out.pop("_xla_out") - out.pop("_kernel_out"))))
+  return {
+      **out,
+      "layer_slots": S,
+      "layer_live_kv_bytes": live,
+      "layer_xla_gbps": live / out["layer_xla_us"] / 1e3,
+      "layer_kernel_gbps": live / out["layer_kernel_us"] / 1e3,
+      "layer_kernel_over_xla": out["layer_kernel_us"] / out["layer_xla_us"],
+      "layer_kernel_max_abs_diff": diff,
+  }
+
+
 def run(
     config,
     devices: int = 8,
@@ -215,6 +276,11 @@ def run(
     rows.append((len(lengths), weights + live, weights + paged, dense_slots, weights + dense))
   a = np.array(rows, np.float64).mean(0)
   chunk = compiled_chunk(config, cfg, mesh, rules, timed)
+  if timed and jax.default_backend() != "cpu":  # a CPU only interprets the kernel
+    # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
+    kv_heads = cfg.num_kv_heads // plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
+    group, value = cfg.num_heads // cfg.num_kv_heads, jnp.dtype(config.model.kv_dtype)
+    chunk.update(timed_layer(lengths, kv_heads, group, cfg.head_dim, page, value))
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
   out = {
       "mode": "roofline",
@@ -251,6 +317,16 @@ def run(
       "chunk's pages, as a scratch near 1x says)",
       flush=True,
   )
+  if "layer_kernel_us" in out:
+    print(
+        f"  one layer, {out['layer_slots']} slots at this steady state "
+        f"({out['layer_live_kv_bytes'] / 1e6:.0f} MB of live KV): XLA path "
+        f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s), kernel "
+        f"{out['layer_kernel_us']:.0f} us ({out['layer_kernel_gbps']:.0f} GB/s): "
+        f"{out['layer_kernel_over_xla']:.2f}x the time; outputs differ by at most "
+        f"{out['layer_kernel_max_abs_diff']:.2g}",
+        flush=True,
+    )
   if "chunk_gathered_us" in out:
     mb = lambda name: out[f"chunk_{name}_scratch_bytes"] / 1e6
     print(

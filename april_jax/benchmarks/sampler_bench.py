@@ -149,7 +149,14 @@ def resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype="float32
 
 
 def decode_step_seconds(
-    cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str, repeats: int
+    cfg,
+    params,
+    prompts,
+    new_tokens: int,
+    sync_every: int,
+    kv_dtype: str,
+    repeats: int,
+    decode_attention: str = "xla",
 ) -> tuple[float, float]:
   """Seconds per decode step in steady state, (slot engine, static sampler): every slot
   live and running to the same length, admission and prefill left out. The engine's
@@ -157,7 +164,9 @@ def decode_step_seconds(
   (time for new_tokens - time for 1) / (new_tokens - 1). The two sides alternate, trial
   by trial, so a slow spell of the machine hits both; best of `repeats` each."""
   # Slots as long as the static sampler's cache: both read the same window.
-  engine = common.greedy_engine(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
+  engine = common.greedy_engine(
+      cfg, params, prompts, new_tokens, sync_every, kv_dtype, decode_attention
+  )
   keys = sampler.sample_keys(0, len(prompts))
   stacked = jnp.asarray(np.stack(prompts))
 
@@ -185,7 +194,9 @@ def decode_step_seconds(
   return best["engine"], (best[new_tokens] - best[1]) / max(new_tokens - 1, 1)
 
 
-def _time_whole_generations(cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype):
+def _time_whole_generations(
+    cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention="xla"
+):
   """(best seconds, outputs) of whole greedy generations, (slot engine, static sampler)."""
   ours = lambda: sampler.generate(
       cfg,
@@ -195,6 +206,7 @@ def _time_whole_generations(cfg, params, prompts, new_tokens, repeats, sync_ever
       num_slots=len(prompts),
       sync_every=sync_every,
       kv_dtype=kv_dtype,
+      decode_attention=decode_attention,
   )
   stacked = jnp.asarray(np.stack(prompts))
   static = lambda: np.asarray(static_sampler.greedy(cfg, params, stacked, new_tokens))
@@ -214,6 +226,7 @@ def run_one(
     hbm_gbps: float = 0.0,
     copy_gbps: float = 0.0,
     log=lambda label: None,
+    decode_attention: str = "xla",
 ) -> dict:
   log("random params")
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
@@ -221,12 +234,12 @@ def run_one(
   kv_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
   log("whole generations, engine and static sampler")
   (ours_s, ours_out), (static_s, static_out) = _time_whole_generations(
-      cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype
+      cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention
   )
   tokens = batch * new_tokens
   log("steady decode steps")
   step_s, static_step_s = decode_step_seconds(
-      cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats
+      cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats, decode_attention
   )
   engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
   log("one layer's attention, paged and dense")
@@ -387,8 +400,11 @@ def run(
     tail_model: str | None = None,
     copy_gbps: float = 0.0,
     tail_rounds: int = 5,
+    decode_attention: str = "xla",
 ) -> dict:
-  """The decode table; copy_gbps > 0 also gives each model's bytes per decode step over
+  """The decode table (the engine's decode step reading the pool by `decode_attention`;
+  its host round trip and resume costs by the XLA path); copy_gbps > 0 also gives each
+  model's bytes per decode step over
   its time as a fraction of that (measured) copy bandwidth."""
   if new_tokens <= sync_every:
     raise ValueError(
@@ -400,6 +416,7 @@ def run(
       "batch": batch,
       "prompt_len": prompt_len,
       "new_tokens": new_tokens,
+      "decode_attention": decode_attention,
       "machine": common.machine(),
   }
   print(
@@ -423,6 +440,7 @@ def run(
         hbm_gbps=hbm_gbps,
         copy_gbps=copy_gbps,
         log=common.stage_logger(name),
+        decode_attention=decode_attention,
     )
     r.setdefault("transformers_tokens_per_s", float("nan"))
     r.setdefault("speedup_vs_transformers", float("nan"))

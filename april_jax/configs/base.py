@@ -126,6 +126,9 @@ def _rollout() -> ml_collections.ConfigDict:
   r.page_size = 16
   r.kv_pages = config_dict.placeholder(int)
   r.decode_block = 1024
+  # xla: chunks of gathered pages (any backend); pallas: one kernel that reads each page in
+  # place (GPUs, through Triton; a CPU interprets it, slowly). The same attention either way.
+  r.decode_attention = "xla"
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
   r.max_response_len = 256

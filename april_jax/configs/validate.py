@@ -20,7 +20,7 @@ from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages, losses
-from april_jax.sampler.engine_config import RESUME_MODES
+from april_jax.sampler.engine_config import DECODE_ATTENTION, RESUME_MODES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -82,6 +82,8 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
     )
   if r.resume_mode not in RESUME_MODES:
     err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
+  if r.decode_attention not in DECODE_ATTENTION:
+    err(f"rollout.decode_attention must be one of {DECODE_ATTENTION}, got {r.decode_attention!r}")
   if r.max_staleness is not None and r.max_staleness < 0:
     err(
         f"rollout.max_staleness must be >= 0 policy versions (unset: no limit), got "

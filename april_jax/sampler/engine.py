@@ -58,6 +58,7 @@ class SlotEngine:
         config.decode_block,
         config.page_size,
         config.num_pages,
+        config.decode_attention,
     )
     if self.fns.pages_per_shard - 1 < config.pages_per_sequence:
       raise ValueError(

@@ -15,6 +15,7 @@ from april_jax import buckets
 from april_jax.sampler import pages
 
 RESUME_MODES = ("kv", "recompute")
+DECODE_ATTENTION = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,10 @@ class EngineConfig:
   insert_width: int = 8  # slots filled per insert call (fixed: one compile)
   snapshot_width: int = 4  # slots whose KV is copied out per device call
   decode_block: int = 1024  # pooled positions read per chunk of decode attention
+  # How a decode step reads the pool: "xla" (chunks of gathered pages, any backend) or
+  # "pallas" (one kernel that reads each page in place; GPUs, via Triton; interpreted,
+  # slowly, on a CPU). They compute the same attention.
+  decode_attention: str = "xla"
   page_size: int = 16  # positions per KV page (a power of two)
   num_pages: int | None = None  # usable pool pages; None: max_len for every slot
   preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute
@@ -62,6 +67,11 @@ class EngineConfig:
       raise ValueError(
           f"EngineConfig.prompt_len must be in [1, max_len={self.max_len}], got {self.prompt_len}"
       )
+    if self.decode_attention not in DECODE_ATTENTION:
+      raise ValueError(
+          f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
+          f"got {self.decode_attention!r}"
+      )
     if self.preempt_mode not in RESUME_MODES:
       raise ValueError(f"EngineConfig.preempt_mode must be one of {RESUME_MODES}")
     if self.num_pages is not None and self.num_pages < self.pages_per_sequence:
@@ -82,6 +92,7 @@ class EngineConfig:
         stop_ids=tuple(int(i) for i in stop_ids),
         kv_dtype=c.model.kv_dtype,
         decode_block=r.decode_block,
+        decode_attention=r.decode_attention,
         page_size=r.page_size,
         num_pages=r.kv_pages,
         preempt_mode=r.resume_mode,

@@ -53,6 +53,7 @@ def generate(
     kv_dtype: str = "float32",
     page_size: int = 16,
     num_pages: int | None = None,
+    decode_attention: str = "xla",
 ):
   """Generates a response for every prompt; returns them in prompt order.
 
@@ -65,7 +66,8 @@ def generate(
 
   The slots' KV lives in a pool of `num_pages` pages of `page_size` positions (default:
   room for every slot at max_len); with fewer, slots are preempted when it runs out and
-  continued later, so the responses are the same.
+  continued later, so the responses are the same. decode_attention: how a decode step
+  reads the pool, "xla" or "pallas" (EngineConfig).
   """
   if not prompts:
     return []
@@ -79,6 +81,7 @@ def generate(
       kv_dtype=kv_dtype,
       page_size=page_size,
       num_pages=num_pages,
+      decode_attention=decode_attention,
   )
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
   return generate_on(

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
-from april_jax.models import paged_attention, qwen3
+from april_jax.models import paged_attention, paged_attention_kernel, qwen3
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.rows import PackedRows, unpack
 from april_jax.sampler.state import SlotState, init_state, state_logical_axes
@@ -126,13 +126,36 @@ def _write_kv(
   return qwen3.KVCache(k, v)
 
 
-def _paged_attend(layout: _CacheLayout, state: SlotState, past_S: jax.Array, chunk_pages: int):
+def _paged_attend(
+    layout: _CacheLayout,
+    state: SlotState,
+    past_S: jax.Array,
+    chunk_pages: int,
+    decode_attention: str = "xla",
+):
   """decode_step's `attend`: ragged attention over the pool, per device on its own slots,
-  pages and heads (paged_attention.py). The live pages are listed once per step, here,
-  and every layer reads that list."""
+  pages and heads. decode_attention "xla": paged_attention.py (the live pages are listed
+  once per step, here, and every layer reads that list); "pallas": the kernel of
+  paged_attention_kernel.py, which walks each slot's page table itself."""
   P = PartitionSpec
   s, h = layout.slot_axes, layout.head_axes
   page_size = state.kv.k.shape[3]
+  cache_spec = P(None, s, h, None, None)
+  if decode_attention == "pallas":
+    kernel = lambda q, k_new, v_new, pool_k, pool_v, layer, past, table: (
+        paged_attention_kernel.paged_decode_attention(
+            q, k_new, v_new, pool_k, pool_v, layer, past, table, qwen3.kv_view
+        )
+    )
+    fn = layout.local(
+        kernel,
+        (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
+        + (P(s, None),),
+        P(s, h, None, None),
+    )
+    return lambda q, k_new, v_new, layer, past: fn(
+        q, k_new, v_new, state.kv.k, state.kv.v, layer, past, state.page_table
+    )
 
   def local_plan(past, table):
     plan = paged_attention.plan_pages(past, table, page_size, chunk_pages)
@@ -147,7 +170,6 @@ def _paged_attend(layout: _CacheLayout, state: SlotState, past_S: jax.Array, chu
         q, k_new, v_new, pool_k, pool_v, layer, past, table, chunk_pages, qwen3.kv_view, plan
     )
 
-  cache_spec = P(None, s, h, None, None)
   fn = layout.local(
       local,
       (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
@@ -232,6 +254,7 @@ def decode(
     cfg: qwen3.Qwen3Config,
     sync_every: int,
     chunk_pages: int,
+    decode_attention: str,
     params,
     state: SlotState,
     version: jax.Array,
@@ -241,7 +264,8 @@ def decode(
 ):
   """Up to `sync_every` decode steps; leaves early once `leave_after` slots have
   finished in this call (0: only once every slot is done). table_SxJ: the page table as
-  the host holds it now (it becomes the state's, as in insert).
+  the host holds it now (it becomes the state's, as in insert). decode_attention: "xla"
+  or "pallas" (_paged_attend).
 
   Returns (state, steps run, tokens drawn). Each drawn token is tagged min(version,
   kv_version): the oldest params its forward pass saw. A slot finishes on a drawn stop
@@ -262,7 +286,7 @@ def decode(
     pos = jnp.maximum(state.length - 1, 0)
     last = state.tokens[rows, pos]
     past = jnp.where(live, pos, 0)
-    attend = _paged_attend(layout, state, past, chunk_pages)
+    attend = _paged_attend(layout, state, past, chunk_pages, decode_attention)
     write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
     logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.length)
@@ -392,6 +416,7 @@ def device_fns(
     decode_block: int = 1024,
     page_size: int = 16,
     num_pages: int | None = None,
+    decode_attention: str = "xla",
 ) -> DeviceFns:
   """Builds (once, then cached) the jitted functions for these static settings.
 
@@ -439,7 +464,7 @@ def device_fns(
       prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
       insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
       decode=jax.jit(
-          traced(functools.partial(decode, layout, cfg, sync_every, chunk_pages)),
+          traced(functools.partial(decode, layout, cfg, sync_every, chunk_pages, decode_attention)),
           donate_argnums=1,
           **pin_first,
       ),

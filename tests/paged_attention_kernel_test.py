@@ -1,0 +1,182 @@
+"""The Pallas decode-attention kernel (run by Pallas' interpreter on the CPU) equals the XLA
+path, its reference, for random page layouts and lengths: page boundaries, an empty slot,
+a one-token slot, a full pool, float32 and bfloat16 pages; it reads nothing past a slot's
+length and nothing its table does not list; its sums follow a slot's page order, not
+which pages it holds; and it lowers for Triton on CUDA at the 8B config's shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax.models import paged_attention as pa
+from april_jax.models import paged_attention_kernel as pk
+from april_jax.models import qwen3
+
+
+def _case(past, page=16, pages=None, seed=0, bf16=False, G=3):
+  """Random pool, queries and new keys; tables give each slot shuffled pages."""
+  rng = np.random.default_rng(seed)
+  L, K, H = 2, 2, 32
+  past = np.asarray(past, np.int32)
+  need = -(-past // page)
+  P = int(need.sum()) + 1 if pages is None else pages  # + 1: the engine's scratch page
+  J = max(int(need.max()), 1)
+  ids = list(rng.permutation(P - 1))
+  table = np.full((len(past), J), -1, np.int32)
+  for s, n in enumerate(need):
+    table[s, :n] = [ids.pop() for _ in range(n)]
+  dtype = jnp.bfloat16 if bf16 else jnp.float32
+  values = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  store = lambda x: qwen3.kv_store(x, jnp.uint16 if bf16 else jnp.float32)
+  S = len(past)
+  return dict(
+      q_SxKxGxH=values(S, K, G, H).astype(jnp.float32),
+      k_new_SxKxH=values(S, K, H),
+      v_new_SxKxH=values(S, K, H),
+      pool_k_LxPxKxTxH=store(values(L, P, K, page, H)),
+      pool_v_LxPxKxTxH=store(values(L, P, K, page, H)),
+      layer=jnp.int32(1),
+      past_S=jnp.asarray(past),
+      table_SxJ=jnp.asarray(table),
+  )
+
+
+def _xla(case, chunk_pages=2):
+  return pa.paged_decode_attention(**case, chunk_pages=chunk_pages, view=qwen3.kv_view)
+
+
+def _kernel(case):
+  return pk.paged_decode_attention(**case, view=qwen3.kv_view)
+
+
+@pytest.mark.parametrize(
+    "past",
+    [
+        [0, 1, 15, 16, 17, 48],  # empty slot, one token, either side of page boundaries
+        [5, 33, 2, 64],
+        [0, 0, 0],  # nothing cached: each slot sees its new key alone
+    ],
+)
+def test_kernel_equals_the_xla_path_float32(past):
+  case = _case(past, seed=len(past))
+  np.testing.assert_allclose(_kernel(case), _xla(case), rtol=2e-5, atol=2e-6)
+
+
+def test_kernel_equals_the_xla_path_on_bfloat16_pages_of_a_full_pool():
+  case = _case([16, 31, 47, 64, 1], seed=7, bf16=True, G=4)
+  assert case["pool_k_LxPxKxTxH"].dtype == jnp.uint16  # bfloat16 as stored
+  used = int((np.asarray(case["table_SxJ"]) >= 0).sum())
+  assert used == case["pool_k_LxPxKxTxH"].shape[1] - 1  # every usable page is in use
+  got, want = (np.asarray(x.astype(jnp.float32)) for x in (_kernel(case), _xla(case)))
+  assert got.dtype == want.dtype and np.isfinite(got).all()
+  # Both round p and the output to bfloat16, in different orders of summation.
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  assert np.mean(np.abs(got - want)) < 2e-3
+
+
+def test_kernel_reads_nothing_past_a_length_or_off_the_table():
+  case = _case([3, 20, 0, 33], seed=3, pages=12)
+  want = _kernel(case)
+  pool_k, pool_v = np.array(case["pool_k_LxPxKxTxH"]), np.array(case["pool_v_LxPxKxTxH"])
+  table, past = np.asarray(case["table_SxJ"]), np.asarray(case["past_S"])
+  listed = set(table[table >= 0].tolist())
+  for p in range(pool_k.shape[1]):
+    if p not in listed:  # pages no table lists, every layer
+      pool_k[:, p], pool_v[:, p] = 1e4, -1e4
+  for s, n in enumerate(past):  # positions past each slot's length in its last page
+    if n % 16:
+      pool_k[1, table[s, n // 16], :, n % 16 :] = 1e4
+      pool_v[1, table[s, n // 16], :, n % 16 :] = -1e4
+  pool_k[0], pool_v[0] = 1e4, -1e4  # another layer
+  garbage = dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k), pool_v_LxPxKxTxH=jnp.asarray(pool_v))
+  np.testing.assert_array_equal(_kernel(garbage), want)
+
+
+def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds():
+  """The same sequences in other physical pages give the same bits (resume exactness)."""
+  case = _case([40, 7, 16], seed=11)
+  pool_k, pool_v = np.asarray(case["pool_k_LxPxKxTxH"]), np.asarray(case["pool_v_LxPxKxTxH"])
+  table = np.asarray(case["table_SxJ"])
+  P = pool_k.shape[1]
+  move = np.random.default_rng(0).permutation(P)  # page p now lives at move[p]
+  moved_k, moved_v = np.empty_like(pool_k), np.empty_like(pool_v)
+  moved_k[:, move], moved_v[:, move] = pool_k, pool_v
+  moved = dict(
+      case,
+      pool_k_LxPxKxTxH=jnp.asarray(moved_k),
+      pool_v_LxPxKxTxH=jnp.asarray(moved_v),
+      table_SxJ=jnp.asarray(np.where(table >= 0, move[np.maximum(table, 0)], -1)),
+  )
+  np.testing.assert_array_equal(_kernel(moved), _kernel(case))
+
+
+def test_kernel_lowers_for_triton_on_cuda_at_the_8b_shapes():
+  """One device's shapes of configs/qwen3_8b.py's decode (tensor parallel over 8: one KV
+  head of 128, 4 queries per KV head), bfloat16 pages of 256 stored as uint16. Lowering
+  needs no GPU; compiling the Triton program does, and is left to launch/bench_gpu.sh."""
+  S, K, G, H, L, P, T, J = 256, 1, 4, 128, 36, 4353, 256, 68
+  sds = jax.ShapeDtypeStruct
+  fn = jax.jit(functools.partial(pk.paged_decode_attention, view=qwen3.kv_view, interpret=False))
+  lowered = fn.trace(
+      sds((S, K, G, H), jnp.float32),
+      sds((S, K, H), jnp.bfloat16),
+      sds((S, K, H), jnp.bfloat16),
+      sds((L, P, K, T, H), jnp.uint16),
+      sds((L, P, K, T, H), jnp.uint16),
+      sds((), jnp.int32),
+      sds((S,), jnp.int32),
+      sds((S, J), jnp.int32),
+  ).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "triton" in text and "paged_decode_attention" in text
+  assert "gather" not in text  # the pages are read by the kernel, not gathered by XLA
+
+
+def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
+  case = _case([5, 9], seed=1)
+  case["pool_k_LxPxKxTxH"] = case["pool_k_LxPxKxTxH"][..., :24]
+  case["pool_v_LxPxKxTxH"] = case["pool_v_LxPxKxTxH"][..., :24]
+  case["q_SxKxGxH"] = case["q_SxKxGxH"][..., :24]
+  with pytest.raises(ValueError, match="head_dim 24"):
+    pk.paged_decode_attention(**case, view=qwen3.kv_view, interpret=False)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemption(mesh_shape):
+  """Six prompts through four slots (refills) and a pool of ten pages of 8 per slot shard
+  (preemption, then restore): sampled at temperature 0.7, the kernel's run draws the same
+  tokens, with the same logprobs up to rounding, as the XLA path's; on one device, and
+  per device on a mesh that splits the slots in two (ten pages each)."""
+  from april_jax import sampler  # pylint: disable=g-import-not-at-top
+  from conftest import mesh_or_skip, tiny_qwen3  # pylint: disable=g-import-not-at-top
+
+  mesh = mesh_or_skip(mesh_shape)
+  cfg = tiny_qwen3(vocab_size=128, head_dim=16)
+  params = qwen3.init_params(cfg, jax.random.key(0), std=0.35)
+  if mesh is not None:
+    params = jax.device_put(params, qwen3.param_shardings(cfg, mesh))
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 9, 3, 12, 7, 4)]
+  kw = dict(max_new_tokens=40, num_slots=4, max_len=64, temperature=0.7, seed=3, page_size=8)
+  kw.update(num_pages=10 * (1 if mesh is None else 2), return_records=True, sync_every=8)
+  kw.update(mesh=mesh)
+  xla = sampler.generate(cfg, params, prompts, **kw)
+  kernel = sampler.generate(cfg, params, prompts, decode_attention="pallas", **kw)
+  assert [r.response.tolist() for r in kernel] == [r.response.tolist() for r in xla]
+  assert all(len(r.response) == 40 for r in kernel)
+  np.testing.assert_allclose(
+      np.concatenate([r.logprobs for r in kernel]),
+      np.concatenate([r.logprobs for r in xla]),
+      rtol=1e-5,
+      atol=1e-5,
+  )
+
+
+def test_decode_attention_is_checked_by_name():
+  from april_jax.sampler.engine_config import EngineConfig  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match="decode_attention must be one of"):
+    EngineConfig(num_slots=2, max_len=32, decode_attention="triton")
