@@ -1,8 +1,9 @@
 """The Pallas decode-attention kernel (run by Pallas' interpreter on the CPU) equals the XLA
 path, its reference, for random page layouts and lengths: page boundaries, an empty slot,
-a one-token slot, a full pool, float32 and bfloat16 pages; it reads nothing past a slot's
-length and nothing its table does not list; its sums follow a slot's page order, not
-which pages it holds; and it lowers for Triton on CUDA at the 8B config's shapes."""
+a one-token slot, a full pool, float32 and bfloat16 pages, a slot's pages split over
+several programs; it reads nothing past a slot's length and nothing its table does not
+list; its sums follow a slot's length, not which pages it holds; and it lowers for
+Triton on CUDA at the 8B config's shapes."""
 
 import functools
 
@@ -48,8 +49,9 @@ def _xla(case, chunk_pages=2):
   return pa.paged_decode_attention(**case, chunk_pages=chunk_pages, view=qwen3.kv_view)
 
 
-def _kernel(case):
-  return pk.paged_decode_attention(**case, view=qwen3.kv_view)
+def _kernel(case, pages_per_split=2):
+  """The kernel, each program reading at most two of a slot's pages (several splits)."""
+  return pk.paged_decode_attention(**case, view=qwen3.kv_view, pages_per_split=pages_per_split)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +65,33 @@ def _kernel(case):
 def test_kernel_equals_the_xla_path_float32(past):
   case = _case(past, seed=len(past))
   np.testing.assert_allclose(_kernel(case), _xla(case), rtol=2e-5, atol=2e-6)
+
+
+def test_pages_longer_than_a_block_are_read_a_block_at_a_time_to_the_length():
+  """Pages of 128 positions read 64 at a time: lengths either side of block and page
+  boundaries, with garbage past each length that must not be read."""
+  case = _case([1, 63, 64, 65, 128, 129, 300], page=128, seed=9)
+  want = _xla(case)
+  np.testing.assert_allclose(_kernel(case), want, rtol=2e-5, atol=2e-6)
+  pool_k, pool_v = np.array(case["pool_k_LxPxKxTxH"]), np.array(case["pool_v_LxPxKxTxH"])
+  table, past = np.asarray(case["table_SxJ"]), np.asarray(case["past_S"])
+  for s, n in enumerate(past):
+    if n % 128:
+      pool_k[1, table[s, n // 128], :, n % 128 :] = np.nan  # a block past the length: unread
+      pool_v[1, table[s, n // 128], :, n % 128 :] = np.nan
+      pool_k[1, table[s, n // 128], :, n % 128 :][:, : -(n % 64) % 64] = 1e4  # same block: masked
+      pool_v[1, table[s, n // 128], :, n % 128 :][:, : -(n % 64) % 64] = -1e4
+  garbage = dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k), pool_v_LxPxKxTxH=jnp.asarray(pool_v))
+  np.testing.assert_array_equal(_kernel(garbage), _kernel(case))
+
+
+@pytest.mark.parametrize("pages_per_split", [1, 2, 3])
+def test_splits_of_any_width_compute_the_same_attention(pages_per_split):
+  """A slot's pages spread over splits of 1-3 pages (the longest over four or more
+  programs, some splits empty) merge to the XLA path's attention."""
+  case = _case([0, 1, 17, 48, 100, 33], seed=5)
+  got = pk.paged_decode_attention(**case, view=qwen3.kv_view, pages_per_split=pages_per_split)
+  np.testing.assert_allclose(got, _xla(case), rtol=2e-5, atol=2e-6)
 
 
 def test_kernel_equals_the_xla_path_on_bfloat16_pages_of_a_full_pool():
