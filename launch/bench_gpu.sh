@@ -101,6 +101,8 @@ if "roofline" in r:
         + (f"the gathered pages are copied; a step moves up to "
            f"{roof['paged_copied_over_bound']:.2f}x the live bound" if copied else
            f"the gather is fused; a step reads about {roof['paged_over_bound']:.2f}x the live bound"))
+  if "layer_kernel_error" in roof:
+    print(f"  one layer's decode attention: the Pallas kernel failed: {roof['layer_kernel_error']}")
   if "layer_kernel_us" in roof:
     print(f"  one layer's decode attention, {roof['layer_slots']} slots: XLA path "
           f"{roof['layer_xla_us']:.0f} us ({roof['layer_xla_gbps']:.0f} GB/s of live KV), "

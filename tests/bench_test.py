@@ -255,3 +255,16 @@ def test_timed_layer_runs_the_xla_path_and_the_kernel_on_the_same_pages():
     gbps = out["layer_live_kv_bytes"] / out[f"layer_{name}_us"] / 1e3
     assert out[f"layer_{name}_gbps"] == pytest.approx(gbps)
   assert out["layer_kernel_over_xla"] == pytest.approx(out["layer_kernel_us"] / out["layer_xla_us"])
+
+
+def test_timed_layer_reports_a_kernel_the_backend_cannot_run(monkeypatch):
+  from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
+  from april_jax.models import paged_attention_kernel  # pylint: disable=g-import-not-at-top
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("out of resource: shared memory")
+
+  monkeypatch.setattr(paged_attention_kernel, "paged_decode_attention", broken)
+  out = roofline.timed_layer([5, 20], 2, 3, 16, 16, jnp.float32, calls=2, interpret=True)
+  assert out["layer_kernel_error"] == "RuntimeError: out of resource: shared memory"
+  assert out["layer_xla_us"] > 0 and "layer_kernel_us" not in out
