@@ -187,11 +187,13 @@ def timed_chunk(pool_shape, pool_dtype, q_shape, chunk: int, kv_bytes: int, call
 def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20, interpret=None):
   """One layer's decode attention for slots of these cached lengths, each in its own
   shuffled pages of a real pool (random values), through the XLA path (decode_block of
-  1,024 positions) and through the kernel (paged_attention_kernel): microseconds per
-  call, each one's KV GB/s (the live bytes over its time), and the largest difference
-  between their outputs, which checks the kernel as this backend compiled it. A kernel
-  this backend cannot build or run is reported (layer_kernel_error) with the XLA path's
-  numbers, rather than ending the mode before its other results print."""
+  1,024 positions; it lists the live pages in each call, where the engine lists them
+  once a step for every layer) and through the kernel (paged_attention_kernel):
+  microseconds per call, each one's KV GB/s (the live bytes over its time), and the
+  largest difference between their outputs, which checks the kernel as this backend
+  compiled it. A kernel this backend cannot build or run is reported (layer_kernel_error)
+  with the XLA path's numbers, rather than ending the mode before its other results
+  print."""
   rng = np.random.default_rng(1)
   lengths = np.asarray(lengths, np.int32)
   need = -(-lengths // T)
@@ -288,7 +290,7 @@ def run(
   chunk = compiled_chunk(config, cfg, mesh, rules, timed)
   if timed and jax.default_backend() != "cpu":  # a CPU only interprets the kernel
     # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
-    kv_heads = cfg.num_kv_heads // plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
+    kv_heads = cfg.num_kv_heads // kv_split
     group, value = cfg.num_heads // cfg.num_kv_heads, jnp.dtype(config.model.kv_dtype)
     chunk.update(timed_layer(lengths, kv_heads, group, cfg.head_dim, page, value))
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read

@@ -404,8 +404,8 @@ def run(
 ) -> dict:
   """The decode table (the engine's decode step reading the pool by `decode_attention`;
   its host round trip and resume costs by the XLA path); copy_gbps > 0 also gives each
-  model's bytes per decode step over
-  its time as a fraction of that (measured) copy bandwidth."""
+  model's bytes per decode step over its time as a fraction of that (measured) copy
+  bandwidth."""
   if new_tokens <= sync_every:
     raise ValueError(
         f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "

@@ -142,13 +142,8 @@ def _paged_attend(
   page_size = state.kv.k.shape[3]
   cache_spec = P(None, s, h, None, None)
   if decode_attention == "pallas":
-    kernel = lambda q, k_new, v_new, pool_k, pool_v, layer, past, table: (
-        paged_attention_kernel.paged_decode_attention(
-            q, k_new, v_new, pool_k, pool_v, layer, past, table, qwen3.kv_view
-        )
-    )
     fn = layout.local(
-        kernel,
+        functools.partial(paged_attention_kernel.paged_decode_attention, view=qwen3.kv_view),
         (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
         + (P(s, None),),
         P(s, h, None, None),
