@@ -237,10 +237,12 @@ def run_one(
       cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention
   )
   tokens = batch * new_tokens
+  log(f"whole generations: {tokens / ours_s:,.0f} tokens/s, static {tokens / static_s:,.0f}")
   log("steady decode steps")
   step_s, static_step_s = decode_step_seconds(
       cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats, decode_attention
   )
+  log(f"steady decode step: {1e3 * step_s:.3f} ms, static {1e3 * static_step_s:.3f} ms")
   engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
   log("one layer's attention, paged and dense")
   split = attention_split.run(
@@ -295,6 +297,7 @@ def run_one(
         copy_gbps=copy_gbps,
         copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
     )
+  log(f"one layer's attention: paged {split['paged_us']:.1f} us, dense {split['dense_us']:.1f}")
   log("host round trip")
   trip = round_trip.run(cfg, params, prompts, sync_every, kv_dtype)
   out.update({f"host_{k}": v for k, v in trip.items()})
