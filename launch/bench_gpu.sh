@@ -11,8 +11,11 @@
 #   scheduler   APRIL vs the baseline at the MODEL shape
 #   resume      kv vs recompute resume at the MODEL shape
 #   sampler_kernel  the sampler part with the engine decoding through the Pallas kernel
+#   tail, tail_kernel  the sampler part's long-tailed vs uniform step alone, through the
+#               XLA path or the Pallas kernel
 #   sampler_4b  the sampler part at the Qwen3-4B shape
-# Each part stops after PART_LIMIT seconds (default 300), keeping what its log printed
+# Each part stops after PART_LIMIT seconds (default 300; LIMIT_<part> for one part, e.g.
+# LIMIT_sampler=60), keeping what its log printed
 # (each sampler stage is named on stderr as it starts), and the next part runs. On an
 # H200 (2026-12-04) the sampler part at 0.6B and 4B with 512 new tokens did not finish in
 # 6.5 minutes, so it now runs 0.6B alone at 256 new tokens.
@@ -49,9 +52,11 @@ MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
 
 run() {  # part name, then flags; the log's last line is the JSON result (if it finished)
   local name=$1; shift
+  local limit_var="LIMIT_$name"
+  local limit=${!limit_var:-$PART_LIMIT}
   echo "== $name ($(date -u +%H:%M:%S))"
-  timeout "$PART_LIMIT" python -m april_jax.bench --out_dir="$REPORTS" "$@" \
-    | tee "$OUT/$name.log" || echo "== $name stopped (exit ${PIPESTATUS[0]}, limit ${PART_LIMIT}s)"
+  timeout "$limit" python -m april_jax.bench --out_dir="$REPORTS" "$@" \
+    | tee "$OUT/$name.log" || echo "== $name stopped (exit ${PIPESTATUS[0]}, limit ${limit}s)"
 }
 
 for part in $PARTS; do
@@ -67,6 +72,11 @@ for part in $PARTS; do
     sampler_kernel) run sampler_kernel --mode=sampler --models=qwen3_0_6b --hf=false \
         --dtype=bfloat16 --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
         --tail_model= --decode_attention=pallas ;;
+    # The long-tailed vs uniform step at the 0.6B shape alone, by either decode attention.
+    tail) run tail --mode=sampler --models= --tail_model="${TAIL_MODEL-qwen3_0_6b}" \
+        --tail_rounds=3 ;;
+    tail_kernel) run tail_kernel --mode=sampler --models= --tail_model="${TAIL_MODEL-qwen3_0_6b}" \
+        --tail_rounds=3 --decode_attention=pallas ;;
     # The Qwen3-4B shape alone, without the long-tail rounds (run after the others).
     sampler_4b) run sampler_4b --mode=sampler --models=qwen3_4b --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model= ;;
@@ -75,7 +85,7 @@ for part in $PARTS; do
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
     *) echo "bench_gpu.sh: unknown part '$part' in PARTS (roofline sampler sampler_kernel" \
-         "scheduler resume sampler_4b)" >&2
+         "tail tail_kernel scheduler resume sampler_4b)" >&2
        exit 2 ;;
   esac
 done
@@ -119,7 +129,8 @@ if "roofline" in r:
           f"the side-by-side time; gathered, {roof['chunk_gathered_copy_frac']:.0%} of the copy "
           f"bandwidth")
 for part, models in (
-    ("sampler", sampler_models), ("sampler_kernel", ["qwen3_0_6b"]), ("sampler_4b", ["qwen3_4b"])):
+    ("sampler", sampler_models), ("sampler_kernel", ["qwen3_0_6b"]), ("sampler_4b", ["qwen3_4b"]),
+    ("tail", []), ("tail_kernel", [])):
   if part not in r:
     continue
   s = r[part]
@@ -136,7 +147,8 @@ for part, models in (
             f"  ({s[m + '_bandwidth_utilisation']:.0%} of it)")
   tm = next((k[: -len("_tail_over_uniform")] for k in s if k.endswith("_tail_over_uniform")), None)
   if tm:
-    print(f"{tm}: decode step, long-tailed mix {s[tm + '_tail_step_ms']:.2f} ms vs uniform "
+    print(f"{tm}, decode attention {s.get('decode_attention', 'xla')}: decode step, long-tailed "
+          f"mix {s[tm + '_tail_step_ms']:.2f} ms vs uniform "
           f"{s[tm + '_uniform_step_ms']:.2f} ms (medians); ratio, median of the rounds "
           f"{s[tm + '_tail_over_uniform']:.2f}x ({s[tm + '_tail_over_uniform_min']:.2f}-"
           f"{s[tm + '_tail_over_uniform_max']:.2f}x)")

@@ -113,6 +113,7 @@ def test_sampler_bench_without_transformers_reports_the_roofline():
   assert out["tiny_bandwidth_bound_tokens_per_s"] > 0
   assert out["tiny_decode_step_ms"] > 0 and out["tiny_static_decode_step_ms"] > 0
   assert out["tiny_static_outputs_equal_frac"] == 1.0  # same greedy tokens as the yardstick
+  assert out["tiny_static_outputs_agreeing_prefix_frac"] == 1.0
   # One layer's attention timed both ways, on the same keys and values, to the same result.
   assert out["tiny_attention_max_abs_diff"] < 1e-5
   assert min(out[f"tiny_attention_{k}_us"] for k in ("paged", "dense", "gather")) > 0
@@ -170,6 +171,16 @@ def test_time_to_reach_uses_the_first_window_whose_mean_reaches_the_target():
   assert np.isnan(e2e_bench.first_at(np.array([0.2]), np.array([1.0]), 0.3))
 
 
+def test_agreeing_prefix_is_the_share_before_the_first_different_token():
+  from april_jax.benchmarks import sampler_bench  # pylint: disable=g-import-not-at-top
+
+  a = [np.array([1, 2, 3, 4]), np.array([5, 6, 7, 8]), np.array([1, 1])]
+  b = [np.array([1, 2, 9, 4]), np.array([0, 6, 7, 8]), np.array([1, 1, 2, 2])]
+  # 2 of 4 agree, then 0 of 4, then a prefix of 2 that the other runs 2 past: 2 of 4.
+  assert sampler_bench._agreeing_prefix_frac(a, b) == pytest.approx((0.5 + 0.0 + 0.5) / 3)
+  assert sampler_bench._agreeing_prefix_frac(a, a) == 1.0
+
+
 def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
   from april_jax.benchmarks import sampler_bench, tail_step  # pylint: disable=g-import-not-at-top
 
@@ -186,6 +197,32 @@ def test_tail_step_bench_reports_both_mixes_at_the_same_live_tokens():
   assert (out["tail_over_uniform_min"], out["tail_over_uniform_max"]) == pytest.approx(
       (ratios.min(), ratios.max()), rel=1e-12
   )
+
+
+def test_tail_step_bench_decodes_through_the_kernel_it_is_asked_for(monkeypatch):
+  from april_jax.benchmarks import sampler_bench, tail_step  # pylint: disable=g-import-not-at-top
+  from april_jax.models import paged_attention_kernel  # pylint: disable=g-import-not-at-top
+
+  traced = []
+  kernel = paged_attention_kernel.paged_decode_attention
+
+  def spy(*args, **kwargs):
+    traced.append(args[0].shape)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(paged_attention_kernel, "paged_decode_attention", spy)
+  out = tail_step.run(
+      sampler_bench.BENCH_MODELS["tiny"],
+      slots=2,
+      short=8,
+      long=40,
+      n1=2,
+      n2=4,
+      repeats=1,
+      decode_attention="pallas",
+  )
+  assert traced, "the engine's decode step never traced the Pallas kernel"
+  assert out["decode_attention"] == "pallas" and out["tail_step_ms"] > 0
 
 
 def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():

@@ -90,6 +90,18 @@ def _equal_frac(outs_a, outs_b) -> float:
   return float(np.mean([np.array_equal(a, b) for a, b in zip(outs_a, outs_b)]))
 
 
+def _agreeing_prefix_frac(outs_a, outs_b) -> float:
+  """The mean share of each pair of outputs before their first different token: in
+  bfloat16 two correct samplers part ways at a near tie, so how early matters."""
+  shares = []
+  for a, b in zip(outs_a, outs_b):
+    a, b = np.asarray(a), np.asarray(b)
+    n = max(len(a), len(b), 1)
+    differ = np.flatnonzero(a[: min(len(a), len(b))] != b[: min(len(a), len(b))])
+    shares.append((differ[0] if len(differ) else min(len(a), len(b))) / n)
+  return float(np.mean(shares))
+
+
 def _transformers_side(cfg, params, prompts, new_tokens, repeats):
   """(best seconds, new tokens) of transformers' greedy generate on the saved params."""
   import torch  # pylint: disable=g-import-not-at-top
@@ -237,7 +249,11 @@ def run_one(
       cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention
   )
   tokens = batch * new_tokens
-  log(f"whole generations: {tokens / ours_s:,.0f} tokens/s, static {tokens / static_s:,.0f}")
+  log(
+      f"whole generations: {tokens / ours_s:,.0f} tokens/s, static {tokens / static_s:,.0f}; "
+      f"greedy outputs equal the static sampler's: {_equal_frac(ours_out, static_out):.0%}, "
+      f"agree for {_agreeing_prefix_frac(ours_out, static_out):.0%} of their tokens"
+  )
   log("steady decode steps")
   step_s, static_step_s = decode_step_seconds(
       cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats, decode_attention
@@ -264,6 +280,7 @@ def run_one(
       "static_decode_step_ms": 1e3 * static_step_s,
       "step_slots_vs_static": static_step_s / step_s,
       "static_outputs_equal_frac": _equal_frac(ours_out, static_out),
+      "static_outputs_agreeing_prefix_frac": _agreeing_prefix_frac(ours_out, static_out),
       "attention_paged_us": split["paged_us"],
       "attention_dense_us": split["dense_us"],
       "attention_gather_us": split["gather_us"],
@@ -405,10 +422,10 @@ def run(
     tail_rounds: int = 5,
     decode_attention: str = "xla",
 ) -> dict:
-  """The decode table (the engine's decode step reading the pool by `decode_attention`;
-  its host round trip and resume costs by the XLA path); copy_gbps > 0 also gives each
-  model's bytes per decode step over its time as a fraction of that (measured) copy
-  bandwidth."""
+  """The decode table and the long-tail step (the engine's decode step reading the pool by
+  `decode_attention`; its host round trip and resume costs by the XLA path); copy_gbps > 0
+  also gives each model's bytes per decode step over its time as a fraction of that
+  (measured) copy bandwidth."""
   if new_tokens <= sync_every:
     raise ValueError(
         f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "
@@ -452,7 +469,9 @@ def run(
     _print_row(name, r)
   if tail_model:
     common.stage_logger(tail_model)("decode steps, long-tailed mix vs uniform")
-    tail = tail_step.run(BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed)
+    tail = tail_step.run(
+        BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed, decode_attention=decode_attention
+    )
     result.update({f"{tail_model}_{k}": v for k, v in tail.items()})
     print(
         f"{tail_model}: decode step, long-tailed mix ({tail['tail_prompt_lens']}) "

@@ -25,9 +25,13 @@ from april_jax import sampler
 from april_jax.models import qwen3
 
 
-def _engine(cfg, params, num_slots: int, max_len: int, page_size: int):
+def _engine(cfg, params, num_slots: int, max_len: int, page_size: int, decode_attention: str):
   config = sampler.EngineConfig(
-      num_slots=num_slots, max_len=max_len, sync_every=64, page_size=page_size
+      num_slots=num_slots,
+      max_len=max_len,
+      sync_every=64,
+      page_size=page_size,
+      decode_attention=decode_attention,
   )
   return sampler.SlotEngine(cfg, params, config)
 
@@ -48,7 +52,15 @@ def _decode_seconds(engine, prompts, new_tokens: int) -> float:
 
 
 def step_seconds(
-    cfg, params, mixes: dict, n1: int, n2: int, repeats: int, page_size: int, max_len: int
+    cfg,
+    params,
+    mixes: dict,
+    n1: int,
+    n2: int,
+    repeats: int,
+    page_size: int,
+    max_len: int,
+    decode_attention: str = "xla",
 ) -> dict:
   """Seconds per decode step of each mix of prompt lengths, (t(n2) - t(n1)) / (n2 - n1),
   one value per round, on one engine of slots of max_len (every mix the same pool).
@@ -62,7 +74,7 @@ def step_seconds(
       for name, lens in mixes.items()
   }
   slots = len(next(iter(prompts.values())))
-  engine = _engine(cfg, params, slots, max_len, page_size)
+  engine = _engine(cfg, params, slots, max_len, page_size, decode_attention)
   # Compiles, and writes every slot's KV memory once: memory never written reads as the
   # operating system's shared zero page, nearly free on a CPU, which would hide what an
   # engine reads past the live tokens.
@@ -90,15 +102,24 @@ def run(
     repeats: int = 3,
     page_size: int = 16,
     seed: int = 0,
+    decode_attention: str = "xla",
 ) -> dict:
   """The long-tailed and the uniform mix's step times (each round's, and their medians),
   and their ratio: the median of the rounds' ratios (not the ratio of the medians), with
-  the lowest and highest."""
+  the lowest and highest. decode_attention: how the engine's decode step reads the pool."""
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.float32)
   tailed = [short] * (slots - 1) + [long]
   uniform = [sum(tailed) // slots] * slots
   steps = step_seconds(
-      cfg, params, {"tail": tailed, "uniform": uniform}, n1, n2, repeats, page_size, long + n2
+      cfg,
+      params,
+      {"tail": tailed, "uniform": uniform},
+      n1,
+      n2,
+      repeats,
+      page_size,
+      long + n2,
+      decode_attention,
   )
   ratios = np.array(steps["tail"]) / np.array(steps["uniform"])
   return {
@@ -110,6 +131,7 @@ def run(
       "tail_over_uniform_min": float(ratios.min()),
       "tail_over_uniform_max": float(ratios.max()),
       "rounds": repeats,
+      "decode_attention": decode_attention,
       "tail_step_ms_rounds": [1e3 * x for x in steps["tail"]],
       "uniform_step_ms_rounds": [1e3 * x for x in steps["uniform"]],
   }
