@@ -73,10 +73,10 @@ _COPY = flags.DEFINE_bool(
 _BATCH = flags.DEFINE_integer("batch", 16, "sampler: sequences decoded together.")
 _DECODE_ATTENTION = flags.DEFINE_enum(
     "decode_attention",
-    "xla",
-    ["xla", "pallas"],
-    "sampler: how the engine's decode step reads the pool (rollout.decode_attention); "
-    "pallas is interpreted, slowly, on a CPU.",
+    "auto",
+    ["auto", "xla", "pallas"],
+    "sampler: how the engine's decode step reads the pool (rollout.decode_attention; auto: "
+    "pallas on NVIDIA GPUs, else xla); pallas is interpreted, slowly, on a CPU.",
 )
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")

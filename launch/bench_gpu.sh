@@ -5,9 +5,10 @@
 #               per-device shapes (seconds): does this backend copy the gathered pages,
 #               and what does that cost against the same pages read in place; and one
 #               layer at the steady state through the XLA path and the Pallas kernel
-#   sampler     decode tokens/s at the Qwen3-0.6B shape against a plain static-batch JAX
-#               sampler, bytes per step over step time as a fraction of the copy
-#               bandwidth measured in the same run, and a long-tailed vs uniform step
+#   sampler     decode tokens/s at the Qwen3-0.6B shape through the XLA path, against a
+#               plain static-batch JAX sampler, bytes per step over step time as a
+#               fraction of the copy bandwidth measured in the same run, and a
+#               long-tailed vs uniform step
 #   scheduler   APRIL vs the baseline at the MODEL shape
 #   resume      kv vs recompute resume at the MODEL shape
 #   sampler_kernel  the sampler part with the engine decoding through the Pallas kernel
@@ -67,14 +68,14 @@ for part in $PARTS; do
         --dist=dapo_math ;;
     sampler) run sampler --mode=sampler --models="$SAMPLER_MODELS" --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
-        --tail_model="${TAIL_MODEL-qwen3_0_6b}" --tail_rounds=3 ;;
+        --tail_model="${TAIL_MODEL-qwen3_0_6b}" --tail_rounds=3 --decode_attention=xla ;;
     # The sampler part's decode through the Pallas kernel (rollout.decode_attention).
     sampler_kernel) run sampler_kernel --mode=sampler --models=qwen3_0_6b --hf=false \
         --dtype=bfloat16 --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 \
         --tail_model= --decode_attention=pallas ;;
     # The long-tailed vs uniform step at the 0.6B shape alone, by either decode attention.
     tail) run tail --mode=sampler --models= --tail_model="${TAIL_MODEL-qwen3_0_6b}" \
-        --tail_rounds=3 ;;
+        --tail_rounds=3 --decode_attention=xla ;;
     tail_kernel) run tail_kernel --mode=sampler --models= --tail_model="${TAIL_MODEL-qwen3_0_6b}" \
         --tail_rounds=3 --decode_attention=pallas ;;
     # The Qwen3-4B shape alone, without the long-tail rounds (run after the others).

@@ -1,9 +1,11 @@
 """The Pallas decode-attention kernel (run by Pallas' interpreter on the CPU) equals the XLA
 path, its reference, for random page layouts and lengths: page boundaries, an empty slot,
-a one-token slot, a full pool, float32 and bfloat16 pages, a slot's pages split over
-several programs; it reads nothing past a slot's length and nothing its table does not
-list; its sums follow a slot's length, not which pages it holds; and it lowers for
-Triton on CUDA at the 8B config's shapes."""
+a one-token slot, a full pool, float32 and bfloat16 pages, a slot's blocks cut into runs
+over several programs; its work plan walks every live block once in runs no longer than
+the live tokens ask, whatever the longest slot; it reads nothing past a slot's length
+and nothing its table does not list; its sums follow the slots' lengths, not which pages
+they hold; it lowers for Triton on CUDA at the 8B config's shapes; and "auto" picks it
+on NVIDIA GPUs only."""
 
 import functools
 
@@ -49,9 +51,9 @@ def _xla(case, chunk_pages=2):
   return pa.paged_decode_attention(**case, chunk_pages=chunk_pages, view=qwen3.kv_view)
 
 
-def _kernel(case, pages_per_split=2):
-  """The kernel, each program reading at most two of a slot's pages (several splits)."""
-  return pk.paged_decode_attention(**case, view=qwen3.kv_view, pages_per_split=pages_per_split)
+def _kernel(case, runs=4):
+  """The kernel, the live blocks cut into four runs (a slot's blocks over several)."""
+  return pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs)
 
 
 @pytest.mark.parametrize(
@@ -85,13 +87,37 @@ def test_pages_longer_than_a_block_are_read_a_block_at_a_time_to_the_length():
   np.testing.assert_array_equal(_kernel(garbage), _kernel(case))
 
 
-@pytest.mark.parametrize("pages_per_split", [1, 2, 3])
-def test_splits_of_any_width_compute_the_same_attention(pages_per_split):
-  """A slot's pages spread over splits of 1-3 pages (the longest over four or more
-  programs, some splits empty) merge to the XLA path's attention."""
+@pytest.mark.parametrize("runs", [1, 3, 7, 200])
+def test_runs_of_any_length_compute_the_same_attention(runs):
+  """The live blocks cut into 1 to 200 runs (a slot in one run, or spread over many, runs
+  that end inside a page, idle programs) merge to the XLA path's attention."""
   case = _case([0, 1, 17, 48, 100, 33], seed=5)
-  got = pk.paged_decode_attention(**case, view=qwen3.kv_view, pages_per_split=pages_per_split)
+  got = pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs)
   np.testing.assert_allclose(got, _xla(case), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("runs", [1, 5, 128])
+def test_work_plan_covers_every_live_block_once_in_runs_the_longest_slot_does_not_set(runs):
+  """Each slot's blocks, in order, exactly once; at most S + runs programs; and no run
+  longer than ceil(total / runs), so one long slot among short ones leaves the longest
+  run as long as a uniform mix of the same live blocks gets."""
+  block = 16
+  tailed = np.array([64] * 15 + [3968] + [0, 1], np.int32)  # the long-tail bench, and edges
+  for past in (tailed, np.full(18, tailed.sum() // 18, np.int32)):
+    plan = jax.tree.map(np.asarray, pk.plan_work(jnp.asarray(past), block, runs))
+    assert plan.slot_W.shape == (len(past) + runs,)
+    blocks = -(-past // block)
+    longest = -(-blocks.sum() // runs)
+    assert (plan.end_W - plan.first_W).max() == min(longest, blocks.max())
+    for s, n in enumerate(blocks):
+      mine = plan.slot_W == s
+      walked = np.concatenate(
+          [np.arange(f, e) for f, e in zip(plan.first_W[mine], plan.end_W[mine])] + [[]]
+      )
+      np.testing.assert_array_equal(walked, np.arange(n))
+    idle = plan.slot_W == len(past)
+    assert (plan.first_W[idle] == plan.end_W[idle]).all()
+    assert (np.diff(plan.slot_W) >= 0).all()  # a slot's runs are consecutive
 
 
 def test_kernel_equals_the_xla_path_on_bfloat16_pages_of_a_full_pool():
@@ -161,7 +187,9 @@ def test_kernel_lowers_for_triton_on_cuda_at_the_8b_shapes():
   ).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert "triton" in text and "paged_decode_attention" in text
-  assert "gather" not in text  # the pages are read by the kernel, not gathered by XLA
+  gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
+  assert gathers  # the work plan's small lookups, by slot
+  assert not [g for g in gathers if f"x{P}x" in g]  # the pool is read by the kernel alone
 
 
 def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
@@ -209,3 +237,32 @@ def test_decode_attention_is_checked_by_name():
 
   with pytest.raises(ValueError, match="decode_attention must be one of"):
     EngineConfig(num_slots=2, max_len=32, decode_attention="triton")
+
+
+@pytest.mark.parametrize(
+    "platform, version, page, head_dim, want",
+    [
+        ("gpu", "cuda 12080", 256, 128, "pallas"),  # where the kernel is measured
+        ("gpu", "rocm 60342", 256, 128, "xla"),  # untimed there
+        ("cpu", "cpu", 256, 128, "xla"),  # it would only be interpreted
+        ("gpu", "cuda 12080", 256, 96, "xla"),  # a head the kernel cannot tile
+    ],
+)
+def test_auto_picks_the_kernel_on_nvidia_gpus_only(
+    monkeypatch, platform, version, page, head_dim, want
+):
+  backend = type("Backend", (), {"platform": platform, "platform_version": version})()
+  monkeypatch.setattr(jax.extend.backend, "get_backend", lambda: backend)
+  assert pk.choose("auto", page, head_dim) == want
+  assert pk.choose("xla", page, head_dim) == "xla"
+  assert pk.choose("pallas", page, head_dim) == "pallas"
+
+
+def test_auto_is_the_default_and_runs_the_xla_path_on_a_cpu():
+  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.sampler.engine_config import EngineConfig  # pylint: disable=g-import-not-at-top
+
+  assert EngineConfig(num_slots=2, max_len=32).decode_attention == "auto"
+  assert base.get_config().rollout.decode_attention == "auto"
+  if jax.default_backend() == "cpu":
+    assert pk.choose("auto", 16, 128) == "xla"

@@ -66,7 +66,7 @@ def bench_model(config, seed: int):
 
 
 def greedy_engine(
-    cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str, decode_attention="xla"
+    cfg, params, prompts, new_tokens: int, sync_every: int, kv_dtype: str, decode_attention="auto"
 ):
   """A slot engine with a slot per prompt, each prompt + new_tokens long."""
   config = sampler.EngineConfig(

@@ -168,7 +168,7 @@ def decode_step_seconds(
     sync_every: int,
     kv_dtype: str,
     repeats: int,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> tuple[float, float]:
   """Seconds per decode step in steady state, (slot engine, static sampler): every slot
   live and running to the same length, admission and prefill left out. The engine's
@@ -207,7 +207,7 @@ def decode_step_seconds(
 
 
 def _time_whole_generations(
-    cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention="xla"
+    cfg, params, prompts, new_tokens, repeats, sync_every, kv_dtype, decode_attention="auto"
 ):
   """(best seconds, outputs) of whole greedy generations, (slot engine, static sampler)."""
   ours = lambda: sampler.generate(
@@ -238,7 +238,7 @@ def run_one(
     hbm_gbps: float = 0.0,
     copy_gbps: float = 0.0,
     log=lambda label: None,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> dict:
   log("random params")
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
@@ -420,12 +420,12 @@ def run(
     tail_model: str | None = None,
     copy_gbps: float = 0.0,
     tail_rounds: int = 5,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> dict:
   """The decode table and the long-tail step (the engine's decode step reading the pool by
-  `decode_attention`; its host round trip and resume costs by the XLA path); copy_gbps > 0
-  also gives each model's bytes per decode step over its time as a fraction of that
-  (measured) copy bandwidth."""
+  `decode_attention`; its host round trip and resume costs by the engine's default,
+  auto); copy_gbps > 0 also gives each model's bytes per decode step over its time as a
+  fraction of that (measured) copy bandwidth."""
   if new_tokens <= sync_every:
     raise ValueError(
         f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "

@@ -60,7 +60,7 @@ def step_seconds(
     repeats: int,
     page_size: int,
     max_len: int,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> dict:
   """Seconds per decode step of each mix of prompt lengths, (t(n2) - t(n1)) / (n2 - n1),
   one value per round, on one engine of slots of max_len (every mix the same pool).
@@ -102,7 +102,7 @@ def run(
     repeats: int = 3,
     page_size: int = 16,
     seed: int = 0,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> dict:
   """The long-tailed and the uniform mix's step times (each round's, and their medians),
   and their ratio: the median of the rounds' ratios (not the ratio of the medians), with

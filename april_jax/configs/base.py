@@ -127,8 +127,9 @@ def _rollout() -> ml_collections.ConfigDict:
   r.kv_pages = config_dict.placeholder(int)
   r.decode_block = 1024
   # xla: chunks of gathered pages (any backend); pallas: one kernel that reads each page in
-  # place (GPUs, through Triton; a CPU interprets it, slowly). The same attention either way.
-  r.decode_attention = "xla"
+  # place (GPUs, through Triton; a CPU interprets it, slowly); auto: pallas on NVIDIA GPUs,
+  # xla elsewhere. The same attention either way.
+  r.decode_attention = "auto"
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
   r.max_response_len = 256

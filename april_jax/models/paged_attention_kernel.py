@@ -3,45 +3,82 @@
 paged_attention.paged_decode_attention, the XLA path, gathers a chunk of pages and then
 scores it; XLA writes the gathered pages out before the products read them (on the CPU
 and on an H200 alike: BENCHMARKS.md), so a step may move its KV three times. This kernel
-computes the same function with no gather. Program (s, k, i) of a grid over slots, KV
-heads and splits walks the i-th run of `pages_per_split` entries of slot s's page-table
-row (within its first ceil(past[s] / page) pages), loads each page of head k straight
-from the pool, BLOCK positions at a time and no further than the slot's length, scores
-them against the slot's G queries and keeps an online softmax (max, sum, weighted
-values) across them; a split past the slot's pages does nothing. The
-splits' partial softmaxes then merge per slot (split-K flash decoding, in XLA: small),
-and the slot's new key opens the softmax, as on the XLA path. Nothing is copied,
-nothing past a slot's length is read, and since no program walks more than
-pages_per_split pages, the longest slot of a long-tailed mix does not hold the kernel up:
-its pages are spread over as many programs as it needs.
+computes the same function with no gather.
+
+The work is cut by the live tokens, not by slot. plan_work cuts the step's live blocks
+(BLOCK positions of a slot's pages) into runs of equal length, R blocks, each slot's own
+blocks separately; program (w, k) of a grid over runs and KV heads walks run w's blocks
+of its slot through the page table, loads each block of head k straight from the pool,
+no further than the slot's length, scores it against the slot's G queries and keeps an
+online softmax (max, sum, weighted values). The runs then merge per slot (split-K flash
+decoding, in XLA: small), and the slot's new key opens the softmax, as on the XLA path.
+Nothing is copied, nothing past a slot's length is read, and no program walks more than
+R blocks: a long slot is spread over as many programs as its length asks, so a
+long-tailed mix of lengths costs what a uniform mix of the same live tokens costs. (Runs
+of a fixed width per slot did not do that: on an H200 one 4k-token slot among 16 held
+the step to its one program's walk, 2x the uniform step.)
 
 Pallas lowers it for Triton (NVIDIA and AMD GPUs). On the CPU it runs in Pallas' interpret
 mode: slow, for tests, which hold it to the XLA path as its reference. The order of the
-sums is fixed by the slot's length, whatever pages it holds, so a resumed run equals the
-uninterrupted one bit for bit here too.
+sums is fixed by the slots' lengths (R and the runs follow from them), whatever pages
+they hold, so a resumed run equals the uninterrupted one bit for bit here too.
 
 Shapes: S slots, K kv heads, G query heads per kv head, H head dim, L layers, P pool
-pages, T positions per page, J pages per slot (table width).
+pages, T positions per page, J pages per slot (table width), W runs (programs per head).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 _NEG = -1e30  # as paged_attention: exp(_NEG - m) == 0, never NaN
 _MIN_ROWS = 16  # a GPU matrix product takes at least 16 rows: the G queries are padded
-SPLIT_POSITIONS = 2048  # pooled positions one program reads at most (pages_per_split's default)
+MIN_RUNS = 128  # the step's live blocks are cut into at least this many equal runs
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
+
+
+class WorkPlan(NamedTuple):
+  """Program w's share of a decode step: blocks first_W[w] .. end_W[w] - 1 of slot
+  slot_W[w] (S, and first == end, for a program with nothing to do). A slot's programs
+  are consecutive and walk its blocks in order."""
+
+  slot_W: jax.Array
+  first_W: jax.Array
+  end_W: jax.Array
+
+
+def plan_work(past_S: jax.Array, block: int, runs: int) -> WorkPlan:
+  """Cuts the step's live blocks (slot s holds ceil(past_S[s] / block)) into runs of
+  R = ceil(total / runs) blocks, each slot's own blocks cut separately, one program a
+  run: S + runs programs are always enough (a slot's last run may be short), and no
+  program walks more than R blocks however long one slot is. R depends on the slots'
+  lengths only, so the order of every slot's sums does too."""
+  S = past_S.shape[0]
+  blocks_S = (past_S.astype(jnp.int32) + block - 1) // block
+  R = jnp.maximum(1, -(-jnp.sum(blocks_S) // runs))
+  ends_S = jnp.cumsum(-(-blocks_S // R), dtype=jnp.int32)
+  w = jnp.arange(S + runs, dtype=jnp.int32)
+  slot_W = jnp.sum(ends_S[None, :] <= w[:, None], axis=1, dtype=jnp.int32)  # S: past the last
+  begins_S = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_S])
+  first_W = (w - begins_S[slot_W]) * R
+  live = slot_W < S
+  end_W = jnp.minimum(first_W + R, blocks_S[jnp.minimum(slot_W, S - 1)])
+  return WorkPlan(slot_W, jnp.where(live, first_W, 0), jnp.where(live, end_W, 0))
 
 
 def _kernel(
     layer_ref,
     past_ref,
+    slot_ref,
+    first_ref,
+    end_ref,
     table_ref,
     q_ref,
     pool_k_ref,
@@ -51,15 +88,17 @@ def _kernel(
     o_ref,
     *,
     view,
-    pages_per_split,
     block,
 ):
-  """Program (s, k, i): the i-th run of pages_per_split of slot s's cached pages, KV head
-  k, `block` positions at a time up to the slot's length; an online softmax over them."""
-  s, k, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  """Program (w, k): the plan's run w, blocks first .. end - 1 of its slot, KV head k,
+  `block` positions at a time and no further than the slot's length; an online softmax
+  over them."""
+  w, k = pl.program_id(0), pl.program_id(1)
+  S = past_ref.shape[0]
+  s = jnp.minimum(slot_ref[w], S - 1)  # an idle program (slot S) walks nothing
   layer, past = layer_ref[0], past_ref[s]
   T, H = pool_k_ref.shape[3], pool_k_ref.shape[4]
-  q = q_ref[...]  # [G', H] in the values' dtype
+  q = q_ref[s, k, :, :]  # [G', H] in the values' dtype
   rows = q.shape[0]
   per_page = T // block
 
@@ -89,9 +128,7 @@ def _kernel(
       jnp.zeros((rows,), jnp.float32),
       jnp.zeros((rows, H), jnp.float32),
   )
-  # Block b holds positions b * block ..: this split's pages, up to the slot's length.
-  first = i * pages_per_split * per_page
-  end = jnp.minimum((past + block - 1) // block, first + pages_per_split * per_page)
+  first, end = first_ref[w], end_ref[w]
   m, l, o = jax.lax.fori_loop(first, jnp.maximum(end, first), step, init)
   m_ref[...], l_ref[...], o_ref[...] = m, l, o
 
@@ -105,60 +142,85 @@ def cached_partials(
     table_SxJ,
     view=lambda x: x,
     interpret: bool | None = None,
-    pages_per_split: int | None = None,
+    runs: int | None = None,
 ):
   """Each slot's online softmax over its first past_S[s] pooled positions: m, l [S, K, G]
   and o [S, K, G, H] (float32, o not yet divided by l). A slot with past 0 gets m = _NEG,
   l = 0, o = 0. `interpret`: None runs Pallas' interpreter on the CPU only.
-  pages_per_split: pages one program reads at most (None: SPLIT_POSITIONS' worth)."""
+  runs: how many equal runs the step's live blocks are cut into (plan_work; None:
+  max(S, MIN_RUNS))."""
   S, K, G, H = q_SxKxGxH.shape
-  J = table_SxJ.shape[1]
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   rows = max(G, _MIN_ROWS)
   q = jnp.pad(q_SxKxGxH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   T = pool_k_LxPxKxTxH.shape[3]
-  if not interpret and (T & (T - 1) or H & (H - 1)):
+  if not interpret and not suits(T, H):
     raise ValueError(
         f"the decode-attention kernel tiles whole pages: page_size {T} and head_dim {H} "
         "must be powers of two on a GPU (rollout.decode_attention='xla' takes any)"
     )
-  if pages_per_split is None:
-    pages_per_split = max(1, SPLIT_POSITIONS // T)
-  splits = max(1, -(-J // pages_per_split))
+  block = min(BLOCK, T)
+  plan = plan_work(past_S, block, max(S, MIN_RUNS) if runs is None else runs)
+  W = plan.slot_W.shape[0]
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
-  # The query block of slot s, head k (every split reads it); each split's own outputs.
-  query = pl.BlockSpec((None, None, rows, H), lambda s, k, i: (s, k, 0, 0))
-  per_split = lambda *tail: pl.BlockSpec(
-      (None, None, None, rows) + tail, lambda s, k, i: (s, k, i, 0) + (0,) * len(tail)
+  per_run = lambda *tail: pl.BlockSpec(
+      (None, None, rows) + tail, lambda w, k: (w, k, 0) + (0,) * len(tail)
   )
   m, l, o = pl.pallas_call(
-      functools.partial(_kernel, view=view, pages_per_split=pages_per_split, block=min(BLOCK, T)),
+      functools.partial(_kernel, view=view, block=block),
       out_shape=(
-          jax.ShapeDtypeStruct((S, K, splits, rows), jnp.float32),
-          jax.ShapeDtypeStruct((S, K, splits, rows), jnp.float32),
-          jax.ShapeDtypeStruct((S, K, splits, rows, H), jnp.float32),
+          jax.ShapeDtypeStruct((W, K, rows), jnp.float32),
+          jax.ShapeDtypeStruct((W, K, rows), jnp.float32),
+          jax.ShapeDtypeStruct((W, K, rows, H), jnp.float32),
       ),
-      grid=(S, K, splits),
-      in_specs=[anywhere, anywhere, anywhere, query, anywhere, anywhere],
-      out_specs=(per_split(), per_split(), per_split(H)),
+      grid=(W, K),
+      in_specs=[anywhere] * 9,
+      out_specs=(per_run(), per_run(), per_run(H)),
       interpret=interpret,
       compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
       name="paged_decode_attention",
   )(
       jnp.reshape(layer, (1,)).astype(jnp.int32),
       past_S.astype(jnp.int32),
+      *plan,
       table_SxJ.astype(jnp.int32),
       q,
       pool_k_LxPxKxTxH,
       pool_v_LxPxKxTxH,
   )
-  # Merge the splits of each slot (a split with no pages has l = 0, o = 0).
-  m, l, o = m[:, :, :, :G], l[:, :, :, :G], o[:, :, :, :G]
-  m_all = jnp.max(m, axis=2)  # [S, K, G]
-  w = jnp.exp(m - m_all[:, :, None])
-  return m_all, jnp.sum(w * l, axis=2), jnp.sum(w[..., None] * o, axis=2)
+  # Merge each slot's runs (an idle run has m = _NEG, l = 0, o = 0): the max is exact in
+  # any order; the sums go through a one-hot matrix, so no scatter adds in an order that
+  # varies run to run.
+  m, l, o = m[:, :, :G], l[:, :, :G], o[:, :, :G]
+  m_all = jax.ops.segment_max(m, plan.slot_W, num_segments=S + 1, indices_are_sorted=True)
+  m_all = jnp.maximum(m_all[:S], _NEG)  # [S, K, G]; a slot with no runs: _NEG
+  w = jnp.exp(m - m_all[jnp.minimum(plan.slot_W, S - 1)])  # [W, K, G]
+  onehot_WxS = (plan.slot_W[:, None] == jnp.arange(S)[None, :]).astype(jnp.float32)
+  merge = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+  return (
+      m_all,
+      merge("ws,wkg->skg", onehot_WxS, w * l),
+      merge("ws,wkgh->skgh", onehot_WxS, w[..., None] * o),
+  )
+
+
+def suits(page_size: int, head_dim: int) -> bool:
+  """Whether a GPU can run the kernel at these shapes: it tiles powers of two."""
+  return not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
+
+
+def choose(decode_attention: str, page_size: int, head_dim: int) -> str:
+  """The decode attention to run: "auto" is the kernel on an NVIDIA GPU (CUDA) when the
+  shapes suit it, where it is measured (an H200: the engine's step 8x faster than
+  through the XLA path, BENCHMARKS.md), and the XLA path elsewhere (a CPU would only
+  interpret the kernel; ROCm is untimed). "xla" and "pallas" are taken as given."""
+  if decode_attention != "auto":
+    return decode_attention
+  backend = jax.extend.backend.get_backend()
+  on_cuda = backend.platform == "gpu" and "cuda" in backend.platform_version.lower()
+  return "pallas" if on_cuda and suits(page_size, head_dim) else "xla"
 
 
 def paged_decode_attention(
@@ -172,23 +234,15 @@ def paged_decode_attention(
     table_SxJ,
     view=lambda x: x,
     interpret: bool | None = None,
-    pages_per_split: int | None = None,
+    runs: int | None = None,
 ) -> jax.Array:
   """paged_attention.paged_decode_attention through the kernel: each slot's query over
   its first past_S[s] pooled positions and its own new key. [S, K, G, H] in the pool's
-  value dtype. pages_per_split: as cached_partials."""
+  value dtype. runs: as cached_partials."""
   H = q_SxKxGxH.shape[-1]
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   m_c, l_c, o_c = cached_partials(
-      q_SxKxGxH,
-      pool_k_LxPxKxTxH,
-      pool_v_LxPxKxTxH,
-      layer,
-      past_S,
-      table_SxJ,
-      view,
-      interpret,
-      pages_per_split,
+      q_SxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, past_S, table_SxJ, view, interpret, runs
   )
   q = q_SxKxGxH.astype(dtype)
   m0 = jnp.einsum("skgh,skh->skg", q, k_new_SxKxH.astype(dtype), preferred_element_type=jnp.float32)

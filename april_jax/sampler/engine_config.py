@@ -15,7 +15,7 @@ from april_jax import buckets
 from april_jax.sampler import pages
 
 RESUME_MODES = ("kv", "recompute")
-DECODE_ATTENTION = ("xla", "pallas")
+DECODE_ATTENTION = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,11 @@ class EngineConfig:
   insert_width: int = 8  # slots filled per insert call (fixed: one compile)
   snapshot_width: int = 4  # slots whose KV is copied out per device call
   decode_block: int = 1024  # pooled positions read per chunk of decode attention
-  # How a decode step reads the pool: "xla" (chunks of gathered pages, any backend) or
+  # How a decode step reads the pool: "xla" (chunks of gathered pages, any backend),
   # "pallas" (one kernel that reads each page in place; GPUs, via Triton; interpreted,
-  # slowly, on a CPU). They compute the same attention.
-  decode_attention: str = "xla"
+  # slowly, on a CPU), or "auto" (the kernel on NVIDIA GPUs, else xla). They compute the
+  # same attention.
+  decode_attention: str = "auto"
   page_size: int = 16  # positions per KV page (a power of two)
   num_pages: int | None = None  # usable pool pages; None: max_len for every slot
   preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute

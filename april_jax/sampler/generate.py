@@ -53,7 +53,7 @@ def generate(
     kv_dtype: str = "float32",
     page_size: int = 16,
     num_pages: int | None = None,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ):
   """Generates a response for every prompt; returns them in prompt order.
 
@@ -67,7 +67,7 @@ def generate(
   The slots' KV lives in a pool of `num_pages` pages of `page_size` positions (default:
   room for every slot at max_len); with fewer, slots are preempted when it runs out and
   continued later, so the responses are the same. decode_attention: how a decode step
-  reads the pool, "xla" or "pallas" (EngineConfig).
+  reads the pool, "auto", "xla" or "pallas" (EngineConfig).
   """
   if not prompts:
     return []

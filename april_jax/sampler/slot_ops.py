@@ -131,16 +131,18 @@ def _paged_attend(
     state: SlotState,
     past_S: jax.Array,
     chunk_pages: int,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ):
   """decode_step's `attend`: ragged attention over the pool, per device on its own slots,
   pages and heads. decode_attention "xla": paged_attention.py (the live pages are listed
   once per step, here, and every layer reads that list); "pallas": the kernel of
-  paged_attention_kernel.py, which walks each slot's page table itself."""
+  paged_attention_kernel.py, which walks each slot's page table itself; "auto": the
+  kernel on NVIDIA GPUs, the XLA path elsewhere (paged_attention_kernel.choose)."""
   P = PartitionSpec
   s, h = layout.slot_axes, layout.head_axes
   page_size = state.kv.k.shape[3]
   cache_spec = P(None, s, h, None, None)
+  decode_attention = paged_attention_kernel.choose(decode_attention, page_size, state.kv.k.shape[4])
   if decode_attention == "pallas":
     fn = layout.local(
         functools.partial(paged_attention_kernel.paged_decode_attention, view=qwen3.kv_view),
@@ -411,7 +413,7 @@ def device_fns(
     decode_block: int = 1024,
     page_size: int = 16,
     num_pages: int | None = None,
-    decode_attention: str = "xla",
+    decode_attention: str = "auto",
 ) -> DeviceFns:
   """Builds (once, then cached) the jitted functions for these static settings.
 
