@@ -41,7 +41,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-roofline sampler sampler_kernel scheduler resume sampler_4b}
+PARTS=${PARTS:-roofline tail_kernel sampler_kernel tail sampler scheduler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -112,6 +112,10 @@ if "roofline" in r:
         + (f"the gathered pages are copied; a step moves up to "
            f"{roof['paged_copied_over_bound']:.2f}x the live bound" if copied else
            f"the gather is fused; a step reads about {roof['paged_over_bound']:.2f}x the live bound"))
+  if "kernel_over_bound" in roof:
+    print(f"  through the kernel a step reads {roof['kernel_over_bound']:.3f}x the live bound; "
+          f"its longest program walks {roof['kernel_longest_walk_blocks']} blocks, the "
+          f"longest slot holds {roof['kernel_longest_slot_blocks']}")
   if "layer_kernel_error" in roof:
     print(f"  one layer's decode attention: the Pallas kernel failed: {roof['layer_kernel_error']}")
   if "layer_kernel_us" in roof:

@@ -234,6 +234,11 @@ def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
   spec.loader.exec_module(module)
   out = roofline.run(module.get_config(), devices=8, shape="dapo_math", trials=3, timed=False)
   assert 1.0 < out["paged_over_bound"] <= 1.1
+  # Through the kernel: one KV head a device, 256 slots and 1,024 runs; every busy program
+  # walks at most 1/1024 of the live blocks (rounded up), far less than the longest slot.
+  assert 1.0 < out["kernel_over_bound"] <= 1.1
+  assert out["kernel_programs"] == 256 + 1024 and out["kernel_busy_programs"] > 1000
+  assert out["kernel_longest_walk_blocks"] * 8 < out["kernel_longest_slot_blocks"]
   assert out["dense_slots"] == 4352 * 256 // 17408 == 64
   assert out["dense_per_live_token_over_paged"] > 3  # every slot read up to the longest
   assert out["sequences_per_gb_kv_paged"] == pytest.approx(4 * out["sequences_per_gb_kv_dense"])

@@ -253,6 +253,30 @@ def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20,
   }
 
 
+def kernel_plan(lengths, page: int, kv_heads: int, group: int, head_dim: int) -> dict:
+  """How the decode kernel cuts one step at these lengths (its GPU default, arithmetic):
+  its programs, the busy ones, the blocks the longest and the mean busy program walk (a
+  step waits for the longest), against the longest slot's blocks (what one program a
+  slot would walk), and the bytes of the runs' partial results."""
+  block = min(paged_attention_kernel.BLOCK, page)
+  S = len(lengths)
+  runs = max(S, -(-paged_attention_kernel.PROGRAMS // kv_heads))
+  plan = paged_attention_kernel.plan_work(jnp.asarray(lengths, jnp.int32), block, runs)
+  walk = np.asarray(plan.end_W - plan.first_W)
+  return {
+      "kernel_programs": int(walk.size * kv_heads),
+      "kernel_busy_programs": int((walk > 0).sum() * kv_heads),
+      "kernel_longest_walk_blocks": int(walk.max()),
+      "kernel_mean_walk_blocks": float(walk[walk > 0].mean()) if walk.any() else 0.0,
+      "kernel_longest_slot_blocks": int(-(-np.max(lengths) // block)),
+      "kernel_block": block,
+      # m, l and o of every program, float32, its queries padded to MIN_ROWS rows
+      "kernel_partials_bytes": int(
+          walk.size * kv_heads * max(group, paged_attention_kernel.MIN_ROWS) * (2 + head_dim) * 4
+      ),
+  }
+
+
 def run(
     config,
     devices: int = 8,
@@ -288,10 +312,20 @@ def run(
     rows.append((len(lengths), weights + live, weights + paged, dense_slots, weights + dense))
   a = np.array(rows, np.float64).mean(0)
   chunk = compiled_chunk(config, cfg, mesh, rules, timed)
+  group = cfg.num_heads // cfg.num_kv_heads
+  chunk.update(kernel_plan(lengths, page, cfg.num_kv_heads // kv_split, group, cfg.head_dim))
+  # What a step through the kernel reads at the last trial's lengths: the weights, each
+  # slot's KV to its last whole block, and every layer's partial results written and read.
+  block = chunk["kernel_block"]
+  kernel_kv = (-(-lengths // block) * block).sum() * per_token
+  kernel = weights + kernel_kv + 2 * cfg.num_layers * chunk["kernel_partials_bytes"]
+  chunk.update(
+      kernel_gb=kernel / 1e9, kernel_over_bound=kernel / (weights + lengths.sum() * per_token)
+  )
   if timed and jax.default_backend() != "cpu":  # a CPU only interprets the kernel
     # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
     kv_heads = cfg.num_kv_heads // kv_split
-    group, value = cfg.num_heads // cfg.num_kv_heads, jnp.dtype(config.model.kv_dtype)
+    value = jnp.dtype(config.model.kv_dtype)
     chunk.update(timed_layer(lengths, kv_heads, group, cfg.head_dim, page, value))
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
   out = {
@@ -326,7 +360,14 @@ def run(
       f"{out['chunk_scratch_bytes'] / 1e6:.1f} MB ({out['chunk_scratch_over_kv']:.2f}x)\n"
       f"  paged, gather copied  {out['paged_copied_gb']:.3f} GB = "
       f"{out['paged_copied_over_bound']:.3f}x the bound (if the backend copies each "
-      "chunk's pages, as a scratch near 1x says)",
+      "chunk's pages, as a scratch near 1x says)\n"
+      f"  the kernel at the last trial's lengths: {out['kernel_busy_programs']} of "
+      f"{out['kernel_programs']} programs busy, the longest walking "
+      f"{out['kernel_longest_walk_blocks']} blocks of {out['kernel_block']} (mean "
+      f"{out['kernel_mean_walk_blocks']:.1f}; the longest slot holds "
+      f"{out['kernel_longest_slot_blocks']}); partial results "
+      f"{out['kernel_partials_bytes'] / 1e6:.1f} MB a layer; a step through it reads "
+      f"{out['kernel_gb']:.3f} GB = {out['kernel_over_bound']:.3f}x those lengths' bound",
       flush=True,
   )
   if "layer_kernel_error" in out:

@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 _NEG = -1e30  # as paged_attention: exp(_NEG - m) == 0, never NaN
-_MIN_ROWS = 16  # a GPU matrix product takes at least 16 rows: the G queries are padded
-MIN_RUNS = 128  # the step's live blocks are cut into at least this many equal runs
+MIN_ROWS = 16  # a GPU matrix product takes at least 16 rows: the G queries are padded
+PROGRAMS = 1024  # runs x KV heads a step's live blocks are cut into, at least: SMs x ~8
+INTERPRETED_RUNS = 16  # as few on a CPU, where each program is a trip of a loop
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
 
 
@@ -148,10 +149,10 @@ def cached_partials(
   and o [S, K, G, H] (float32, o not yet divided by l). A slot with past 0 gets m = _NEG,
   l = 0, o = 0. `interpret`: None runs Pallas' interpreter on the CPU only.
   runs: how many equal runs the step's live blocks are cut into (plan_work; None:
-  max(S, MIN_RUNS))."""
+  enough for PROGRAMS programs and at least S, or INTERPRETED_RUNS when interpreted)."""
   S, K, G, H = q_SxKxGxH.shape
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
-  rows = max(G, _MIN_ROWS)
+  rows = max(G, MIN_ROWS)
   q = jnp.pad(q_SxKxGxH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
@@ -162,7 +163,9 @@ def cached_partials(
         "must be powers of two on a GPU (rollout.decode_attention='xla' takes any)"
     )
   block = min(BLOCK, T)
-  plan = plan_work(past_S, block, max(S, MIN_RUNS) if runs is None else runs)
+  if runs is None:
+    runs = max(S, INTERPRETED_RUNS if interpret else -(-PROGRAMS // K))
+  plan = plan_work(past_S, block, runs)
   W = plan.slot_W.shape[0]
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
   per_run = lambda *tail: pl.BlockSpec(
