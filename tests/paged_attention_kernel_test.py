@@ -62,6 +62,7 @@ def _kernel(case, runs=4):
         [0, 1, 15, 16, 17, 48],  # empty slot, one token, either side of page boundaries
         [5, 33, 2, 64],
         [0, 0, 0],  # nothing cached: each slot sees its new key alone
+        [17, 0, 40, 0],  # the last slot empty: idle programs read its max
     ],
 )
 def test_kernel_equals_the_xla_path_float32(past):
@@ -87,10 +88,11 @@ def test_pages_longer_than_a_block_are_read_a_block_at_a_time_to_the_length():
   np.testing.assert_array_equal(_kernel(garbage), _kernel(case))
 
 
-@pytest.mark.parametrize("runs", [1, 3, 7, 200])
+@pytest.mark.parametrize("runs", [None, 1, 3, 7, 200])
 def test_runs_of_any_length_compute_the_same_attention(runs):
-  """The live blocks cut into 1 to 200 runs (a slot in one run, or spread over many, runs
-  that end inside a page, idle programs) merge to the XLA path's attention."""
+  """The live blocks cut into 1 to 200 runs (None: the interpreter's default; a slot in
+  one run, or spread over many, runs that end inside a page, idle programs) merge to the
+  XLA path's attention."""
   case = _case([0, 1, 17, 48, 100, 33], seed=5)
   got = pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs)
   np.testing.assert_allclose(got, _xla(case), rtol=2e-5, atol=2e-6)
@@ -101,9 +103,11 @@ def test_work_plan_covers_every_live_block_once_in_runs_the_longest_slot_does_no
   """Each slot's blocks, in order, exactly once; at most S + runs programs; and no run
   longer than ceil(total / runs), so one long slot among short ones leaves the longest
   run as long as a uniform mix of the same live blocks gets."""
-  block = 16
   tailed = np.array([64] * 15 + [3968] + [0, 1], np.int32)  # the long-tail bench, and edges
-  for past in (tailed, np.full(18, tailed.sum() // 18, np.int32)):
+  rng = np.random.default_rng(runs)
+  cases = [(tailed, 16), (np.full(18, tailed.sum() // 18, np.int32), 16), (tailed, 64)]
+  cases += [(rng.integers(0, 3000, 40).astype(np.int32) * rng.integers(0, 2, 40), 64)]
+  for past, block in cases:
     plan = jax.tree.map(np.asarray, pk.plan_work(jnp.asarray(past), block, runs))
     assert plan.slot_W.shape == (len(past) + runs,)
     blocks = -(-past // block)
@@ -188,8 +192,22 @@ def test_kernel_lowers_for_triton_on_cuda_at_the_8b_shapes():
   text = lowered.as_text()
   assert "triton" in text and "paged_decode_attention" in text
   gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
-  assert gathers  # the work plan's small lookups, by slot
   assert not [g for g in gathers if f"x{P}x" in g]  # the pool is read by the kernel alone
+
+
+@pytest.mark.parametrize("G", [1, 4, 24])
+def test_any_query_heads_per_kv_head_lower_padded_to_a_power_of_two(G):
+  """Triton tiles powers of two: 24 query heads a KV head are padded to 32 rows, 1 or 4
+  to 16, and the kernel lowers for CUDA."""
+  S, K, H, L, P, T, J = 4, 2, 64, 2, 9, 16, 3
+  assert pk.query_rows(G) == {1: 16, 4: 16, 24: 32}[G]
+  sds = jax.ShapeDtypeStruct
+  fn = jax.jit(functools.partial(pk.paged_decode_attention, interpret=False))
+  args = [sds((S, K, G, H), jnp.float32), sds((S, K, H), jnp.float32)]
+  args += [sds((S, K, H), jnp.float32), sds((L, P, K, T, H), jnp.float32)]
+  args += [sds((L, P, K, T, H), jnp.float32), sds((), jnp.int32), sds((S,), jnp.int32)]
+  text = fn.trace(*args, sds((S, J), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text and "paged_decode_attention" in text
 
 
 def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
@@ -197,7 +215,7 @@ def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
   case["pool_k_LxPxKxTxH"] = case["pool_k_LxPxKxTxH"][..., :24]
   case["pool_v_LxPxKxTxH"] = case["pool_v_LxPxKxTxH"][..., :24]
   case["q_SxKxGxH"] = case["q_SxKxGxH"][..., :24]
-  with pytest.raises(ValueError, match="head_dim 24"):
+  with pytest.raises(ValueError, match="page_size 16 and head_dim 24"):
     pk.paged_decode_attention(**case, view=qwen3.kv_view, interpret=False)
 
 
@@ -246,6 +264,7 @@ def test_decode_attention_is_checked_by_name():
         ("gpu", "rocm 60342", 256, 128, "xla"),  # untimed there
         ("cpu", "cpu", 256, 128, "xla"),  # it would only be interpreted
         ("gpu", "cuda 12080", 256, 96, "xla"),  # a head the kernel cannot tile
+        ("gpu", "cuda 12080", 8, 128, "xla"),  # a page under a GPU product's 16
     ],
 )
 def test_auto_picks_the_kernel_on_nvidia_gpus_only(

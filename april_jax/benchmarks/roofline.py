@@ -270,9 +270,9 @@ def kernel_plan(lengths, page: int, kv_heads: int, group: int, head_dim: int) ->
       "kernel_mean_walk_blocks": float(walk[walk > 0].mean()) if walk.any() else 0.0,
       "kernel_longest_slot_blocks": int(-(-np.max(lengths) // block)),
       "kernel_block": block,
-      # m, l and o of every program, float32, its queries padded to MIN_ROWS rows
+      # m, l and o of every program, float32, a row per padded query
       "kernel_partials_bytes": int(
-          walk.size * kv_heads * max(group, paged_attention_kernel.MIN_ROWS) * (2 + head_dim) * 4
+          walk.size * kv_heads * paged_attention_kernel.query_rows(group) * (2 + head_dim) * 4
       ),
   }
 

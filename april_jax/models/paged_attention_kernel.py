@@ -45,6 +45,12 @@ INTERPRETED_RUNS = 16  # as few on a CPU, where each program is a trip of a loop
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
 
 
+def query_rows(group: int) -> int:
+  """The rows a program's queries are padded to: a power of two (Triton tiles those) of
+  at least MIN_ROWS."""
+  return max(MIN_ROWS, 1 << (group - 1).bit_length())
+
+
 class WorkPlan(NamedTuple):
   """Program w's share of a decode step: blocks first_W[w] .. end_W[w] - 1 of slot
   slot_W[w] (S, and first == end, for a program with nothing to do). A slot's programs
@@ -152,15 +158,15 @@ def cached_partials(
   enough for PROGRAMS programs and at least S, or INTERPRETED_RUNS when interpreted)."""
   S, K, G, H = q_SxKxGxH.shape
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
-  rows = max(G, MIN_ROWS)
+  rows = query_rows(G)
   q = jnp.pad(q_SxKxGxH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   T = pool_k_LxPxKxTxH.shape[3]
   if not interpret and not suits(T, H):
     raise ValueError(
-        f"the decode-attention kernel tiles whole pages: page_size {T} and head_dim {H} "
-        "must be powers of two on a GPU (rollout.decode_attention='xla' takes any)"
+        f"the decode-attention kernel cannot tile page_size {T} and head_dim {H} on a GPU: "
+        "both must be powers of two of at least 16 (rollout.decode_attention='xla' takes any)"
     )
   block = min(BLOCK, T)
   if runs is None:
@@ -210,8 +216,10 @@ def cached_partials(
 
 
 def suits(page_size: int, head_dim: int) -> bool:
-  """Whether a GPU can run the kernel at these shapes: it tiles powers of two."""
-  return not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
+  """Whether a GPU can run the kernel at these shapes: Triton tiles powers of two, and
+  its matrix products take at least 16 a side (a page's block, the head; the query rows
+  are padded to a power of two of at least MIN_ROWS)."""
+  return all(n >= 16 and not n & (n - 1) for n in (page_size, head_dim))
 
 
 def choose(decode_attention: str, page_size: int, head_dim: int) -> str:

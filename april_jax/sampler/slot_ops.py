@@ -261,8 +261,8 @@ def decode(
 ):
   """Up to `sync_every` decode steps; leaves early once `leave_after` slots have
   finished in this call (0: only once every slot is done). table_SxJ: the page table as
-  the host holds it now (it becomes the state's, as in insert). decode_attention: "xla"
-  or "pallas" (_paged_attend).
+  the host holds it now (it becomes the state's, as in insert). decode_attention: "auto",
+  "xla" or "pallas" (_paged_attend).
 
   Returns (state, steps run, tokens drawn). Each drawn token is tagged min(version,
   kv_version): the oldest params its forward pass saw. A slot finishes on a drawn stop
