@@ -154,6 +154,19 @@ def test_kernel_reads_nothing_past_a_length_or_off_the_table():
   np.testing.assert_array_equal(_kernel(garbage), want)
 
 
+@pytest.mark.parametrize("runs", [3, 40])
+def test_a_nan_in_one_slots_kv_stays_in_that_slot(runs):
+  """A slot whose live keys hold a NaN comes out NaN; every other slot, including those
+  whose runs merge beside its runs, is what it was without the NaN."""
+  case = _case([20, 37, 5, 33], seed=13)
+  want = np.asarray(_kernel(case, runs=runs))
+  pool_k = np.array(case["pool_k_LxPxKxTxH"])
+  pool_k[1, np.asarray(case["table_SxJ"])[1, 1], :, 3] = np.nan  # slot 1, position 19
+  got = np.asarray(_kernel(dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k)), runs=runs))
+  assert np.isnan(got[1]).all()
+  np.testing.assert_array_equal(np.delete(got, 1, axis=0), np.delete(want, 1, axis=0))
+
+
 def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds():
   """The same sequences in other physical pages give the same bits (resume exactness)."""
   case = _case([40, 7, 16], seed=11)

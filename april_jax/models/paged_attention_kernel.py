@@ -201,18 +201,24 @@ def cached_partials(
   )
   # Merge each slot's runs (an idle run has m = _NEG, l = 0, o = 0): the max is exact in
   # any order; the sums go through a one-hot matrix, so no scatter adds in an order that
-  # varies run to run.
+  # varies run to run. A run that is not finite (its slot's KV holds a NaN or an inf)
+  # enters the products as 0, since 0 x NaN would spread to every slot, and its own slot
+  # comes out NaN.
   m, l, o = m[:, :, :G], l[:, :, :G], o[:, :, :G]
   m_all = jax.ops.segment_max(m, plan.slot_W, num_segments=S + 1, indices_are_sorted=True)
   m_all = jnp.maximum(m_all[:S], _NEG)  # [S, K, G]; a slot with no runs: _NEG
   w = jnp.exp(m - m_all[jnp.minimum(plan.slot_W, S - 1)])  # [W, K, G]
+  wl, wo = w * l, w[..., None] * o
+  finite_W = jnp.isfinite(wl) & jnp.all(jnp.isfinite(wo), axis=-1)
+  bad = jax.ops.segment_max(
+      (~finite_W).astype(jnp.int32), plan.slot_W, num_segments=S + 1, indices_are_sorted=True
+  )
+  bad_S = bad[:S] > 0  # [S, K, G]
   onehot_WxS = (plan.slot_W[:, None] == jnp.arange(S)[None, :]).astype(jnp.float32)
   merge = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-  return (
-      m_all,
-      merge("ws,wkg->skg", onehot_WxS, w * l),
-      merge("ws,wkgh->skgh", onehot_WxS, w[..., None] * o),
-  )
+  l_all = merge("ws,wkg->skg", onehot_WxS, jnp.where(finite_W, wl, 0.0))
+  o_all = merge("ws,wkgh->skgh", onehot_WxS, jnp.where(finite_W[..., None], wo, 0.0))
+  return m_all, jnp.where(bad_S, jnp.nan, l_all), jnp.where(bad_S[..., None], jnp.nan, o_all)
 
 
 def suits(page_size: int, head_dim: int) -> bool:
