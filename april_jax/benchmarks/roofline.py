@@ -259,8 +259,7 @@ def kernel_plan(lengths, page: int, kv_heads: int, group: int, head_dim: int) ->
   step waits for the longest), against the longest slot's blocks (what one program a
   slot would walk), and the bytes of the runs' partial results."""
   block = min(paged_attention_kernel.BLOCK, page)
-  S = len(lengths)
-  runs = max(S, -(-paged_attention_kernel.PROGRAMS // kv_heads))
+  runs = paged_attention_kernel.default_runs(len(lengths), kv_heads, interpret=False)
   plan = paged_attention_kernel.plan_work(jnp.asarray(lengths, jnp.int32), block, runs)
   walk = np.asarray(plan.end_W - plan.first_W)
   return {

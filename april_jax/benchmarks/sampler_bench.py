@@ -96,9 +96,9 @@ def _agreeing_prefix_frac(outs_a, outs_b) -> float:
   shares = []
   for a, b in zip(outs_a, outs_b):
     a, b = np.asarray(a), np.asarray(b)
-    n = max(len(a), len(b), 1)
-    differ = np.flatnonzero(a[: min(len(a), len(b))] != b[: min(len(a), len(b))])
-    shares.append((differ[0] if len(differ) else min(len(a), len(b))) / n)
+    k = min(len(a), len(b))
+    differ = np.flatnonzero(a[:k] != b[:k])
+    shares.append((differ[0] if differ.size else k) / max(len(a), len(b), 1))
   return float(np.mean(shares))
 
 

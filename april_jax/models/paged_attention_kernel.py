@@ -51,6 +51,12 @@ def query_rows(group: int) -> int:
   return max(MIN_ROWS, 1 << (group - 1).bit_length())
 
 
+def default_runs(S: int, K: int, interpret: bool) -> int:
+  """The runs a step's live blocks are cut into by default: enough for PROGRAMS programs
+  (runs x K heads) and at least S, or INTERPRETED_RUNS when interpreted."""
+  return max(S, INTERPRETED_RUNS if interpret else -(-PROGRAMS // K))
+
+
 class WorkPlan(NamedTuple):
   """Program w's share of a decode step: blocks first_W[w] .. end_W[w] - 1 of slot
   slot_W[w] (S, and first == end, for a program with nothing to do). A slot's programs
@@ -155,7 +161,7 @@ def cached_partials(
   and o [S, K, G, H] (float32, o not yet divided by l). A slot with past 0 gets m = _NEG,
   l = 0, o = 0. `interpret`: None runs Pallas' interpreter on the CPU only.
   runs: how many equal runs the step's live blocks are cut into (plan_work; None:
-  enough for PROGRAMS programs and at least S, or INTERPRETED_RUNS when interpreted)."""
+  default_runs)."""
   S, K, G, H = q_SxKxGxH.shape
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   rows = query_rows(G)
@@ -169,9 +175,7 @@ def cached_partials(
         "both must be powers of two of at least 16 (rollout.decode_attention='xla' takes any)"
     )
   block = min(BLOCK, T)
-  if runs is None:
-    runs = max(S, INTERPRETED_RUNS if interpret else -(-PROGRAMS // K))
-  plan = plan_work(past_S, block, runs)
+  plan = plan_work(past_S, block, default_runs(S, K, interpret) if runs is None else runs)
   W = plan.slot_W.shape[0]
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
   per_run = lambda *tail: pl.BlockSpec(
