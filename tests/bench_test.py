@@ -46,7 +46,28 @@ def test_scheduler_bench_reports_both_sides_and_april_fills_slots_better():
   assert out["of_occupancy_ideal"] == pytest.approx(out["speedup"] / out["occupancy_ideal"])
   for side in ("april", "baseline"):
     assert 0 < out[f"{side}_decode_frac"] < 1
+    parts = ("decode", "start", "resume", "snapshot", "host")
+    shares = [out[f"{side}_{part}_frac"] for part in parts]
+    assert all(0 <= share < 1 for share in shares)
+    assert sum(shares) == pytest.approx(1.0)
+    assert out[f"{side}_start_frac"] > 0  # every step starts groups: prefills
+  # Only APRIL leaves samples unfinished, so only it resumes partials.
+  assert out["april_resume_frac"] > 0 == out["baseline_resume_frac"]
   assert out["of_host_free_ideal"] == pytest.approx(out["speedup"] / out["host_free_ideal"])
+
+
+def test_scheduler_bench_engine_is_the_configs_at_the_bench_prompt_length():
+  config = _tiny_config()
+  config.rollout.page_size = 32
+  config.rollout.kv_pages = 40
+  config.rollout.prefill_width = 2
+  config.rollout.resume_mode = "recompute"
+  engine = scheduler_bench.engine_config(config)
+  assert (engine.page_size, engine.num_pages, engine.prefill_width) == (32, 40, 2)
+  assert engine.preempt_mode == "recompute"
+  assert engine.num_slots == config.rollout.num_slots
+  max_len = scheduler_bench.PROMPT_LEN + config.rollout.max_response_len
+  assert (engine.max_len, engine.prompt_len) == (max_len, scheduler_bench.PROMPT_LEN)
 
 
 def test_length_distributions_are_long_tailed():

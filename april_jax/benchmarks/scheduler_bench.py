@@ -1,7 +1,8 @@
 """Mode `scheduler`: APRIL against the synchronous baseline, side by side in one run.
 
-Same model (random weights of the config's shape), same slots, the same prompt stream
-with the same per-sample response budgets. Lengths come from a long-tailed distribution
+Same model (random weights of the config's shape), the config's engine (slots, KV page
+pool, decode attention, prefill width) at the benchmark's prompt length, the same prompt
+stream with the same per-sample response budgets. Lengths come from a long-tailed distribution
 (length_dists.py) and are enforced through the budgets with no stop token, so policy
 randomness cannot blur the comparison. APRIL admits N' = ratio x N groups per step and
 stops at N complete ones; the baseline admits N and waits for all of them. Steps
@@ -13,11 +14,12 @@ on the paged engine a half-empty step costs less, so that ideal overstates what 
 reachable. The host-free ideal is the speedup of the two sides' decoding alone (tokens
 over the seconds their engines spent in `step`, device and round trip), so the measured
 speedup over it is what admission, prefills, snapshots and scheduling on the host leave
-of the gain.
+of the gain; each side's rollout time is split between those engine calls and the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -31,21 +33,41 @@ from april_jax.sampler import EngineConfig, SlotEngine
 PROMPT_LEN = 16
 
 
-class DecodeClock:
-  """Wall seconds an engine spends in `step` (its decoding and the host round trip),
-  counted by standing in for the engine's `step`."""
+# The engine calls a scheduler step makes, timed one by one: decoding (with its host round
+# trip), starting fresh groups (prefills), resuming partials, and the step-end snapshot.
+CLOCKED = ("step", "add_groups", "add_partials", "snapshot")
+
+
+class EngineClock:
+  """Wall seconds an engine spends in each of the CLOCKED methods, counted by standing in
+  for them on the engine."""
 
   def __init__(self, engine):
-    self.seconds = 0.0
-    self._step = engine.step
-    engine.step = self
+    self.seconds = dict.fromkeys(CLOCKED, 0.0)
+    for name in CLOCKED:
+      setattr(engine, name, self._timed(name, getattr(engine, name)))
 
-  def __call__(self, *args, **kwargs):
-    start = time.perf_counter()
-    try:
-      return self._step(*args, **kwargs)
-    finally:
-      self.seconds += time.perf_counter() - start
+  def _timed(self, name, method):
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return method(*args, **kwargs)
+      finally:
+        self.seconds[name] += time.perf_counter() - start
+
+    return timed
+
+
+def engine_config(config) -> EngineConfig:
+  """The run config's engine (its pool, pages, decode attention, prefill width, ...) at
+  the benchmark's prompt length."""
+  max_len = PROMPT_LEN + config.rollout.max_response_len
+  return dataclasses.replace(
+      EngineConfig.from_run_config(config),
+      max_len=max_len,
+      prompt_len=PROMPT_LEN,
+      hold_stopped=False,
+  )
 
 
 def make_side(
@@ -54,17 +76,9 @@ def make_side(
   """A warmed-up scheduler over the shared workload (prompts and budgets from the seed)."""
   r = config.rollout
   n, max_resp = r.n_samples_per_prompt, r.max_response_len
-  engine = SlotEngine(
-      cfg,
-      params,
-      EngineConfig(
-          num_slots=r.num_slots,
-          max_len=PROMPT_LEN + max_resp,
-          sync_every=r.sync_every,
-          kv_dtype=config.model.kv_dtype,
-          refill_batch=r.refill_batch,
-      ),
-  )
+  preempt_mode = resume_mode or r.resume_mode
+  engine_cfg = dataclasses.replace(engine_config(config), preempt_mode=preempt_mode)
+  engine = SlotEngine(cfg, params, engine_cfg)
   engine.warm_up()
 
   def item(i):
@@ -182,7 +196,7 @@ def run(
       "april": make_side(cfg, params, config, shape, True, ratio, seed),
       "baseline": make_side(cfg, params, config, shape, False, 1.0, seed),
   }
-  clocks = {name: DecodeClock(sched.engine) for name, sched in sides.items()}
+  clocks = {name: EngineClock(sched.engine) for name, sched in sides.items()}
   results = {name: [] for name in sides}
   for step in range(steps):
     for name, sched in sides.items():
@@ -193,11 +207,20 @@ def run(
   april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
   for name, side in (("april", april), ("baseline", base)):
     tokens = sum(res.stats["new_tokens"] for res in results[name])
-    side["decode_tokens_per_s"] = tokens / clocks[name].seconds
-    side["decode_frac"] = clocks[name].seconds / sum(
-        res.stats["rollout_s"] for res in results[name]
-    )
+    rollout_s = sum(res.stats["rollout_s"] for res in results[name])
+    seconds = clocks[name].seconds
+    side["decode_tokens_per_s"] = tokens / seconds["step"]
+    side["decode_frac"] = seconds["step"] / rollout_s
+    # The rest of the rollout: starting groups, resuming partials, the step-end snapshot,
+    # and the scheduler's own host work (admission, rewards, bookkeeping).
+    side["start_frac"] = seconds["add_groups"] / rollout_s
+    side["resume_frac"] = seconds["add_partials"] / rollout_s
+    side["snapshot_frac"] = seconds["snapshot"] / rollout_s
+    side["host_frac"] = 1.0 - sum(seconds.values()) / rollout_s
     side["prefills_per_step"] = sides[name].engine.prefills / steps
+    side["preemptions_per_step"] = (
+        sum(res.stats.get("preemptions", 0) for res in results[name]) / steps
+    )
   r = config.rollout
   speedup = april["tokens_per_s"] / base["tokens_per_s"]
   occupancy_ideal = april["slot_occupancy"] / base["slot_occupancy"]
@@ -247,6 +270,13 @@ def run(
       f"baseline {base['decode_frac']:.0%}; prefills per step: APRIL "
       f"{april['prefills_per_step']:.1f}, baseline {base['prefills_per_step']:.1f}"
   )
+  for name, s in (("APRIL", april), ("baseline", base)):
+    print(
+        f"{name} rollout time: decoding {s['decode_frac']:.0%}, starting groups "
+        f"{s['start_frac']:.0%}, resuming partials {s['resume_frac']:.0%}, step-end snapshot "
+        f"{s['snapshot_frac']:.0%}, the rest {s['host_frac']:.0%}; preemptions per step "
+        f"{s['preemptions_per_step']:.1f}"
+    )
   return out
 
 
