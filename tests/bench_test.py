@@ -51,8 +51,10 @@ def test_scheduler_bench_reports_both_sides_and_april_fills_slots_better():
     assert all(0 <= share < 1 for share in shares)
     assert sum(shares) == pytest.approx(1.0)
     assert out[f"{side}_start_frac"] > 0  # every step starts groups: prefills
-  # Only APRIL leaves samples unfinished, so only it resumes partials.
+  # Only APRIL leaves samples unfinished, so only it resumes partials; with a pool that
+  # holds every slot's max_len, their KV stays in it (resume mode kv): none to the host.
   assert out["april_resume_frac"] > 0 == out["baseline_resume_frac"]
+  assert out["april_kv_host_mb_per_step"] == 0 == out["baseline_kv_host_mb_per_step"]
   assert out["of_host_free_ideal"] == pytest.approx(out["speedup"] / out["host_free_ideal"])
 
 

@@ -217,7 +217,12 @@ def run(
     side["resume_frac"] = seconds["add_partials"] / rollout_s
     side["snapshot_frac"] = seconds["snapshot"] / rollout_s
     side["host_frac"] = 1.0 - sum(seconds.values()) / rollout_s
-    side["prefills_per_step"] = sides[name].engine.prefills / steps
+    engine = sides[name].engine
+    side["prefills_per_step"] = engine.prefills / steps
+    # KV between the pool and the host (snapshots kept in the pool move none).
+    side["kv_host_mb_per_step"] = (
+        (engine.kv_bytes_to_host + engine.kv_bytes_to_device) / steps / 1e6
+    )
     side["preemptions_per_step"] = (
         sum(res.stats.get("preemptions", 0) for res in results[name]) / steps
     )
@@ -275,7 +280,8 @@ def run(
         f"{name} rollout time: decoding {s['decode_frac']:.0%}, starting groups "
         f"{s['start_frac']:.0%}, resuming partials {s['resume_frac']:.0%}, step-end snapshot "
         f"{s['snapshot_frac']:.0%}, the rest {s['host_frac']:.0%}; preemptions per step "
-        f"{s['preemptions_per_step']:.1f}"
+        f"{s['preemptions_per_step']:.1f}; KV to and from the host "
+        f"{s['kv_host_mb_per_step']:.1f} MB per step"
     )
   return out
 

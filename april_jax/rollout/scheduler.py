@@ -121,8 +121,9 @@ class AprilScheduler:
 
   # ---------------------------------------------------------------- checkpoints
   def state(self) -> tuple[dict[str, np.ndarray], dict]:
-    """What a checkpoint keeps: the partial buffer as numpy arrays, and the rest
-    (group ids, run totals) as JSON."""
+    """What a checkpoint keeps: the partial buffer as numpy arrays, KV included (kept
+    KV is copied out of the pool first), and the rest (group ids, run totals) as JSON."""
+    self.engine.copy_out_kept()
     return self.buffer.to_state(), {
         "next_group_id": self.next_group_id,
         "totals": dict(self.totals),
@@ -375,10 +376,12 @@ class AprilScheduler:
 
   def _snapshot(self, st: "_Step") -> None:
     """Every unfinished slot back to its group; a started one was cut at this step's
-    end, to be continued (the paper's off-policy measure counts it)."""
+    end, to be continued (the paper's off-policy measure counts it). In mode kv its KV
+    stays in the pool until its pages are needed (engine.snapshot with keep)."""
     book = self.engine.book
     st.stats["kv_pages_used_frac"] = book.used() / max(book.usable * book.shards, 1)
-    for record in self.engine.snapshot(with_kv=(self.settings.resume_mode == "kv")):
+    kv = self.settings.resume_mode == "kv"
+    for record in self.engine.snapshot(with_kv=kv, keep=kv):
       if record.started:
         record.meta["cuts"] = record.meta.get("cuts", 0) + 1
 

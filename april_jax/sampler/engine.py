@@ -9,6 +9,7 @@
     engine.extend(record, tokens)      # with hold_stopped: a stopped slot goes on after
                                        # tokens it is given (an environment's turn)
     partials = engine.snapshot()       # every unfinished slot -> host records, slots freed
+    partials = engine.snapshot(keep=True)  # ... their KV left in its pages until needed
 
 The engine owns the device `SlotState` and knows which record each slot holds.
 Sequence lengths for prefill and KV copies are bucketed (powers of two from
@@ -17,6 +18,13 @@ programs. Assign `engine.params` and `engine.version` after each update: the nex
 tokens are drawn under the new params. A token is tagged with the oldest version its
 forward pass saw: a sample put back with its KV (mode kv) keeps its KV's version, a
 recomputed or fresh one takes the new version (see state.py).
+
+A snapshot with `keep` leaves each sample's KV in its pages instead of copying it to the
+host: the pages count as free (every decision is what a plain snapshot gives), and the
+KV is copied out only when its pages are handed to another slot or `copy_out_kept` asks
+(a checkpoint). A kept sample put back with its KV takes its pages back in place: no
+copy either way. The attention sums never depend on which physical pages a slot holds,
+so either path continues it bit for bit alike.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ class SlotEngine:
         config.page_size,
         pages.pages_for(config.max_len, config.page_size),
     )
+    # Snapshotted samples whose KV stays in the pool: id -> (record, KV positions).
+    self._kept: dict[int, tuple[SampleRecord, int]] = {}
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._table_arg = None  # the page table as last passed to a device call (_table)
@@ -90,6 +100,8 @@ class SlotEngine:
     self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0  # tokens drawn (not given), summed over slots
     self.prefills = 0  # prefill calls (prompts, and recomputed partials)
+    self.kv_bytes_to_host = 0  # KV copied out of the pool (snapshots, preemptions)
+    self.kv_bytes_to_device = 0  # host KV put back into it
 
   @property
   def params(self):
@@ -108,6 +120,10 @@ class SlotEngine:
   def holds(self, record: SampleRecord) -> bool:
     """Whether the record is in a slot now."""
     return id(record) in self._held
+
+  def keeps(self, record: SampleRecord) -> bool:
+    """Whether the record's KV is kept in the pool (snapshot with keep)."""
+    return id(record) in self._kept
 
   @property
   def num_free(self) -> int:
@@ -224,6 +240,7 @@ class SlotEngine:
     k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
     for j, r in enumerate(records):
       k[:, j, : kv_positions(r)], v[:, j, : kv_positions(r)] = r.kv_k, r.kv_v
+      self.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
     return self._on_device(qwen3.KVCache(k, v))
 
   def add_partials(self, records: list[SampleRecord], mode: str = "kv") -> list[int]:
@@ -235,8 +252,10 @@ class SlotEngine:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     for r in records:
       self.check(r)
-    slots = self._take_slots(records)
+    slots, in_place = self._take_slots(records, mode == "kv")
     pairs = list(zip(slots, records))
+    self._resume_in_place([(slot, r, in_place[id(r)]) for slot, r in pairs if id(r) in in_place])
+    pairs = [(slot, r) for slot, r in pairs if id(r) not in in_place]
     with_kv = [(slot, r) for slot, r in pairs if mode == "kv" and r.has_kv]
     rest = [(slot, r) for slot, r in pairs if not (mode == "kv" and r.has_kv)]
     by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
@@ -261,8 +280,13 @@ class SlotEngine:
       self._continue(slot, r, mode)
     return slots
 
-  def _take_slots(self, records: list[SampleRecord]) -> list[int]:
-    """Free slots for the records, each with pages for its KV and one decode call."""
+  def _take_slots(
+      self, records: list[SampleRecord], resume_kv: bool = False
+  ) -> tuple[list[int], dict[int, int]]:
+    """Free slots for the records, each with pages for its KV and one decode call.
+    With resume_kv a kept record takes its own pages back where it can; returns the
+    slots and, for those records, id -> KV positions. Any other kept record given
+    here lets its pages go (its KV copied out if it continues from its KV)."""
     ids = {id(r) for r in records}
     if len(ids) < len(records) or not ids.isdisjoint(self._held):
       raise ValueError("a sample can be in one slot only: it is given twice or already held")
@@ -272,12 +296,60 @@ class SlotEngine:
           f"{len(records)} samples do not fit: {self.num_free} slots and "
           f"{self.book.free()} pages free (check room_for first)"
       )
+    in_place = {}
     for slot, r in zip(slots, records):
-      self.book.grow(slot, self._window(r.length, len(r.prompt) + r.max_new_tokens))
+      window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
+      if id(r) in self._kept and resume_kv and self.book.adopt(slot, id(r), window, self._copy_out):
+        in_place[id(r)] = self._kept.pop(id(r))[1]
+      else:
+        if id(r) in self._kept:
+          if resume_kv:
+            self._copy_out(id(r))
+          else:
+            self._kept.pop(id(r))
+          self.book.forget(id(r))
+        self.book.grow(slot, window, self._copy_out)
       self._limits[slot] = len(r.prompt) + r.max_new_tokens
       self._age[slot] = self._admissions
       self._admissions += 1
-    return slots
+    return slots, in_place
+
+  def _resume_in_place(self, items: list[tuple[int, SampleRecord, int]]) -> None:
+    """Kept samples back into the slots that took their pages back (slot, record, KV
+    positions): only their rows are written, insert_width slots per call."""
+    W = self.config.insert_width
+    for i in range(0, len(items), W):
+      slots, records, used = zip(*items[i : i + W])
+      lengths = [n + 1 for n in used]
+      padded = np.full(W, -1, np.int32)
+      padded[: len(slots)] = slots
+      versions = [kv_version_of(r) for r in records]
+      rows = rows_from_records(list(records), W, self.config.max_len, versions, lengths)
+      self.state = self.fns.write_rows(self.state, rows, padded)
+      self._own(list(slots), list(records), lengths)
+
+  def _copy_out(self, key: int) -> None:
+    """A kept record's KV to the host, from its pages (before they are handed out)."""
+    record, used = self._kept.pop(key)
+    shard, kept_pages = self.book.kept[key]
+    slot = shard * self.book.slots_per_shard  # a row of its shard in a table of its own
+    table = self.book.table.copy()
+    table[slot] = -1
+    table[slot, : len(kept_pages)] = kept_pages
+    if self.fns.state_sharding is not None:
+      table = jax.device_put(table, self.fns.state_sharding.page_table)
+    slots = np.full(self.config.snapshot_width, -1, np.int32)
+    slots[0] = slot
+    k, v = to_host(self.fns.extract_kv(self.state, slots, self.bucket(max(used, 1)), table))
+    record.kv_k, record.kv_v = k[:, 0, :used].copy(), v[:, 0, :used].copy()
+    self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
+
+  def copy_out_kept(self) -> None:
+    """Every kept record's KV to the host, its pages then plain free pages (before a
+    checkpoint keeps the records)."""
+    for key in list(self._kept):
+      self._copy_out(key)
+      self.book.forget(key)
 
   # ---------------------------------------------------------------------- pages
   def _window(self, length: int, limit: int) -> int:
@@ -332,7 +404,7 @@ class SlotEngine:
       if self._owner[slot] is None:
         continue  # preempted for an older slot
       need = self._window(int(self._lengths[slot]), int(self._limits[slot]))
-      while not self.book.grow(slot, need):
+      while not self.book.grow(slot, need, self._copy_out):
         shard = self.book.shard_of(slot)
         victim = max(
             (
@@ -424,7 +496,7 @@ class SlotEngine:
         if r.started or not np.array_equal(r.prompt, records[0].prompt):
           raise ValueError("add_groups takes fresh samples of one prompt per group")
     flat = [r for records in groups for r in records]
-    slots = self._take_slots(flat)
+    slots, _ = self._take_slots(flat)
     taken = iter(slots)
     group_slots = [[next(taken) for _ in records] for records in groups]
     nonempty = [g for g, records in enumerate(groups) if records]
@@ -445,8 +517,11 @@ class SlotEngine:
     if mode not in RESUME_MODES:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
     self.check(record)
-    [slot] = self._take_slots([record])
-    self._continue(slot, record, mode)
+    [slot], in_place = self._take_slots([record], mode == "kv")
+    if in_place:
+      self._resume_in_place([(slot, record, in_place[id(record)])])
+    else:
+      self._continue(slot, record, mode)
     return slot
 
   def _continue(self, slot: int, record: SampleRecord, mode: str) -> None:
@@ -459,6 +534,7 @@ class SlotEngine:
       kv = self._on_device(
           qwen3.KVCache(np.pad(record.kv_k, pad)[:, None], np.pad(record.kv_v, pad)[:, None])
       )
+      self.kv_bytes_to_device += record.kv_k.nbytes + record.kv_v.nbytes
       kv_version = kv_version_of(record)
     else:  # recompute (or a fresh / KV-less sample): prefill prompt + response so far
       kv = self._prefill([np.concatenate([record.prompt, record.response])])
@@ -553,10 +629,19 @@ class SlotEngine:
     """Frees the slot of a sample that stopped and was held (hold_stopped)."""
     self._release(self._held_stopped(record))
 
-  def snapshot(self, with_kv: bool = True) -> list[SampleRecord]:
-    """Every unfinished sample back to the host (with its KV if asked); slots freed."""
+  def snapshot(self, with_kv: bool = True, keep: bool = False) -> list[SampleRecord]:
+    """Every unfinished sample back to the host (with its KV if asked); slots freed.
+    With `keep` (and with_kv) the KV stays in the slots' pages, kept for the records
+    (keeps): a slot held at a stop still copies its KV out."""
     held = [(slot, r) for slot, r in enumerate(self._owner) if r is not None]
-    self._read_back(held, with_kv)
+    stay = [(slot, r) for slot, r in held if keep and with_kv and slot not in self._stopped]
+    kept = {slot for slot, _ in stay}
+    self._read_back([(slot, r) for slot, r in held if slot not in kept], with_kv)
+    self._read_back(stay, with_kv=False)
+    for slot, record in stay:
+      record.kv_version = int(self._kv_versions[slot])
+      self._kept[id(record)] = (record, int(self._lengths[slot]) - 1)
+      self.book.keep(slot, id(record))
     for slot, _ in held:
       self._release(slot)
     self.state = self.fns.mark_done(self.state, np.array([r is None for r in self._owner]))
@@ -605,3 +690,4 @@ class SlotEngine:
         for j, (slot, record) in enumerate(chunk):
           used = int(self._lengths[slot]) - 1
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
+          self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes

@@ -10,6 +10,12 @@ A slot's table row lists its pages in order, -1 past the last. The host allocate
 the device needs a page (engine.step reserves the pages a slot can fill within one
 decode call), so the device never allocates. The table goes to the device with the next
 insert, decode or KV read call after it changed (SlotEngine._table).
+
+Kept pages: a slot's pages can leave it and stay as they are for a key (`keep`): a
+sample snapshotted at a step's end keeps its KV where it lies. They count as free
+(`free` and every decision that reads it are what a `release` would give), are handed
+out after every other free page, and `grow`'s `reclaim(key)` runs before the first of
+them is, so the caller copies them out first. `adopt` gives them back to a slot in place.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class PageBook:
     # Lowest ids first: pages handed out in order, so tests and runs are reproducible.
     self._free = [list(range(self.usable - 1, -1, -1)) for _ in range(shards)]
     self.dirty = True  # the device table is stale
+    self.kept: dict[int, tuple[int, list[int]]] = {}  # key -> (shard, its pages in order)
+    self._kept_page: list[dict[int, int]] = [{} for _ in range(shards)]  # page -> key
 
   def shard_of(self, slot: int) -> int:
     return slot // self.slots_per_shard
@@ -50,19 +58,27 @@ class PageBook:
   def used(self) -> int:
     return int(self.held.sum())
 
-  def grow(self, slot: int, tokens: int) -> bool:
+  def grow(self, slot: int, tokens: int, reclaim=None) -> bool:
     """Gives the slot pages for its first `tokens` positions; False (nothing taken) if
-    its shard has too few free pages."""
+    its shard has too few free pages. Before a kept page is handed out, reclaim(key)
+    runs for its key (whose pages all become plain free pages)."""
     need = pages_for(tokens, self.page_size) - int(self.held[slot])
     if need <= 0:
       return True
     if need + self.held[slot] > self.table.shape[1]:
       raise ValueError(f"slot {slot}: {tokens} positions exceed the page table's width")
-    free = self._free[self.shard_of(slot)]
+    shard = self.shard_of(slot)
+    free = self._free[shard]
     if need > len(free):
       return False
     have = int(self.held[slot])
     for j in range(have, have + need):
+      key = self._kept_page[shard].get(free[-1])
+      if key is not None:  # kept pages come last: every other free page is taken
+        if reclaim is None:
+          raise RuntimeError(f"slot {slot} needs pages kept for key {key}: no reclaim given")
+        reclaim(key)
+        self.forget(key)
       self.table[slot, j] = free.pop()
     self.held[slot] = have + need
     self.dirty = True
@@ -80,3 +96,42 @@ class PageBook:
   def pages(self, slot: int, tokens: int) -> np.ndarray:
     """The slot's first pages covering `tokens` positions (local ids)."""
     return self.table[slot, : pages_for(tokens, self.page_size)]
+
+  def keep(self, slot: int, key: int) -> None:
+    """The slot's pages leave it, free for the accounting, their contents kept for `key`
+    until they are reclaimed (grow), adopted or forgotten."""
+    if key in self.kept:
+      raise ValueError(f"pages are already kept for key {key}")
+    n, shard = int(self.held[slot]), self.shard_of(slot)
+    pages = self.table[slot, :n].tolist()
+    self._free[shard][:0] = pages[::-1]  # handed out after every other free page
+    self.kept[key] = (shard, pages)
+    for page in pages:
+      self._kept_page[shard][page] = key
+    self.table[slot, :] = -1
+    self.held[slot] = 0
+    self.dirty = True
+
+  def forget(self, key: int) -> None:
+    """The key's kept pages become plain free pages."""
+    shard, pages = self.kept.pop(key)
+    for page in pages:
+      del self._kept_page[shard][page]
+
+  def adopt(self, slot: int, key: int, tokens: int, reclaim=None) -> bool:
+    """Gives an empty slot the pages kept for `key` (at most the pages for `tokens`
+    positions; any more become plain free pages), then grows it to `tokens`. False if
+    the slot is on another shard or its shard lacks the pages (nothing changes)."""
+    shard, pages = self.kept[key]
+    if shard != self.shard_of(slot) or self.held[slot]:
+      return False
+    pages = pages[: pages_for(tokens, self.page_size)]
+    if pages_for(tokens, self.page_size) > len(self._free[shard]):
+      return False
+    self.forget(key)
+    taken = set(pages)
+    self._free[shard][:] = [p for p in self._free[shard] if p not in taken]
+    self.table[slot, : len(pages)] = pages
+    self.held[slot] = len(pages)
+    self.dirty = True
+    return self.grow(slot, tokens, reclaim)

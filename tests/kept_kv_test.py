@@ -1,0 +1,167 @@
+"""A snapshot that keeps its KV in the pool (`snapshot(keep=True)`): no KV crosses to the
+host while the pages are not needed, the pages count as free, the KV is copied out
+before another slot takes them, and every path continues bit for bit alike."""
+
+import jax
+import numpy as np
+import pytest
+
+from april_jax import sampler
+from april_jax.models import qwen3
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax.sampler.pages import PageBook
+from conftest import tiny_qwen3
+
+CFG = tiny_qwen3(vocab_size=96, head_dim=16)  # the sampler tests' model
+
+
+@pytest.fixture(scope="module")
+def params():
+  return qwen3.init_params(CFG, jax.random.key(0), std=0.35)
+
+
+def _records(lengths, max_new_tokens, seed=0):
+  rng = np.random.default_rng(seed)
+  keys = sampler.sample_keys(seed, len(lengths))
+  return [
+      SampleRecord(
+          prompt=rng.integers(0, CFG.vocab_size, n).astype(np.int32),
+          max_new_tokens=max_new_tokens,
+          rng=keys[i],
+          temperature=1.0,
+          meta={"index": i},
+      )
+      for i, n in enumerate(lengths)
+  ]
+
+
+def _drain(engine):
+  out = {}
+  while engine.num_live:
+    out.update({r.meta["index"]: r for r in engine.step()})
+  return out
+
+
+def _straight(config, params, lengths, seed=0):
+  """The samples decoded to the end, never cut."""
+  engine = SlotEngine(CFG, params, config)
+  for r in _records(lengths, 22, seed=seed):
+    engine.add_group([r])
+  return _drain(engine)
+
+
+def _cut(config, params, lengths, steps=2, keep=True, seed=0):
+  """An engine whose samples decoded `steps` calls, then were snapshotted."""
+  engine = SlotEngine(CFG, params, config)
+  records = _records(lengths, 22, seed=seed)
+  for r in records:
+    engine.add_group([r])
+  for _ in range(steps):
+    assert not engine.step()
+  return engine, engine.snapshot(with_kv=True, keep=keep)
+
+
+# ------------------------------------------------------------------------ the book
+def test_kept_pages_count_as_free_are_handed_out_last_and_reclaimed_once():
+  book = PageBook(num_slots=4, pages_per_shard=9, shards=1, page_size=4, width=8)
+  assert book.grow(0, 12) and book.grow(1, 8)  # 3 and 2 pages
+  kept = book.table[0, :3].tolist()
+  book.keep(0, key=7)
+  assert book.free() == 8 - 2 and book.held[0] == 0 and book.used() == 2
+  reclaimed = []
+  assert book.grow(2, 12, reclaimed.append)  # the 3 plain free pages
+  assert reclaimed == [] and not set(book.table[2, :3].tolist()) & set(kept)
+  assert book.grow(3, 4, reclaimed.append)  # only kept pages are left
+  assert reclaimed == [7] and 7 not in book.kept and book.free() == 2
+  assert book.table[3, 0] in kept
+  book.keep(1, key=8)
+  with pytest.raises(ValueError, match="already kept"):
+    book.keep(2, key=8)
+
+
+def test_adopt_gives_the_kept_pages_back_in_order_and_frees_any_past_the_need():
+  book = PageBook(num_slots=4, pages_per_shard=9, shards=2, page_size=4, width=8)
+  assert book.grow(0, 16)  # 4 pages of shard 0 (3 usable left there)
+  kept = book.table[0, :4].tolist()
+  book.keep(0, key=1)
+  assert not book.adopt(2, key=1, tokens=16)  # slot 2 is on the other shard
+  assert book.adopt(1, key=1, tokens=8)  # needs 2 pages: the first two kept ones
+  assert book.table[1, :2].tolist() == kept[:2] and book.held[1] == 2
+  assert book.free(0) == 8 - 2 and not book.kept  # the other two are plain free pages
+  with pytest.raises(RuntimeError, match="no reclaim given"):
+    book.keep(1, key=2)
+    book.grow(0, 32)
+
+
+# ---------------------------------------------------------------------- the engine
+def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params):
+  config = EngineConfig(num_slots=8, max_len=64, sync_every=3, snapshot_width=4)
+  lengths = [3, 14, 6, 20, 9, 2]
+  straight = _straight(config, params, lengths)
+  kept_engine, kept = _cut(config, params, lengths)
+  host_engine, host = _cut(config, params, lengths, keep=False)
+  assert all(kept_engine.keeps(r) and not r.has_kv for r in kept)
+  assert kept_engine.kv_bytes_to_host == 0 < host_engine.kv_bytes_to_host
+  # The pages are free for the accounting, as after a plain snapshot.
+  assert kept_engine.book.free() == host_engine.book.free() and kept_engine.book.used() == 0
+  assert [r.kv_version for r in kept] == [r.kv_version for r in host] == [0] * 6
+  kept_engine.add_partials(kept[::-1], mode="kv")
+  host_engine.add_partials(host[::-1], mode="kv")
+  assert kept_engine.kv_bytes_to_device == 0 < host_engine.kv_bytes_to_device
+  assert not any(kept_engine.keeps(r) for r in kept)
+  from_pool, from_host = _drain(kept_engine), _drain(host_engine)
+  for i, r in straight.items():
+    np.testing.assert_array_equal(from_pool[i].response, r.response)
+    np.testing.assert_array_equal(from_pool[i].response, from_host[i].response)
+    np.testing.assert_array_equal(from_pool[i].logprobs, from_host[i].logprobs)
+    np.testing.assert_array_equal(from_pool[i].versions, from_host[i].versions)
+
+
+def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params):
+  # 10 pages of 8: the two cut samples keep 6, and four fresh ones need all 10.
+  config = EngineConfig(num_slots=4, max_len=64, sync_every=8, page_size=8, num_pages=10)
+  lengths = [12, 12]
+  straight = _straight(config, params, lengths)
+  engine, kept = _cut(config, params, lengths, steps=1)
+  host_engine, host = _cut(config, params, lengths, steps=1, keep=False)
+  fresh = _records([9, 9, 9, 9], 8, seed=9)  # 2 pages each: 4 plain free, then 4 kept
+  for r in fresh:
+    r.meta["index"] = f"fresh{r.meta['index']}"
+  assert engine.room_for(fresh) == host_engine.room_for(fresh) == 4
+  engine.add_groups([[r] for r in fresh])
+  assert not any(engine.keeps(r) for r in kept)  # their pages were needed: copied out
+  for a, b in zip(kept, host):
+    np.testing.assert_array_equal(a.kv_k, b.kv_k)
+    np.testing.assert_array_equal(a.kv_v, b.kv_v)
+    assert a.kv_version == b.kv_version
+  _drain(engine)
+  engine.add_partials(kept, mode="kv")
+  resumed = _drain(engine)
+  for i, r in straight.items():
+    np.testing.assert_array_equal(resumed[i].response, r.response)
+    np.testing.assert_allclose(resumed[i].logprobs, r.logprobs, atol=1e-5)
+  assert engine.book.used() == 0 and engine.book.free() == 10 and not engine.book.kept
+
+
+def test_copy_out_kept_gives_what_a_plain_snapshot_copies(params):
+  config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
+  engine, kept = _cut(config, params, [7, 30, 4])
+  _, host = _cut(config, params, [7, 30, 4], keep=False)
+  engine.copy_out_kept()
+  assert not engine.book.kept and engine.book.free() == engine.book.usable
+  for a, b in zip(kept, host):
+    assert not engine.keeps(a) and a.kv_k.shape == b.kv_k.shape
+    np.testing.assert_array_equal(a.kv_k, b.kv_k)
+    np.testing.assert_array_equal(a.kv_v, b.kv_v)
+  assert engine.kv_bytes_to_host == sum(r.kv_k.nbytes + r.kv_v.nbytes for r in host)
+
+
+def test_a_kept_sample_resumed_by_recompute_lets_its_pages_go_uncopied(params):
+  config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
+  straight = _straight(config, params, [5, 9])
+  engine, kept = _cut(config, params, [5, 9])
+  engine.add_partials(kept, mode="recompute")
+  assert engine.kv_bytes_to_host == 0 and not engine.book.kept
+  resumed = _drain(engine)
+  for i, r in straight.items():
+    np.testing.assert_array_equal(resumed[i].response, r.response)
