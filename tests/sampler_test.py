@@ -376,10 +376,14 @@ def test_no_compilation_after_warm_up(params, compiles):
     records = _records(_prompts(seed, [5, 20, 9, 33, 14, 2]), 18, temperature=1.0, seed=seed)
     engine.add_groups([[r] for r in records[:3]])  # a shared prefill (bucket 16) and one alone
     engine.step()
-    for mode in ("kv", "recompute"):
-      for partial in engine.snapshot(with_kv=(mode == "kv")):
+    for mode, keep in (("kv", False), ("kv", True), ("recompute", False)):
+      for partial in engine.snapshot(with_kv=(mode == "kv"), keep=keep):
         engine.add(partial, mode=mode)
       engine.step()
+    kept = engine.snapshot(keep=True)
+    engine.copy_out_kept()  # as a checkpoint does; then continued from the host copy
+    for partial in kept:
+      engine.add(partial, mode="kv")
     return _run_to_end(engine, records[3:])
 
   workload(0)  # warm-up: every bucket and resume path once

@@ -17,6 +17,8 @@ alike):
   3. The partials merge into their slots through a one-hot [chunk, S] matrix (a max
      and two small matmuls): the per-slot combine of split-K flash decoding, where the
      split is the page. No scatter, so no atomics and no order that varies run to run.
+     A page whose partial is not finite enters the products as 0 and marks its own slot
+     NaN, so a NaN in one slot's KV never spreads (0 x NaN) to the other slots.
 A step therefore reads live pages (plus at most one chunk of rounding), whatever the
 longest slot or the table's width; a long-tailed mix of lengths costs what a uniform
 mix of the same live tokens costs. The order of the sums depends on the slots' lengths
@@ -142,7 +144,7 @@ def paged_decode_attention(
   l = jnp.ones(m.shape, jnp.float32)
 
   def chunk(c, carry):
-    o, m, l = carry
+    o, m, l, bad_S = carry
     slot_C, page_C, count_C = jax.lax.dynamic_slice_in_dim(plan.pairs_3xE, c * C, C, axis=1)
     row_C = jnp.minimum(slot_C, S - 1)
     m_c, l_c, o_c = page_partials(
@@ -150,16 +152,22 @@ def paged_decode_attention(
     )
     # Merge each page's partial softmax into its slot (padding pairs own no slot).
     hot_CxS = slot_C[:, None] == jnp.arange(S)[None, :]
+    finite_C = jnp.isfinite(o_c).all((1, 2, 3)) & jnp.isfinite(m_c + l_c).all((1, 2))
+    bad_S = bad_S | jnp.any(hot_CxS & ~finite_C[:, None], axis=0)
+    m_c = jnp.where(finite_C[:, None, None], m_c, _NEG)
+    l_c = jnp.where(finite_C[:, None, None], l_c, 0.0)
+    o_c = jnp.where(finite_C[:, None, None, None], o_c, 0.0)
     m_new = jnp.maximum(m, jnp.max(jnp.where(hot_CxS[..., None, None], m_c[:, None], _NEG), 0))
     w_c = jnp.where((count_C > 0)[:, None, None], jnp.exp(m_c - m_new[row_C]), 0.0)
     hot = hot_CxS.astype(jnp.float32)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.einsum("cs,ckg->skg", hot, l_c * w_c)
     o = o * corr[..., None] + jnp.einsum("cs,ckgh->skgh", hot, o_c * w_c[..., None])
-    return o, m_new, l
+    return o, m_new, l, bad_S
 
-  o, m, l = jax.lax.fori_loop(0, plan.num_chunks, chunk, (o, m, l))
-  return (o / l[..., None]).astype(dtype)
+  bad = jnp.zeros((S,), bool)
+  o, m, l, bad = jax.lax.fori_loop(0, plan.num_chunks, chunk, (o, m, l, bad))
+  return jnp.where(bad[:, None, None, None], jnp.nan, o / l[..., None]).astype(dtype)
 
 
 def write_pages(pool, new_k_LxSxKxH, new_v_LxSxKxH, table_SxJ, positions_S, live_S, scratch: int):
