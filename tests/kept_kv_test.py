@@ -2,11 +2,13 @@
 host while the pages are not needed, the pages count as free, the KV is copied out
 before another slot takes them, and every path continues bit for bit alike."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
-from april_jax import sampler
+from april_jax import sampler, sharding
 from april_jax.models import qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 from april_jax.sampler.pages import PageBook
@@ -69,14 +71,29 @@ def test_kept_pages_count_as_free_are_handed_out_last_and_reclaimed_once():
   book.keep(0, key=7)
   assert book.free() == 8 - 2 and book.held[0] == 0 and book.used() == 2
   reclaimed = []
-  assert book.grow(2, 12, reclaimed.append)  # the 3 plain free pages
+  assert book.grow(2, 12, reclaimed.extend)  # the 3 plain free pages
   assert reclaimed == [] and not set(book.table[2, :3].tolist()) & set(kept)
-  assert book.grow(3, 4, reclaimed.append)  # only kept pages are left
+  assert book.grow(3, 4, reclaimed.extend)  # only kept pages are left
   assert reclaimed == [7] and 7 not in book.kept and book.free() == 2
   assert book.table[3, 0] in kept
   book.keep(1, key=8)
   with pytest.raises(ValueError, match="already kept"):
     book.keep(2, key=8)
+
+
+def test_a_forgotten_keys_pages_are_handed_out_before_any_kept_page():
+  book = PageBook(num_slots=4, pages_per_shard=9, shards=1, page_size=4, width=8)
+  assert book.grow(0, 12) and book.grow(1, 12) and book.grow(2, 8)  # 3 + 3 + 2 of 8
+  book.keep(0, key=1)
+  book.keep(1, key=2)
+  book.forget(2)  # plain free again, though kept after key 1
+  reclaimed = []
+  assert book.grow(3, 12, reclaimed.extend)  # 3 pages: key 2's, plain again
+  assert reclaimed == [] and list(book.kept) == [1]
+  book.release(2)  # 2 more plain pages
+  assert book.grow(2, 16, reclaimed.extend)  # 4 pages: the 2 plain ones, then key 1's
+  assert reclaimed == [1] and not book.kept  # one call for the key it reached
+  assert not book.grow(1, 8, reclaimed.extend) and reclaimed == [1]  # 1 page left: no call
 
 
 def test_adopt_gives_the_kept_pages_back_in_order_and_frees_any_past_the_need():
@@ -128,8 +145,13 @@ def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params):
   for r in fresh:
     r.meta["index"] = f"fresh{r.meta['index']}"
   assert engine.room_for(fresh) == host_engine.room_for(fresh) == 4
+  extract, calls = engine.fns.extract_kv, []
+  engine.fns = dataclasses.replace(
+      engine.fns, extract_kv=lambda *a: calls.append(a[1]) or extract(*a)
+  )
   engine.add_groups([[r] for r in fresh])
   assert not any(engine.keeps(r) for r in kept)  # their pages were needed: copied out
+  assert len(calls) == 2  # one call per grow that reached kept pages (the last two)
   for a, b in zip(kept, host):
     np.testing.assert_array_equal(a.kv_k, b.kv_k)
     np.testing.assert_array_equal(a.kv_v, b.kv_v)
@@ -165,3 +187,32 @@ def test_a_kept_sample_resumed_by_recompute_lets_its_pages_go_uncopied(params):
   resumed = _drain(engine)
   for i, r in straight.items():
     np.testing.assert_array_equal(resumed[i].response, r.response)
+
+
+def test_kept_samples_placed_on_another_shard_continue_from_a_copy(params):
+  """Slots 0-1 on one device, 2-3 on another: a kept sample whose new slot is on the
+  other shard has its KV copied out (those of one bucket in one call) and put back
+  through the host; one placed on its own shard takes its pages back in place."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 (CPU) devices")
+  mesh = sharding.make_mesh((2, 1, 1), jax.devices()[:2])
+  config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
+  make = lambda: _records([5, 9, 7], 22)  # slots 0, 1 (shard 0) and 2 (shard 1)
+  straight = SlotEngine(CFG, params, config, mesh=mesh)
+  for r in make():
+    straight.add_group([r])
+  want = _drain(straight)
+  engine = SlotEngine(CFG, params, config, mesh=mesh)
+  for r in make():
+    engine.add_group([r])
+  engine.step()
+  a, b, c = engine.snapshot(keep=True)
+  assert [engine.book.kept[id(r)][0] for r in (a, b, c)] == [0, 0, 1]
+  slots = engine.add_partials([c, a, b], mode="kv")  # c to slot 0, a to 1, b to 2
+  assert slots == [0, 1, 2]
+  assert c.kv_k is None and engine.kv_bytes_to_host > 0 < engine.kv_bytes_to_device
+  assert not engine.book.kept
+  got = _drain(engine)
+  for i, r in want.items():
+    np.testing.assert_array_equal(got[i].response, r.response)
+    np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)

@@ -269,6 +269,8 @@ def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit
       trained.append(g.prompt_id)
       for s in g.samples:
         assert step - s.versions.min() <= limit
+    # Pages are kept only for samples still in the buffer: a restarted one lets go.
+    assert set(sched.engine.book.kept) <= {id(s) for g in sched.buffer for s in g.samples}
   assert restarts > 0 and sched.totals["stale_restarts"] == restarts
   assert sorted(trained + [g.prompt_id for g in sched.buffer]) == sorted(handed_out)
 

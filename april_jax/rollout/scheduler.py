@@ -194,6 +194,7 @@ class AprilScheduler:
         if len(sample.versions) and version - int(sample.versions.min()) > limit
     ]
     for i in stale:
+      self.engine.discard(group.samples[i])  # its kept KV, if any: it starts over
       group.restart_sample(i)
     stats["stale_restarts"] += len(stale)
     self.totals["stale_restarts"] += len(stale)

@@ -296,18 +296,27 @@ class SlotEngine:
           f"{len(records)} samples do not fit: {self.num_free} slots and "
           f"{self.book.free()} pages free (check room_for first)"
       )
+    # Kept records that cannot take their pages back let them go first, those that
+    # continue from their KV copied out together (a slot on another shard than its pages).
+    let_go = [
+        (slot, r)
+        for slot, r in zip(slots, records)
+        if id(r) in self._kept
+        and not (resume_kv and self.book.kept[id(r)][0] == self.book.shard_of(slot))
+    ]
+    if resume_kv:
+      self._copy_out([id(r) for _, r in let_go])
+    for _, r in let_go:
+      self._kept.pop(id(r), None)
+      self.book.forget(id(r))
     in_place = {}
     for slot, r in zip(slots, records):
       window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
-      if id(r) in self._kept and resume_kv and self.book.adopt(slot, id(r), window, self._copy_out):
+      if id(r) in self._kept:
+        if not self.book.adopt(slot, id(r), window, self._copy_out):
+          raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
         in_place[id(r)] = self._kept.pop(id(r))[1]
       else:
-        if id(r) in self._kept:
-          if resume_kv:
-            self._copy_out(id(r))
-          else:
-            self._kept.pop(id(r))
-          self.book.forget(id(r))
         self.book.grow(slot, window, self._copy_out)
       self._limits[slot] = len(r.prompt) + r.max_new_tokens
       self._age[slot] = self._admissions
@@ -328,27 +337,50 @@ class SlotEngine:
       self.state = self.fns.write_rows(self.state, rows, padded)
       self._own(list(slots), list(records), lengths)
 
-  def _copy_out(self, key: int) -> None:
-    """A kept record's KV to the host, from its pages (before they are handed out)."""
-    record, used = self._kept.pop(key)
-    shard, kept_pages = self.book.kept[key]
-    slot = shard * self.book.slots_per_shard  # a row of its shard in a table of its own
-    table = self.book.table.copy()
-    table[slot] = -1
-    table[slot, : len(kept_pages)] = kept_pages
-    if self.fns.state_sharding is not None:
-      table = jax.device_put(table, self.fns.state_sharding.page_table)
-    slots = np.full(self.config.snapshot_width, -1, np.int32)
-    slots[0] = slot
-    k, v = to_host(self.fns.extract_kv(self.state, slots, self.bucket(max(used, 1)), table))
-    record.kv_k, record.kv_v = k[:, 0, :used].copy(), v[:, 0, :used].copy()
-    self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
+  def _copy_out(self, keys: list[int]) -> None:
+    """Kept records' KV to the host, from their pages (before they are handed out):
+    records of one length bucket share extract calls, snapshot_width per call, each
+    read through a row of its pages' shard in a table of the call's own."""
+    W, per_shard = self.config.snapshot_width, self.book.slots_per_shard
+    by_bucket: dict[int, list[int]] = {}
+    for key in keys:
+      by_bucket.setdefault(self.bucket(max(self._kept[key][1], 1)), []).append(key)
+    for kv_len, pending in by_bucket.items():
+      while pending:
+        table, slots, chunk = self.book.table.copy(), np.full(W, -1, np.int32), []
+        rows_used: dict[int, int] = {}  # shard -> rows of it taken in this call
+        for key in list(pending):
+          shard, kept_pages = self.book.kept[key]
+          if len(chunk) == W or rows_used.get(shard, 0) == per_shard:
+            continue
+          row = shard * per_shard + rows_used.get(shard, 0)
+          rows_used[shard] = rows_used.get(shard, 0) + 1
+          table[row] = -1
+          table[row, : len(kept_pages)] = kept_pages
+          slots[len(chunk)] = row
+          chunk.append(key)
+          pending.remove(key)
+        if self.fns.state_sharding is not None:
+          table = jax.device_put(table, self.fns.state_sharding.page_table)
+        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len, table))
+        for j, key in enumerate(chunk):
+          record, used = self._kept.pop(key)
+          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
+          self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
+
+  def discard(self, record: SampleRecord) -> None:
+    """Lets a kept record's pages go without copying its KV out (the caller drops the
+    record: it starts over)."""
+    if id(record) in self._kept:
+      del self._kept[id(record)]
+      self.book.forget(id(record))
 
   def copy_out_kept(self) -> None:
     """Every kept record's KV to the host, its pages then plain free pages (before a
     checkpoint keeps the records)."""
-    for key in list(self._kept):
-      self._copy_out(key)
+    keys = list(self._kept)
+    self._copy_out(keys)
+    for key in keys:
       self.book.forget(key)
 
   # ---------------------------------------------------------------------- pages

@@ -14,8 +14,10 @@ insert, decode or KV read call after it changed (SlotEngine._table).
 Kept pages: a slot's pages can leave it and stay as they are for a key (`keep`): a
 sample snapshotted at a step's end keeps its KV where it lies. They count as free
 (`free` and every decision that reads it are what a `release` would give), are handed
-out after every other free page, and `grow`'s `reclaim(key)` runs before the first of
-them is, so the caller copies them out first. `adopt` gives them back to a slot in place.
+out after every other free page (they are the front of the free list; a plain free page
+goes to its back), and `grow`'s `reclaim(keys)` runs for the keys whose pages it is
+about to hand out, so the caller copies them out first. `adopt` gives them back to a
+slot in place.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ class PageBook:
 
   def grow(self, slot: int, tokens: int, reclaim=None) -> bool:
     """Gives the slot pages for its first `tokens` positions; False (nothing taken) if
-    its shard has too few free pages. Before a kept page is handed out, reclaim(key)
-    runs for its key (whose pages all become plain free pages)."""
+    its shard has too few free pages. Before kept pages are handed out, reclaim(keys)
+    runs once for their keys (whose pages all become plain free pages)."""
     need = pages_for(tokens, self.page_size) - int(self.held[slot])
     if need <= 0:
       return True
@@ -72,13 +74,16 @@ class PageBook:
     if need > len(free):
       return False
     have = int(self.held[slot])
-    for j in range(have, have + need):
-      key = self._kept_page[shard].get(free[-1])
-      if key is not None:  # kept pages come last: every other free page is taken
-        if reclaim is None:
-          raise RuntimeError(f"slot {slot} needs pages kept for key {key}: no reclaim given")
-        reclaim(key)
+    # Kept pages are the front of the list: these are taken only once the rest are.
+    kept = [self._kept_page[shard].get(p) for p in free[-need:]]
+    keys = list(dict.fromkeys(k for k in kept if k is not None))
+    if keys:
+      if reclaim is None:
+        raise RuntimeError(f"slot {slot} needs pages kept for keys {keys}: no reclaim given")
+      reclaim(keys)
+      for key in keys:
         self.forget(key)
+    for j in range(have, have + need):
       self.table[slot, j] = free.pop()
     self.held[slot] = have + need
     self.dirty = True
@@ -113,10 +118,12 @@ class PageBook:
     self.dirty = True
 
   def forget(self, key: int) -> None:
-    """The key's kept pages become plain free pages."""
+    """The key's kept pages become plain free pages (at the back of the free list)."""
     shard, pages = self.kept.pop(key)
     for page in pages:
       del self._kept_page[shard][page]
+    taken, free = set(pages), self._free[shard]
+    free[:] = [p for p in free if p not in taken] + pages[::-1]
 
   def adopt(self, slot: int, key: int, tokens: int, reclaim=None) -> bool:
     """Gives an empty slot the pages kept for `key` (at most the pages for `tokens`
