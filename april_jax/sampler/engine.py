@@ -309,9 +309,17 @@ class SlotEngine:
     for _, r in let_go:
       self._kept.pop(id(r), None)
       self.book.forget(id(r))
+    windows = [self._window(r.length, len(r.prompt) + r.max_new_tokens) for r in records]
+    need: dict[int, int] = {}
+    for slot, r, window in zip(slots, records, windows):
+      own = len(self.book.kept[id(r)][1]) if id(r) in self._kept else 0
+      shard = self.book.shard_of(slot)
+      need[shard] = need.get(shard, 0) + max(
+          pages.pages_for(window, self.config.page_size) - own, 0
+      )
+    self._copy_out_ahead(need, {id(r) for r in records})
     in_place = {}
-    for slot, r in zip(slots, records):
-      window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
+    for slot, r, window in zip(slots, records, windows):
       if id(r) in self._kept:
         if not self.book.adopt(slot, id(r), window, self._copy_out):
           raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
@@ -336,6 +344,17 @@ class SlotEngine:
       rows = rows_from_records(list(records), W, self.config.max_len, versions, lengths)
       self.state = self.fns.write_rows(self.state, rows, padded)
       self._own(list(slots), list(records), lengths)
+
+  def _copy_out_ahead(self, need: dict[int, int], spare: set[int] = frozenset()) -> None:
+    """Copies out together the kept KV in the pages the coming grows will take (need:
+    shard -> pages), but for the keys in `spare` (records about to take their own
+    pages back), so the grows do not copy one key at a time. Whatever a grow still
+    reaches it copies out itself."""
+    keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
+    keys = [k for k in keys if k not in spare]
+    self._copy_out(keys)
+    for key in keys:
+      self.book.forget(key)
 
   def _copy_out(self, keys: list[int]) -> None:
     """Kept records' KV to the host, from their pages (before they are handed out):
@@ -432,10 +451,16 @@ class SlotEngine:
     runs out, its youngest live slot is preempted (never dropped: see take_preempted);
     the oldest always fits, as the pool holds one max_len sequence per shard."""
     live = [s for s, r in enumerate(self._owner) if r is not None]
+    windows = {s: self._window(int(self._lengths[s]), int(self._limits[s])) for s in live}
+    ahead: dict[int, int] = {}
+    for slot, window in windows.items():
+      grow = pages.pages_for(window, self.config.page_size) - int(self.book.held[slot])
+      ahead[self.book.shard_of(slot)] = ahead.get(self.book.shard_of(slot), 0) + max(grow, 0)
+    self._copy_out_ahead(ahead)
     for slot in sorted(live, key=lambda s: self._age[s]):
       if self._owner[slot] is None:
         continue  # preempted for an older slot
-      need = self._window(int(self._lengths[slot]), int(self._limits[slot]))
+      need = windows[slot]
       while not self.book.grow(slot, need, self._copy_out):
         shard = self.book.shard_of(slot)
         victim = max(

@@ -74,9 +74,7 @@ class PageBook:
     if need > len(free):
       return False
     have = int(self.held[slot])
-    # Kept pages are the front of the list: these are taken only once the rest are.
-    kept = [self._kept_page[shard].get(p) for p in free[-need:]]
-    keys = list(dict.fromkeys(k for k in kept if k is not None))
+    keys = self.kept_within(shard, need)
     if keys:
       if reclaim is None:
         raise RuntimeError(f"slot {slot} needs pages kept for keys {keys}: no reclaim given")
@@ -101,6 +99,12 @@ class PageBook:
   def pages(self, slot: int, tokens: int) -> np.ndarray:
     """The slot's first pages covering `tokens` positions (local ids)."""
     return self.table[slot, : pages_for(tokens, self.page_size)]
+
+  def kept_within(self, shard: int, n: int) -> list[int]:
+    """Keys with kept pages among the next n pages the shard hands out, in that order
+    (kept pages are the front of the free list: taken only once the rest are)."""
+    kept = [self._kept_page[shard].get(p) for p in self._free[shard][-n:]] if n > 0 else []
+    return list(dict.fromkeys(k for k in kept if k is not None))
 
   def keep(self, slot: int, key: int) -> None:
     """The slot's pages leave it, free for the accounting, their contents kept for `key`
