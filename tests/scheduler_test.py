@@ -441,3 +441,31 @@ def test_occupancy_and_throughput_follow_their_definitions():
   assert m["rollout/tokens_per_s"] == pytest.approx(st["new_tokens"] / st["rollout_s"])
   trained_tokens = sum(len(s.response) for g in result.groups for s in g.samples)
   assert st["new_tokens"] >= trained_tokens
+
+
+def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
+  """APRIL over a pool too small for its slots (preemptions, kept pages reclaimed), once
+  keeping its partials' KV in the pool and once copying it to the host at each step's
+  end: the same samples, tokens, logprobs and stats, step by step."""
+  budgets = lambda i, n: np.random.default_rng(3000 + i).integers(5, 58, n)
+  settings = dict(page_size=8, num_pages=24)
+  kept, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
+  copied, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
+  snapshot = copied.engine.snapshot
+  monkeypatch.setattr(
+      copied.engine, "snapshot", lambda with_kv=True, keep=False: snapshot(with_kv, keep=False)
+  )
+  counts = ("preemptions", "new_tokens", "decode_steps", "partial_samples")
+  for step in range(6):
+    a, b = kept.step(step, version=step), copied.step(step, version=step)
+    assert [g.group_id for g in a.groups] == [g.group_id for g in b.groups]
+    assert [a.stats.get(k) for k in counts] == [b.stats.get(k) for k in counts]
+    for ga, gb in zip(a.groups, b.groups):
+      for sa, sb in zip(ga.samples, gb.samples):
+        np.testing.assert_array_equal(sa.response, sb.response)
+        np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
+        np.testing.assert_array_equal(sa.versions, sb.versions)
+  assert kept.totals["preemptions"] > 0
+  # Preempted samples and reclaimed kept pages still cross to the host; less of it.
+  assert 0 < kept.engine.kv_bytes_to_host < copied.engine.kv_bytes_to_host
+  assert kept.engine.kv_bytes_to_device < copied.engine.kv_bytes_to_device
