@@ -189,10 +189,10 @@ def test_a_kept_sample_resumed_by_recompute_lets_its_pages_go_uncopied(params):
     np.testing.assert_array_equal(resumed[i].response, r.response)
 
 
-def test_kept_samples_placed_on_another_shard_continue_from_a_copy(params):
-  """Slots 0-1 on one device, 2-3 on another: a kept sample whose new slot is on the
-  other shard has its KV copied out (those of one bucket in one call) and put back
-  through the host; one placed on its own shard takes its pages back in place."""
+def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(params):
+  """Slots 0-1 on one device, 2-3 on another. A kept sample goes back to the shard of
+  its pages and takes them back in place; one whose shard has no free slot left goes
+  to the other shard and continues from a copy of its KV."""
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 (CPU) devices")
   mesh = sharding.make_mesh((2, 1, 1), jax.devices()[:2])
@@ -202,17 +202,36 @@ def test_kept_samples_placed_on_another_shard_continue_from_a_copy(params):
   for r in make():
     straight.add_group([r])
   want = _drain(straight)
-  engine = SlotEngine(CFG, params, config, mesh=mesh)
-  for r in make():
-    engine.add_group([r])
-  engine.step()
-  a, b, c = engine.snapshot(keep=True)
+
+  def cut():
+    engine = SlotEngine(CFG, params, config, mesh=mesh)
+    for r in make():
+      engine.add_group([r])
+    engine.step()
+    return engine, engine.snapshot(keep=True)
+
+  engine, (a, b, c) = cut()
   assert [engine.book.kept[id(r)][0] for r in (a, b, c)] == [0, 0, 1]
-  slots = engine.add_partials([c, a, b], mode="kv")  # c to slot 0, a to 1, b to 2
-  assert slots == [0, 1, 2]
-  assert c.kv_k is None and engine.kv_bytes_to_host > 0 < engine.kv_bytes_to_device
-  assert not engine.book.kept
+  assert [r.meta["shard"] for r in (a, b, c)] == [0, 0, 1]
+  assert engine.add_partials([c, a, b], mode="kv") == [2, 0, 1]  # each to its own shard
+  assert engine.kv_bytes_to_host == 0 == engine.kv_bytes_to_device
   got = _drain(engine)
+  for i, r in want.items():
+    np.testing.assert_array_equal(got[i].response, r.response)
+    np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)
+
+  engine, (a, b, c) = cut()
+  blockers = _records([4, 4], 2, seed=5)
+  for r in blockers:
+    r.meta["index"] = f"blocker{r.meta['index']}"
+  engine.add_groups([[r] for r in blockers])  # slots 0 and 1: shard 0 is full
+  assert engine.add_partials([a, b], mode="kv") == [2, 3]  # on shard 1: copies
+  assert not a.has_kv and engine.kv_bytes_to_host > 0 < engine.kv_bytes_to_device
+  got = {}
+  while any(engine.holds(r) for r in blockers):  # a and b decode on meanwhile
+    got.update({r.meta["index"]: r for r in engine.step()})
+  engine.add_partials([c], mode="kv")  # to shard 0, freed by the blockers: a copy
+  got.update(_drain(engine))
   for i, r in want.items():
     np.testing.assert_array_equal(got[i].response, r.response)
     np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)

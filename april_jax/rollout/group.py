@@ -20,7 +20,7 @@ import numpy as np
 
 from april_jax.sampler import SampleRecord, sample_keys
 
-RESTART_DROPS = ("cuts", "env", "turns", "obs", "env_reward", "env_error")
+RESTART_DROPS = ("cuts", "env", "turns", "obs", "env_reward", "env_error", "shard")
 
 
 @dataclasses.dataclass

@@ -415,8 +415,10 @@ class SlotEngine:
 
   def _place(self, records: list[SampleRecord]) -> list[int]:
     """Slots for the records, in order, as far as they fit: each takes the lowest free
-    slot on a shard with pages for it. Calls that take slots for a list in parts, in
-    order, get what one call for the whole list would: room_for counts what they get."""
+    slot on a shard with pages for it, the shard it was snapshotted from first (its
+    meta "shard", with more than one shard: where its kept pages are). Calls that take
+    slots for a list in parts, in order, get what one call for the whole list would:
+    room_for counts what they get."""
     free: dict[int, list[int]] = {}  # shard -> its free slots, lowest first
     for slot in self.free_slots():
       free.setdefault(self.book.shard_of(slot), []).append(slot)
@@ -428,7 +430,8 @@ class SlotEngine:
       fits = [shard for shard, slots in free.items() if slots and left[shard] >= need]
       if not fits:
         break
-      shard = min(fits, key=lambda shard: free[shard][0])
+      home = r.meta.get("shard")
+      shard = home if home in fits else min(fits, key=lambda shard: free[shard][0])
       out.append(free[shard].pop(0))
       left[shard] -= need
     return out
@@ -691,6 +694,9 @@ class SlotEngine:
     With `keep` (and with_kv) the KV stays in the slots' pages, kept for the records
     (keeps): a slot held at a stop still copies its KV out."""
     held = [(slot, r) for slot, r in enumerate(self._owner) if r is not None]
+    if self.book.shards > 1:  # a checkpoint keeps it: a resumed run places alike
+      for slot, r in held:
+        r.meta["shard"] = self.book.shard_of(slot)
     stay = [(slot, r) for slot, r in held if keep and with_kv and slot not in self._stopped]
     kept = {slot for slot, _ in stay}
     self._read_back([(slot, r) for slot, r in held if slot not in kept], with_kv)
