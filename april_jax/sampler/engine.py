@@ -304,20 +304,17 @@ class SlotEngine:
         if id(r) in self._kept
         and not (resume_kv and self.book.kept[id(r)][0] == self.book.shard_of(slot))
     ]
-    if resume_kv:
-      self._copy_out([id(r) for _, r in let_go])
-    for _, r in let_go:
-      self._kept.pop(id(r), None)
-      self.book.forget(id(r))
+    self._let_go([id(r) for _, r in let_go], copy=resume_kv)
     windows = [self._window(r.length, len(r.prompt) + r.max_new_tokens) for r in records]
-    need: dict[int, int] = {}
-    for slot, r, window in zip(slots, records, windows):
-      own = len(self.book.kept[id(r)][1]) if id(r) in self._kept else 0
-      shard = self.book.shard_of(slot)
-      need[shard] = need.get(shard, 0) + max(
-          pages.pages_for(window, self.config.page_size) - own, 0
-      )
-    self._copy_out_ahead(need, {id(r) for r in records})
+    if self._kept:
+      need: dict[int, int] = {}
+      for slot, r, window in zip(slots, records, windows):
+        own = len(self.book.kept[id(r)][1]) if id(r) in self._kept else 0
+        shard = self.book.shard_of(slot)
+        need[shard] = need.get(shard, 0) + max(
+            pages.pages_for(window, self.config.page_size) - own, 0
+        )
+      self._copy_out_ahead(need, {id(r) for r in records})
     in_place = {}
     for slot, r, window in zip(slots, records, windows):
       if id(r) in self._kept:
@@ -351,9 +348,14 @@ class SlotEngine:
     pages back), so the grows do not copy one key at a time. Whatever a grow still
     reaches it copies out itself."""
     keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
-    keys = [k for k in keys if k not in spare]
-    self._copy_out(keys)
+    self._let_go([k for k in keys if k not in spare], copy=True)
+
+  def _let_go(self, keys: list[int], copy: bool) -> None:
+    """Kept records' pages become plain free pages, their KV copied out first if `copy`."""
+    if copy:
+      self._copy_out(keys)
     for key in keys:
+      self._kept.pop(key, None)
       self.book.forget(key)
 
   def _copy_out(self, keys: list[int]) -> None:
@@ -391,16 +393,12 @@ class SlotEngine:
     """Lets a kept record's pages go without copying its KV out (the caller drops the
     record: it starts over)."""
     if id(record) in self._kept:
-      del self._kept[id(record)]
-      self.book.forget(id(record))
+      self._let_go([id(record)], copy=False)
 
   def copy_out_kept(self) -> None:
     """Every kept record's KV to the host, its pages then plain free pages (before a
     checkpoint keeps the records)."""
-    keys = list(self._kept)
-    self._copy_out(keys)
-    for key in keys:
-      self.book.forget(key)
+    self._let_go(list(self._kept), copy=True)
 
   # ---------------------------------------------------------------------- pages
   def _window(self, length: int, limit: int) -> int:
@@ -455,11 +453,12 @@ class SlotEngine:
     the oldest always fits, as the pool holds one max_len sequence per shard."""
     live = [s for s, r in enumerate(self._owner) if r is not None]
     windows = {s: self._window(int(self._lengths[s]), int(self._limits[s])) for s in live}
-    ahead: dict[int, int] = {}
-    for slot, window in windows.items():
-      grow = pages.pages_for(window, self.config.page_size) - int(self.book.held[slot])
-      ahead[self.book.shard_of(slot)] = ahead.get(self.book.shard_of(slot), 0) + max(grow, 0)
-    self._copy_out_ahead(ahead)
+    if self._kept:  # kept pages the coming grows reach: copied out in one batch
+      ahead: dict[int, int] = {}
+      for slot, window in windows.items():
+        grow = pages.pages_for(window, self.config.page_size) - int(self.book.held[slot])
+        ahead[self.book.shard_of(slot)] = ahead.get(self.book.shard_of(slot), 0) + max(grow, 0)
+      self._copy_out_ahead(ahead)
     for slot in sorted(live, key=lambda s: self._age[s]):
       if self._owner[slot] is None:
         continue  # preempted for an older slot
