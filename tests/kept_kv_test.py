@@ -3,6 +3,7 @@ host while the pages are not needed, the pages count as free, the KV is copied o
 before another slot takes them, and every path continues bit for bit alike."""
 
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from april_jax import sampler, sharding
 from april_jax.models import qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax.sampler.kept_kv import KeptKV
 from april_jax.sampler.pages import PageBook
 from conftest import tiny_qwen3
 
@@ -108,6 +110,48 @@ def test_adopt_gives_the_kept_pages_back_in_order_and_frees_any_past_the_need():
   with pytest.raises(RuntimeError, match="no reclaim given"):
     book.keep(1, key=2)
     book.grow(0, 32)
+
+
+def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and_width():
+  """KeptKV against a pool of known values: each record's KV is its kept pages' first
+  `used` positions, read in one call per length bucket and snapshot_width records, and
+  never more records of a shard in one call than the shard has table rows."""
+  page, shards, per_shard = 4, 2, 3
+  book = PageBook(shards * per_shard, pages_per_shard=9, shards=shards, page_size=page, width=4)
+  pool = np.arange(shards * 9 * page, dtype=np.float32).reshape(shards, 9, page)
+  calls = []
+
+  def read_kv(slots, kv_len, table):
+    calls.append((kv_len, int((slots >= 0).sum())))
+    out = np.full((1, len(slots), kv_len, 1, 1), np.nan, np.float32)
+    for j, row in enumerate(slots):
+      if row >= 0:
+        pages = table[row][table[row] >= 0]
+        values = pool[book.shard_of(row), pages].reshape(-1)[:kv_len]
+        out[0, j, : len(values), 0, 0] = values
+    return out, -out
+
+  kept = KeptKV(book, bucket=lambda n: 8 if n <= 8 else 16, snapshot_width=4, read_kv=read_kv)
+  expected = []
+  # Six records of shard 0 (slots 0-2 twice: more than its 3 rows) of bucket 8, then
+  # shard 1's: 7 positions (bucket 8) and 13 (bucket 16).
+  for i, (slot, used) in enumerate(
+      [(0, 3), (1, 4), (2, 1), (0, 2), (1, 4), (2, 3), (3, 7), (4, 13)]
+  ):
+    assert book.grow(slot, used)
+    pages = book.table[slot, : -(-used // page)]
+    record = _records([2], 30, seed=i)[0]
+    expected.append((record, pool[book.shard_of(slot), pages].reshape(-1)[:used]))
+    kept.keep(slot, record, used)
+  assert len(kept) == 8 and book.used() == 0
+  kept.copy_out_all()
+  for record, values in expected:
+    np.testing.assert_array_equal(record.kv_k[0, :, 0, 0], values)
+    np.testing.assert_array_equal(record.kv_v, -record.kv_k)
+    assert record not in kept
+  # bucket 8: shard 0's first three and shard 1's, then shard 0's other three
+  assert calls == [(8, 4), (8, 3), (16, 1)]
+  assert kept.bytes_to_host == 2 * 4 * (3 + 4 + 1 + 2 + 4 + 3 + 7 + 13) and not book.kept
 
 
 # ---------------------------------------------------------------------- the engine
@@ -235,3 +279,19 @@ def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(params):
   for i, r in want.items():
     np.testing.assert_array_equal(got[i].response, r.response)
     np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)
+
+
+def test_a_dropped_engine_frees_its_device_state_without_a_collection(params):
+  """The engine holds its KeptKV, which reads through the engine: no reference cycle may
+  keep the pool alive once the engine is dropped (a run builds engines and drops them)."""
+  gc.collect()
+  before = {id(a) for a in jax.live_arrays()}
+  gc.disable()
+  try:
+    engine, _ = _cut(EngineConfig(num_slots=4, max_len=64, sync_every=3), params, [3, 5])
+    assert len(engine.kept) == 2
+    assert {id(a) for a in jax.live_arrays()} - before  # the pool, the page table, ...
+    del engine
+    assert not {id(a) for a in jax.live_arrays()} - before
+  finally:
+    gc.enable()

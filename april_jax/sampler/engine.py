@@ -20,14 +20,13 @@ forward pass saw: a sample put back with its KV (mode kv) keeps its KV's version
 recomputed or fresh one takes the new version (see state.py).
 
 A snapshot with `keep` leaves each sample's KV in its pages instead of copying it to the
-host: the pages count as free (every decision is what a plain snapshot gives), and the
-KV is copied out only when its pages are handed to another slot or `copy_out_kept` asks
-(a checkpoint). A kept sample put back with its KV takes its pages back in place: no
-copy either way. The attention sums never depend on which physical pages a slot holds,
-so either path continues it bit for bit alike.
+host, until another slot needs them or `copy_out_kept` asks (a checkpoint); a kept sample
+put back with its KV takes its pages back in place (kept_kv.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ import numpy as np
 from april_jax import buckets, sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
-from april_jax.sampler import pages, slot_ops
+from april_jax.sampler import kept_kv, pages, slot_ops
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.records import PromptError, SampleRecord
 from april_jax.sampler.rows import kv_positions, kv_version_of, rows_from_records
@@ -81,8 +80,13 @@ class SlotEngine:
         config.page_size,
         pages.pages_for(config.max_len, config.page_size),
     )
-    # Snapshotted samples whose KV stays in the pool: id -> (record, KV positions).
-    self._kept: dict[int, tuple[SampleRecord, int]] = {}
+    # Snapshotted samples whose KV stays in the pool (snapshot with keep).
+    self.kept = kept_kv.KeptKV(
+        self.book,
+        functools.partial(buckets.bucket, min_bucket=config.min_bucket, cap=config.max_len),
+        config.snapshot_width,
+        self._read_kv,
+    )
     self.state = self.fns.init()
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._table_arg = None  # the page table as last passed to a device call (_table)
@@ -100,8 +104,13 @@ class SlotEngine:
     self.decode_steps = 0  # decode steps run (every slot advances at most 1 each)
     self.tokens_generated = 0  # tokens drawn (not given), summed over slots
     self.prefills = 0  # prefill calls (prompts, and recomputed partials)
-    self.kv_bytes_to_host = 0  # KV copied out of the pool (snapshots, preemptions)
-    self.kv_bytes_to_device = 0  # host KV put back into it
+    self._kv_bytes_read = 0  # KV of slots copied to the host (snapshots, preemptions)
+    self.kv_bytes_to_device = 0  # host KV put back into the pool
+
+  @property
+  def kv_bytes_to_host(self) -> int:
+    """KV copied out of the pool: from slots, and from kept pages."""
+    return self._kv_bytes_read + self.kept.bytes_to_host
 
   @property
   def params(self):
@@ -123,7 +132,7 @@ class SlotEngine:
 
   def keeps(self, record: SampleRecord) -> bool:
     """Whether the record's KV is kept in the pool (snapshot with keep)."""
-    return id(record) in self._kept
+    return record in self.kept
 
   @property
   def num_free(self) -> int:
@@ -298,31 +307,30 @@ class SlotEngine:
       )
     # Kept records that cannot take their pages back let them go first, those that
     # continue from their KV copied out together (a slot on another shard than its pages).
-    let_go = [
-        (slot, r)
-        for slot, r in zip(slots, records)
-        if id(r) in self._kept
-        and not (resume_kv and self.book.kept[id(r)][0] == self.book.shard_of(slot))
-    ]
-    self._let_go([id(r) for _, r in let_go], copy=resume_kv)
+    self.kept.let_go(
+        [
+            r
+            for slot, r in zip(slots, records)
+            if r in self.kept
+            and not (resume_kv and self.kept.on_shard(r, self.book.shard_of(slot)))
+        ],
+        copy=resume_kv,
+    )
     windows = [self._window(r.length, len(r.prompt) + r.max_new_tokens) for r in records]
-    if self._kept:
+    if len(self.kept):
       need: dict[int, int] = {}
       for slot, r, window in zip(slots, records, windows):
-        own = len(self.book.kept[id(r)][1]) if id(r) in self._kept else 0
         shard = self.book.shard_of(slot)
         need[shard] = need.get(shard, 0) + max(
-            pages.pages_for(window, self.config.page_size) - own, 0
+            pages.pages_for(window, self.config.page_size) - self.kept.pages_of(r), 0
         )
-      self._copy_out_ahead(need, {id(r) for r in records})
+      self.kept.copy_out_ahead(need, {id(r) for r in records})
     in_place = {}
     for slot, r, window in zip(slots, records, windows):
-      if id(r) in self._kept:
-        if not self.book.adopt(slot, id(r), window, self._copy_out):
-          raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
-        in_place[id(r)] = self._kept.pop(id(r))[1]
+      if r in self.kept:
+        in_place[id(r)] = self.kept.take_back(slot, r, window)
       else:
-        self.book.grow(slot, window, self._copy_out)
+        self.book.grow(slot, window, self.kept.copy_out)
       self._limits[slot] = len(r.prompt) + r.max_new_tokens
       self._age[slot] = self._admissions
       self._admissions += 1
@@ -342,63 +350,15 @@ class SlotEngine:
       self.state = self.fns.write_rows(self.state, rows, padded)
       self._own(list(slots), list(records), lengths)
 
-  def _copy_out_ahead(self, need: dict[int, int], spare: set[int] = frozenset()) -> None:
-    """Copies out together the kept KV in the pages the coming grows will take (need:
-    shard -> pages), but for the keys in `spare` (records about to take their own
-    pages back), so the grows do not copy one key at a time. Whatever a grow still
-    reaches it copies out itself."""
-    keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
-    self._let_go([k for k in keys if k not in spare], copy=True)
-
-  def _let_go(self, keys: list[int], copy: bool) -> None:
-    """Kept records' pages become plain free pages, their KV copied out first if `copy`."""
-    if copy:
-      self._copy_out(keys)
-    for key in keys:
-      self._kept.pop(key, None)
-      self.book.forget(key)
-
-  def _copy_out(self, keys: list[int]) -> None:
-    """Kept records' KV to the host, from their pages (before they are handed out):
-    records of one length bucket share extract calls, snapshot_width per call, each
-    read through a row of its pages' shard in a table of the call's own."""
-    W, per_shard = self.config.snapshot_width, self.book.slots_per_shard
-    by_bucket: dict[int, list[int]] = {}
-    for key in keys:
-      by_bucket.setdefault(self.bucket(max(self._kept[key][1], 1)), []).append(key)
-    for kv_len, pending in by_bucket.items():
-      while pending:
-        table, slots, chunk = self.book.table.copy(), np.full(W, -1, np.int32), []
-        rows_used: dict[int, int] = {}  # shard -> rows of it taken in this call
-        for key in list(pending):
-          shard, kept_pages = self.book.kept[key]
-          if len(chunk) == W or rows_used.get(shard, 0) == per_shard:
-            continue
-          row = shard * per_shard + rows_used.get(shard, 0)
-          rows_used[shard] = rows_used.get(shard, 0) + 1
-          table[row] = -1
-          table[row, : len(kept_pages)] = kept_pages
-          slots[len(chunk)] = row
-          chunk.append(key)
-          pending.remove(key)
-        if self.fns.state_sharding is not None:
-          table = jax.device_put(table, self.fns.state_sharding.page_table)
-        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len, table))
-        for j, key in enumerate(chunk):
-          record, used = self._kept.pop(key)
-          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
-          self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
-
   def discard(self, record: SampleRecord) -> None:
     """Lets a kept record's pages go without copying its KV out (the caller drops the
     record: it starts over)."""
-    if id(record) in self._kept:
-      self._let_go([id(record)], copy=False)
+    self.kept.discard(record)
 
   def copy_out_kept(self) -> None:
     """Every kept record's KV to the host, its pages then plain free pages (before a
     checkpoint keeps the records)."""
-    self._let_go(list(self._kept), copy=True)
+    self.kept.copy_out_all()
 
   # ---------------------------------------------------------------------- pages
   def _window(self, length: int, limit: int) -> int:
@@ -453,17 +413,17 @@ class SlotEngine:
     the oldest always fits, as the pool holds one max_len sequence per shard."""
     live = [s for s, r in enumerate(self._owner) if r is not None]
     windows = {s: self._window(int(self._lengths[s]), int(self._limits[s])) for s in live}
-    if self._kept:  # kept pages the coming grows reach: copied out in one batch
+    if len(self.kept):  # kept pages the coming grows reach: copied out in one batch
       ahead: dict[int, int] = {}
       for slot, window in windows.items():
         grow = pages.pages_for(window, self.config.page_size) - int(self.book.held[slot])
         ahead[self.book.shard_of(slot)] = ahead.get(self.book.shard_of(slot), 0) + max(grow, 0)
-      self._copy_out_ahead(ahead)
+      self.kept.copy_out_ahead(ahead)
     for slot in sorted(live, key=lambda s: self._age[s]):
       if self._owner[slot] is None:
         continue  # preempted for an older slot
       need = windows[slot]
-      while not self.book.grow(slot, need, self._copy_out):
+      while not self.book.grow(slot, need, self.kept.copy_out):
         shard = self.book.shard_of(slot)
         victim = max(
             (
@@ -702,8 +662,7 @@ class SlotEngine:
     self._read_back(stay, with_kv=False)
     for slot, record in stay:
       record.kv_version = int(self._kv_versions[slot])
-      self._kept[id(record)] = (record, int(self._lengths[slot]) - 1)
-      self.book.keep(slot, id(record))
+      self.kept.keep(slot, record, int(self._lengths[slot]) - 1)
     for slot, _ in held:
       self._release(slot)
     self.state = self.fns.mark_done(self.state, np.array([r is None for r in self._owner]))
@@ -748,8 +707,17 @@ class SlotEngine:
         chunk = group[i : i + W]
         slots = np.full(W, -1, np.int32)
         slots[: len(chunk)] = [slot for slot, _ in chunk]
-        k, v = to_host(self.fns.extract_kv(self.state, slots, kv_len, self._table()))
+        k, v = self._read_kv(slots, kv_len)
         for j, (slot, record) in enumerate(chunk):
           used = int(self._lengths[slot]) - 1
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
-          self.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
+          self._kv_bytes_read += record.kv_k.nbytes + record.kv_v.nbytes
+
+  def _read_kv(self, slots: np.ndarray, kv_len: int, table: np.ndarray | None = None):
+    """Host (k, v) [L, W, kv_len, K, H] of page-table rows `slots` (-1: none), through
+    the book's table or a call's own `table` (kept_kv.py)."""
+    if table is None:
+      table = self._table()
+    elif self.fns.state_sharding is not None:
+      table = jax.device_put(table, self.fns.state_sharding.page_table)
+    return to_host(self.fns.extract_kv(self.state, slots, kv_len, table))

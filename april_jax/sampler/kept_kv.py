@@ -1,0 +1,132 @@
+"""Snapshotted samples whose KV stays in the pool's pages (SlotEngine.snapshot(keep=True)).
+
+A step-end snapshot with `keep` leaves each unfinished sample's KV where it lies instead
+of copying it to the host. Its pages count as free, so every decision about slots, pages
+and preemption is what a plain snapshot gives, but they are handed out after every other
+free page (pages.PageBook.keep). The KV is copied out only when its pages are about to be
+handed to another slot (the book's `reclaim`), or when every kept sample must live on
+the host (a checkpoint: copy_out_all). A kept sample put back with its KV takes its pages
+back in place (take_back), and the engine rewrites only its slot's rows: no copy either
+way. The attention sums never depend on which physical pages a slot holds, so either
+path continues a sample bit for bit alike.
+
+    kept = KeptKV(book, bucket, snapshot_width, read_kv)
+    kept.keep(slot, record, used)       # at a snapshot, before the slot is released
+    kept.copy_out_ahead(need, spare)    # before a batch of grows: their copies together
+    used = kept.take_back(slot, record, window, grow=...)   # the sample back in place
+    kept.let_go([record], copy=True)    # it continues elsewhere: from a host copy
+    kept.discard(record)                # it starts over: pages freed, nothing copied
+    kept.copy_out_all()                 # before a checkpoint
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Callable
+
+import numpy as np
+
+from april_jax.sampler import pages
+from april_jax.sampler.records import SampleRecord
+
+# read_kv(slots [W] (-1: none), kv_len, table [S, J]) -> host (k, v), each
+# [L, W, kv_len, K, H]: the KV of the table's rows `slots`.
+ReadKV = Callable[[np.ndarray, int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+class KeptKV:
+  """The records whose KV is kept in the pool, by id, with the KV positions each used."""
+
+  def __init__(
+      self, book: pages.PageBook, bucket: Callable[[int], int], snapshot_width: int, read_kv: ReadKV
+  ):
+    self.book, self._bucket, self._width = book, bucket, snapshot_width
+    # An engine's own method is held weakly: the engine holds this object, and a cycle
+    # would keep its device state alive after the engine is dropped, until a collection
+    # (so `bucket` must not be an engine's method either).
+    self._read_kv = weakref.WeakMethod(read_kv) if inspect.ismethod(read_kv) else lambda: read_kv
+    self._records: dict[int, tuple[SampleRecord, int]] = {}
+    self.bytes_to_host = 0  # KV copied out of kept pages
+
+  def __contains__(self, record: SampleRecord) -> bool:
+    return id(record) in self._records
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def keep(self, slot: int, record: SampleRecord, used: int) -> None:
+    """The slot's pages stay as they are for the record (its first `used` positions)."""
+    self._records[id(record)] = (record, used)
+    self.book.keep(slot, id(record))
+
+  def pages_of(self, record: SampleRecord) -> int:
+    """Pages kept for the record (0 if none)."""
+    return len(self.book.kept[id(record)][1]) if record in self else 0
+
+  def on_shard(self, record: SampleRecord, shard: int) -> bool:
+    """Whether the record's kept pages are on `shard`."""
+    return self.book.kept[id(record)][0] == shard
+
+  def take_back(self, slot: int, record: SampleRecord, window: int) -> int:
+    """The record's pages to the empty slot, grown to `window` positions; returns the KV
+    positions it used. The slot must be on the pages' shard, with room for the window."""
+    if not self.book.adopt(slot, id(record), window, self.copy_out):
+      raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
+    return self._records.pop(id(record))[1]
+
+  def copy_out_ahead(self, need: dict[int, int], spare: set[int] = frozenset()) -> None:
+    """Copies out together the kept KV in the pages the coming grows will take (need:
+    shard -> pages), but for the ids in `spare` (records about to take their own pages
+    back), so the grows do not copy one record at a time. Whatever a grow still reaches
+    it copies out itself (copy_out is the book's reclaim)."""
+    keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
+    self._let_go([k for k in keys if k not in spare], copy=True)
+
+  def let_go(self, records: list[SampleRecord], copy: bool) -> None:
+    """The records' pages become plain free pages, their KV copied out first if `copy`."""
+    self._let_go([id(r) for r in records if r in self], copy)
+
+  def discard(self, record: SampleRecord) -> None:
+    """Lets the record's pages go without copying its KV (it starts over)."""
+    self.let_go([record], copy=False)
+
+  def copy_out_all(self) -> None:
+    """Every kept record's KV to the host, its pages then plain free pages."""
+    self._let_go(list(self._records), copy=True)
+
+  def _let_go(self, keys: list[int], copy: bool) -> None:
+    if copy:
+      self.copy_out(keys)
+    for key in keys:
+      self._records.pop(key, None)
+      self.book.forget(key)
+
+  def copy_out(self, keys: list[int]) -> None:
+    """Kept records' KV to the host, from their pages (before they are handed out):
+    records of one length bucket share read calls, snapshot_width per call, each read
+    through a row of its pages' shard in a table of the call's own."""
+    W, per_shard = self._width, self.book.slots_per_shard
+    by_bucket: dict[int, list[int]] = {}
+    for key in keys:
+      by_bucket.setdefault(self._bucket(max(self._records[key][1], 1)), []).append(key)
+    for kv_len, pending in by_bucket.items():
+      while pending:
+        table, slots, chunk = self.book.table.copy(), np.full(W, -1, np.int32), []
+        rows_used: dict[int, int] = {}  # shard -> rows of it taken in this call
+        for key in list(pending):
+          shard, kept_pages = self.book.kept[key]
+          if len(chunk) == W or rows_used.get(shard, 0) == per_shard:
+            continue
+          row = shard * per_shard + rows_used.get(shard, 0)
+          rows_used[shard] = rows_used.get(shard, 0) + 1
+          table[row] = -1
+          table[row, : len(kept_pages)] = kept_pages
+          slots[len(chunk)] = row
+          chunk.append(key)
+          pending.remove(key)
+        k, v = self._read_kv()(slots, kv_len, table)
+        for j, key in enumerate(chunk):
+          record, used = self._records.pop(key)
+          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
+          self.bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
