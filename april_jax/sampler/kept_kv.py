@@ -4,7 +4,8 @@ A step-end snapshot with `keep` leaves each unfinished sample's KV where it lies
 of copying it to the host. Its pages count as free, so every decision about slots, pages
 and preemption is what a plain snapshot gives, but they are handed out after every other
 free page (pages.PageBook.keep). The KV is copied out only when its pages are about to be
-handed to another slot (the book's `reclaim`), or when every kept sample must live on
+handed to another slot (the book's `reclaim`), when the sample continues from its KV in
+a slot on another shard than its pages (let_go), or when every kept sample must live on
 the host (a checkpoint: copy_out_all). A kept sample put back with its KV takes its pages
 back in place (take_back), and the engine rewrites only its slot's rows: no copy either
 way. The attention sums never depend on which physical pages a slot holds, so either
@@ -13,7 +14,7 @@ path continues a sample bit for bit alike.
     kept = KeptKV(book, bucket, snapshot_width, read_kv)
     kept.keep(slot, record, used)       # at a snapshot, before the slot is released
     kept.copy_out_ahead(need, spare)    # before a batch of grows: their copies together
-    used = kept.take_back(slot, record, window, grow=...)   # the sample back in place
+    used = kept.take_back(slot, record, window)   # the sample back in place
     kept.let_go([record], copy=True)    # it continues elsewhere: from a host copy
     kept.discard(record)                # it starts over: pages freed, nothing copied
     kept.copy_out_all()                 # before a checkpoint
@@ -42,9 +43,9 @@ class KeptKV:
       self, book: pages.PageBook, bucket: Callable[[int], int], snapshot_width: int, read_kv: ReadKV
   ):
     self.book, self._bucket, self._width = book, bucket, snapshot_width
-    # An engine's own method is held weakly: the engine holds this object, and a cycle
-    # would keep its device state alive after the engine is dropped, until a collection
-    # (so `bucket` must not be an engine's method either).
+    # A bound method (the engine's) is held weakly, so its object must outlive this one:
+    # the engine holds this object, and a cycle would keep its device state alive after
+    # the engine is dropped, until a collection (so `bucket` is no engine method either).
     self._read_kv = weakref.WeakMethod(read_kv) if inspect.ismethod(read_kv) else lambda: read_kv
     self._records: dict[int, tuple[SampleRecord, int]] = {}
     self.bytes_to_host = 0  # KV copied out of kept pages
