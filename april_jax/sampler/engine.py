@@ -318,13 +318,11 @@ class SlotEngine:
     )
     windows = [self._window(r.length, len(r.prompt) + r.max_new_tokens) for r in records]
     if len(self.kept):
-      need: dict[int, int] = {}
-      for slot, r, window in zip(slots, records, windows):
-        shard = self.book.shard_of(slot)
-        need[shard] = need.get(shard, 0) + max(
-            pages.pages_for(window, self.config.page_size) - self.kept.pages_of(r), 0
-        )
-      self.kept.copy_out_ahead(need, {id(r) for r in records})
+      grows = [
+          (self.book.shard_of(slot), self._pages(window) - self.kept.pages_of(r))
+          for slot, r, window in zip(slots, records, windows)
+      ]
+      self.kept.copy_out_ahead(grows, {id(r) for r in records})
     in_place = {}
     for slot, r, window in zip(slots, records, windows):
       if r in self.kept:
@@ -366,6 +364,10 @@ class SlotEngine:
     covers them): the pending token's and sync_every - 1 more, never past limit - 1."""
     return int(min(length - 1 + self.config.sync_every, limit - 1))
 
+  def _pages(self, positions: int) -> int:
+    """Pages that hold `positions` positions."""
+    return pages.pages_for(positions, self.config.page_size)
+
   def room_for(self, records: list[SampleRecord]) -> int:
     """How many of `records`, in order, can start now: each needs a free slot, and
     pages on that slot's shard for its KV and one decode call's growth (_place)."""
@@ -384,7 +386,7 @@ class SlotEngine:
     out = []
     for r in records:
       window = self._window(r.length, len(r.prompt) + r.max_new_tokens)
-      need = pages.pages_for(window, self.config.page_size)
+      need = self._pages(window)
       fits = [shard for shard, slots in free.items() if slots and left[shard] >= need]
       if not fits:
         break
@@ -414,11 +416,10 @@ class SlotEngine:
     live = [s for s, r in enumerate(self._owner) if r is not None]
     windows = {s: self._window(int(self._lengths[s]), int(self._limits[s])) for s in live}
     if len(self.kept):  # kept pages the coming grows reach: copied out in one batch
-      ahead: dict[int, int] = {}
-      for slot, window in windows.items():
-        grow = pages.pages_for(window, self.config.page_size) - int(self.book.held[slot])
-        ahead[self.book.shard_of(slot)] = ahead.get(self.book.shard_of(slot), 0) + max(grow, 0)
-      self.kept.copy_out_ahead(ahead)
+      self.kept.copy_out_ahead(
+          (self.book.shard_of(s), self._pages(w) - int(self.book.held[s]))
+          for s, w in windows.items()
+      )
     for slot in sorted(live, key=lambda s: self._age[s]):
       if self._owner[slot] is None:
         continue  # preempted for an older slot

@@ -76,11 +76,14 @@ class KeptKV:
       raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
     return self._records.pop(id(record))[1]
 
-  def copy_out_ahead(self, need: dict[int, int], spare: set[int] = frozenset()) -> None:
-    """Copies out together the kept KV in the pages the coming grows will take (need:
-    shard -> pages), but for the ids in `spare` (records about to take their own pages
-    back), so the grows do not copy one record at a time. Whatever a grow still reaches
-    it copies out itself (copy_out is the book's reclaim)."""
+  def copy_out_ahead(self, grows, spare: set[int] = frozenset()) -> None:
+    """Copies out together the kept KV in the pages the coming grows will take (grows:
+    (shard, pages it adds; none if <= 0) each), but for the ids in `spare` (records
+    about to take their own pages back), so the grows do not copy one record at a time.
+    Whatever a grow still reaches it copies out itself (copy_out is the book's reclaim)."""
+    need: dict[int, int] = {}  # shard -> pages
+    for shard, n in grows:
+      need[shard] = need.get(shard, 0) + max(n, 0)
     keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
     self._let_go([k for k in keys if k not in spare], copy=True)
 
@@ -101,7 +104,7 @@ class KeptKV:
       self.copy_out(keys)
     for key in keys:
       self._records.pop(key, None)
-      self.book.forget(key)
+    self.book.forget(*keys)
 
   def copy_out(self, keys: list[int]) -> None:
     """Kept records' KV to the host, from their pages (before they are handed out):

@@ -79,8 +79,7 @@ class PageBook:
       if reclaim is None:
         raise RuntimeError(f"slot {slot} needs pages kept for keys {keys}: no reclaim given")
       reclaim(keys)
-      for key in keys:
-        self.forget(key)
+      self.forget(*keys)
     for j in range(have, have + need):
       self.table[slot, j] = free.pop()
     self.held[slot] = have + need
@@ -121,13 +120,24 @@ class PageBook:
     self.held[slot] = 0
     self.dirty = True
 
-  def forget(self, key: int) -> None:
-    """The key's kept pages become plain free pages (at the back of the free list)."""
-    shard, pages = self.kept.pop(key)
-    for page in pages:
-      del self._kept_page[shard][page]
-    taken, free = set(pages), self._free[shard]
-    free[:] = [p for p in free if p not in taken] + pages[::-1]
+  def forget(self, *keys: int) -> None:
+    """The keys' kept pages become plain free pages (at the back of the free list, in
+    the keys' order), each shard's list remade once."""
+    self._unkeep(keys)
+
+  def _unkeep(self, keys, adopted: set[int] = frozenset()) -> None:
+    """forget, but the pages in `adopted` leave the free list (adopt hands them out)."""
+    back: dict[int, list[int]] = {}  # shard -> the pages going to its back, in order
+    taken: dict[int, set[int]] = {}  # shard -> the pages leaving their place
+    for key in keys:
+      shard, pages = self.kept.pop(key)
+      for page in pages:
+        del self._kept_page[shard][page]
+      back.setdefault(shard, []).extend(p for p in pages[::-1] if p not in adopted)
+      taken.setdefault(shard, set()).update(pages)
+    for shard, pages in back.items():
+      free = self._free[shard]
+      free[:] = [p for p in free if p not in taken[shard]] + pages
 
   def adopt(self, slot: int, key: int, tokens: int, reclaim=None) -> bool:
     """Gives an empty slot the pages kept for `key` (at most the pages for `tokens`
@@ -139,9 +149,7 @@ class PageBook:
     pages = pages[: pages_for(tokens, self.page_size)]
     if pages_for(tokens, self.page_size) > len(self._free[shard]):
       return False
-    self.forget(key)
-    taken = set(pages)
-    self._free[shard][:] = [p for p in self._free[shard] if p not in taken]
+    self._unkeep([key], adopted=set(pages))
     self.table[slot, : len(pages)] = pages
     self.held[slot] = len(pages)
     self.dirty = True
