@@ -4,7 +4,9 @@
 #   roofline    one chunk of paged decode attention compiled and timed at the 8B config's
 #               per-device shapes (seconds): does this backend copy the gathered pages,
 #               and what does that cost against the same pages read in place; and one
-#               layer at the steady state through the XLA path and the Pallas kernel
+#               layer at the steady state through the XLA path and the Pallas kernel,
+#               the engine's and two candidates (its runs merged by a second kernel,
+#               and that with fewer, longer runs)
 #   sampler     decode tokens/s at the Qwen3-0.6B shape through the XLA path, against a
 #               plain static-batch JAX sampler, bytes per step over step time as a
 #               fraction of the copy bandwidth measured in the same run, and a
@@ -117,14 +119,9 @@ if "roofline" in r:
     print(f"  through the kernel a step reads {roof['kernel_over_bound']:.3f}x the live bound; "
           f"its longest program walks {roof['kernel_longest_walk_blocks']} blocks, the "
           f"longest slot holds {roof['kernel_longest_slot_blocks']}")
-  if "layer_kernel_error" in roof:
-    print(f"  one layer's decode attention: the Pallas kernel failed: {roof['layer_kernel_error']}")
-  if "layer_kernel_us" in roof:
-    print(f"  one layer's decode attention, {roof['layer_slots']} slots: XLA path "
-          f"{roof['layer_xla_us']:.0f} us ({roof['layer_xla_gbps']:.0f} GB/s of live KV), "
-          f"Pallas kernel {roof['layer_kernel_us']:.0f} us ({roof['layer_kernel_gbps']:.0f} "
-          f"GB/s): {roof['layer_kernel_over_xla']:.2f}x; outputs differ by at most "
-          f"{roof['layer_kernel_max_abs_diff']:.2g}")
+  from april_jax.benchmarks.roofline import layer_lines
+  for line in layer_lines(roof):
+    print(line)
   if "chunk_gathered_us" in roof:
     mb = lambda name: roof[f"chunk_{name}_scratch_bytes"] / 1e6
     print(f"  timed, us a chunk (scratch MB): gathered {roof['chunk_gathered_us']:.1f} "

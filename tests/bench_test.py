@@ -317,11 +317,18 @@ def test_timed_layer_runs_the_xla_path_and_the_kernel_on_the_same_pages():
   out = roofline.timed_layer(lengths, 2, 3, 16, 16, jnp.float32, calls=2, interpret=True)
   assert out["layer_slots"] == 5
   assert out["layer_live_kv_bytes"] == 2 * sum(lengths) * 2 * 16 * 4
-  assert out["layer_kernel_max_abs_diff"] < 1e-5  # the kernel computes the XLA path's attention
-  for name in ("xla", "kernel"):
+  gbps = out["layer_live_kv_bytes"] / out["layer_xla_us"] / 1e3
+  assert out["layer_xla_gbps"] == pytest.approx(gbps)
+  lines = roofline.layer_lines(out)
+  assert len(lines) == 1 + len(roofline.LAYER_KERNELS)
+  for name, line in zip(roofline.LAYER_KERNELS, lines[1:]):
+    # Each kernel computes the XLA path's attention, and its line says so in numbers.
+    assert out[f"layer_{name}_max_abs_diff"] < 1e-5
     gbps = out["layer_live_kv_bytes"] / out[f"layer_{name}_us"] / 1e3
     assert out[f"layer_{name}_gbps"] == pytest.approx(gbps)
-  assert out["layer_kernel_over_xla"] == pytest.approx(out["layer_kernel_us"] / out["layer_xla_us"])
+    ratio = out[f"layer_{name}_us"] / out["layer_xla_us"]
+    assert out[f"layer_{name}_over_xla"] == pytest.approx(ratio)
+    assert f"{out[f'layer_{name}_us']:.0f} us" in line and f"{ratio:.3f}x" in line
 
 
 def test_timed_layer_reports_a_kernel_the_backend_cannot_run(monkeypatch):
@@ -333,5 +340,8 @@ def test_timed_layer_reports_a_kernel_the_backend_cannot_run(monkeypatch):
 
   monkeypatch.setattr(paged_attention_kernel, "paged_decode_attention", broken)
   out = roofline.timed_layer([5, 20], 2, 3, 16, 16, jnp.float32, calls=2, interpret=True)
-  assert out["layer_kernel_error"] == "RuntimeError: out of resource: shared memory"
-  assert out["layer_xla_us"] > 0 and "layer_kernel_us" not in out
+  for name in roofline.LAYER_KERNELS:
+    assert out[f"layer_{name}_error"] == "RuntimeError: out of resource: shared memory"
+    assert f"layer_{name}_us" not in out
+  assert out["layer_xla_us"] > 0
+  assert all("failed here: RuntimeError" in line for line in roofline.layer_lines(out)[1:])

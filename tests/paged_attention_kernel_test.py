@@ -4,8 +4,8 @@ a one-token slot, a full pool, float32 and bfloat16 pages, a slot's blocks cut i
 over several programs; its work plan walks every live block once in runs no longer than
 the live tokens ask, whatever the longest slot; it reads nothing past a slot's length
 and nothing its table does not list; its sums follow the slots' lengths, not which pages
-they hold; it lowers for Triton on CUDA at the 8B config's shapes; and "auto" picks it
-on NVIDIA GPUs only."""
+they hold; its runs merge alike in XLA and in a second kernel; it lowers for Triton on
+CUDA and ROCm at the 8B config's shapes; and "auto" picks it on NVIDIA GPUs only."""
 
 import functools
 
@@ -51,9 +51,9 @@ def _xla(case, chunk_pages=2):
   return pa.paged_decode_attention(**case, chunk_pages=chunk_pages, view=qwen3.kv_view)
 
 
-def _kernel(case, runs=4):
+def _kernel(case, runs=4, merge="xla"):
   """The kernel, the live blocks cut into four runs (a slot's blocks over several)."""
-  return pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs)
+  return pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs, merge=merge)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +124,33 @@ def test_work_plan_covers_every_live_block_once_in_runs_the_longest_slot_does_no
     assert (np.diff(plan.slot_W) >= 0).all()  # a slot's runs are consecutive
 
 
+@pytest.mark.parametrize(
+    "past, runs, bf16",
+    [
+        ([0, 1, 15, 16, 17, 48], 4, False),  # empty, one token, page boundaries, split slots
+        ([17, 0, 40, 0], 200, False),  # idle programs; the last slot has no runs
+        ([0, 0, 0], None, False),  # nothing cached: each slot's new key alone
+        ([0, 1, 17, 48, 100, 33], 1, False),  # one run holds every block
+        ([16, 31, 47, 64, 1], 7, True),  # bfloat16 pages of a full pool
+    ],
+)
+def test_the_merge_kernel_equals_the_xla_merge_and_the_xla_path(past, runs, bf16):
+  """merge="kernel" folds each slot's runs in a second Pallas program: the same
+  attention as the one-hot merge, and as the XLA path, to rounding."""
+  case = _case(past, seed=len(past), bf16=bf16, G=4 if bf16 else 3)
+  f32 = lambda x: np.asarray(x.astype(jnp.float32))
+  got = f32(_kernel(case, runs, merge="kernel"))
+  tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(got, f32(_kernel(case, runs)), **tol)
+  np.testing.assert_allclose(got, f32(_xla(case)), **tol)
+  assert np.isfinite(got).all()
+
+
+def test_merge_is_checked_by_name():
+  with pytest.raises(ValueError, match="merge must be 'xla' or 'kernel'"):
+    _kernel(_case([3, 5]), merge="triton")
+
+
 def test_kernel_equals_the_xla_path_on_bfloat16_pages_of_a_full_pool():
   case = _case([16, 31, 47, 64, 1], seed=7, bf16=True, G=4)
   assert case["pool_k_LxPxKxTxH"].dtype == jnp.uint16  # bfloat16 as stored
@@ -154,20 +181,23 @@ def test_kernel_reads_nothing_past_a_length_or_off_the_table():
   np.testing.assert_array_equal(_kernel(garbage), want)
 
 
-@pytest.mark.parametrize("runs", [3, 40])
-def test_a_nan_in_one_slots_kv_stays_in_that_slot(runs):
+@pytest.mark.parametrize("runs, merge", [(3, "xla"), (40, "xla"), (3, "kernel"), (40, "kernel")])
+def test_a_nan_in_one_slots_kv_stays_in_that_slot(runs, merge):
   """A slot whose live keys hold a NaN comes out NaN; every other slot, including those
   whose runs merge beside its runs, is what it was without the NaN."""
   case = _case([20, 37, 5, 33], seed=13)
-  want = np.asarray(_kernel(case, runs=runs))
+  want = np.asarray(_kernel(case, runs=runs, merge=merge))
   pool_k = np.array(case["pool_k_LxPxKxTxH"])
   pool_k[1, np.asarray(case["table_SxJ"])[1, 1], :, 3] = np.nan  # slot 1, position 19
-  got = np.asarray(_kernel(dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k)), runs=runs))
+  got = np.asarray(
+      _kernel(dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k)), runs=runs, merge=merge)
+  )
   assert np.isnan(got[1]).all()
   np.testing.assert_array_equal(np.delete(got, 1, axis=0), np.delete(want, 1, axis=0))
 
 
-def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds():
+@pytest.mark.parametrize("merge", ["xla", "kernel"])
+def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds(merge):
   """The same sequences in other physical pages give the same bits (resume exactness)."""
   case = _case([40, 7, 16], seed=11)
   pool_k, pool_v = np.asarray(case["pool_k_LxPxKxTxH"]), np.asarray(case["pool_v_LxPxKxTxH"])
@@ -182,16 +212,22 @@ def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds():
       pool_v_LxPxKxTxH=jnp.asarray(moved_v),
       table_SxJ=jnp.asarray(np.where(table >= 0, move[np.maximum(table, 0)], -1)),
   )
-  np.testing.assert_array_equal(_kernel(moved), _kernel(case))
+  np.testing.assert_array_equal(_kernel(moved, merge=merge), _kernel(case, merge=merge))
 
 
-def test_kernel_lowers_for_triton_on_cuda_at_the_8b_shapes():
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("merge", ["xla", "kernel"])
+def test_kernel_lowers_for_triton_at_the_8b_shapes(platform, merge):
   """One device's shapes of configs/qwen3_8b.py's decode (tensor parallel over 8: one KV
-  head of 128, 4 queries per KV head), bfloat16 pages of 256 stored as uint16. Lowering
-  needs no GPU; compiling the Triton program does, and is left to launch/bench_gpu.sh."""
+  head of 128, 4 queries per KV head), bfloat16 pages of 256 stored as uint16, lowered
+  for NVIDIA (CUDA) and AMD (ROCm) GPUs, with either merge (the kernel's merge is a
+  second Triton program). Lowering needs no GPU; compiling the Triton programs does, and
+  is left to launch/bench_gpu.sh (NVIDIA; AMD is untimed)."""
   S, K, G, H, L, P, T, J = 256, 1, 4, 128, 36, 4353, 256, 68
   sds = jax.ShapeDtypeStruct
-  fn = jax.jit(functools.partial(pk.paged_decode_attention, view=qwen3.kv_view, interpret=False))
+  fn = jax.jit(
+      functools.partial(pk.paged_decode_attention, view=qwen3.kv_view, interpret=False, merge=merge)
+  )
   lowered = fn.trace(
       sds((S, K, G, H), jnp.float32),
       sds((S, K, H), jnp.bfloat16),
@@ -201,9 +237,10 @@ def test_kernel_lowers_for_triton_on_cuda_at_the_8b_shapes():
       sds((), jnp.int32),
       sds((S,), jnp.int32),
       sds((S, J), jnp.int32),
-  ).lower(lowering_platforms=("cuda",))
+  ).lower(lowering_platforms=(platform,))
   text = lowered.as_text()
   assert "triton" in text and "paged_decode_attention" in text
+  assert text.count("__gpu$xla.gpu.triton") == {"xla": 1, "kernel": 2}[merge]
   gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
   assert not [g for g in gathers if f"x{P}x" in g]  # the pool is read by the kernel alone
 

@@ -188,12 +188,15 @@ def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20,
   """One layer's decode attention for slots of these cached lengths, each in its own
   shuffled pages of a real pool (random values), through the XLA path (decode_block of
   1,024 positions; it lists the live pages in each call, where the engine lists them
-  once a step for every layer) and through the kernel (paged_attention_kernel):
-  microseconds per call, each one's KV GB/s (the live bytes over its time), and the
-  largest difference between their outputs, which checks the kernel as this backend
-  compiled it. A kernel this backend cannot build or run is reported (layer_kernel_error)
-  with the XLA path's numbers, rather than ending the mode before its other results
-  print."""
+  once a step for every layer) and through the kernel (paged_attention_kernel) as the
+  engine runs it ("kernel") and as two candidates: its runs folded by a second Pallas
+  program ("kernel_merged"), and that with the live blocks cut into S runs, so a slot no
+  longer than the mean walks in one program ("kernel_merged_mean_runs"). Microseconds per
+  call, each one's KV GB/s (the live bytes over its time), and the largest difference
+  between each kernel's output and the XLA path's, which checks the kernel as this
+  backend compiled it. A kernel this backend cannot build or run is reported
+  (layer_<name>_error) beside the others' numbers, rather than ending the mode before
+  its other results print."""
   rng = np.random.default_rng(1)
   lengths = np.asarray(lengths, np.int32)
   need = -(-lengths // T)
@@ -220,37 +223,67 @@ def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20,
   xla = jax.jit(
       lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=chunk, view=qwen3.kv_view)
   )
-  kernel = jax.jit(
+  kernel = lambda **kw: jax.jit(
       lambda *a: paged_attention_kernel.paged_decode_attention(
-          *a, view=qwen3.kv_view, interpret=interpret
+          *a, view=qwen3.kv_view, interpret=interpret, **kw
       )
   )
+  kernels = {
+      "kernel": kernel(),
+      "kernel_merged": kernel(merge="kernel"),
+      "kernel_merged_mean_runs": kernel(merge="kernel", runs=S),
+  }
   out, outputs = {}, {}
-  for name, fn in (("xla", xla), ("kernel", kernel)):
+  for name, fn in (("xla", xla), *kernels.items()):
     many = lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
     try:
       many()  # compiles
     except Exception as e:  # pylint: disable=broad-exception-caught
       if name == "xla":
         raise
-      out["layer_kernel_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      break
+      out[f"layer_{name}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+      continue
     best, results = common.best_of(3, many)
     out[f"layer_{name}_us"] = 1e6 * best / calls
     outputs[name] = np.asarray(results[-1].astype(jnp.float32))
   live = 2 * int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize
-  out.update(
-      layer_slots=S, layer_live_kv_bytes=live, layer_xla_gbps=live / out["layer_xla_us"] / 1e3
-  )
-  if "layer_kernel_error" in out:
-    return out
-  diff = float(np.max(np.abs(outputs["xla"] - outputs["kernel"])))
-  return {
-      **out,
-      "layer_kernel_gbps": live / out["layer_kernel_us"] / 1e3,
-      "layer_kernel_over_xla": out["layer_kernel_us"] / out["layer_xla_us"],
-      "layer_kernel_max_abs_diff": diff,
-  }
+  out.update(layer_slots=S, layer_live_kv_bytes=live)
+  for name in outputs:
+    out[f"layer_{name}_gbps"] = live / out[f"layer_{name}_us"] / 1e3
+    if name != "xla":
+      out[f"layer_{name}_over_xla"] = out[f"layer_{name}_us"] / out["layer_xla_us"]
+      diff = np.max(np.abs(outputs["xla"] - outputs[name]))
+      out[f"layer_{name}_max_abs_diff"] = float(diff)
+  return out
+
+
+LAYER_KERNELS = {  # timed_layer's kernels, as its lines name them
+    "kernel": "kernel (the engine's)",
+    "kernel_merged": "kernel, runs merged by a second kernel",
+    "kernel_merged_mean_runs": "the same, live blocks in S runs",
+}
+
+
+def layer_lines(out: dict) -> list[str]:
+  """timed_layer's results as lines: the XLA path, then each kernel's time against it,
+  or why this backend could not run it."""
+  if "layer_xla_us" not in out:
+    return []
+  lines = [
+      f"  one layer, {out['layer_slots']} slots at this steady state "
+      f"({out['layer_live_kv_bytes'] / 1e6:.0f} MB of live KV): XLA path "
+      f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s)"
+  ]
+  for name, label in LAYER_KERNELS.items():
+    if f"layer_{name}_error" in out:
+      lines.append(f"    {label}: failed here: {out[f'layer_{name}_error']}")
+    elif f"layer_{name}_us" in out:
+      lines.append(
+          f"    {label}: {out[f'layer_{name}_us']:.0f} us ({out[f'layer_{name}_gbps']:.0f} "
+          f"GB/s), {out[f'layer_{name}_over_xla']:.3f}x the XLA path's time; outputs differ "
+          f"by at most {out[f'layer_{name}_max_abs_diff']:.2g}"
+      )
+  return lines
 
 
 def kernel_plan(lengths, page: int, kv_heads: int, group: int, head_dim: int) -> dict:
@@ -369,22 +402,8 @@ def run(
       f"{out['kernel_gb']:.3f} GB = {out['kernel_over_bound']:.3f}x those lengths' bound",
       flush=True,
   )
-  if "layer_kernel_error" in out:
-    print(
-        f"  one layer: XLA path {out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} "
-        f"GB/s of live KV); the kernel failed here: {out['layer_kernel_error']}",
-        flush=True,
-    )
-  if "layer_kernel_us" in out:
-    print(
-        f"  one layer, {out['layer_slots']} slots at this steady state "
-        f"({out['layer_live_kv_bytes'] / 1e6:.0f} MB of live KV): XLA path "
-        f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s), kernel "
-        f"{out['layer_kernel_us']:.0f} us ({out['layer_kernel_gbps']:.0f} GB/s): "
-        f"{out['layer_kernel_over_xla']:.2f}x the time; outputs differ by at most "
-        f"{out['layer_kernel_max_abs_diff']:.2g}",
-        flush=True,
-    )
+  for line in layer_lines(out):
+    print(line, flush=True)
   if "chunk_gathered_us" in out:
     mb = lambda name: out[f"chunk_{name}_scratch_bytes"] / 1e6
     print(

@@ -11,7 +11,10 @@ blocks separately; program (w, k) of a grid over runs and KV heads walks run w's
 of its slot through the page table, loads each block of head k straight from the pool,
 no further than the slot's length, scores it against the slot's G queries and keeps an
 online softmax (max, sum, weighted values). The runs then merge per slot (split-K flash
-decoding, in XLA: small), and the slot's new key opens the softmax, as on the XLA path.
+decoding), and the slot's new key opens the softmax, as on the XLA path. The merge runs
+in XLA by default (one-hot products: several small programs a layer), or, with
+merge="kernel", as a second Pallas program per slot and KV head that folds its slot's
+runs in order (one launch; a candidate until a GPU times it, roofline mode).
 Nothing is copied, nothing past a slot's length is read, and no program walks more than
 R blocks: a long slot is spread over as many programs as its length asks, so a
 long-tailed mix of lengths costs what a uniform mix of the same live tokens costs. (Runs
@@ -60,11 +63,13 @@ def default_runs(S: int, K: int, interpret: bool) -> int:
 class WorkPlan(NamedTuple):
   """Program w's share of a decode step: blocks first_W[w] .. end_W[w] - 1 of slot
   slot_W[w] (S, and first == end, for a program with nothing to do). A slot's programs
-  are consecutive and walk its blocks in order."""
+  are consecutive and walk its blocks in order: slot s's are end_S[s - 1] .. end_S[s] - 1
+  (from 0 for slot 0; none for a slot with nothing cached)."""
 
   slot_W: jax.Array
   first_W: jax.Array
   end_W: jax.Array
+  end_S: jax.Array
 
 
 def plan_work(past_S: jax.Array, block: int, runs: int) -> WorkPlan:
@@ -83,7 +88,7 @@ def plan_work(past_S: jax.Array, block: int, runs: int) -> WorkPlan:
   first_W = (w - begins_S[slot_W]) * R
   live = slot_W < S
   end_W = jnp.minimum(first_W + R, blocks_S[jnp.minimum(slot_W, S - 1)])
-  return WorkPlan(slot_W, jnp.where(live, first_W, 0), jnp.where(live, end_W, 0))
+  return WorkPlan(slot_W, jnp.where(live, first_W, 0), jnp.where(live, end_W, 0), ends_S)
 
 
 def _kernel(
@@ -146,29 +151,16 @@ def _kernel(
   m_ref[...], l_ref[...], o_ref[...] = m, l, o
 
 
-def cached_partials(
-    q_SxKxGxH,
-    pool_k_LxPxKxTxH,
-    pool_v_LxPxKxTxH,
-    layer,
-    past_S,
-    table_SxJ,
-    view=lambda x: x,
-    interpret: bool | None = None,
-    runs: int | None = None,
-):
-  """Each slot's online softmax over its first past_S[s] pooled positions: m, l [S, K, G]
-  and o [S, K, G, H] (float32, o not yet divided by l). A slot with past 0 gets m = _NEG,
-  l = 0, o = 0. `interpret`: None runs Pallas' interpreter on the CPU only.
-  runs: how many equal runs the step's live blocks are cut into (plan_work; None:
-  default_runs)."""
+def _run_partials(q_SxKxGxH, pool_k, pool_v, layer, past_S, table_SxJ, view, interpret, runs):
+  """The kernel's programs over the step's plan: each run's online softmax, m, l
+  [W, K, rows] and o [W, K, rows, H] (float32, padded query rows, o not divided by l),
+  with the plan and the queries as the kernel read them ([S, K, rows, H], the pool's
+  value dtype)."""
   S, K, G, H = q_SxKxGxH.shape
-  dtype = view(pool_k_LxPxKxTxH[:0]).dtype
+  dtype = view(pool_k[:0]).dtype
   rows = query_rows(G)
   q = jnp.pad(q_SxKxGxH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  T = pool_k_LxPxKxTxH.shape[3]
+  T = pool_k.shape[3]
   if not interpret and not suits(T, H):
     raise ValueError(
         f"the decode-attention kernel cannot tile page_size {T} and head_dim {H} on a GPU: "
@@ -197,11 +189,42 @@ def cached_partials(
   )(
       jnp.reshape(layer, (1,)).astype(jnp.int32),
       past_S.astype(jnp.int32),
-      *plan,
+      plan.slot_W,
+      plan.first_W,
+      plan.end_W,
       table_SxJ.astype(jnp.int32),
       q,
-      pool_k_LxPxKxTxH,
-      pool_v_LxPxKxTxH,
+      pool_k,
+      pool_v,
+  )
+  return m, l, o, plan, q
+
+
+def _interpret(interpret: bool | None) -> bool:
+  """None: Pallas' interpreter on the CPU only."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def cached_partials(
+    q_SxKxGxH,
+    pool_k_LxPxKxTxH,
+    pool_v_LxPxKxTxH,
+    layer,
+    past_S,
+    table_SxJ,
+    view=lambda x: x,
+    interpret: bool | None = None,
+    runs: int | None = None,
+):
+  """Each slot's online softmax over its first past_S[s] pooled positions: m, l [S, K, G]
+  and o [S, K, G, H] (float32, o not yet divided by l). A slot with past 0 gets m = _NEG,
+  l = 0, o = 0. `interpret`: None runs Pallas' interpreter on the CPU only.
+  runs: how many equal runs the step's live blocks are cut into (plan_work; None:
+  default_runs). The runs merge in XLA."""
+  S, K, G, H = q_SxKxGxH.shape
+  interpret = _interpret(interpret)
+  m, l, o, plan, _ = _run_partials(
+      q_SxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, past_S, table_SxJ, view, interpret, runs
   )
   # Merge each slot's runs (an idle run has m = _NEG, l = 0, o = 0): the max is exact in
   # any order; the sums go through a one-hot matrix, so no scatter adds in an order that
@@ -223,6 +246,47 @@ def cached_partials(
   l_all = merge("ws,wkg->skg", onehot_WxS, jnp.where(finite_W, wl, 0.0))
   o_all = merge("ws,wkgh->skgh", onehot_WxS, jnp.where(finite_W[..., None], wo, 0.0))
   return m_all, jnp.where(bad_S, jnp.nan, l_all), jnp.where(bad_S[..., None], jnp.nan, o_all)
+
+
+def _merge_kernel(end_ref, m_ref, l_ref, o_ref, q_ref, k_new_ref, v_new_ref, out_ref):
+  """Program (s, k): slot s's attention for KV head k. Its own new key opens an online
+  softmax (m = its score, l = 1, o = its value), its runs fold in, in order, and the
+  output is o / l. Only slot s's runs are read, so a NaN in one slot's KV stays there."""
+  s, k = pl.program_id(0), pl.program_id(1)
+  H = q_ref.shape[-1]
+  q = q_ref[...].astype(jnp.float32)  # [rows, H]
+  own = jnp.sum(q * k_new_ref[...].astype(jnp.float32)[None, :], axis=1) * H**-0.5  # [rows]
+  rows = own.shape[0]
+  init = (own, jnp.ones((rows,), jnp.float32))
+  init += (jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], (rows, H)),)
+
+  def fold(w, carry):
+    m, l, o = carry
+    m_w, l_w, o_w = m_ref[w, k, :], l_ref[w, k, :], o_ref[w, k, :, :]
+    m_new = jnp.maximum(m, m_w)
+    mine, theirs = jnp.exp(m - m_new), jnp.exp(m_w - m_new)
+    return m_new, l * mine + l_w * theirs, o * mine[:, None] + o_w * theirs[:, None]
+
+  first = jnp.where(s > 0, end_ref[jnp.maximum(s - 1, 0)], 0)
+  _, l, o = jax.lax.fori_loop(first, end_ref[s], fold, init)
+  out_ref[...] = (o / l[:, None]).astype(out_ref.dtype)
+
+
+def _merged(end_S, m, l, o, q, k_new, v_new, interpret: bool) -> jax.Array:
+  """_merge_kernel over a grid of slots and KV heads: [S, K, rows, H] in q's dtype."""
+  S, K, rows, H = q.shape
+  anywhere = pl.BlockSpec(memory_space=pl.ANY)
+  per_slot = lambda *tail: pl.BlockSpec((None, None) + tail, lambda s, k: (s, k) + (0,) * len(tail))
+  return pl.pallas_call(
+      _merge_kernel,
+      out_shape=jax.ShapeDtypeStruct((S, K, rows, H), q.dtype),
+      grid=(S, K),
+      in_specs=[anywhere] * 4 + [per_slot(rows, H), per_slot(H), per_slot(H)],
+      out_specs=per_slot(rows, H),
+      interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+      name="paged_decode_attention_merge",
+  )(end_S, m, l, o, q, k_new, v_new)
 
 
 def suits(page_size: int, head_dim: int) -> bool:
@@ -256,15 +320,25 @@ def paged_decode_attention(
     view=lambda x: x,
     interpret: bool | None = None,
     runs: int | None = None,
+    merge: str = "xla",
 ) -> jax.Array:
   """paged_attention.paged_decode_attention through the kernel: each slot's query over
   its first past_S[s] pooled positions and its own new key. [S, K, G, H] in the pool's
-  value dtype. runs: as cached_partials."""
+  value dtype. runs: as cached_partials. merge: how each slot's runs and its new key
+  combine: "xla" (cached_partials' one-hot products, then the new key), or "kernel" (a
+  second Pallas program per slot and KV head that folds its runs in order: one launch
+  where XLA's merge takes several)."""
+  if merge not in ("xla", "kernel"):
+    raise ValueError(f"merge must be 'xla' or 'kernel', not {merge!r}")
   H = q_SxKxGxH.shape[-1]
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
-  m_c, l_c, o_c = cached_partials(
-      q_SxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, past_S, table_SxJ, view, interpret, runs
-  )
+  cached = (q_SxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, past_S, table_SxJ, view)
+  if merge == "kernel":
+    interpret = _interpret(interpret)
+    m, l, o, plan, q = _run_partials(*cached, interpret, runs)
+    k_new, v_new = k_new_SxKxH.astype(dtype), v_new_SxKxH.astype(dtype)
+    return _merged(plan.end_S, m, l, o, q, k_new, v_new, interpret)[:, :, : q_SxKxGxH.shape[2]]
+  m_c, l_c, o_c = cached_partials(*cached, interpret, runs)
   q = q_SxKxGxH.astype(dtype)
   m0 = jnp.einsum("skgh,skh->skg", q, k_new_SxKxH.astype(dtype), preferred_element_type=jnp.float32)
   m0 = m0 * H**-0.5
