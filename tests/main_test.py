@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MAIN_XLA_FLAGS
+from conftest import MAIN_XLA_FLAGS, MAIN_XLA_FLAGS_UNOPTIMISED
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
 
 
-def _main(workdir, *overrides, **kwargs):
+def _main(workdir, *overrides, xla_flags=MAIN_XLA_FLAGS, **kwargs):
   cmd = [
       sys.executable,
       "-m",
@@ -28,7 +28,7 @@ def _main(workdir, *overrides, **kwargs):
       f"--workdir={workdir}",
       *overrides,
   ]
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS)
+  env = dict(os.environ, XLA_FLAGS=xla_flags)
   return subprocess.Popen(
       cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
   )
@@ -150,6 +150,7 @@ def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
       "--config.eval_every=1",
       "--config.train.sft_steps=2",
       "--config.eval.num_prompts=4",
+      xla_flags=MAIN_XLA_FLAGS_UNOPTIMISED,  # bfloat16 programs of its own: mostly compiling
   )
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]
