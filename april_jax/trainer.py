@@ -37,7 +37,7 @@ from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
-from april_jax.models import hf_io, qwen3
+from april_jax.models import hf_io, paged_attention_kernel, qwen3
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
@@ -151,6 +151,10 @@ class Trainer:
         engine_config,
         mesh=self.mesh,
         rules=self.decode_rules,
+    )
+    logging.info(
+        "decode attention: %s",
+        paged_attention_kernel.describe(r.decode_attention, r.page_size, self.model_cfg.head_dim),
     )
     self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
     self.rewards = RewardRunner(

@@ -325,6 +325,13 @@ def test_auto_picks_the_kernel_on_nvidia_gpus_only(
   assert pk.choose("auto", page, head_dim) == want
   assert pk.choose("xla", page, head_dim) == "xla"
   assert pk.choose("pallas", page, head_dim) == "pallas"
+  # The run's log says which and why; an AMD GPU's line says how to run the kernel.
+  line = pk.describe("auto", page, head_dim)
+  assert line.startswith({"pallas": "the Pallas kernel (auto", "xla": "the XLA path (auto"}[want])
+  assert ("rollout.decode_attention=pallas runs it" in line) == version.startswith("rocm")
+  assert pk.describe("pallas", page, head_dim) == (
+      "the Pallas kernel (rollout.decode_attention=pallas)"
+  )
 
 
 def test_auto_is_the_default_and_runs_the_xla_path_on_a_cpu():

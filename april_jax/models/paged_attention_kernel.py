@@ -301,11 +301,35 @@ def choose(decode_attention: str, page_size: int, head_dim: int) -> str:
   shapes suit it, where it is measured (an H200: the engine's step 8x faster than
   through the XLA path, BENCHMARKS.md), and the XLA path elsewhere (a CPU would only
   interpret the kernel; ROCm is untimed). "xla" and "pallas" are taken as given."""
+  return _choice(decode_attention, page_size, head_dim)[0]
+
+
+def describe(decode_attention: str, page_size: int, head_dim: int) -> str:
+  """choose's answer and why, for the run's log: on an AMD GPU it says that the kernel
+  lowers there but is untimed, and how to run it."""
+  choice, why = _choice(decode_attention, page_size, head_dim)
+  name = {"pallas": "the Pallas kernel", "xla": "the XLA path"}[choice]
+  return f"{name} ({why})"
+
+
+def _choice(decode_attention: str, page_size: int, head_dim: int) -> tuple[str, str]:
   if decode_attention != "auto":
-    return decode_attention
+    return decode_attention, f"rollout.decode_attention={decode_attention}"
   backend = jax.extend.backend.get_backend()
-  on_cuda = backend.platform == "gpu" and "cuda" in backend.platform_version.lower()
-  return "pallas" if on_cuda and suits(page_size, head_dim) else "xla"
+  version = backend.platform_version.lower()
+  if backend.platform != "gpu":
+    return "xla", f"auto on {backend.platform}, where the kernel would only be interpreted"
+  if not suits(page_size, head_dim):
+    return "xla", (
+        f"auto: the kernel cannot tile page_size {page_size} and head_dim {head_dim}, "
+        "powers of two of at least 16"
+    )
+  if "cuda" in version:
+    return "pallas", "auto on an NVIDIA GPU"
+  return "xla", (
+      "auto on a GPU other than NVIDIA's (ROCm), where the kernel lowers but is untimed; "
+      "rollout.decode_attention=pallas runs it"
+  )
 
 
 def paged_decode_attention(
