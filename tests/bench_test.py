@@ -314,8 +314,13 @@ def test_timed_layer_runs_the_xla_path_and_the_kernel_on_the_same_pages():
   from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
 
   lengths = [1, 16, 17, 40, 0]  # one token, a whole page, across a boundary, empty
-  out = roofline.timed_layer(lengths, 2, 3, 16, 16, jnp.float32, calls=2, interpret=True)
+  out = roofline.timed_layer(
+      lengths, 2, 3, 16, 16, jnp.float32, calls=2, interpret=True, decode_block=32
+  )
   assert out["layer_slots"] == 5
+  # The XLA path reads decode_block positions a chunk: 2 pages of 16, over 7 live pages.
+  assert (out["layer_xla_chunk_pages"], out["layer_xla_chunks"]) == (2, 4)
+  assert "4 chunks of 2 pages" in roofline.layer_lines(out)[0]
   assert out["layer_live_kv_bytes"] == 2 * sum(lengths) * 2 * 16 * 4
   gbps = out["layer_live_kv_bytes"] / out["layer_xla_us"] / 1e3
   assert out["layer_xla_gbps"] == pytest.approx(gbps)

@@ -184,11 +184,22 @@ def timed_chunk(pool_shape, pool_dtype, q_shape, chunk: int, kv_bytes: int, call
   }
 
 
-def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20, interpret=None):
+def timed_layer(
+    lengths,
+    K: int,
+    G: int,
+    H: int,
+    T: int,
+    dtype,
+    calls: int = 20,
+    interpret=None,
+    decode_block: int = 1024,
+):
   """One layer's decode attention for slots of these cached lengths, each in its own
-  shuffled pages of a real pool (random values), through the XLA path (decode_block of
-  1,024 positions; it lists the live pages in each call, where the engine lists them
-  once a step for every layer) and through the kernel (paged_attention_kernel) as the
+  shuffled pages of a real pool (random values), through the XLA path (chunks of
+  decode_block positions, the config's rollout.decode_block; it lists the live pages in
+  each call, where the engine lists them once a step for every layer; a GPU pays a
+  loop trip per chunk) and through the kernel (paged_attention_kernel) as the
   engine runs it ("kernel") and as two candidates: its runs folded by a second Pallas
   program ("kernel_merged"), and that with the live blocks cut into S runs, so a slot no
   longer than the mean walks in one program ("kernel_merged_mean_runs"). Microseconds per
@@ -219,7 +230,7 @@ def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20,
       jnp.asarray(lengths),
       jnp.asarray(table),
   )
-  chunk = slot_ops.chunk_pages_for(1024, T, P - 1)
+  chunk = slot_ops.chunk_pages_for(decode_block, T, P - 1)
   xla = jax.jit(
       lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=chunk, view=qwen3.kv_view)
   )
@@ -247,7 +258,8 @@ def timed_layer(lengths, K: int, G: int, H: int, T: int, dtype, calls: int = 20,
     out[f"layer_{name}_us"] = 1e6 * best / calls
     outputs[name] = np.asarray(results[-1].astype(jnp.float32))
   live = 2 * int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize
-  out.update(layer_slots=S, layer_live_kv_bytes=live)
+  out.update(layer_slots=S, layer_live_kv_bytes=live, layer_xla_chunk_pages=chunk)
+  out["layer_xla_chunks"] = -(-int(need.sum()) // chunk)  # loop trips a call takes
   for name in outputs:
     out[f"layer_{name}_gbps"] = live / out[f"layer_{name}_us"] / 1e3
     if name != "xla":
@@ -272,7 +284,8 @@ def layer_lines(out: dict) -> list[str]:
   lines = [
       f"  one layer, {out['layer_slots']} slots at this steady state "
       f"({out['layer_live_kv_bytes'] / 1e6:.0f} MB of live KV): XLA path "
-      f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s)"
+      f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s; "
+      f"{out['layer_xla_chunks']} chunks of {out['layer_xla_chunk_pages']} pages)"
   ]
   for name, label in LAYER_KERNELS.items():
     if f"layer_{name}_error" in out:
@@ -358,7 +371,11 @@ def run(
     # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
     kv_heads = cfg.num_kv_heads // kv_split
     value = jnp.dtype(config.model.kv_dtype)
-    chunk.update(timed_layer(lengths, kv_heads, group, cfg.head_dim, page, value))
+    chunk.update(
+        timed_layer(
+            lengths, kv_heads, group, cfg.head_dim, page, value, decode_block=r.decode_block
+        )
+    )
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
   out = {
       "mode": "roofline",
