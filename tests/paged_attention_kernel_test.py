@@ -222,7 +222,7 @@ def test_kernel_lowers_for_triton_at_the_8b_shapes(platform, merge):
   head of 128, 4 queries per KV head), bfloat16 pages of 256 stored as uint16, lowered
   for NVIDIA (CUDA) and AMD (ROCm) GPUs, with either merge (the kernel's merge is a
   second Triton program). Lowering needs no GPU; compiling the Triton programs does, and
-  is left to launch/bench_gpu.sh (NVIDIA; AMD is untimed)."""
+  is left to launch/bench_gpu.sh (NVIDIA; never yet on AMD)."""
   S, K, G, H, L, P, T, J = 256, 1, 4, 128, 36, 4353, 256, 68
   sds = jax.ShapeDtypeStruct
   fn = jax.jit(
@@ -240,7 +240,7 @@ def test_kernel_lowers_for_triton_at_the_8b_shapes(platform, merge):
   ).lower(lowering_platforms=(platform,))
   text = lowered.as_text()
   assert "triton" in text and "paged_decode_attention" in text
-  assert text.count("__gpu$xla.gpu.triton") == {"xla": 1, "kernel": 2}[merge]
+  assert ("paged_decode_attention_merge" in text) == (merge == "kernel")  # its own program
   gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
   assert not [g for g in gathers if f"x{P}x" in g]  # the pool is read by the kernel alone
 
@@ -325,10 +325,10 @@ def test_auto_picks_the_kernel_on_nvidia_gpus_only(
   assert pk.choose("auto", page, head_dim) == want
   assert pk.choose("xla", page, head_dim) == "xla"
   assert pk.choose("pallas", page, head_dim) == "pallas"
-  # The run's log says which and why; an AMD GPU's line says how to run the kernel.
+  # The run's log says which and why; an AMD GPU's line says how to try the kernel.
   line = pk.describe("auto", page, head_dim)
   assert line.startswith({"pallas": "the Pallas kernel (auto", "xla": "the XLA path (auto"}[want])
-  assert ("rollout.decode_attention=pallas runs it" in line) == version.startswith("rocm")
+  assert ("rollout.decode_attention=pallas tries it" in line) == version.startswith("rocm")
   assert pk.describe("pallas", page, head_dim) == (
       "the Pallas kernel (rollout.decode_attention=pallas)"
   )

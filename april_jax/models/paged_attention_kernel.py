@@ -21,7 +21,8 @@ long-tailed mix of lengths costs what a uniform mix of the same live tokens cost
 of a fixed width per slot did not do that: on an H200 one 4k-token slot among 16 held
 the step to its one program's walk, 2x the uniform step.)
 
-Pallas lowers it for Triton (NVIDIA and AMD GPUs). On the CPU it runs in Pallas' interpret
+Pallas lowers it for Triton: run on NVIDIA GPUs; for AMD GPUs its lowering is checked,
+but it has not been compiled or run on one. On the CPU it runs in Pallas' interpret
 mode: slow, for tests, which hold it to the XLA path as its reference. The order of the
 sums is fixed by the slots' lengths (R and the runs follow from them), whatever pages
 they hold, so a resumed run equals the uninterrupted one bit for bit here too.
@@ -306,7 +307,7 @@ def choose(decode_attention: str, page_size: int, head_dim: int) -> str:
 
 def describe(decode_attention: str, page_size: int, head_dim: int) -> str:
   """choose's answer and why, for the run's log: on an AMD GPU it says that the kernel
-  lowers there but is untimed, and how to run it."""
+  is untested there, and how to try it."""
   choice, why = _choice(decode_attention, page_size, head_dim)
   name = {"pallas": "the Pallas kernel", "xla": "the XLA path"}[choice]
   return f"{name} ({why})"
@@ -327,8 +328,9 @@ def _choice(decode_attention: str, page_size: int, head_dim: int) -> tuple[str, 
   if "cuda" in version:
     return "pallas", "auto on an NVIDIA GPU"
   return "xla", (
-      "auto on a GPU other than NVIDIA's (ROCm), where the kernel lowers but is untimed; "
-      "rollout.decode_attention=pallas runs it"
+      "auto on a GPU other than NVIDIA's (ROCm), where the kernel is untested: it lowers "
+      "for ROCm but has not been compiled or run on an AMD GPU; "
+      "rollout.decode_attention=pallas tries it"
   )
 
 
