@@ -318,15 +318,18 @@ def test_timed_layer_runs_the_xla_path_and_the_kernel_on_the_same_pages():
       lengths, 2, 3, 16, 16, jnp.float32, calls=2, interpret=True, decode_block=32
   )
   assert out["layer_slots"] == 5
-  # The XLA path reads decode_block positions a chunk: 2 pages of 16, over 7 live pages.
+  # The XLA path reads decode_block positions a chunk: 2 pages of 16, over 7 live pages;
+  # and 4x as wide: 8 pages, capped at the pool's 7.
   assert (out["layer_xla_chunk_pages"], out["layer_xla_chunks"]) == (2, 4)
-  assert "4 chunks of 2 pages" in roofline.layer_lines(out)[0]
+  assert (out["layer_xla_wide_chunk_pages"], out["layer_xla_wide_chunks"]) == (7, 1)
+  lines = roofline.layer_lines(out)
+  assert "4 chunks of 2 pages" in lines[0] and "chunks of 7 pages (1 chunks)" in lines[1]
+  assert out["layer_xla_wide_max_abs_diff"] < 1e-5  # the same attention, in fewer trips
   assert out["layer_live_kv_bytes"] == 2 * sum(lengths) * 2 * 16 * 4
   gbps = out["layer_live_kv_bytes"] / out["layer_xla_us"] / 1e3
   assert out["layer_xla_gbps"] == pytest.approx(gbps)
-  lines = roofline.layer_lines(out)
-  assert len(lines) == 1 + len(roofline.LAYER_KERNELS)
-  for name, line in zip(roofline.LAYER_KERNELS, lines[1:]):
+  assert len(lines) == 2 + len(roofline.LAYER_KERNELS)
+  for name, line in zip(roofline.LAYER_KERNELS, lines[2:]):
     # Each kernel computes the XLA path's attention, and its line says so in numbers.
     assert out[f"layer_{name}_max_abs_diff"] < 1e-5
     gbps = out["layer_live_kv_bytes"] / out[f"layer_{name}_us"] / 1e3
@@ -349,4 +352,5 @@ def test_timed_layer_reports_a_kernel_the_backend_cannot_run(monkeypatch):
     assert out[f"layer_{name}_error"] == "RuntimeError: out of resource: shared memory"
     assert f"layer_{name}_us" not in out
   assert out["layer_xla_us"] > 0
-  assert all("failed here: RuntimeError" in line for line in roofline.layer_lines(out)[1:])
+  assert out["layer_xla_wide_us"] > 0  # the XLA path's lines stand
+  assert all("failed here: RuntimeError" in line for line in roofline.layer_lines(out)[2:])

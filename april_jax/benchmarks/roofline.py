@@ -197,9 +197,10 @@ def timed_layer(
 ):
   """One layer's decode attention for slots of these cached lengths, each in its own
   shuffled pages of a real pool (random values), through the XLA path (chunks of
-  decode_block positions, the config's rollout.decode_block; it lists the live pages in
-  each call, where the engine lists them once a step for every layer; a GPU pays a
-  loop trip per chunk) and through the kernel (paged_attention_kernel) as the
+  decode_block positions, the config's rollout.decode_block, and of 4x as many: does its
+  time follow its loop trips or its bytes; it lists the live pages in each call, where
+  the engine lists them once a step for every layer) and through the kernel
+  (paged_attention_kernel) as the
   engine runs it ("kernel") and as two candidates: its runs folded by a second Pallas
   program ("kernel_merged"), and that with the live blocks cut into S runs, so a slot no
   longer than the mean walks in one program ("kernel_merged_mean_runs"). Microseconds per
@@ -231,8 +232,9 @@ def timed_layer(
       jnp.asarray(table),
   )
   chunk = slot_ops.chunk_pages_for(decode_block, T, P - 1)
-  xla = jax.jit(
-      lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=chunk, view=qwen3.kv_view)
+  wide = slot_ops.chunk_pages_for(4 * decode_block, T, P - 1)
+  xla = lambda pages: jax.jit(
+      lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=pages, view=qwen3.kv_view)
   )
   kernel = lambda **kw: jax.jit(
       lambda *a: paged_attention_kernel.paged_decode_attention(
@@ -245,7 +247,7 @@ def timed_layer(
       "kernel_merged_mean_runs": kernel(merge="kernel", runs=S),
   }
   out, outputs = {}, {}
-  for name, fn in (("xla", xla), *kernels.items()):
+  for name, fn in (("xla", xla(chunk)), ("xla_wide", xla(wide)), *kernels.items()):
     many = lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
     try:
       many()  # compiles
@@ -258,8 +260,10 @@ def timed_layer(
     out[f"layer_{name}_us"] = 1e6 * best / calls
     outputs[name] = np.asarray(results[-1].astype(jnp.float32))
   live = 2 * int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize
-  out.update(layer_slots=S, layer_live_kv_bytes=live, layer_xla_chunk_pages=chunk)
-  out["layer_xla_chunks"] = -(-int(need.sum()) // chunk)  # loop trips a call takes
+  out.update(layer_slots=S, layer_live_kv_bytes=live)
+  for name, pages in (("xla", chunk), ("xla_wide", wide)):
+    out[f"layer_{name}_chunk_pages"] = pages
+    out[f"layer_{name}_chunks"] = -(-int(need.sum()) // pages)  # loop trips a call takes
   for name in outputs:
     out[f"layer_{name}_gbps"] = live / out[f"layer_{name}_us"] / 1e3
     if name != "xla":
@@ -287,6 +291,12 @@ def layer_lines(out: dict) -> list[str]:
       f"{out['layer_xla_us']:.0f} us ({out['layer_xla_gbps']:.0f} GB/s; "
       f"{out['layer_xla_chunks']} chunks of {out['layer_xla_chunk_pages']} pages)"
   ]
+  if "layer_xla_wide_us" in out:
+    lines.append(
+        f"    XLA path, chunks of {out['layer_xla_wide_chunk_pages']} pages "
+        f"({out['layer_xla_wide_chunks']} chunks): {out['layer_xla_wide_us']:.0f} us, "
+        f"{out['layer_xla_wide_over_xla']:.3f}x the config's chunk's time"
+    )
   for name, label in LAYER_KERNELS.items():
     if f"layer_{name}_error" in out:
       lines.append(f"    {label}: failed here: {out[f'layer_{name}_error']}")
