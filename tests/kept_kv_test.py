@@ -1,6 +1,7 @@
 """A snapshot that keeps its KV in the pool (`snapshot(keep=True)`): no KV crosses to the
 host while the pages are not needed, the pages count as free, the KV is copied out
-before another slot takes them, and every path continues bit for bit alike."""
+before another slot takes them, and every path continues bit for bit alike, through the
+XLA path and through the decode kernel (interpreted here; what a GPU runs)."""
 
 import dataclasses
 import gc
@@ -155,8 +156,12 @@ def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and
 
 
 # ---------------------------------------------------------------------- the engine
-def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params):
-  config = EngineConfig(num_slots=8, max_len=64, sync_every=3, snapshot_width=4)
+@pytest.mark.parametrize("decode_attention", ["xla", "pallas"])
+def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params, decode_attention):
+  """Through either decode attention (the kernel, interpreted here, is what a GPU runs)."""
+  config = EngineConfig(
+      num_slots=8, max_len=64, sync_every=3, snapshot_width=4, decode_attention=decode_attention
+  )
   lengths = [3, 14, 6, 20, 9, 2]
   straight = _straight(config, params, lengths)
   kept_engine, kept = _cut(config, params, lengths)
@@ -178,9 +183,17 @@ def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params):
     np.testing.assert_array_equal(from_pool[i].versions, from_host[i].versions)
 
 
-def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params):
+@pytest.mark.parametrize("decode_attention", ["xla", "pallas"])
+def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params, decode_attention):
   # 10 pages of 8: the two cut samples keep 6, and four fresh ones need all 10.
-  config = EngineConfig(num_slots=4, max_len=64, sync_every=8, page_size=8, num_pages=10)
+  config = EngineConfig(
+      num_slots=4,
+      max_len=64,
+      sync_every=8,
+      page_size=8,
+      num_pages=10,
+      decode_attention=decode_attention,
+  )
   lengths = [12, 12]
   straight = _straight(config, params, lengths)
   engine, kept = _cut(config, params, lengths, steps=1)
