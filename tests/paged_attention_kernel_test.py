@@ -269,16 +269,26 @@ def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
     pk.paged_decode_attention(**case, view=qwen3.kv_view, interpret=False)
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemption(mesh_shape):
+@pytest.mark.parametrize(
+    "mesh_shape, merge", [(None, "xla"), ((2, 2, 2), "xla"), ((2, 2, 2), "kernel")]
+)
+def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemption(
+    mesh_shape, merge, monkeypatch, request
+):
   """Six prompts through four slots (refills) and a pool of ten pages of 8 per slot shard
   (preemption, then restore): sampled at temperature 0.7, the kernel's run draws the same
   tokens, with the same logprobs up to rounding, as the XLA path's; on one device, and
-  per device on a mesh that splits the slots in two (ten pages each)."""
+  per device on a mesh that splits the slots in two (ten pages each). Also with the
+  engine's runs merged by the merge program (pk.ENGINE_MERGE), ready to be its default."""
   from april_jax import sampler  # pylint: disable=g-import-not-at-top
+  from april_jax.sampler import slot_ops  # pylint: disable=g-import-not-at-top
   from conftest import mesh_or_skip, tiny_qwen3  # pylint: disable=g-import-not-at-top
 
   mesh = mesh_or_skip(mesh_shape)
+  if merge != pk.ENGINE_MERGE:
+    monkeypatch.setattr(pk, "ENGINE_MERGE", merge)
+    slot_ops.device_fns.cache_clear()  # cached programs were built with the default merge
+    request.addfinalizer(slot_ops.device_fns.cache_clear)  # and these with this one
   cfg = tiny_qwen3(vocab_size=128, head_dim=16)
   params = qwen3.init_params(cfg, jax.random.key(0), std=0.35)
   if mesh is not None:

@@ -47,6 +47,10 @@ MIN_ROWS = 16  # a GPU matrix product takes at least 16 rows: the G queries are 
 PROGRAMS = 1024  # runs x KV heads a step's live blocks are cut into, at least: SMs x ~8
 INTERPRETED_RUNS = 16  # as few on a CPU, where each program is a trip of a loop
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
+# How the engine's decode merges each slot's runs (paged_decode_attention's `merge`): the
+# XLA merge, as timed on an H200, until a GPU times the merge program against it
+# (roofline mode; BENCHMARKS.md).
+ENGINE_MERGE = "xla"
 
 
 def query_rows(group: int) -> int:

@@ -145,7 +145,11 @@ def _paged_attend(
   decode_attention = paged_attention_kernel.choose(decode_attention, page_size, state.kv.k.shape[4])
   if decode_attention == "pallas":
     fn = layout.local(
-        functools.partial(paged_attention_kernel.paged_decode_attention, view=qwen3.kv_view),
+        functools.partial(
+            paged_attention_kernel.paged_decode_attention,
+            view=qwen3.kv_view,
+            merge=paged_attention_kernel.ENGINE_MERGE,
+        ),
         (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
         + (P(s, None),),
         P(s, h, None, None),
