@@ -9,11 +9,14 @@ itself, so no --config is needed. Writes config.json and safetensors (in `dtype`
 float32: the masters as trained) and, when the run loaded a pretrained model, copies its
 tokenizer files beside them.
 
-It never destroys a model: `--out` may not be the folder the run loaded its model or
-tokenizer from (nor inside it, nor hold it), with or without --overwrite, and an existing
-non-empty `--out` is replaced only with --overwrite. The export is written into a new
-folder beside `--out` and renamed into place, so a failed export leaves `--out` as it
-was. Checkpoints are opened read-only: nothing is created at a mistyped --workdir.
+It never destroys a model or a run: `--out` may not be the folder the run loaded its model
+or tokenizer from (nor inside it, nor hold it), nor the run's workdir (nor hold it), with or
+without --overwrite. An existing non-empty `--out` is replaced only with --overwrite, and
+only when it holds nothing but what an export writes (an earlier export): a folder with
+anything else in it (a model's README, a run's checkpoints, a subfolder) is refused, naming
+what it holds. The export is written into a new folder beside `--out` and renamed into
+place, so a failed export leaves `--out` as it was. Checkpoints are opened read-only:
+nothing is created at a mistyped --workdir.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
   interrupt.install()
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -50,7 +54,19 @@ TOKENIZER_FILES = (
 )
 
 
-def _check_out(out: str, config, overwrite: bool) -> str:
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _written_by_export(folder: str, name: str) -> bool:
+  """Whether `name` in `folder` is a file an export writes (what --overwrite may replace)."""
+  own = (hf_io.CONFIG_NAME, hf_io.INDEX_NAME, hf_io.SINGLE_NAME, *TOKENIZER_FILES)
+  path = os.path.join(folder, name)
+  return (name in own or _SHARD_NAME.fullmatch(name) is not None) and (
+      os.path.isfile(path) and not os.path.islink(path)
+  )
+
+
+def _check_out(out: str, workdir: str, config, overwrite: bool) -> str:
   """`out`, resolved (symlinks too), once it is safe to write; else an InputError."""
   target = os.path.realpath(out)
   for field in ("path", "tokenizer_path"):
@@ -64,12 +80,27 @@ def _check_out(out: str, config, overwrite: bool) -> str:
           f"run loaded its model from (model.{field}={config.model.get(field)}); export "
           "never writes there, even with --overwrite: choose a new folder"
       )
+  run = os.path.realpath(workdir)
+  if os.path.commonpath([target, run]) == target:
+    raise InputError(
+        f"--out={out} is {'' if target == run else 'above '}the run's workdir "
+        f"(--workdir={workdir}); export never writes there, even with --overwrite: choose a "
+        "new folder"
+    )
   if os.path.exists(target) and not os.path.isdir(target):
     raise InputError(f"--out={out} is a file, not a folder")
-  if os.path.isdir(target) and os.listdir(target) and not overwrite:
+  entries = sorted(os.listdir(target)) if os.path.isdir(target) else []
+  if entries and not overwrite:
     raise InputError(
-        f"--out={out} is not empty ({len(os.listdir(target))} entries); pass --overwrite to "
+        f"--out={out} is not empty ({len(entries)} entries); pass --overwrite to "
         "replace it, or choose a new folder"
+    )
+  foreign = [name for name in entries if not _written_by_export(target, name)]
+  if foreign:
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise InputError(
+        f"--out={out} holds what an export does not write ({shown}); --overwrite replaces "
+        "only an earlier export: choose a new folder"
     )
   return target
 
@@ -138,7 +169,7 @@ def export(
     if saved is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
     config = ml_collections.ConfigDict(saved)
-    target = _check_out(out, config, overwrite)
+    target = _check_out(out, workdir, config, overwrite)
     cfg = hf_io.model_config(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
@@ -170,7 +201,9 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints/).")
   flags.DEFINE_string("out", None, "The folder to write.")
   flags.DEFINE_integer("step", -1, "Checkpoint step to export (-1: the latest).")
-  flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (never the run's model).")
+  flags.DEFINE_bool(
+      "overwrite", False, "Replace an earlier export at --out (never a model or a run)."
+  )
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' dtype.")
   flags.mark_flags_as_required(["workdir", "out"])
   app.run(main)

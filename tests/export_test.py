@@ -1,10 +1,13 @@
 """`python -m april_jax.export` never destroys: it refuses the run's own model folder
-(by path or through a symlink, with or without --overwrite) and any non-empty folder
-without --overwrite, leaving every file there byte for byte; a mistyped workdir creates
-nothing; a missing step names the steps there; a failed export leaves --out as it was."""
+(by path or through a symlink, with or without --overwrite), the run's workdir and any
+folder above it, any non-empty folder without --overwrite, and with it any folder that
+holds more than an earlier export, leaving every file there byte for byte; a mistyped
+workdir creates nothing; a missing step names the steps there; a failed export leaves
+--out as it was."""
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +90,51 @@ def test_export_refuses_the_runs_own_model_folder(run, tmp_path, overwrite, thro
   line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={model.parent}", "--overwrite"))
   assert "inside or above" in line
   assert _checksums(model) == before
+
+
+def test_export_never_replaces_the_runs_workdir_or_a_folder_above_it(run, tmp_path):
+  """`--out=<workdir> --overwrite` would have replaced the run's checkpoints by its export."""
+  workdir = tmp_path / "runs" / "workdir"
+  shutil.copytree(run[0], workdir)
+  before = _checksums(tmp_path)
+  line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={workdir}", "--overwrite"))
+  assert f"--out={workdir} is the run's workdir" in line and "--overwrite" in line
+  for out in (workdir.parent, tmp_path):
+    with pytest.raises(InputError, match="is above the run's workdir"):
+      export_lib.export(str(workdir), str(out), overwrite=True)
+  assert _checksums(tmp_path) == before
+  # A new folder inside the workdir is fine: it replaces nothing.
+  assert export_lib.export(str(workdir), str(workdir / "exports" / "step2")) == 2
+  assert (workdir / "exports" / "step2" / "config.json").is_file()
+
+
+def test_overwrite_replaces_only_an_earlier_export(run, tmp_path):
+  workdir, _ = run
+  downloaded = tmp_path / "downloaded_model"
+  downloaded.mkdir()
+  (downloaded / "config.json").write_text('{"theirs": true}')
+  (downloaded / "model.safetensors").write_bytes(b"their weights")
+  (downloaded / "README.md").write_text("a model card")
+  (downloaded / "original").mkdir()
+  (downloaded / "original" / "consolidated.pth").write_bytes(b"more weights")
+  checkpoints = tmp_path / "checkpoints_by_mistake"
+  shutil.copytree(workdir / "checkpoints", checkpoints)
+  before = _checksums(tmp_path)
+  line = _one_line_refusal(_export(f"--workdir={workdir}", f"--out={downloaded}", "--overwrite"))
+  assert f"--out={downloaded} holds what an export does not write (README.md, original)" in line
+  with pytest.raises(InputError, match=r"holds what an export does not write \(1, 2"):
+    export_lib.export(str(workdir), str(checkpoints), overwrite=True)
+  assert _checksums(tmp_path) == before
+
+  # An earlier export, sharded, with its tokenizer: replaced whole.
+  earlier = tmp_path / "earlier_export"
+  earlier.mkdir()
+  for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+    (earlier / name).write_text("{}")
+  for i in (1, 2):
+    (earlier / f"model-0000{i}-of-00002.safetensors").write_bytes(b"old shard")
+  assert export_lib.export(str(workdir), str(earlier), overwrite=True) == 2
+  assert sorted(_checksums(earlier)) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 def test_export_refuses_a_non_empty_folder_unless_told_to_overwrite(run, tmp_path):
