@@ -12,6 +12,12 @@ stdout line, one JSON object with every number.
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
 """
 
+if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
+  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+
+  interrupt.install("the benchmark stopped; its report was not written")
+
+import os
 import sys
 
 from absl import app
@@ -27,6 +33,7 @@ from april_jax.benchmarks import (
     sampler_bench,
     scheduler_bench,
 )
+from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
 
 _MODE = flags.DEFINE_enum(
@@ -36,7 +43,9 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "e2e: seeds (one pair of runs ea
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (scheduler mode).", lock_config=True
 )
-_DIST = flags.DEFINE_string("dist", "deepmath", "scheduler: response length distribution.")
+_DIST = flags.DEFINE_enum(
+    "dist", "deepmath", sorted(SHAPES), "scheduler, resume, roofline: response lengths."
+)
 _STEPS = flags.DEFINE_integer("steps", 8, "scheduler: RL steps per side.")
 _RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler: N'/N for APRIL.")
 _RATIOS = flags.DEFINE_list(
@@ -84,6 +93,30 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is report
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and prompts.")
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "bench_out", "Markdown report and PNG plots go " "here ('' = none)."
+)
+
+
+def _numbers(name: str, kind: type, low: float):
+  """A validator: every item of list flag `name` is a `kind` of at least `low`."""
+
+  def check(values) -> bool:
+    try:
+      ok = all(kind(v) >= low for v in values)
+    except ValueError:
+      ok = False
+    if not ok:
+      raise flags.ValidationError(f"--{name} takes {kind.__name__}s >= {low}, comma-separated")
+    return True
+
+  return check
+
+
+flags.register_validator("seeds", _numbers("seeds", int, 0))
+flags.register_validator("ratios", _numbers("ratios", float, 1))
+flags.register_validator(
+    "out_dir",
+    lambda d: not d or not os.path.exists(d) or os.path.isdir(d),
+    "--out_dir names a file; the reports go into a folder",
 )
 
 

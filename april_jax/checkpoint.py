@@ -7,7 +7,8 @@
           counters, the buffer's array shapes, the run's config and the step's metrics
 
 A checkpoint that cannot be read (a truncated file, bad metadata) is moved to
-`workdir/damaged_checkpoints/<step>` for inspection, and the one before is used.
+`workdir/damaged_checkpoints/<step>` for inspection (`<step>.2`, ... if that is taken:
+nothing set aside is ever replaced), and the one before is used.
 
 Resume order (main.py): build model, learner and engine as for a fresh run, then, if a
 checkpoint exists, replace params/optimizer state, the buffer, the data position and
@@ -25,6 +26,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from april_jax.errors import InputError
+
 
 def remove_unfinished(workdir: str) -> None:
   """Deletes the folders of saves that never committed (after a failed write): they are
@@ -34,6 +37,21 @@ def remove_unfinished(workdir: str) -> None:
     for name in os.listdir(directory):
       if ".orbax-checkpoint-tmp" in name:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def keep_aside(checkpoints: str, name: str) -> str:
+  """A new path in `<workdir>/damaged_checkpoints` for `name`: `name`, else `name.2`,
+  `name.3`, ... (never one already there). The folder is made if missing; a file in its
+  place is an InputError."""
+  aside = os.path.join(os.path.dirname(checkpoints), "damaged_checkpoints")
+  if os.path.exists(aside) and not os.path.isdir(aside):
+    raise InputError(f"{aside} is a file: move it away, so damaged checkpoints can be kept")
+  os.makedirs(aside, exist_ok=True)
+  target, n = os.path.join(aside, name), 1
+  while os.path.lexists(target):
+    n += 1
+    target = os.path.join(aside, f"{name}.{n}")
+  return target
 
 
 def _folder_bytes(path: str) -> int:
@@ -84,12 +102,10 @@ class Checkpointer:
 
   def set_aside(self, step: int, move: bool = True) -> str:
     """Takes damaged checkpoint `step` out of the way (kept, for inspection); its new place.
-    Only one process of a multi-host run moves it (`move`); every one forgets it."""
-    target = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints", str(step))
+    Only one process of a multi-host run moves it (`move`); every one forgets it. Nothing
+    set aside before is replaced: a second damaged checkpoint `step` goes to `<step>.2`."""
+    target = keep_aside(self.directory, str(step))
     if move:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      if os.path.exists(target):
-        shutil.rmtree(target)
       shutil.move(os.path.join(self.directory, str(step)), target)
     self.manager.reload()
     return target

@@ -36,6 +36,19 @@ def is_no_space(error: BaseException | None) -> bool:
   return False
 
 
+OUT_OF_MEMORY_TEXTS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def is_out_of_memory(error: BaseException | None) -> bool:
+  """True if `error`, or an error it was raised from, is an allocation that found no room
+  (host or device): a failure of the machine's size, not of the files being read."""
+  while error is not None:
+    if isinstance(error, MemoryError) or any(t in str(error) for t in OUT_OF_MEMORY_TEXTS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
 def disk_full(path: str) -> DiskFull:
   """The DiskFull for a write into `path` that found no room, with the room left."""
   import shutil  # pylint: disable=g-import-not-at-top

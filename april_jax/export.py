@@ -4,8 +4,9 @@
       [--step=N] [--dtype=bfloat16] [--overwrite]
 
 Reads the params alone of checkpoint `step` (the state after N updates; default: the
-latest; the optimizer state is not read), and the run's config from the checkpoint
-itself, so no --config is needed. Writes config.json and safetensors (in `dtype`, default
+latest; the optimizer state is not read), and the run's config and model shape from the
+checkpoint itself, so no --config is needed and the model folder the run started from
+may have moved. Writes config.json and safetensors (in `dtype`, default
 float32: the masters as trained) and, when the run loaded a pretrained model, copies its
 tokenizer files beside them.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
   from april_jax import interrupt  # pylint: disable=g-import-not-at-top
 
-  interrupt.install()
+  interrupt.install("--out is as it was; rerun the same command to export")
 
 import os
 import re
@@ -165,12 +166,14 @@ def export(
   checkpointer = _open_checkpoints(workdir)
   try:
     step = _pick_step(checkpointer, step)
-    saved = checkpointer.read_host(step).get("config")
-    if saved is None:
+    host = checkpointer.read_host(step)
+    if host.get("config") is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
-    config = ml_collections.ConfigDict(saved)
+    config = ml_collections.ConfigDict(host["config"])
     target = _check_out(out, workdir, config, overwrite)
-    cfg = hf_io.model_config(config)
+    # The model as trained, from the checkpoint; from model.path's folder for checkpoints
+    # saved before they held it (that folder must then still be there).
+    cfg = qwen3.Qwen3Config(**host["model"]) if host.get("model") else hf_io.model_config(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
     abstract = jax.tree.map(
@@ -180,7 +183,14 @@ def export(
   finally:
     checkpointer.close()
   params = jax.tree.map(lambda x: x.astype(dtype), params)
-  _write_folder(target, cfg, params, config.model.tokenizer_path or config.model.path)
+  tokenizer_dir = config.model.tokenizer_path or config.model.path
+  if tokenizer_dir and not os.path.isdir(tokenizer_dir):
+    print(
+        f"april_jax.export: warning: the run's tokenizer folder {tokenizer_dir} is gone: the "
+        "export has no tokenizer files (copy them in from the model the run started from)",
+        file=sys.stderr,
+    )
+  _write_folder(target, cfg, params, tokenizer_dir)
   return step
 
 

@@ -23,17 +23,14 @@ import threading
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _message = "interrupted (Ctrl-C)"
+_then = "rerun the same command to resume from the last checkpoint"
 _lock = threading.Lock()
 
 
 def _leave() -> None:
   with _lock:  # the handler and the watcher may both get here: one line, once
     try:
-      os.write(
-          sys.stderr.fileno(),
-          f"\napril_jax: {_message}; rerun the same command to resume from the last "
-          "checkpoint\n".encode(),
-      )
+      os.write(sys.stderr.fileno(), f"\napril_jax: {_message}; {_then}\n".encode())
     finally:
       os._exit(INTERRUPTED_EXIT)  # pylint: disable=protected-access
 
@@ -55,8 +52,11 @@ def _watch(read_fd: int) -> None:
       _leave()
 
 
-def install() -> None:
-  """From the main thread, as early as possible (before jax is imported)."""
+def install(then: str | None = None) -> None:
+  """From the main thread, as early as possible (before jax is imported). `then`: what the
+  line says after "interrupted (Ctrl-C)" (default: how a run resumes)."""
+  global _then
+  _then = then or _then
   signal.signal(signal.SIGINT, _handler)
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging as std_logging
+import os
 import signal
 import sys
 import time
@@ -30,11 +31,12 @@ from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import run_report
 from april_jax import sharding
+from april_jax import checkpoint as checkpoint_lib
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import base as env_base
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
-from april_jax.errors import DiskFull, InputError
+from april_jax.errors import DiskFull, InputError, is_out_of_memory
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, paged_attention_kernel, qwen3
@@ -59,6 +61,8 @@ class Trainer:
     c = config
     # One run per workdir (the primary holds the lock; the hosts of a run share the workdir).
     self._lock = WorkdirLock(workdir) if distributed.is_primary() else None
+    if self._lock is not None:  # saves cut short by a kill: never read, and as big as one
+      checkpoint_lib.remove_unfinished(workdir)
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
@@ -96,8 +100,8 @@ class Trainer:
     self.stopped = False  # stopped early by SIGTERM (after saving)
     if resuming:
       self._resume()
-    else:  # lines of an earlier attempt that never checkpointed: these steps run again
-      self.writer.truncate_after(-1)  # the evaluation before training (step 0) too
+    else:
+      self._start_afresh()
 
   # ------------------------------------------------------------------- set-up helpers
   def _load_params(self):
@@ -202,6 +206,29 @@ class Trainer:
     )
     return runner, turn_stop_ids
 
+  def _start_afresh(self) -> None:
+    """Drops the lines of an earlier attempt that never checkpointed (these steps run again,
+    the evaluation before training too). If the workdir's checkpoints were set aside as
+    damaged, that run's metrics.jsonl and rollouts.jsonl are kept beside them instead."""
+    aside = os.path.join(self.workdir, "damaged_checkpoints")
+    kept = [
+        path
+        for path in (self.writer.metrics_path, self.writer.rollouts_path)
+        if self.primary and os.path.isfile(path) and os.path.getsize(path)
+    ]
+    if kept and os.path.isdir(aside) and os.listdir(aside):
+      target = checkpoint_lib.keep_aside(self.checkpointer.directory, "metrics")
+      os.makedirs(target)
+      for path in kept:
+        os.replace(path, os.path.join(target, os.path.basename(path)))
+      print(
+          f"april_jax: warning: starting afresh; the metrics of the run whose checkpoints "
+          f"were set aside as damaged are kept in {target}",
+          file=sys.stderr,
+          flush=True,
+      )
+    self.writer.truncate_after(-1)
+
   def _check_same_checkpoints(self) -> None:
     """Every process must see the same latest checkpoint (a workdir they all share)."""
     if jax.process_count() == 1:
@@ -210,7 +237,7 @@ class Trainer:
     steps = distributed.gather(np.array([-1 if mine is None else mine], np.int32))
     steps = steps.reshape(-1).tolist()
     if len(set(steps)) > 1:
-      raise RuntimeError(
+      raise InputError(
           f"processes see different latest checkpoints in {self.workdir} "
           f"({steps} by process, -1 = none): the workdir must be one "
           "directory shared by all hosts"
@@ -277,6 +304,7 @@ class Trainer:
         "scheduler": scheduler,
         "learner": learner,
         "config": resume_check.as_json(self.config),
+        "model": hf_io.architecture(self.model_cfg),
         "metrics": {"step": step, **metrics},
     }
     self.checkpointer.save(step, arrays, buffer, host)
@@ -299,20 +327,28 @@ class Trainer:
     ckpt, damaged = self.checkpointer, []
     for step in ckpt.steps():
       try:
-        saved_config = ckpt.read_host(step).get("config")
+        host = ckpt.read_host(step)
       except Exception as e:  # pylint: disable=broad-except
         damaged.append(self._set_aside(step, e))
         continue
-      resume_check.check_resumable(saved_config, self.config, step, ckpt.directory)
+      resume_check.check_resumable(host.get("config"), self.config, step, ckpt.directory)
+      resume_check.check_same_model(host.get("model"), self.model_cfg, step, ckpt.directory)
       try:
         restored = self._read_quietly(step)
       except Exception as e:  # pylint: disable=broad-except
+        if is_out_of_memory(e):  # the machine's size, not the files: nothing is set aside
+          cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+          raise MemoryError(
+              f"restoring checkpoint {step} of {ckpt.directory} ran out of memory ({cause}); "
+              "the checkpoint is intact: resume on devices with more memory"
+          ) from e
         damaged.append(self._set_aside(step, e))
         continue
       return self._restore(step, *restored)
     raise InputError(
         f"no intact checkpoint in {ckpt.directory}: every one is damaged (kept in "
-        f"{', '.join(damaged)}); running again starts this run afresh"
+        f"{', '.join(damaged)}); running again starts this run afresh, keeping its "
+        "metrics beside them"
     )
 
   def _read_quietly(self, step: int):

@@ -2,6 +2,8 @@
 
 import importlib.util
 from pathlib import Path
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,30 @@ def test_sampler_bench_refuses_a_run_too_short_to_time_a_decode_step():
 
   with pytest.raises(ValueError, match=r"new_tokens \(8\) must exceed sync_every \(8\)"):
     sampler_bench.run(models=("tiny",), new_tokens=8, sync_every=8, hf=False)
+
+
+def test_bad_bench_flags_are_one_line_each_before_anything_runs(tmp_path):
+  """All in one command: absl names the first flag it cannot take; each is fixed in turn."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  bad = [
+      ("--seeds=0,a", "--seeds takes ints >= 0"),
+      ("--ratios=1,x", "--ratios takes floats >= 1"),
+      (f"--out_dir={a_file}", "--out_dir names a file"),
+      ("--dist=bogus", "value should be one of <dapo_math|deepmath|deepscaler>"),
+  ]
+  for flag, words in bad:
+    proc = subprocess.run(
+        [sys.executable, "-m", "april_jax.bench", "--mode=e2e", "--config=configs/tiny.py", flag],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert words in proc.stderr and not proc.stdout
+  assert a_file.read_text() == ""
 
 
 def test_e2e_bench_trains_both_sides_and_reports_the_spread():

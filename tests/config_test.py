@@ -1,12 +1,16 @@
 """Config files load, validate, and a wrong config names its field."""
 
+import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
 from april_jax.configs import resume_check
 from april_jax.configs.validate import ConfigError, validate
+from april_jax.errors import InputError
+from april_jax.models import hf_io, qwen3
 from april_jax.rl.losses import LossConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -310,6 +314,30 @@ def test_a_checkpoint_saved_before_a_field_existed_resumes_at_its_default_only()
   assert resume_check.differences(saved, config) == []
   config.env.name = "lookup"
   assert resume_check.differences(saved, config) == ["env.name: '<unset>' -> 'lookup'"]
+
+
+def test_a_resume_names_each_field_of_another_model_and_accepts_a_copy_of_the_same():
+  """model.path may change on resume (the model moved); a model of another shape may not:
+  its arrays would not fit the checkpoint's, and the read would look like damage."""
+  cfg = qwen3.Qwen3Config.from_init(load("tiny").model.init)
+  saved = json.loads(json.dumps(hf_io.architecture(cfg)))  # as the checkpoint keeps it
+  assert "attention" not in saved and saved["hidden_size"] == cfg.hidden_size
+  resume_check.check_same_model(saved, dataclasses.replace(cfg, attention="dense"), 3, "ck")
+  resume_check.check_same_model(None, dataclasses.replace(cfg, num_layers=9), 3, "ck")
+  bigger = dataclasses.replace(cfg, num_layers=cfg.num_layers + 1, rope_theta=1e4)
+  with pytest.raises(InputError) as info:
+    resume_check.check_same_model(saved, bigger, 3, "ck")
+  assert "not the one checkpoint 3 in ck was trained from" in str(info.value)
+  assert f"num_layers: {cfg.num_layers} -> {cfg.num_layers + 1}" in str(info.value)
+  assert f"rope_theta: {cfg.rope_theta!r} -> 10000.0" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_is_refused_by_name(seed):
+  config = load("tiny")
+  config.seed = seed
+  with pytest.raises(ConfigError, match=rf"seed must be in \[0, 2\*\*32\), got {seed}"):
+    validate(config)
 
 
 def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(tmp_path):

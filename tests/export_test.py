@@ -199,3 +199,20 @@ def test_a_failed_export_leaves_out_as_it_was(run, tmp_path, monkeypatch):
     (tmp_path / "a_file").write_text("x")
     export_lib.export(str(workdir), str(tmp_path / "a_file"))
   assert os.path.isfile(tmp_path / "a_file")
+
+
+def test_a_run_whose_model_folder_moved_exports_from_the_checkpoint_alone(tmp_path, capsys):
+  """The checkpoint keeps the model's architecture: export needs no model folder."""
+  config = base.get_config()
+  config.model.path = str(tmp_path / "moved_away")
+  checkpointer = Checkpointer(str(tmp_path / "workdir"))
+  params = qwen3.init_params(CFG, jax.random.key(7))
+  host = {"step": 1, "config": resume_check.as_json(config), "model": hf_io.architecture(CFG)}
+  checkpointer.save(1, {"params": params}, {"ids": np.arange(3)}, host)
+  checkpointer.close()
+  out = tmp_path / "out"
+  assert export_lib.export(str(tmp_path / "workdir"), str(out)) == 1
+  assert f"tokenizer folder {tmp_path / 'moved_away'} is gone" in capsys.readouterr().err
+  loaded_cfg, loaded = hf_io.load_pretrained(str(out), "float32")
+  assert loaded_cfg.num_layers == CFG.num_layers and loaded_cfg.vocab_size == CFG.vocab_size
+  np.testing.assert_array_equal(loaded["embed"], params["embed"])

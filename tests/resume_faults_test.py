@@ -1,7 +1,8 @@
 """Resume under faults, end to end: a damaged latest checkpoint falls back to the one
 before (kept for inspection), a step's metrics line lost between its checkpoint and its
-write comes back, TensorBoard never shows a step twice, and a changed config or no intact
-checkpoint is refused in one line."""
+write comes back, TensorBoard never shows a step twice, and a changed config, a model of
+another shape or no intact checkpoint is refused in one line; a fresh start after every
+checkpoint was set aside keeps that run's metrics beside them."""
 
 import glob
 import json
@@ -128,3 +129,36 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
   ]
   assert len(errors) == 1 and "no intact checkpoint in" in errors[0]
   assert sorted(p.name for p in (workdir / "damaged_checkpoints").iterdir()) == ["1", "2", "3"]
+
+  # Running again starts afresh; the set-aside run's metrics are kept beside its checkpoints.
+  old = {name: (workdir / name).read_bytes() for name in ("metrics.jsonl", "rollouts.jsonl")}
+  proc = _main(workdir, "--config.num_steps=1")
+  assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "starting afresh; the metrics of the run whose checkpoints" in proc.stderr
+  kept = workdir / "damaged_checkpoints" / "metrics"
+  assert {name: (kept / name).read_bytes() for name in old} == old
+  assert [l["step"] for l in _lines(workdir / "metrics.jsonl")] == [1]
+
+
+def test_a_model_of_another_shape_is_refused_and_nothing_is_set_aside(three_steps, tmp_path):
+  """As when model.path (which may change on resume) names a model of another size: the
+  arrays would not fit the checkpoint's, and a failed read would have been taken for
+  damage, every checkpoint set aside and the run's history then started afresh."""
+  source, _ = three_steps
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  for step in (1, 2, 3):
+    path = workdir / "checkpoints" / str(step) / "host" / "metadata"
+    host = json.loads(path.read_text())
+    layers = host["model"]["num_layers"]
+    host["model"]["num_layers"] = layers + 1
+    path.write_text(json.dumps(host))
+  before = {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+  before.pop(workdir / ".lock")
+  proc = _main(workdir, "--config.num_steps=4")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  (message,) = [l for l in proc.stderr.splitlines() if l.startswith("april_jax:")]
+  assert "the model the config names now is not the one checkpoint 3" in message
+  assert f"num_layers: {layers + 1} -> {layers}" in message
+  assert {p: p.read_bytes() for p in before} == before  # every file as it was
+  assert not (workdir / "damaged_checkpoints").exists()

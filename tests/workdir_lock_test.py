@@ -1,5 +1,6 @@
 """One run per workdir: a second one is refused by name; a lock left by a killed run, or
-released, does not block."""
+released, does not block; a folder that holds a run's names but is not a run's is refused
+with every byte left as it was."""
 
 import os
 import signal
@@ -43,3 +44,35 @@ def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
   start = time.monotonic()
   WorkdirLock(str(tmp_path)).release()
   assert time.monotonic() - start < 1.0
+
+
+def _tree(folder):
+  return {
+      str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+      for p in sorted(folder.rglob("*"))
+  }
+
+
+def test_a_folder_holding_another_tools_run_files_is_refused_untouched(tmp_path):
+  """A fresh start would empty its metrics.jsonl and set its checkpoints/<step> aside."""
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+  (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "100" / "model.pt").write_bytes(b"weights")
+  (tmp_path / "notes.txt").write_text("mine")
+  before = _tree(tmp_path)
+  with pytest.raises(InputError, match=r"holds checkpoints, metrics.jsonl, which a run would"):
+    WorkdirLock(str(tmp_path))
+  assert _tree(tmp_path) == before  # not even a lock file
+  (tmp_path / ".april_jax_run").write_text("")  # what an earlier version's workdir is given
+  WorkdirLock(str(tmp_path)).release()
+
+
+def test_a_run_marks_a_new_or_empty_workdir_and_a_folder_of_other_files(tmp_path):
+  for folder in (tmp_path / "new", tmp_path / "other"):
+    if folder.name == "other":
+      folder.mkdir()
+      (folder / "my_reward.py").write_text("def score(r, a): return 0.0\n")
+    WorkdirLock(str(folder)).release()
+    assert (folder / ".april_jax_run").is_file()
+    (folder / "metrics.jsonl").write_text("")  # the run's own, from now on
+    WorkdirLock(str(folder)).release()

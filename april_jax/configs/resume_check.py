@@ -11,6 +11,7 @@ resumes at its default (which keeps the old behaviour).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -76,4 +77,21 @@ def check_resumable(saved: dict[str, Any] | None, config, step: int, directory: 
         f"in fields a resume may not change: {'; '.join(changed)}. Resume with the saved "
         f"values, or start a new run in another workdir (may change on resume: "
         f"{', '.join(RESUMABLE)})"
+    )
+
+
+def check_same_model(saved: dict[str, Any] | None, cfg, step: int, directory: str) -> None:
+  """Raises InputError if the model the config names now (model.path may move) is not the
+  one checkpoint `step` was trained as (`saved`: hf_io.architecture of that model)."""
+  if saved is None:
+    return  # a checkpoint from before the model was saved with it
+  now = dataclasses.asdict(cfg)
+  changed = [
+      f"{k}: {v!r} -> {now.get(k, '<unset>')!r}" for k, v in saved.items() if now.get(k) != v
+  ]
+  if changed:
+    raise InputError(
+        f"the model the config names now is not the one checkpoint {step} in {directory} "
+        f"was trained from: {'; '.join(changed)}. model.path may change on resume only to "
+        "a copy of the same model"
     )

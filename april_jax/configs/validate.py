@@ -154,6 +154,8 @@ def _checks_top(c, err: Callable[[str], None]) -> None:
   for name in ("num_steps", "checkpoint_every", "eval_every"):
     if int(c[name]) < 0:
       err(f"{name} must be >= 0, got {c[name]}")
+  if not 0 <= int(c.seed) < 2**32:  # numpy's and JAX's seeds are unsigned 32-bit words
+    err(f"seed must be in [0, 2**32), got {c.seed}")
   if len(tuple(c.mesh.shape)) != 3:
     err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
   if c.data.max_prompt_len < 1:

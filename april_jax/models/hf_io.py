@@ -137,6 +137,14 @@ def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
     raise ModelError(f"{config_path}: {e}") from None
 
 
+RUN_CHOICES = ("attention", "attention_chunk")  # how the run computes, not the model
+
+
+def architecture(cfg: qwen3.Qwen3Config) -> dict[str, Any]:
+  """The model's own fields (shapes, rope, norm), as JSON: what a checkpoint was trained as."""
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CHOICES}
+
+
 def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
   """The run's model: from an HF config.json if given, else model.path's, else the
   config's model.init; with the config's attention settings."""
