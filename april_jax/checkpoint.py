@@ -104,9 +104,11 @@ class Checkpointer:
     """Takes damaged checkpoint `step` out of the way (kept, for inspection); its new place.
     Only one process of a multi-host run moves it (`move`); every one forgets it. Nothing
     set aside before is replaced: a second damaged checkpoint `step` goes to `<step>.2`."""
-    target = keep_aside(self.directory, str(step))
     if move:
+      target = keep_aside(self.directory, str(step))
       shutil.move(os.path.join(self.directory, str(step)), target)
+    else:  # the mover's name for it, as far as this process can tell
+      target = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints", str(step))
     self.manager.reload()
     return target
 

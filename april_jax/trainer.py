@@ -27,11 +27,11 @@ from absl import logging
 import jax
 import numpy as np
 
+from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
 from april_jax import plan as plan_lib
 from april_jax import run_report
 from april_jax import sharding
-from april_jax import checkpoint as checkpoint_lib
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import base as env_base
