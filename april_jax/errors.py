@@ -36,7 +36,12 @@ def is_no_space(error: BaseException | None) -> bool:
   return False
 
 
-OUT_OF_MEMORY_TEXTS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+# What an allocation that found no room says (XLA's "RESOURCE_EXHAUSTED: Out of memory
+# while trying to allocate ..."); other RESOURCE_EXHAUSTED errors are files or quotas.
+OUT_OF_MEMORY_TEXTS = (
+    "Out of memory while trying to allocate",
+    "RESOURCE_EXHAUSTED: Out of memory",
+)
 
 
 def is_out_of_memory(error: BaseException | None) -> bool:
@@ -44,6 +49,18 @@ def is_out_of_memory(error: BaseException | None) -> bool:
   (host or device): a failure of the machine's size, not of the files being read."""
   while error is not None:
     if isinstance(error, MemoryError) or any(t in str(error) for t in OUT_OF_MEMORY_TEXTS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def is_out_of_resources(error: BaseException | None) -> bool:
+  """True if `error`, or an error it was raised from, is the machine running short (memory,
+  open files, a quota; RESOURCE_EXHAUSTED), not something wrong in what was read."""
+  while error is not None:
+    if is_out_of_memory(error) or "RESOURCE_EXHAUSTED" in str(error):
+      return True
+    if isinstance(error, OSError) and error.errno in (23, 24, 122):  # ENFILE, EMFILE, EDQUOT
       return True
     error = error.__cause__ or error.__context__
   return False

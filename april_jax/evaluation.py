@@ -3,6 +3,12 @@
 A response counts as correct when its reward reaches `correct_at` (1.0 for the math and
 copy rewards). eval/pass@1: fraction of prompts whose greedy response is correct.
 eval/avg@k: correct responses among k sampled per prompt, averaged (AIME's avg@k).
+
+Responses are scored as training scores them, by the run's RewardRunner: the reward's
+own form (a pair, a whole sample, or a group: a prompt's k samples), its worker
+processes, time limit and fallback, and the environment's failures. A reward that raises
+or runs past its limit scores the fallback and is counted (eval/reward_errors,
+eval/reward_timeouts); it never ends the run.
 """
 
 from __future__ import annotations
@@ -10,13 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 from april_jax import sampler
+from april_jax.rollout.group import Group
 
 
 def evaluate(
     engine,
     items,
-    decode,
-    reward_fn,
+    rewards,
     *,
     k: int,
     max_new_tokens: int,
@@ -25,23 +31,33 @@ def evaluate(
     top_p: float = 1.0,
     correct_at: float = 1.0,
     episodes=None,
-    fallback: float = 0.0,
 ) -> dict[str, float]:
   """items: PromptItems (tokens, answer). Generates with `engine` (empty; its current
   params and stop tokens; with `episodes`, each prompt an episode of the run's
-  environment, scored `fallback` where the environment failed, as in training) and
-  returns eval/* metrics."""
+  environment), scores with `rewards` (a RewardRunner) and returns eval/* metrics."""
   prompts = [item.tokens.tolist() for item in items]
   rows = [{**(item.row or {}), "answer": item.answer} for item in items]
+  counts = {"errors": 0, "timeouts": 0}
 
   def score(records, repeat):
-    rewards = [
-        fallback
-        if "env_error" in r.meta
-        else reward_fn(decode(r.response.tolist()), items[i // repeat].answer)
-        for i, r in enumerate(records)
+    groups = [  # negative ids: never a training group's
+        Group(
+            group_id=-1 - i,
+            prompt_id=item.prompt_id,
+            prompt=item.tokens,
+            answer=item.answer,
+            samples=records[i * repeat : (i + 1) * repeat],
+            first_step=-1,
+            row=item.row or {},
+        )
+        for i, item in enumerate(items)
     ]
-    return np.array(rewards, np.float64)
+    for group in groups:
+      rewards.submit(group)
+    rewards.wait_for(groups)
+    for key in counts:
+      counts[key] += sum(group.reward_info[key] for group in groups)
+    return np.array([r for group in groups for r in group.rewards], np.float64)
 
   greedy = score(
       sampler.generate_on(
@@ -77,4 +93,6 @@ def evaluate(
         k,
     )
     out[f"eval/avg@{k}"] = float(np.mean(sampled >= correct_at))
+  out["eval/reward_errors"] = float(counts["errors"])
+  out["eval/reward_timeouts"] = float(counts["timeouts"])
   return out

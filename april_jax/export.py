@@ -16,7 +16,9 @@ without --overwrite. An existing non-empty `--out` is replaced only with --overw
 only when it holds nothing but what an export writes (an earlier export): a folder with
 anything else in it (a model's README, a run's checkpoints, a subfolder) is refused, naming
 what it holds. The export is written into a new folder beside `--out` and renamed into
-place, so a failed export leaves `--out` as it was. Checkpoints are opened read-only:
+place, so a failed export leaves `--out` as it was; what an export killed mid-way left
+beside `--out` (its staging folder, a previous export moved aside) is tidied by the next
+export to it. Checkpoints are opened read-only:
 nothing is created at a mistyped --workdir.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
   from april_jax import interrupt  # pylint: disable=g-import-not-at-top
 
-  interrupt.install("--out is as it was; rerun the same command to export")
+  interrupt.install("--out is as it was; the next export to it tidies what this one left")
 
 import os
 import re
@@ -129,6 +131,24 @@ def _pick_step(checkpointer: Checkpointer, step: int | None) -> int:
   return step
 
 
+def _tidy_interrupted(target: str) -> None:
+  """Undoes what an export to `target` that was killed left beside it: its staging folder
+  (a partial copy) goes, and a previous export it had moved aside comes back."""
+  parent, base = os.path.split(target)
+  if not os.path.isdir(parent):
+    return
+  for name in os.listdir(parent):
+    path = os.path.join(parent, name)
+    if name.startswith(f".{base}.export-"):
+      shutil.rmtree(path, ignore_errors=True)
+    elif name.startswith(f".{base}.old-"):
+      moved = os.path.join(path, "out")
+      if os.path.isdir(moved) and not os.path.lexists(target):
+        os.rename(moved, target)
+      if not os.path.lexists(moved):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _write_folder(target: str, cfg, params, tokenizer_dir: str | None) -> None:
   """Writes the export into a new folder beside `target`, then renames it into place
   (a previous `target` is moved aside first and removed last)."""
@@ -170,6 +190,7 @@ def export(
     if host.get("config") is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
     config = ml_collections.ConfigDict(host["config"])
+    _tidy_interrupted(os.path.realpath(out))
     target = _check_out(out, workdir, config, overwrite)
     # The model as trained, from the checkpoint; from model.path's folder for checkpoints
     # saved before they held it (that folder must then still be there).

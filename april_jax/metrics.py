@@ -36,7 +36,7 @@ def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) ->
           step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
           continue  # a torn last line from a killed run
-        if not isinstance(step, int):
+        if not isinstance(step, int) or isinstance(step, bool):
           continue  # not a line this writer wrote (a hand edit)
         if step <= last_step:
           keep.append(line if line.endswith("\n") else line + "\n")

@@ -36,7 +36,7 @@ from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import base as env_base
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
-from april_jax.errors import DiskFull, InputError, is_out_of_memory
+from april_jax.errors import DiskFull, InputError, is_out_of_memory, is_out_of_resources
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, paged_attention_kernel, qwen3
@@ -334,15 +334,14 @@ class Trainer:
       resume_check.check_resumable(host.get("config"), self.config, step, ckpt.directory)
       resume_check.check_same_model(host.get("model"), self.model_cfg, step, ckpt.directory)
       try:
-        restored = self._read_quietly(step)
+        restored, failure = self._read_quietly(step), None
       except Exception as e:  # pylint: disable=broad-except
-        if is_out_of_memory(e):  # the machine's size, not the files: nothing is set aside
-          cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-          raise MemoryError(
-              f"restoring checkpoint {step} of {ckpt.directory} ran out of memory ({cause}); "
-              "the checkpoint is intact: resume on devices with more memory"
-          ) from e
-        damaged.append(self._set_aside(step, e))
+        restored, failure = None, e
+        self._refuse_if_short_of_resources(step, e)
+      # Set aside only when every process came through its read (a peer that died, e.g. of
+      # memory, fails this collective: exit 4, and nothing is moved).
+      if distributed.any_process(failure is not None):
+        damaged.append(self._set_aside(step, failure or RuntimeError("a peer's read failed")))
         continue
       return self._restore(step, *restored)
     raise InputError(
@@ -369,16 +368,32 @@ class Trainer:
       aio.setLevel(aio_level)
       logging.set_verbosity(verbosity)
 
+  def _refuse_if_short_of_resources(self, step: int, error: Exception) -> None:
+    """A read that failed for the machine's size or limits, not the files: nothing is set
+    aside; out of memory exits 3 (main), other limits (open files, a quota) 2."""
+    if not is_out_of_resources(error):
+      return
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    where = f"checkpoint {step} of {self.checkpointer.directory}"
+    advice = (
+        "nothing was set aside; if it fails so again where the resources suffice, move "
+        f"checkpoints/{step} out of the workdir to resume from the one before"
+    )
+    if is_out_of_memory(error):
+      raise MemoryError(f"restoring {where} ran out of memory ({cause}); {advice}") from error
+    raise InputError(f"restoring {where} ran short of resources ({cause}); {advice}") from error
+
   def _set_aside(self, step: int, error: Exception) -> str:
     where = self.checkpointer.set_aside(step, move=self.primary)
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     logging.info("checkpoint %d is damaged", step, exc_info=error)  # the traceback, in the log
-    print(
-        f"april_jax: warning: checkpoint {step} is damaged ({type(error).__name__}: {cause}); "
-        f"kept in {where}; trying the one before",
-        file=sys.stderr,
-        flush=True,
-    )
+    if self.primary:  # the mover, who knows the name it chose
+      print(
+          f"april_jax: warning: checkpoint {step} is damaged ({type(error).__name__}: "
+          f"{cause}); kept in {where}; trying the one before",
+          file=sys.stderr,
+          flush=True,
+      )
     return where
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
@@ -411,15 +426,13 @@ class Trainer:
     return evaluate(
         self.engine,
         self.task.eval_items(),
-        self.decode,
-        self.task.reward,
+        self.rewards,
         k=c.eval.k,
         max_new_tokens=c.rollout.max_response_len,
         temperature=c.eval.temperature,
         top_p=c.eval.top_p,
         seed=c.seed,
         episodes=self.episodes,
-        fallback=c.rollout.reward_fallback,
     )
 
   def _evaluate_before_training(self) -> None:

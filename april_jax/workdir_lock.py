@@ -4,7 +4,7 @@ The lock is the operating system's (flock), so it goes with its process: a run k
 kill -9 or a crash leaves a file that no longer blocks. The file says who holds it.
 
 A workdir is a run's once it holds `.april_jax_run`, written when a run first takes an
-empty (or new) folder. A folder without it that holds any of the names a run writes
+empty (or new) folder (or `.lock`, which runs before the mark left too). A folder without it that holds any of the names a run writes
 (metrics.jsonl, checkpoints/, ...) is someone else's: a run there would rewrite or set
 aside what it found, so it is refused, naming them.
 """
@@ -18,27 +18,27 @@ import socket
 from april_jax.errors import InputError
 
 MARKER = ".april_jax_run"
-RUN_NAMES = (  # what a run writes into its workdir
+RUN_NAMES = (  # what a run writes into its workdir and would rewrite or set aside
     "checkpoints",
     "damaged_checkpoints",
     "metrics.jsonl",
     "rollouts.jsonl",
     "tb",
     "progress.png",
-    "xla_cache",
-)
+)  # not xla_cache: a cache, which another process of a run may make before the lock
 
 
 def _refuse_if_foreign(workdir: str) -> None:
   """An InputError if `workdir` holds a run's names without the mark of a run's workdir."""
   if not os.path.isdir(workdir) or os.path.exists(os.path.join(workdir, MARKER)):
     return
+  if os.path.exists(os.path.join(workdir, ".lock")):
+    return  # a run's workdir from before the mark: every run has left its lock file
   found = sorted(set(os.listdir(workdir)) & set(RUN_NAMES))
   if found:
     raise InputError(
         f"workdir {workdir} is not an april_jax run's (no {MARKER}) but holds "
-        f"{', '.join(found)}, which a run would rewrite: choose a new or empty folder (a "
-        f"workdir of an earlier april_jax version resumes once {MARKER} is created in it)"
+        f"{', '.join(found)}, which a run would rewrite: choose a new or empty folder"
     )
 
 

@@ -48,8 +48,9 @@ def test_saves_cut_short_are_removed_and_committed_ones_kept(tmp_path):
   assert Checkpointer(str(tmp_path)).steps() == [1]
 
 
-def test_a_read_that_ran_out_of_memory_is_told_from_damage():
-  """A restore that runs out of memory leaves the checkpoint where it is (trainer.py)."""
+def test_a_read_that_ran_out_of_memory_or_files_is_told_from_damage():
+  """A restore that runs short of memory, files or quota leaves the checkpoint where it is
+  (trainer.py); anything else about the read is damage."""
   try:
     try:
       raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")
@@ -59,5 +60,10 @@ def test_a_read_that_ran_out_of_memory_is_told_from_damage():
     assert errors.is_out_of_memory(outer)
   assert errors.is_out_of_memory(MemoryError())
   shape = ValueError("Requested shape (8,) is not compatible with the stored shape (4,)")
-  assert not errors.is_out_of_memory(shape)
-  assert not errors.is_out_of_memory(OSError(5, "Input/output error"))
+  assert not errors.is_out_of_memory(shape) and not errors.is_out_of_resources(shape)
+  io_error = OSError(5, "Input/output error")
+  assert not errors.is_out_of_memory(io_error) and not errors.is_out_of_resources(io_error)
+  # Files or quotas, which tensorstore also reports as RESOURCE_EXHAUSTED: not memory.
+  files = ValueError("RESOURCE_EXHAUSTED: Error opening file: Too many open files")
+  assert not errors.is_out_of_memory(files) and errors.is_out_of_resources(files)
+  assert errors.is_out_of_resources(OSError(24, "Too many open files"))

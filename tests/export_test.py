@@ -216,3 +216,24 @@ def test_a_run_whose_model_folder_moved_exports_from_the_checkpoint_alone(tmp_pa
   loaded_cfg, loaded = hf_io.load_pretrained(str(out), "float32")
   assert loaded_cfg.num_layers == CFG.num_layers and loaded_cfg.vocab_size == CFG.vocab_size
   np.testing.assert_array_equal(loaded["embed"], params["embed"])
+
+
+def test_the_next_export_tidies_what_a_killed_one_left(run, tmp_path):
+  """A kill mid-write leaves a staging folder (a partial model) beside --out; a kill between
+  the two renames leaves the previous export moved aside and --out missing."""
+  workdir, _ = run
+  out = tmp_path / "exports" / "policy"
+  assert export_lib.export(str(workdir), str(out), step=1) == 1
+  previous = _checksums(out)
+  staging = tmp_path / "exports" / ".policy.export-abc123"
+  staging.mkdir()
+  (staging / "model.safetensors").write_bytes(b"half a model")
+  moved = tmp_path / "exports" / ".policy.old-def456"
+  moved.mkdir()
+  out.rename(moved / "out")
+  # Without --overwrite: the previous export is back in place first, so it is refused.
+  with pytest.raises(InputError, match="is not empty"):
+    export_lib.export(str(workdir), str(out))
+  assert _checksums(out) == previous
+  assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["policy"]
+  assert export_lib.export(str(workdir), str(out), overwrite=True) == 2

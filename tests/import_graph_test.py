@@ -13,7 +13,8 @@ LAYERS = [
     {"workdir_lock"},
     {"rewards", "envs", "models"},
     {"data", "sampler"},
-    {"rollout", "evaluation", "task"},
+    {"rollout", "task"},
+    {"evaluation"},  # scores through the rollout's reward runner
     {"rl"},
     {"configs", "compile_check", "plan", "trainer"},
     {"main", "bench", "benchmarks", "export"},

@@ -63,8 +63,12 @@ def test_a_folder_holding_another_tools_run_files_is_refused_untouched(tmp_path)
   with pytest.raises(InputError, match=r"holds checkpoints, metrics.jsonl, which a run would"):
     WorkdirLock(str(tmp_path))
   assert _tree(tmp_path) == before  # not even a lock file
-  (tmp_path / ".april_jax_run").write_text("")  # what an earlier version's workdir is given
+  (tmp_path / ".lock").write_text("pid 1 on another\n")  # a run's, from before the mark
   WorkdirLock(str(tmp_path)).release()
+  assert (tmp_path / ".april_jax_run").is_file()
+  assert {k: v for k, v in _tree(tmp_path).items() if k not in (".lock", ".april_jax_run")} == (
+      before
+  )
 
 
 def test_a_run_marks_a_new_or_empty_workdir_and_a_folder_of_other_files(tmp_path):
