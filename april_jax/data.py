@@ -75,7 +75,7 @@ def _read_jsonl(path: Path, skipped: collections.Counter) -> list[Any]:
         continue
       try:
         rows.append(json.loads(line))
-      except json.JSONDecodeError as e:
+      except (json.JSONDecodeError, RecursionError) as e:  # nested past Python's stack too
         _skip(skipped, "bad_json", f"{path} line {line_number}: invalid JSON ({e})")
   return rows
 
@@ -91,7 +91,7 @@ def _read_json(path: Path) -> list[Any]:
   """Rows of a file holding one JSON list."""
   try:
     rows = json.loads(path.read_text(encoding="utf-8-sig"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
     raise DataError(f"{path} is not valid JSON: {e}") from None
   if not isinstance(rows, list):
     raise DataError(f"{path} should hold a JSON list of objects, got a {type(rows).__name__}")
@@ -137,12 +137,22 @@ def _first_present(row: dict, keys: Sequence[str]) -> Any:
   return None
 
 
+def _utf8(text: str) -> str:
+  """`text`, if UTF-8 can write it (a lone surrogate, e.g. "\\ud83d" in JSON, cannot: the
+  tokenizer would fail on it mid-run)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    raise _BadRow("bad_utf8") from None
+  return text
+
+
 def _messages(prompt: Any) -> list[dict[str, str]]:
   """Chat messages from a prompt field: a string (one user turn) or a list of messages."""
   if isinstance(prompt, str):
     if not prompt.strip():
       raise _BadRow("missing_prompt")
-    return [{"role": "user", "content": prompt}]
+    return [{"role": "user", "content": _utf8(prompt)}]
   if not isinstance(prompt, list):
     raise _BadRow("bad_prompt")
   messages = []
@@ -152,7 +162,7 @@ def _messages(prompt: Any) -> list[dict[str, str]]:
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str) or not role or not isinstance(content, str):
       raise _BadRow("bad_messages")
-    messages.append({"role": role, "content": content})
+    messages.append({"role": _utf8(role), "content": _utf8(content)})
   if not any(m["content"].strip() for m in messages):
     raise _BadRow("missing_prompt")
   return messages
@@ -167,7 +177,19 @@ def _answer(value: Any) -> str:
   answer = value if isinstance(value, str) else str(value)
   if not answer.strip():
     raise _BadRow("missing_answer")
-  return answer
+  return _utf8(answer)
+
+
+def _record_id(value: Any, default: str) -> int | str:
+  """A row's id as an int or a string: it keys the skip count, rides in checkpoints and
+  rollouts.jsonl (JSON), so a parquet scalar becomes its Python value and anything else
+  (a list, a dict, bytes, a timestamp) its JSON or string form."""
+  if value is None:
+    return default
+  value = _jsonable(value)
+  if isinstance(value, bool) or not isinstance(value, (int, str)):
+    value = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+  return value
 
 
 def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict[str, Any]:
@@ -178,9 +200,8 @@ def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict
     raise _BadRow("missing_prompt")
   messages = _messages(prompt)
   answer = _answer(_lookup(row, answer_key) if answer_key else _first_present(row, ANSWER_KEYS))
-  record_id = _first_present(row, ID_KEYS)
   return {
-      "id": default_id if record_id is None else record_id,
+      "id": _record_id(_first_present(row, ID_KEYS), default_id),
       "messages": messages,
       "answer": answer,
       "row": {str(k): _jsonable(v) for k, v in row.items()},

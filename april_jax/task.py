@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator
 
+from absl import logging
 import numpy as np
 
 from april_jax import data as data_lib
@@ -82,10 +83,11 @@ def _builtin_task(c, tokenizer) -> Task:
 
 
 def _file_items(c, tokenizer) -> list[PromptItem]:
-  """The first eval.num_prompts prompts of eval.path, in file order."""
+  """The first eval.num_prompts prompts of eval.path that fit data.max_prompt_len, in file
+  order, each once (a file with fewer gives fewer; the skipped are logged)."""
   records, _ = data_lib.load_records(c.eval.path, c.data.prompt_key, c.data.answer_key)
   source = data_lib.PromptIterator(
-      records[: c.eval.num_prompts],
+      records,
       tokenizer,
       c.data.max_prompt_len,
       seed=0,
@@ -94,4 +96,21 @@ def _file_items(c, tokenizer) -> list[PromptItem]:
       enable_thinking=c.data.enable_thinking,
   )
   source.check_one_fits(c.eval.path)
-  return [source() for _ in range(min(c.eval.num_prompts, len(records)))]
+  items, skipped = [], 0
+  for record in records:  # once each: a file with fewer that fit gives fewer
+    if len(items) == c.eval.num_prompts:
+      break
+    tokens = source.tokens(record)
+    if len(tokens) > c.data.max_prompt_len:
+      skipped += 1
+      continue
+    items.append(PromptItem(record["id"], tokens, record["answer"], row=record.get("row")))
+  if skipped:
+    logging.warning(
+        "eval.path %s: %d prompts longer than data.max_prompt_len (%d) skipped; %d evaluated",
+        c.eval.path,
+        skipped,
+        c.data.max_prompt_len,
+        len(items),
+    )
+  return items

@@ -8,6 +8,7 @@ for the built-in synthetic task.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from april_jax.errors import InputFileMissing
+from april_jax.errors import InputError, InputFileMissing
 
 # Keys of tokenizer_config.json that transformers hands to the chat template as strings.
 _SPECIAL_TOKEN_KEYS = (
@@ -191,16 +192,29 @@ class Tokenizer:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
       raise InputFileMissing(f"Tokenizer file not found: {tokenizer_file}")
-    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-
+    with _named(tokenizer_file):
+      tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    with _named(config_file):
+      config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+      if not isinstance(config, dict):
+        raise ValueError(f"a JSON object was expected, got {type(config).__name__}")
     template_file = path / "chat_template.jinja"
     if template_file.is_file():
-      chat_template = template_file.read_text(encoding="utf-8")
+      with _named(template_file):
+        chat_template = template_file.read_text(encoding="utf-8")
     else:
       chat_template = config.get("chat_template")
-    return cls(tokenizer, config, chat_template, path)
+      template_file = config_file
+    if chat_template is not None:
+      with _named(template_file):
+        compile_chat_template(chat_template)
+    with _named(config_file):  # its special tokens must be in the vocabulary
+      loaded = cls(tokenizer, config, chat_template, path)
+    if chat_template is not None:
+      with _named(template_file):  # a template that cannot render fails here, not mid-run
+        loaded.apply_chat_template([{"role": "user", "content": "1+1?"}], True)
+    return loaded
 
   @property
   def vocab_size(self) -> int:
@@ -266,7 +280,7 @@ class Tokenizer:
       ValueError: If the tokenizer has no chat template.
     """
     if self._template is None:
-      raise ValueError(
+      raise TokenizerError(
           f"No chat template in {self._path}: expected chat_template.jinja "
           "or a chat_template entry in tokenizer_config.json"
       )
@@ -283,6 +297,22 @@ class Tokenizer:
     if tokenize:
       return self.encode(text, add_special_tokens=False)
     return text
+
+
+class TokenizerError(InputError, ValueError):
+  """A tokenizer folder whose files cannot be used; the message names the file."""
+
+
+@contextlib.contextmanager
+def _named(where: Path):
+  """Any error while reading `where` becomes a TokenizerError naming it."""
+  try:
+    yield
+  except InputError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    cause = (str(e).strip().splitlines() or [""])[0][:300]
+    raise TokenizerError(f"{where} cannot be used: {type(e).__name__}: {cause}") from e
 
 
 class CharTokenizer:

@@ -108,9 +108,9 @@ class Trainer:
     """The model's params (float32 masters, whatever the compute dtype: see rl/update.py)
     from model.path or a seeded random init; sets the tokenizer that goes with them."""
     c = self.config
-    if c.model.path:
-      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
+    if c.model.path:  # the tokenizer first: its files fail in a second, the weights in minutes
       self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
       return params
     self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
     key = jax.random.key(c.seed)

@@ -174,3 +174,36 @@ def test_a_reward_that_cannot_reach_a_worker_process_is_refused_by_name():
   with pytest.raises(TypeError, match="pass processes=False to score on threads"):
     RewardRunner(lambda response, answer: 0.0, _decode)
   RewardRunner(lambda response, answer: 0.0, _decode, processes=False).close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e300])
+def test_a_reward_that_is_not_a_usable_number_is_an_error_the_runner_counts(value):
+  """inf (or a float32 overflow) made the group's advantages NaN and skipped the update."""
+  with pytest.raises(ValueError, match="the reward is"):
+    loading.score(lambda response, answer: value, "x", "1")
+  with pytest.raises(ValueError, match="the reward is"):
+    loading.score(lambda response, answer: {"score": value, "n": 1}, "x", "1")
+  assert loading.score(lambda response, answer: 3.0e38, "x", "1") == (3.0e38, {})
+
+
+def test_a_reward_that_forks_gets_only_its_own_answers_back(tmp_path):
+  """A forked child that returned into the worker's loop answered on the worker's pipe too:
+  its reply was taken for the next sample's score."""
+  path = tmp_path / "forking.py"
+  path.write_text(
+      "import os\n"
+      "def score(response, answer):\n"
+      "  pid = os.fork()\n"
+      "  if pid == 0:\n"
+      "    raise RuntimeError('the child fails')  # and falls back into the worker's loop\n"
+      "  os.waitpid(pid, 0)\n"
+      "  return float(len(response))\n"
+  )
+  runner = RewardRunner(loading.resolve(f"{path}:score"), _decode, 1, fallback=-1.0)
+  groups = [_group(i, "q", "1", ["a" * (i + 1), "b" * (i + 2)]) for i in range(3)]
+  for group in groups:
+    runner.submit(group)
+  runner.wait_for(groups)
+  runner.close()
+  assert [g.rewards for g in groups] == [[1.0, 2.0], [2.0, 3.0], [3.0, 4.0]]
+  assert runner.errors == 0

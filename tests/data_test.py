@@ -228,6 +228,48 @@ def test_a_non_utf8_line_is_skipped_and_counted_with_its_neighbours_kept(tmp_pat
   assert [r["answer"] for r in records] == ["2", "4"] and skipped == {"bad_utf8": 1}
 
 
+def test_text_utf8_cannot_write_is_skipped_as_bad_utf8(tmp_path):
+  """A lone surrogate (scraped data has them) parses as JSON but fails the tokenizer mid-run."""
+  path = tmp_path / "surrogates.jsonl"
+  path.write_text(
+      '{"problem": "1+1", "answer": "2"}\n{"problem": "hi \\ud83d", "answer": "3"}\n'
+      '{"prompt": [{"role": "user", "content": "x \\udc00"}], "answer": "5"}\n'
+      '{"problem": "3+3", "answer": "6 \\ud800"}\n{"problem": "2+2", "answer": "4"}\n'
+  )
+  records, skipped = load_records(path)
+  assert [r["answer"] for r in records] == ["2", "4"] and skipped == {"bad_utf8": 3}
+
+
+def test_a_line_nested_past_the_parsers_depth_is_skipped_as_bad_json(tmp_path):
+  path = tmp_path / "deep.jsonl"
+  path.write_text('{"problem": "1+1", "answer": "2"}\n' + "[" * 100_000 + "\n")
+  records, skipped = load_records(path)
+  assert [r["answer"] for r in records] == ["2"] and skipped == {"bad_json": 1}
+
+
+def test_an_id_of_any_type_becomes_an_int_or_a_string_that_json_writes(tmp_path):
+  """A list or dict id was unhashable for the skip count; a parquet scalar that JSON cannot
+  write ended the run at its first checkpoint."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "ids.jsonl"
+  rows = [{"id": [1, 2]}, {"id": {"b": 1, "a": 2}}, {"id": True}, {"id": 7}, {"id": "q"}, {}]
+  path.write_text("".join(json.dumps({**r, "problem": "p", "answer": "1"}) + "\n" for r in rows))
+  records, _ = load_records(path)
+  ids = [r["id"] for r in records]
+  assert ids == ["[1, 2]", '{"a": 2, "b": 1}', "True", 7, "q", ids[-1]]
+  assert isinstance(ids[-1], str)
+  table = pa.table({
+      "id": pa.array([b"\x00\x01", b"ab"], pa.binary()),
+      "problem": ["p", "q"], "answer": ["1", "2"],
+  })  # fmt: skip
+  pq.write_table(table, tmp_path / "ids.parquet")
+  records, _ = load_records(tmp_path / "ids.parquet")
+  assert all(isinstance(r["id"], str) for r in records)
+  json.dumps([r["id"] for r in records])
+
+
 @pytest.mark.parametrize(
     "name,content,message",
     [
@@ -393,3 +435,20 @@ def test_records_keep_the_rows_columns_as_json_for_the_reward():
   row = records[0]["row"]
   assert json.loads(json.dumps(row)) == row  # plain JSON: it rides in checkpoints
   assert row["reward_model"]["ground_truth"] == records[0]["answer"]
+
+
+def test_eval_prompts_are_the_first_that_fit_each_once(qwen3, tmp_path):
+  """A file with fewer prompts that fit than eval.num_prompts wrapped around: a prompt was
+  scored twice and the evaluation's mean weighted it double."""
+  from april_jax import task as task_lib  # pylint: disable=g-import-not-at-top
+  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "eval.jsonl"
+  rows = [("a", "1"), ("b " * 400, "2"), ("c", "3"), ("d", "4")]
+  path.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
+  config = base.get_config()
+  config.eval.path, config.data.max_prompt_len = str(path), 64
+  for num_prompts, answers in ((2, ["1", "3"]), (3, ["1", "3", "4"]), (10, ["1", "3", "4"])):
+    config.eval.num_prompts = num_prompts
+    items = task_lib._file_items(config, qwen3)  # pylint: disable=protected-access
+    assert [item.answer for item in items] == answers

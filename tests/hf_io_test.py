@@ -151,3 +151,39 @@ def test_wrong_tensor_shape_names_the_tensor(hf_model_dir, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*shape"):
     hf_io.load_pretrained(tmp_path)
+
+
+def test_a_malformed_config_index_or_a_missing_tensor_is_a_model_error_naming_it(
+    hf_model_dir, tmp_path
+):
+  """Each was a bare KeyError, TypeError or AttributeError with a traceback."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+
+  def broken(name, **config_changes):
+    shutil.copytree(hf_model_dir, tmp_path / name)
+    if config_changes:
+      config = json.loads((tmp_path / name / "config.json").read_text())
+      (tmp_path / name / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return tmp_path / name
+
+  folder = broken("list")
+  (folder / "config.json").write_text("[1, 2]")
+  with pytest.raises(hf_io.ModelError, match="list/config.json: a JSON object was expected"):
+    hf_io.load_pretrained(folder)
+  folder = broken("string_layers", num_hidden_layers="2")
+  with pytest.raises(hf_io.ModelError, match="num_hidden_layers must be a positive integer"):
+    hf_io.load_pretrained(folder)
+  folder = broken("no_weight_map")
+  (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+  with pytest.raises(hf_io.ModelError, match="is not a safetensors index: KeyError"):
+    hf_io.load_pretrained(folder)
+  folder = broken("missing_tensor")
+  tensors = load_file(str(folder / "model.safetensors"))
+  del tensors["model.norm.weight"]
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(hf_io.ModelError, match="tensor 'model.norm.weight' is missing"):
+    hf_io.load_pretrained(folder)
+  folder = broken("llama", model_type="llama")
+  with pytest.raises(hf_io.ModelError) as info:
+    hf_io.load_pretrained(folder)
+  assert str(info.value).count("config.json") == 1

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from april_jax.errors import InputError
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
 from conftest import QWEN3_TOKENIZER_DIR as QWEN3_DIR
@@ -182,3 +183,22 @@ def test_char_tokenizer_rejects_unknown_characters():
 def test_char_tokenizer_decodes_ids_past_its_vocabulary_as_replacement_chars():
   tok = CharTokenizer("ab")
   assert tok.decode([3, 4, 99]) == "ab\ufffd"
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("tokenizer.json", '{"version": "1.0", "trunc', "tokenizer.json cannot be used"),
+        ("tokenizer_config.json", "{not json", "tokenizer_config.json cannot be used"),
+        ("tokenizer_config.json", "[1, 2]", "a JSON object was expected"),
+        ("chat_template.jinja", "{% for m in messages %}", "chat_template.jinja cannot be used"),
+        ("chat_template.jinja", "{{ messages[0].content.nope() }}", "chat_template.jinja"),
+    ],
+)
+def test_a_broken_tokenizer_file_is_one_input_error_naming_it(tmp_path, name, content, words):
+  """Each ended in a traceback, the template's only when the first prompt was rendered."""
+  folder = tmp_path / "tok"
+  shutil.copytree(QWEN3_DIR, folder)
+  (folder / name).write_text(content)
+  with pytest.raises(InputError, match=words):
+    Tokenizer.from_pretrained(folder)

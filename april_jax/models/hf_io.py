@@ -46,6 +46,8 @@ _REQUIRED_KEYS = (
 
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwen3Config:
   """A Qwen3Config from a transformers config dict; rejects what the model cannot run."""
+  if not isinstance(hf, dict):
+    raise ValueError(f"{source}: a JSON object was expected, got {type(hf).__name__}")
   model_type = hf.get("model_type")
   if model_type == "qwen3_moe" or "num_experts" in hf:
     raise ValueError(
@@ -74,6 +76,10 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
       raise ValueError(
           f"{source}: {name} type {rope_type!r} is not supported " "(only default RoPE)"
       )
+  for key in _REQUIRED_KEYS + ("num_key_value_heads", "head_dim"):
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
   rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
   num_heads = hf["num_attention_heads"]
   return qwen3.Qwen3Config(
@@ -134,7 +140,8 @@ def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
   try:
     return config_from_hf(hf, source=str(config_path))
   except (ValueError, KeyError, TypeError) as e:
-    raise ModelError(f"{config_path}: {e}") from None
+    said = str(e)  # config_from_hf's own messages start with the file
+    raise ModelError(said if said.startswith(str(config_path)) else f"{config_path}: {e}") from None
 
 
 RUN_CHOICES = ("attention", "attention_chunk")  # how the run computes, not the model
@@ -222,8 +229,15 @@ class _TensorReader:
   def __init__(self, path: Path):
     index = path / INDEX_NAME
     if index.is_file():
-      with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
+      try:
+        with open(index, encoding="utf-8") as f:
+          weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+          raise TypeError("weight_map must map tensor names to file names")
+      except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{index} is not a safetensors index: {type(e).__name__}: {e}") from None
       files = sorted(set(weight_map.values()))
     else:
       files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -248,7 +262,7 @@ class _TensorReader:
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self._weight_map:
-      raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
+      raise ModelError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
     file = self._path / self._weight_map[name]
     try:
       tensor = self._handles[self._weight_map[name]].get_tensor(name)

@@ -157,8 +157,8 @@ def from_config(r) -> Callable:
 def score(fn: Callable, response, answer: str, context: dict | None = None):
   """(score, extra metrics) of one sample, or for a group-form reward (`response` a list)
   the list of them. A reward's dict gives "score" and its other numbers; a value that is
-  not a number is a TypeError, NaN a ValueError (the runner scores both as the fallback
-  and counts an error)."""
+  not a number is a TypeError, NaN or an infinite (or float32-overflowing) one a ValueError
+  (the runner scores both as the fallback and counts an error)."""
   if getattr(fn, "takes_context", False):
     out = fn(response, answer, context)
   else:
@@ -188,4 +188,9 @@ def _one(out) -> tuple[float, dict[str, float]]:
     ) from None
   if math.isnan(value):
     raise ValueError("the reward is NaN")
+  if not abs(value) <= _LARGEST:  # inf, or past float32: the advantages would be inf or NaN
+    raise ValueError(f"the reward is {value}, past the largest float32 ({_LARGEST:.3g})")
   return value, extras
+
+
+_LARGEST = 3.4028234663852886e38  # float32's largest finite number

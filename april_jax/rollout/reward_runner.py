@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import multiprocessing
+import os
 import pickle
 import queue
 import threading
@@ -77,6 +78,7 @@ class _Killed(Exception):
 def _serve(conn, reward_fn) -> None:
   """A worker process: scores (text, answer) jobs until told to stop or its pipe closes."""
   interrupt.ignore_in_child()
+  me = os.getpid()
   while True:
     try:
       job = conn.recv()
@@ -87,8 +89,10 @@ def _serve(conn, reward_fn) -> None:
     start = time.monotonic()
     try:
       out = (True, loading.score(reward_fn, *job))
-    except Exception as e:  # pylint: disable=broad-except
+    except BaseException as e:  # pylint: disable=broad-except
       out = (False, f"{type(e).__name__}: {e}"[:500])
+    if os.getpid() != me:  # a child the reward forked, come back here: it never answers
+      os._exit(0)  # pylint: disable=protected-access
     conn.send(out + (time.monotonic() - start,))
 
 
