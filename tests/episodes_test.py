@@ -196,6 +196,12 @@ class _Raises:
     raise RuntimeError("the tool crashed")
 
 
+class _Exits(_Raises):
+
+  def step(self, state, turn):
+    raise SystemExit(3)  # a tool that calls sys.exit: it ended the run
+
+
 class _Hangs(_Raises):
 
   def step(self, state, turn):
@@ -228,6 +234,7 @@ class _Chatty(ScriptedEnv):
     "env, settings, count",
     [
         (_Raises(), {}, "env/errors"),
+        (_Exits(), {}, "env/errors"),
         (_BadState(), {}, "env/errors"),
         (_CannotReset(), {}, "env/errors"),
         (_Hangs(), {"timeout_s": 0.2}, "env/timeouts"),

@@ -183,7 +183,10 @@ class EpisodeRunner:
     if not done.wait(self.settings.timeout_s):
       raise TimeoutError
     if "error" in box:
-      raise box["error"]
+      error = box["error"]
+      if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: the env's own
+        raise RuntimeError(f"{type(error).__name__}({error}) raised by the environment")
+      raise error
     return box["out"]
 
 
