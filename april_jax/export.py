@@ -144,9 +144,8 @@ def _tidy_interrupted(target: str) -> None:
     elif name.startswith(f".{base}.old-"):
       moved = os.path.join(path, "out")
       if os.path.isdir(moved) and not os.path.lexists(target):
-        os.rename(moved, target)
-      if not os.path.lexists(moved):
-        shutil.rmtree(path, ignore_errors=True)
+        os.rename(moved, target)  # killed between its two renames: the old one comes back
+      shutil.rmtree(path, ignore_errors=True)  # else the new one is in place: the old goes
 
 
 def _write_folder(target: str, cfg, params, tokenizer_dir: str | None) -> None:

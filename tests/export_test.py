@@ -237,3 +237,11 @@ def test_the_next_export_tidies_what_a_killed_one_left(run, tmp_path):
   assert _checksums(out) == previous
   assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["policy"]
   assert export_lib.export(str(workdir), str(out), overwrite=True) == 2
+  # Killed after the new export was in place, before the old one was removed: it goes.
+  leftover = tmp_path / "exports" / ".policy.old-ghi789"
+  leftover.mkdir()
+  shutil.copytree(out, leftover / "out")
+  current = _checksums(out)
+  assert export_lib.export(str(workdir), str(tmp_path / "exports" / "policy"), overwrite=True)
+  assert _checksums(out) == current
+  assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["policy"]
