@@ -230,6 +230,22 @@ class _Chatty(ScriptedEnv):
     return base.EnvStep(" ".join(["7"] * 40), out.done, out.state) if not out.done else out
 
 
+def _to_the_end(runner):
+  """One episode of `runner`'s environment, run to its end on an engine of its own."""
+  engine, record = _engine(), _record()
+  runner.start([record], [{"answer": ""}])
+  engine.add_group([record])
+  while engine.num_live:
+    for r in engine.step():
+      if r.finish_reason == "stop":
+        observation = runner.turn([r])[0]
+        if observation is not None:
+          engine.extend(r, observation)
+          continue
+        engine.release(r)
+  return record
+
+
 @pytest.mark.parametrize(
     "env, settings, count",
     [
@@ -250,18 +266,7 @@ def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
     env, settings, count
 ):
   runner = episodes.EpisodeRunner(env, encode, decode, episodes.EpisodeSettings(**settings))
-  engine = _engine()
-  record = _record()
-  runner.start([record], [{"answer": ""}])
-  engine.add_group([record])
-  while engine.num_live:
-    for r in engine.step():
-      if r.finish_reason == "stop":
-        observation = runner.turn([r])[0]
-        if observation is not None:
-          engine.extend(r, observation)
-          continue
-        engine.release(r)
+  record = _to_the_end(runner)
   assert record.finished and runner.counts[count] >= 1
   if count in ("env/errors", "env/timeouts"):
     assert "env_error" in record.meta and record.meta["turns"] == 1
@@ -270,6 +275,33 @@ def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
   if count == "env/observations_cut":  # the observation is cut, not the template around it
     for start, end in record.meta["obs"]:
       assert end - start == 12 and record.response[start] == 1 and record.response[end - 1] == 2
+
+
+class _Floods(ScriptedEnv):
+
+  def step(self, state, turn):
+    out = super().step(state, turn)
+    return base.EnvStep("7 " * 1_000_000, out.done, out.state) if not out.done else out
+
+
+def test_a_huge_observation_is_cut_before_it_is_tokenized():
+  """A 2 MB observation was tokenized whole (seconds of a real tokenizer, outside the
+  environment's time limit), then cut to max_observation_tokens."""
+  longest = []
+
+  def spying_encode(text):
+    longest.append(len(text))
+    return encode(text)
+
+  settings = episodes.EpisodeSettings(
+      max_observation_tokens=10, observation_template="1 {observation} 2"
+  )
+  runner = episodes.EpisodeRunner(_Floods(), spying_encode, decode, settings)
+  record = _to_the_end(runner)
+  assert record.finished and runner.counts["env/observations_cut"] >= 1
+  assert max(longest) <= 10 * episodes.MAX_CHARS_PER_TOKEN
+  for start, end in record.meta["obs"]:
+    assert end - start == 12 and record.response[start] == 1 and record.response[end - 1] == 2
 
 
 # ------------------------------------------------------------------- the scheduler

@@ -37,6 +37,11 @@ from april_jax.envs.base import Env, EnvStep
 SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
 
 
+# Characters of an observation tokenized at most per token it may keep: text averages
+# about 4 characters a token, so a text cut here still holds every token that is kept.
+MAX_CHARS_PER_TOKEN = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeSettings:
   max_turns: int = 8
@@ -139,14 +144,18 @@ class EpisodeRunner:
         meta["env_reward"] = float(out.reward)
       if out.done or out.observation is None:
         return {"meta": meta, "counts": counts | {"env/episodes_done": 1}}
-      observation = self._encode(str(out.observation))
+      text = str(out.observation)
+      # Cut the text first: tokenizing a huge observation would stall decoding, outside the
+      # environment's time limit. Past this many characters it cannot fit the tokens anyway.
+      room = s.max_observation_tokens * MAX_CHARS_PER_TOKEN
+      observation, cut = self._encode(text[:room]), len(text) > room
     except TimeoutError:
       return _failed(meta, "timeouts", f"step ran past {s.timeout_s} s", counts)
     except Exception as e:  # pylint: disable=broad-except
       return _failed(meta, "errors", f"step: {type(e).__name__}: {e}", counts)
     if meta["turns"] >= s.max_turns:
       return {"meta": meta, "counts": counts | {"env/turn_limit": 1}}
-    if len(observation) > s.max_observation_tokens:  # cut the observation, not its frame
+    if cut or len(observation) > s.max_observation_tokens:  # the observation, not its frame
       observation = observation[: s.max_observation_tokens]
       counts["env/observations_cut"] = 1
     close = "" if int(record.response[-1]) in self._end_of_turn else s.close_turn
