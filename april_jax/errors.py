@@ -25,15 +25,20 @@ NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
 NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "os_error_code='28'")
 
 
+def _chain(error: BaseException | None):
+  """`error` and the errors it was raised from, outermost first."""
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
+
+
 def is_no_space(error: BaseException | None) -> bool:
   """True if `error`, or an error it was raised from, is a write that found no room."""
-  while error is not None:
-    if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
-      return True
-    if any(text in str(error) for text in NO_SPACE_TEXTS):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
+  return any(
+      (isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS)
+      or any(text in str(e) for text in NO_SPACE_TEXTS)
+      for e in _chain(error)
+  )
 
 
 # What an allocation that found no room says (XLA's "RESOURCE_EXHAUSTED: Out of memory
@@ -42,28 +47,25 @@ OUT_OF_MEMORY_TEXTS = (
     "Out of memory while trying to allocate",
     "RESOURCE_EXHAUSTED: Out of memory",
 )
+OUT_OF_FILES_ERRNOS = (23, 24, 122)  # ENFILE, EMFILE, EDQUOT
 
 
 def is_out_of_memory(error: BaseException | None) -> bool:
   """True if `error`, or an error it was raised from, is an allocation that found no room
   (host or device): a failure of the machine's size, not of the files being read."""
-  while error is not None:
-    if isinstance(error, MemoryError) or any(t in str(error) for t in OUT_OF_MEMORY_TEXTS):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
+  return any(
+      isinstance(e, MemoryError) or any(text in str(e) for text in OUT_OF_MEMORY_TEXTS)
+      for e in _chain(error)
+  )
 
 
 def is_out_of_resources(error: BaseException | None) -> bool:
   """True if `error`, or an error it was raised from, is the machine running short (memory,
   open files, a quota; RESOURCE_EXHAUSTED), not something wrong in what was read."""
-  while error is not None:
-    if is_out_of_memory(error) or "RESOURCE_EXHAUSTED" in str(error):
-      return True
-    if isinstance(error, OSError) and error.errno in (23, 24, 122):  # ENFILE, EMFILE, EDQUOT
-      return True
-    error = error.__cause__ or error.__context__
-  return False
+  return is_out_of_memory(error) or any(
+      "RESOURCE_EXHAUSTED" in str(e) or (isinstance(e, OSError) and e.errno in OUT_OF_FILES_ERRNOS)
+      for e in _chain(error)
+  )
 
 
 def disk_full(path: str) -> DiskFull:
