@@ -8,8 +8,12 @@ stdout line, one JSON object with every number.
   resume     continuing partial samples: KV kept vs recomputed (per step, per token, bytes)
   e2e        the RL loop on the built-in task, APRIL vs baseline, over seeds
   roofline   bytes one decode step reads at a config's shapes: paged vs live bound vs dense
+  step       whole RL steps, APRIL vs baseline: rollout, batch, learner, cast, checkpoint,
+             each phase's seconds beside its floor on this machine
+  layout     the learner's padded tokens per real token, packed rows vs a row per sample
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
+  python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -28,26 +32,39 @@ from ml_collections import config_flags
 from april_jax.benchmarks import (
     common,
     e2e_bench,
+    layout_bench,
     resume_bench,
     roofline,
     sampler_bench,
     scheduler_bench,
+    step_bench,
 )
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
 
 _MODE = flags.DEFINE_enum(
-    "mode", "sampler", ["sampler", "scheduler", "resume", "e2e", "roofline"], "What to measure."
+    "mode",
+    "sampler",
+    ["sampler", "scheduler", "resume", "e2e", "roofline", "step", "layout"],
+    "What to measure.",
 )
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "e2e: seeds (one pair of runs each).")
+_SEEDS = flags.DEFINE_list(
+    "seeds", ["0", "1"], "e2e: seeds (one pair of runs each); layout: batches drawn."
+)
+_DEVICES = flags.DEFINE_integer(
+    "devices", 1, "layout: devices a learner call's rows are split over (8 for the 8B config)."
+)
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (scheduler mode).", lock_config=True
+    "config", None, "Config file (every mode but sampler).", lock_config=True
 )
 _DIST = flags.DEFINE_enum(
-    "dist", "deepmath", sorted(SHAPES), "scheduler, resume, roofline: response lengths."
+    "dist",
+    "deepmath",
+    sorted(SHAPES),
+    "scheduler, resume, roofline, step, layout: response lengths.",
 )
-_STEPS = flags.DEFINE_integer("steps", 8, "scheduler: RL steps per side.")
-_RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler: N'/N for APRIL.")
+_STEPS = flags.DEFINE_integer("steps", 8, "scheduler, resume, step: RL steps per side.")
+_RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler, resume, step: N'/N for APRIL.")
 _RATIOS = flags.DEFINE_list(
     "ratios",
     [],
@@ -57,7 +74,7 @@ _RATIOS = flags.DEFINE_list(
 _RESPONSE_LEN = flags.DEFINE_integer(
     "max_response_len",
     512,
-    "scheduler: the length cap the distribution is scaled to "
+    "scheduler, resume, step: the length cap the distribution is scaled to "
     "(0 = the config's). Longer than the tiny task's 64 so that decoding, not Python "
     "bookkeeping, dominates a step on a CPU, as it does on a GPU at real lengths.",
 )
@@ -151,16 +168,21 @@ def main(argv):
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
     config = _CONFIG.value
-    if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline"):
+    if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout"):
       with config.unlocked():
         config.rollout.max_response_len = _RESPONSE_LEN.value
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
     if _MODE.value == "roofline":
       result = roofline.run(config, shape=_DIST.value)
+    elif _MODE.value == "layout":
+      seeds = [int(x) for x in _SEEDS.value]
+      result = layout_bench.run(config, _DIST.value, seeds, _DEVICES.value)
     elif _MODE.value == "e2e":
       result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
     elif _MODE.value == "resume":
       result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
+    elif _MODE.value == "step":
+      result = step_bench.run(config, ratio=_RATIO.value, **common_args)
     elif _RATIOS.value:
       result = scheduler_bench.sweep(
           config, ratios=[float(r) for r in _RATIOS.value], **common_args

@@ -309,12 +309,19 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
 
 
 def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
-  """One gradient call's arrays [M, rows, T] at the longest training row, as placed."""
-  r, t = config.rollout, config.train
+  """One gradient call's arrays [M, rows, T] at the longest training row, as placed:
+  packed (train.packing), one call of rows x pack_len with its positions, segments and
+  per-token advantages; else rows at the longest bucket (all microbatches in one call
+  unless cut by length)."""
+  r = config.rollout
+  t = update_lib.train_section(config)
   max_len = config.data.max_prompt_len + r.max_response_len
   T = batch_lib.bucket_len(max_len, max_len=max_len)
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   M = 1 if bool(t.microbatch_by_length) and t.num_microbatches > 1 else t.num_microbatches
+  packed = update_lib.pack_len(t, T)
+  if packed is not None:
+    M, T = 1, packed
   rules = tuple(tuple(x) for x in config.mesh.rules)
   place = lambda dtype, *shape: jax.ShapeDtypeStruct(
       shape, dtype, sharding=update_lib.microbatch_sharding(shape, mesh, rules)
@@ -322,10 +329,12 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
   f32 = jnp.float32
   mb = dict(tokens=place(jnp.int32, M, rows, T), mask=place(f32, M, rows, T))
   mb.update(targets=mb["tokens"], is_weight=mb["mask"], old_logp=mb["mask"])
-  per_token = update_lib.token_advantages(config.train)
+  per_token = update_lib.token_advantages(config.train) or packed is not None
   mb.update(
       stale=place(bool, M, rows, T), advantages=mb["mask"] if per_token else place(f32, M, rows)
   )
+  if packed is not None:
+    mb.update(positions=mb["tokens"], segments=mb["tokens"])
   return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
 
 
@@ -334,13 +343,14 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   masters, opt_state = arrays["master params (float32)"], arrays["optimizer state (float32)"]
   reference = arrays.get("reference params")
   mb = _longest_microbatch(config, mesh, with_ref=reference is not None)
-  tokens, resident = mb["tokens"], (True, False, False)
+  tokens, packed = mb["tokens"], (mb.get("positions"), mb.get("segments"))
+  resident = (True, False, False, False, False)
   programs = [
       compile_program("decode_params (cast)", progs.decode_params, (masters,), (True,)),
-      compile_program("old logprobs", progs.logprobs, (masters, tokens, tokens), resident),
+      compile_program("old logprobs", progs.logprobs, (masters, tokens, tokens, *packed), resident),
   ]
   if reference is not None:
-    args = (reference, tokens, tokens)
+    args = (reference, tokens, tokens, *packed)
     programs.append(compile_program("reference logprobs", progs.logprobs, args, resident))
   scalar = _replicated(mesh, (), jnp.float32)
   args = (masters, mb, scalar, scalar, masters)  # the gradient sum: sharded like the masters
@@ -372,11 +382,15 @@ def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dic
   params = arrays["critic params (float32)"] = _abstract(shapes, progs.param_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
   arrays["critic optimizer state (float32)"] = opt_state
-  tokens = mb["tokens"]
+  tokens, packed = mb["tokens"], (mb.get("positions"), mb.get("segments"))
   cmb = dict(tokens=tokens, mask=mb["mask"], old_values=mb["mask"], returns=mb["mask"])
+  if packed[0] is not None:
+    cmb.update(positions=packed[0], segments=packed[1])
   scalar = _replicated(mesh, (), jnp.float32)
   programs = [
-      compile_program("critic values", progs.values, (params, tokens), (True, False)),
+      compile_program(
+          "critic values", progs.values, (params, tokens, *packed), (True, False, False, False)
+      ),
       compile_program(
           "critic gradients",
           progs.grads,

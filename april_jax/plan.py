@@ -30,6 +30,7 @@ from april_jax import buckets, compile_check, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import update as update_lib
 from april_jax.sampler.engine_config import EngineConfig
 
 GB = 1e9
@@ -256,15 +257,19 @@ def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
 
 
 def _learner_programs(x) -> dict[str, float]:
-  """The learner: one microbatch of `rows` rows per device at the longest length bucket."""
-  cfg, r, t, m = x.cfg, x.config.rollout, x.config.train, x.config.model
+  """The learner: one microbatch of `rows` rows per device at the longest length bucket,
+  or, packed (train.packing), rows of pack_len tokens."""
+  cfg, r, m = x.cfg, x.config.rollout, x.config.model
+  t = update_lib.train_section(x.config)
   split = lambda n, axis: n / _split(n, axis, x.mesh, x.rules)
   L, D = cfg.num_layers, cfg.hidden_size
   masters = params_bytes(cfg, x.mesh, x.rules, 4)
   T = batch_lib.bucket_len(x.max_len, max_len=x.max_len)
   per_call = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   rows = max(1, per_call // _split(1 << 20, "batch", x.mesh, x.rules))
-  if not (t.microbatch_by_length and t.num_microbatches > 1):
+  if update_lib.pack_len(t, T) is not None:
+    T = update_lib.pack_len(t, T)  # one call of rows x pack_len, however many are needed
+  elif not (t.microbatch_by_length and t.num_microbatches > 1):
     rows *= t.num_microbatches  # one fused call over every microbatch
   chunk = min(m.attention_chunk, x.max_len)
   heads, mlp = split(cfg.num_heads, "heads"), split(cfg.intermediate_size, "mlp")

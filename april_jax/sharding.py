@@ -133,6 +133,15 @@ def logical_to_spec(
   return PartitionSpec(*spec)
 
 
+def shards(logical: str, mesh: Mesh | None, rules=DEFAULT_RULES) -> int:
+  """How many ways the rules split a logical axis on the mesh (1 without a mesh)."""
+  if mesh is None:
+    return 1
+  target = dict(rules).get(logical)
+  axes = (target,) if isinstance(target, str) else tuple(target or ())
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def named_shardings(logical_tree, shape_tree, mesh: Mesh, rules=DEFAULT_RULES):
   """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given logical axes."""
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)

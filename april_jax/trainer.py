@@ -45,6 +45,7 @@ from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import sft
+from april_jax.rl import update as update_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
@@ -77,7 +78,7 @@ class Trainer:
     resuming = self.checkpointer.latest_step() is not None
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
-    t = c.train
+    t = update_lib.train_section(c)  # packed rows' budget resolved to the run's max_len
     self.learner = Learner(
         self.model_cfg,
         params,
@@ -120,7 +121,7 @@ class Trainer:
 
   def _make_critic(self, policy_params) -> critic_lib.Critic:
     """PPO's critic, from train.critic_path or the policy's own weights."""
-    c, t = self.config, self.config.train
+    c, t = self.config, update_lib.train_section(self.config)
     params = policy_params
     if t.critic_path:
       params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules)

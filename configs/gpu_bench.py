@@ -1,16 +1,18 @@
 """Benchmark shapes for one GPU: random weights of a real Qwen3 shape (no checkpoint needed).
 
   python -m april_jax.bench --mode=scheduler --config=configs/gpu_bench.py:qwen3_0_6b
+  python -m april_jax.bench --mode=step --config=configs/gpu_bench.py:qwen3_1_7b
   bash launch/bench_gpu.sh                      # every mode, each part at most 5 minutes
 
-Variants: qwen3_0_6b (default), qwen3_4b. Only the model shape, the rollout shape and the
-precision are set; the scheduler and resume modes draw their own prompts and lengths.
+Variants: qwen3_0_6b (default), qwen3_1_7b, qwen3_4b. Only the model shape, the rollout
+shape and the precision are set; the scheduler, resume and step modes draw their own
+prompts and lengths.
 """
 
 from april_jax.configs import base
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
-SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_4b")}
+SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b")}
 
 
 def get_config(arg=None):
@@ -25,7 +27,7 @@ def get_config(arg=None):
   c.rollout.n_samples_per_prompt = 8
   c.rollout.over_sampling_batch_size = 32
   # 640 pages of 256 positions: the KV of 64 sequences at max_len (2,560), shared by
-  # 256 slots (18.8 GB at the 0.6B shape, 24.2 GB at the 4B one).
+  # 256 slots (18.8 GB at the 0.6B shape, 24.2 GB at the 4B one; the 1.7B one, below).
   c.rollout.num_slots = 256
   c.rollout.page_size = 256
   c.rollout.kv_pages = 640
@@ -35,4 +37,13 @@ def get_config(arg=None):
   # The learner at these shapes fits one GPU too (python -m april_jax.plan --compile).
   c.model.remat = True
   c.train.num_microbatches = 16
+  if shape == "qwen3_1_7b":
+    # Sized for the step mode, which holds two engines (APRIL's and the baseline's) beside
+    # the learner on one 80 GB GPU: 448 pages (13.2 GB a pool) hold APRIL's steady state at
+    # 1,024-token responses (about 360 pages; at 2,048 some samples are preempted), and
+    # microbatches of 4 rows halve the gradient pass's activations. The planner's peak
+    # (python -m april_jax.plan) is 57.2 GB at 1,024 with 16-token prompts; the second
+    # pool brings it to 70.4 GB.
+    c.rollout.kv_pages = 448
+    c.train.num_microbatches = 32
   return c

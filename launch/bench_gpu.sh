@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Every benchmark mode on one NVIDIA GPU at real Qwen3 shapes (random weights), in parts,
 # the quickest and most telling first; prints a short table at the end:
+#   step        whole RL steps at the Qwen3-1.7B shape (STEP_CONFIG), APRIL vs the baseline,
+#               alternating: rollout (decode, prefill, the rest), batch, learner, cast to
+#               the decode params, checkpoint, each phase's seconds beside its floor from
+#               the copy bandwidth, matmul rate and disk rate measured in the same run;
+#               the learner's MFU and padded/real tokens (8 minutes at most: LIMIT_step)
 #   roofline    one chunk of paged decode attention compiled and timed at the 8B config's
 #               per-device shapes (seconds): does this backend copy the gathered pages,
 #               and what does that cost against the same pages read in place; and one
@@ -19,7 +24,7 @@
 #               XLA path or the Pallas kernel
 #   sampler_4b  the sampler part at the Qwen3-4B shape
 # Each part stops after PART_LIMIT seconds (default 300; LIMIT_<part> for one part, e.g.
-# LIMIT_sampler=60), keeping what its log printed
+# LIMIT_sampler=60; the step part's own default is 480), keeping what its log printed
 # (each sampler stage is named on stderr as it starts), and the next part runs. On an
 # H200 (2026-12-04) the sampler part at 0.6B and 4B with 512 new tokens did not finish in
 # 6.5 minutes, so it now runs 0.6B alone at 256 new tokens.
@@ -29,6 +34,15 @@
 #   PARTS="roofline sampler" bash launch/bench_gpu.sh   # some parts only, in this order
 #   PARTS="roofline sampler scheduler resume" SAMPLER_MODELS=tiny TAIL_MODEL=tiny \
 #       CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 bash launch/bench_gpu.sh   # CPU smoke run
+#   PARTS=step STEP_CONFIG=configs/tiny.py STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 \
+#       bash launch/bench_gpu.sh                                       # the step part, on a CPU
+#
+# The step part: STEP_STEPS timed steps a side (default 3) at STEP_MAX_RESPONSE_LEN
+# (default 1,024: the 1.7B config's pools, two engines and the learner fit an 80 GB GPU),
+# DAPO-like lengths; STEP_FLAGS adds flags, e.g. on an H200
+#   STEP_CONFIG=configs/gpu_bench.py:qwen3_4b \
+#       STEP_FLAGS="--config.rollout.kv_pages=320 --config.train.num_microbatches=32"
+# (the planner's peak with the second pool: about 126 GB; 640 pages would need about 150).
 #
 # Each part's log (its last line is the JSON result) goes to OUT; the Markdown reports and
 # plots go to REPORTS (default OUT), so OUT can be kept to a handful of files.
@@ -44,7 +58,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
+PARTS=${PARTS:-step scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -53,6 +67,10 @@ SAMPLER_MODELS=${SAMPLER_MODELS:-qwen3_0_6b}
 NEW_TOKENS=${NEW_TOKENS:-256}
 PART_LIMIT=${PART_LIMIT:-300}  # seconds; a part past it is stopped and the next one runs
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
+STEP_CONFIG=${STEP_CONFIG:-configs/gpu_bench.py:qwen3_1_7b}
+STEP_STEPS=${STEP_STEPS:-3}
+STEP_MAX_RESPONSE_LEN=${STEP_MAX_RESPONSE_LEN:-1024}
+LIMIT_step=${LIMIT_step:-480}  # the step part compiles the learner too
 
 run() {  # part name, then flags; the log's last line is the JSON result (if it finished)
   local name=$1; shift
@@ -65,6 +83,10 @@ run() {  # part name, then flags; the log's last line is the JSON result (if it 
 
 for part in $PARTS; do
   case $part in
+    # Whole RL steps, both sides alternating, each phase beside its floor.
+    # shellcheck disable=SC2086  # STEP_FLAGS: several flags, split on spaces
+    step) run step --mode=step --config="$STEP_CONFIG" --dist=dapo_math --steps="$STEP_STEPS" \
+        --max_response_len="$STEP_MAX_RESPONSE_LEN" ${STEP_FLAGS:-} ;;
     # Compiles one chunk of paged decode attention at the 8B config's per-device shapes on
     # this backend: whether the gathered pages are copied into scratch (seconds, no weights).
     roofline) run roofline --mode=roofline --config="${ROOFLINE_CONFIG:-configs/qwen3_8b.py}" \
@@ -88,15 +110,16 @@ for part in $PARTS; do
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
-    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (roofline sampler sampler_kernel" \
-         "tail tail_kernel scheduler resume sampler_4b)" >&2
+    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step roofline sampler" \
+         "sampler_kernel tail tail_kernel scheduler resume sampler_4b)" >&2
        exit 2 ;;
   esac
 done
 
-python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" <<'PY'
+python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" "$STEP_CONFIG" <<'PY'
 import json, sys
 out, model, sampler_models, parts = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
+step_config = sys.argv[5]
 def load(name):
   try:
     return json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
@@ -106,6 +129,28 @@ def load(name):
 r = {name: res for name in parts.split() if (res := load(name)) is not None}
 kinds = [v["machine"]["device_kind"] for v in r.values() if "machine" in v]
 print(f"\non {kinds[0] if kinds else r.get('roofline', {}).get('backend', '?')}")
+if "step" in r:
+  st = r["step"]
+  print(f"{step_config}, whole RL steps ({st['steps']} a side, max_len {st['max_response_len']}): "
+        f"APRIL {st['april_phases']['step']:.2f} s vs baseline {st['baseline_phases']['step']:.2f} "
+        f"s a step ({st['step_speedup']:.2f}x; rollout tokens/s {st['rollout_speedup']:.2f}x)")
+  print(f"  {'phase':<14}{'APRIL s':>9}{'of floor':>9}{'baseline s':>11}{'of floor':>9}")
+  for phase in ("rollout", "decode", "prefill", "rollout_other", "batch", "learner", "cast",
+                "checkpoint", "step"):
+    cells = []
+    for side in ("april", "baseline"):
+      seconds, floor = st[f"{side}_phases"][phase], st[f"{side}_floors"].get(phase)
+      cells.append((seconds, "-" if floor is None else f"{floor / seconds:.0%}"))
+    print(f"  {phase:<14}{cells[0][0]:>9.3f}{cells[0][1]:>9}{cells[1][0]:>11.3f}{cells[1][1]:>9}")
+  c, mfu = st["ceilings"], st["learner_mfu"]
+  print(f"  learner MFU (of {c['matmul_tflops']:,.1f} TFLOP/s measured): APRIL "
+        f"{mfu['april']['padded']:.0%} ({mfu['april']['real']:.0%} over real tokens), baseline "
+        f"{mfu['baseline']['padded']:.0%} ({mfu['baseline']['real']:.0%}); padded/real "
+        f"{st['padded_per_real']['april']:.2f} / {st['padded_per_real']['baseline']:.2f}; "
+        f"outside rollout and learner {st['outside_rollout_learner_frac']['april']:.0%} / "
+        f"{st['outside_rollout_learner_frac']['baseline']:.0%} of a step")
+  print(f"  copy {c['copy_gbps']:,.0f} GB/s, disk {c['disk_mb_per_s']:,.0f} MB/s; compilations "
+        f"while timed: {st['compiles_while_timed']}")
 if "roofline" in r:
   roof = r["roofline"]
   copied = roof["chunk_scratch_over_kv"] > 0.5

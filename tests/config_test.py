@@ -369,3 +369,17 @@ def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(
   rpp = load("tiny")
   rpp.train.advantage, rpp.train.reward_kl_coef = "reinforce_plus_plus", 0.01
   validate(rpp)
+
+
+def test_a_packing_budget_shorter_than_one_sample_is_refused_naming_the_fields():
+  config = load("tiny")
+  max_len = config.data.max_prompt_len + config.rollout.max_response_len
+  config.train.pack_len = max_len - 1
+  with pytest.raises(ConfigError) as info:
+    validate(config)
+  assert f"train.pack_len ({max_len - 1}) is shorter than one sample of max_len" in str(info.value)
+  assert "data.max_prompt_len + rollout.max_response_len" in str(info.value)
+  config.train.pack_len = max_len
+  validate(config)
+  config.train.packing, config.train.pack_len = False, max_len - 1  # unused when off
+  validate(config)

@@ -135,6 +135,7 @@ def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches
       num_microbatches=microbatches,
       microbatch_by_length=by_length,
       ppo_epochs=2,
+      packing=False,
   )
   plain = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(False), TEMPERATURE, 4)
   by_length = Learner(CFG, jax.tree.map(jnp.copy, params), cfg(True), TEMPERATURE, 4)

@@ -221,7 +221,13 @@ def _train() -> ml_collections.ConfigDict:
   t.max_grad_norm = 1.0
   t.num_minibatches = 1  # optimizer updates per RL step (per epoch)
   t.num_microbatches = 1  # gradient accumulation per update
-  # Rows sorted by length, each microbatch cut to its own padded length (microbatches > 1).
+  # Samples packed end to end into rows of pack_len tokens (rl/layout.py): a microbatch is
+  # B / (num_minibatches x num_microbatches) such rows, as many microbatches as the tokens
+  # need; each sample attends to itself only. pack_len 0: data.max_prompt_len +
+  # rollout.max_response_len. Off: a row per sample, padded.
+  t.packing = True
+  t.pack_len = 0
+  # Unpacked: rows sorted by length, each microbatch cut to its own padded length.
   t.microbatch_by_length = True
   t.ppo_epochs = 1
   t.logprob_chunk = 512  # sequence chunk for logits (memory bound)

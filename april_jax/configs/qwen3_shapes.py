@@ -16,6 +16,16 @@ QWEN3_SHAPES = {
         head_dim=128,
         tie_word_embeddings=True,
     ),
+    "qwen3_1_7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
     "qwen3_4b": dict(
         vocab_size=151936,
         hidden_size=2560,

@@ -6,6 +6,8 @@ One model, four uses:
   decode_step(cfg, params, tok, pos, kv) -> next-token logits, KV with the token written
   token_logprobs(cfg, params, ...)      -> per-token logprobs (+ entropy) computed in chunks
                                            over the sequence, so [B, T, V] never exists.
+hidden_states and token_logprobs also take packed rows (rl/layout.py): `segments` [B, T]
+keep each sample's attention to itself, `positions` [B, T] restart at each sample.
 
 Params (layers are stacked on a leading axis L and run with `lax.scan`):
   embed         [V, D]
@@ -246,10 +248,10 @@ def _attn_out_and_mlp(cfg: Qwen3Config, lp: Params, x_BxTxD, attn_BxTxNxH):
   return sharding.constrain(x + jnp.einsum("btf,fd->btd", hidden_BxTxF, lp["down"]), _X)
 
 
-def _causal_layer(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
+def _causal_layer(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT, segments_BxT=None):
   """One decoder layer over a whole sequence; also returns its k, v for a cache."""
   q, k, v = _qkv(cfg, lp, x_BxTxD, positions_BxT)
-  attn = attention_lib.causal_attention(q, k, v, cfg.attention, cfg.attention_chunk)
+  attn = attention_lib.causal_attention(q, k, v, cfg.attention, cfg.attention_chunk, segments_BxT)
   attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
   return _attn_out_and_mlp(cfg, lp, x_BxTxD, attn), (k, v)
 
@@ -302,21 +304,24 @@ def hidden_states(
     remat: bool = False,
     return_kv: bool = False,
     compute_dtype=None,
+    positions_BxT=None,
+    segments_BxT=None,
 ):
   """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H]).
 
   With compute_dtype, float32 (master) params are cast one layer at a time inside the
   scan: no whole-model copy in the compute dtype exists, and gradients flow back to
-  the float32 params.
+  the float32 params. Positions default to 0..T-1; segments (packed rows) to none.
   """
   B, T = tokens_BxT.shape
-  positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if positions_BxT is None:
+    positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   params = compute_view(cfg, params, compute_dtype)
   x = sharding.constrain(params["embed"][tokens_BxT], _X)
 
   def body(x, lp):
     lp = _in_dtype(cfg, lp, compute_dtype, "layers")
-    x, kv = _causal_layer(cfg, lp, x, positions_BxT)
+    x, kv = _causal_layer(cfg, lp, x, positions_BxT, segments_BxT)
     return x, (kv if return_kv else None)
 
   if remat:
@@ -424,15 +429,25 @@ def token_logprobs(
     temperature: float = 1.0,
     remat: bool = False,
     compute_dtype=None,
+    positions_BxT=None,
+    segments_BxT=None,
 ):
   """log p(targets[:, t] | tokens[:, :t+1]) and the entropy at t, both float32 [B, T].
 
   Logits exist for `chunk_size` positions at a time (forward and backward: each
   chunk is rematerialized), never as [B, T, V]. Logits are divided by
-  `temperature`, as the sampler's behavior logprobs are. compute_dtype: see
-  hidden_states.
+  `temperature`, as the sampler's behavior logprobs are. compute_dtype, positions and
+  segments (packed rows, where t sees only its own segment): see hidden_states.
   """
-  h = hidden_states(cfg, params, tokens_BxT, remat=remat, compute_dtype=compute_dtype)
+  h = hidden_states(
+      cfg,
+      params,
+      tokens_BxT,
+      remat=remat,
+      compute_dtype=compute_dtype,
+      positions_BxT=positions_BxT,
+      segments_BxT=segments_BxT,
+  )
   params = compute_view(cfg, params, compute_dtype)
   B, T, D = h.shape
   chunk = min(chunk_size, T)

@@ -41,11 +41,12 @@ def _cap(max_len: int) -> int:
 
 
 def row_lengths(mask_BxT: np.ndarray) -> np.ndarray:
-  """Tokens each row needs: through the target of its last masked position (1 if none)."""
+  """Tokens each row needs: through the target of its last masked position (1 if none),
+  at most the row's T (a target at T - 1 is the row's own, read from `targets`)."""
   mask_BxT = np.asarray(mask_BxT) > 0
   T = mask_BxT.shape[1]
   last = T - 1 - np.argmax(mask_BxT[:, ::-1], axis=1)
-  return np.where(mask_BxT.any(axis=1), last + 2, 1)
+  return np.where(mask_BxT.any(axis=1), np.minimum(last + 2, T), 1)
 
 
 def microbatches(

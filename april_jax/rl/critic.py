@@ -91,9 +91,27 @@ def param_shardings(cfg: qwen3.Qwen3Config, mesh, rules=sharding.TRAIN_RULES):
   return sharding.named_shardings(logical_axes(cfg), shapes, mesh, rules)
 
 
-def values(cfg: qwen3.Qwen3Config, params, tokens_BxT, *, compute_dtype=None, remat=False):
-  """V [B, T], float32 (see the module docstring for what V[t] values)."""
-  h = qwen3.hidden_states(cfg, params, tokens_BxT, remat=remat, compute_dtype=compute_dtype)
+def values(
+    cfg: qwen3.Qwen3Config,
+    params,
+    tokens_BxT,
+    *,
+    compute_dtype=None,
+    remat=False,
+    positions_BxT=None,
+    segments_BxT=None,
+):
+  """V [B, T], float32 (see the module docstring for what V[t] values); packed rows with
+  their positions and segments (rl/layout.py)."""
+  h = qwen3.hidden_states(
+      cfg,
+      params,
+      tokens_BxT,
+      remat=remat,
+      compute_dtype=compute_dtype,
+      positions_BxT=positions_BxT,
+      segments_BxT=segments_BxT,
+  )
   head = params[HEAD]
   return jnp.einsum(
       "btd,d->bt", h, head["w"].astype(h.dtype), preferred_element_type=jnp.float32
@@ -153,9 +171,16 @@ class _Static:
   compute_dtype: str
 
 
-def _values(static: _Static, params, tokens_MxbxT):
-  fn = lambda tokens: values(static.model, params, tokens, compute_dtype=static.compute_dtype)
-  return jax.lax.map(fn, tokens_MxbxT)
+def _values(static: _Static, params, tokens_MxbxT, positions=None, segments=None):
+  fn = lambda xs: values(
+      static.model,
+      params,
+      xs[0],
+      compute_dtype=static.compute_dtype,
+      positions_BxT=xs[1],
+      segments_BxT=xs[2],
+  )
+  return jax.lax.map(fn, (tokens_MxbxT, positions, segments))
 
 
 def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, grads):
@@ -163,7 +188,13 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, grads):
 
   def micro_loss(p, micro):
     v = values(
-        static.model, p, micro["tokens"], compute_dtype=static.compute_dtype, remat=static.remat
+        static.model,
+        p,
+        micro["tokens"],
+        compute_dtype=static.compute_dtype,
+        remat=static.remat,
+        positions_BxT=micro.get("positions"),
+        segments_BxT=micro.get("segments"),
     )
     return value_loss(
         v, micro["old_values"], micro["returns"], micro["mask"], static.value_clip, total_tokens
@@ -262,20 +293,28 @@ class Critic:
   def state(self) -> tuple[dict[str, Any], dict]:
     return {"params": self.params, "opt_state": self.opt_state}, {"attempted": self.attempted}
 
+  def _plan(self, batch: dict[str, np.ndarray]):
+    rows = sharding.shards("batch", self.mesh, self.rules)
+    return update_lib.plan(batch["mask"], self.train, rows)
+
   def restore(self, arrays: dict[str, Any], host: dict) -> None:
     self.params, self.opt_state = arrays["params"], arrays["opt_state"]
     self.attempted = host["attempted"]
 
   def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
     """V [B, T] under the current critic (0 past a microbatch's cut)."""
-    pieces = [p for mb in (plan or update_lib.plan(batch["mask"], self.train)) for p in mb]
-    put = lambda x: update_lib.place(x, self.mesh, self.rules)
+    pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
+    vs = []
+    for p in pieces:
+      arrays = update_lib.piece({"tokens": batch["tokens"]}, p, self.mesh, self.rules)
+      vs.append(
+          self.programs.values(
+              self.params, arrays["tokens"], arrays.get("positions"), arrays.get("segments")
+          )
+      )
     out = np.zeros(batch["tokens"].shape, np.float32)
-    vs = [
-        self.programs.values(self.params, put(batch["tokens"][rows][..., :T])) for rows, T in pieces
-    ]
-    for (rows, T), v in zip(pieces, to_host(vs)):
-      out[rows, :T] = v
+    for p, v in zip(pieces, to_host(vs)):
+      p.scatter(out, v)
     return out
 
   def advantages(self, batch: dict[str, np.ndarray], rewards_B, plan=None) -> dict[str, float]:
@@ -302,12 +341,12 @@ class Critic:
     """ppo_epochs x num_minibatches optimizer updates of the value loss on the returns
     `advantages` set; critic/* metrics (one host read)."""
     t = self.train
-    plan = plan or update_lib.plan(batch["mask"], t)
+    plan = plan or self._plan(batch)
     arrays = {k: batch[k] for k in CRITIC_KEYS}
     metrics = []
     for _ in range(t.ppo_epochs):
       for pieces in plan:
-        rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
+        rows = np.concatenate([p.batch_rows for p in pieces])
         totals = (np.float32((arrays["mask"][rows] > 0).sum()),)
         self.params, self.opt_state, m = update_lib.minibatch_update(
             self.programs, self.params, self.opt_state, arrays, pieces, totals,

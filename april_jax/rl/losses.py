@@ -17,9 +17,14 @@ the whole batch's `total_tokens` / `total_seqs` (see `batch_totals`, on the mask
 are additive: summed over microbatches they equal the full-batch values (num_tokens is
 a plain count, additive too).
 
+A sequence is a row, or in packed rows (rl/layout.py, `segments_BxT` given) the tokens of
+a row that share a segment id: every per-sequence reduction (a sequence's mean, GSPO's
+sequence ratio, the count of sequences) goes through `seq_sums`, so packed and unpacked
+layouts give the same values.
+
 Policy terms are registered by name; each returns per-token values:
 
-    fn(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT)
+    fn(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, segments_BxT=None)
         -> (loss_BxT, clipped_BxT, ratio_BxT)
 
 advantages are per sample [B] (group estimators) or per token [B, T] (a critic's GAE).
@@ -122,30 +127,41 @@ def _masked_log_ratio(a_BxT, b_BxT, mask_BxT):
   return jnp.where(mask_BxT > 0, a_BxT - b_BxT, 0.0)
 
 
-def _seq_lengths(mask_BxT: jax.Array) -> jax.Array:
-  return jnp.sum(mask_BxT, axis=-1)
+def seq_sums(x_BxT: jax.Array, segments_BxT=None) -> tuple[jax.Array, jax.Array]:
+  """Sums of x over every sequence [S], and each token's sequence index [B, T] (to read
+  them per token: sums[index]). Without segments a sequence is a row (S = B); with them,
+  the tokens of a row sharing a segment id (ids in [0, T): S = B * T, most empty)."""
+  B, T = x_BxT.shape
+  if segments_BxT is None:
+    return jnp.sum(x_BxT, axis=-1), jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  index_BxT = segments_BxT + T * jnp.arange(B)[:, None]
+  return jax.ops.segment_sum(x_BxT.reshape(-1), index_BxT.reshape(-1), B * T), index_BxT
 
 
-def batch_totals(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(total_tokens, total_seqs) of a batch: masked tokens, and rows with >= 1 of them
-  (all-padding rows do not count as sequences)."""
+def batch_totals(mask_BxT: jax.Array, segments_BxT=None) -> tuple[jax.Array, jax.Array]:
+  """(total_tokens, total_seqs) of a batch: masked tokens, and sequences with >= 1 of
+  them (all-padding rows do not count as sequences)."""
   mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
-  return jnp.sum(mask_BxT), jnp.sum(_seq_lengths(mask_BxT) > 0).astype(jnp.float32)
+  lengths_S = seq_sums(mask_BxT, segments_BxT)[0]
+  return jnp.sum(mask_BxT), jnp.sum(lengths_S > 0).astype(jnp.float32)
 
 
-def _token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
-  del total_seqs, norm_len
+def _token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len, segments_BxT=None):
+  del total_seqs, norm_len, segments_BxT
   return jnp.sum(x_BxT * mask_BxT) / jnp.maximum(total_tokens, 1.0)
 
 
-def _seq_mean_token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
+def _seq_mean_token_mean(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len, segments_BxT=None):
   del total_tokens, norm_len
-  per_seq_B = jnp.sum(x_BxT * mask_BxT, axis=-1) / jnp.maximum(_seq_lengths(mask_BxT), 1.0)
-  return jnp.sum(per_seq_B) / jnp.maximum(total_seqs, 1.0)
+  sums_S = seq_sums(x_BxT * mask_BxT, segments_BxT)[0]
+  per_seq_S = sums_S / jnp.maximum(seq_sums(mask_BxT, segments_BxT)[0], 1.0)
+  return jnp.sum(per_seq_S) / jnp.maximum(total_seqs, 1.0)
 
 
-def _seq_mean_token_sum_norm(x_BxT, mask_BxT, total_tokens, total_seqs, norm_len):
-  del total_tokens
+def _seq_mean_token_sum_norm(
+    x_BxT, mask_BxT, total_tokens, total_seqs, norm_len, segments_BxT=None
+):
+  del total_tokens, segments_BxT
   if not norm_len or norm_len <= 0:
     raise ValueError(f"seq_mean_token_sum_norm needs norm_len > 0; got norm_len={norm_len}")
   return jnp.sum(x_BxT * mask_BxT) / (jnp.maximum(total_seqs, 1.0) * norm_len)
@@ -166,6 +182,7 @@ def aggregate(
     total_tokens=None,
     total_seqs=None,
     norm_len: int | None = None,
+    segments_BxT=None,
 ) -> jax.Array:
   """Reduces per-token values to a scalar; totals default to this batch's (batch_totals).
 
@@ -175,10 +192,10 @@ def aggregate(
     raise KeyError(f"unknown aggregation {mode!r}; known aggregations: {sorted(AGGREGATIONS)}")
   mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
   x_BxT = jnp.where(mask_BxT > 0, jnp.asarray(x_BxT, jnp.float32), 0.0)
-  own_tokens, own_seqs = batch_totals(mask_BxT)
+  own_tokens, own_seqs = batch_totals(mask_BxT, segments_BxT)
   total_tokens = own_tokens if total_tokens is None else jnp.asarray(total_tokens, jnp.float32)
   total_seqs = own_seqs if total_seqs is None else jnp.asarray(total_seqs, jnp.float32)
-  return AGGREGATIONS[mode](x_BxT, mask_BxT, total_tokens, total_seqs, norm_len)
+  return AGGREGATIONS[mode](x_BxT, mask_BxT, total_tokens, total_seqs, norm_len, segments_BxT)
 
 
 # ------------------------------------------------------------------------------ KL terms
@@ -241,9 +258,12 @@ def _clipped_surrogate(cfg: LossConfig, ratio_BxT, adv_Bx1):
 
 
 @register_policy_loss("ppo_clip")
-def ppo_clip_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
+def ppo_clip_loss(
+    cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, segments_BxT=None
+):
   """Token-level PPO-clip (clip-higher when eps_clip_high > eps_clip), optionally
   dual-clipped: for A < 0 the loss is capped at -A * dual_clip_c."""
+  del segments_BxT  # every term is a token's own
   adv_Bx1 = _per_token(advantages_B)
   ratio_BxT = jnp.exp(_masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT))
   loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, adv_Bx1)
@@ -253,14 +273,15 @@ def ppo_clip_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_Bx
 
 
 @register_policy_loss("gspo")
-def gspo_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT):
+def gspo_loss(cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, segments_BxT=None):
   """GSPO in its token form: s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)), where
   s_i = exp(mean_t (logp - old_logp)) is the length-normalised sequence ratio. Its
   value is s_i on every token and its gradient that of sequence-level GSPO."""
   log_ratio_BxT = _masked_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
-  s_B = jnp.exp(jnp.sum(log_ratio_BxT, axis=-1) / jnp.maximum(_seq_lengths(mask_BxT), 1.0))
+  log_ratio_S, index_BxT = seq_sums(log_ratio_BxT, segments_BxT)
+  s_S = jnp.exp(log_ratio_S / jnp.maximum(seq_sums(mask_BxT, segments_BxT)[0], 1.0))
   live_logp_BxT = jnp.where(mask_BxT > 0, logp_BxT, 0.0)  # padding may hold -inf
-  ratio_BxT = jax.lax.stop_gradient(s_B)[:, None] * jnp.exp(
+  ratio_BxT = jax.lax.stop_gradient(s_S)[index_BxT] * jnp.exp(
       live_logp_BxT - jax.lax.stop_gradient(live_logp_BxT)
   )
   loss_BxT, clipped_BxT = _clipped_surrogate(cfg, ratio_BxT, _per_token(advantages_B))
@@ -292,8 +313,10 @@ def policy_loss(
     stale_BxT=None,
     total_tokens=None,
     total_seqs=None,
+    segments_BxT=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The scalar loss to minimise, and scalar metrics.
+  """The scalar loss to minimise, and scalar metrics. segments_BxT: packed rows' segment
+  ids (each a sequence of its own; see the module docstring).
 
   loss = aggregate(policy term * importance weight) + kl_coef * aggregate(KL)
          - entropy_coef * aggregate(entropy)
@@ -308,12 +331,18 @@ def policy_loss(
   old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_logp_BxT, jnp.float32))
   advantages_B = jax.lax.stop_gradient(jnp.asarray(advantages_B, jnp.float32))
   agg = lambda x_BxT, mode=cfg.aggregation: aggregate(
-      x_BxT, mask_BxT, mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_len=cfg.norm_len
+      x_BxT,
+      mask_BxT,
+      mode,
+      total_tokens=total_tokens,
+      total_seqs=total_seqs,
+      norm_len=cfg.norm_len,
+      segments_BxT=segments_BxT,
   )
   token_mean = lambda x_BxT: agg(jnp.asarray(x_BxT, jnp.float32), "token_mean")
 
   term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
-      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, segments_BxT
   )
   if is_weight_BxT is not None:
     term_BxT = term_BxT * jax.lax.stop_gradient(jnp.asarray(is_weight_BxT, jnp.float32))

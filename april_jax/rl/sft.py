@@ -29,6 +29,7 @@ SFT_LOSS.update(kl_coef=0.0, entropy_coef=0.0)
 SFT_OPTIMIZER = dict(lr_schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0)
 SFT_OPTIMIZER.update(b1=0.9, b2=0.999)
 SFT_BATCHING = dict(num_minibatches=1, num_microbatches=1, microbatch_by_length=False)
+SFT_BATCHING.update(packing=False)
 SFT_BATCHING.update(ppo_epochs=1)
 
 

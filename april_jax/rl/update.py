@@ -6,12 +6,14 @@ One RL step's batch (rl/batch.py) goes through:
      microbatches; from them and the sampler's logprobs, on the host, the importance
      weights of rl/corrections.py (with ratio_anchor "behavior" this pass is skipped and
      the sampler's logprobs anchor the ratio);
-  2. ppo_epochs x num_minibatches optimizer updates, each the sum of num_microbatches
+  2. ppo_epochs x num_minibatches optimizer updates, each the sum of its microbatches'
      gradient evaluations, aggregated with the whole minibatch's token and sequence
-     counts so accumulation equals one big batch. With `train.microbatch_by_length`,
-     rows are sorted by length and each microbatch is cut to its own padded length (one
-     call per microbatch, so a long tail's padding is paid by its own rows only);
-     otherwise all microbatches share the batch's length and go through one lax.scan;
+     counts so accumulation equals one big batch. How samples are laid out in the calls
+     is rl/layout.py's: with `train.packing` (the default) a minibatch's samples are
+     packed end to end into microbatches of B / (num_minibatches x num_microbatches)
+     rows of `pack_len` tokens (one call each, as many as the tokens need); unpacked,
+     a row per sample, sorted by length and cut per microbatch
+     (`train.microbatch_by_length`) or all at the batch's length in one lax.scan;
      one path either way: gradient calls into one buffer, then one optimizer update;
   3. a guard: a non-finite gradient skips the update (params and moments kept), counted
      in the optimizer state (optax.apply_if_finite), so checkpoints carry the count.
@@ -43,6 +45,7 @@ from april_jax.models import qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import corrections
+from april_jax.rl import layout
 from april_jax.rl import losses
 
 
@@ -93,8 +96,9 @@ def cast(params, dtype):
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT):
-  """Logprobs and entropy for microbatches [M, b, T], one microbatch at a time."""
+def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT, positions=None, segments=None):
+  """Logprobs and entropy for microbatches [M, b, T], one microbatch at a time (packed
+  rows: with their positions and segments [M, b, T])."""
   fn = lambda xs: qwen3.token_logprobs(
       static.model,
       params,
@@ -103,8 +107,10 @@ def _logprobs(static: _Static, params, tokens_MxbxT, targets_MxbxT):
       compute_dtype=static.compute_dtype,
       chunk_size=static.chunk,
       temperature=static.temperature,
+      positions_BxT=xs[2],
+      segments_BxT=xs[3],
   )
-  return jax.lax.map(fn, (tokens_MxbxT, targets_MxbxT))
+  return jax.lax.map(fn, (tokens_MxbxT, targets_MxbxT, positions, segments))
 
 
 def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs, grads):
@@ -126,6 +132,8 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
         chunk_size=static.chunk,
         temperature=static.temperature,
         remat=static.remat,
+        positions_BxT=micro.get("positions"),
+        segments_BxT=micro.get("segments"),
     )
     return losses.policy_loss(
         static.loss,
@@ -139,6 +147,7 @@ def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, total_seqs
         stale_BxT=micro["stale"],
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        segments_BxT=micro.get("segments"),
     )
 
   return accumulate_grads(micro_loss, params, mb, grads)
@@ -333,6 +342,12 @@ def _dummy_batch(B: int, T: int, with_ref: bool, token_advantages: bool) -> dict
   return dict(batch, ref_logp=mask) if with_ref else batch
 
 
+def _logprob_args(piece: dict) -> tuple:
+  """A piece's arguments of the logprob program: tokens, targets, positions, segments
+  (the last two None unless packed)."""
+  return piece["tokens"], piece["targets"], piece.get("positions"), piece.get("segments")
+
+
 def microbatch_sharding(shape, mesh, rules=sharding.TRAIN_RULES):
   """Where microbatch arrays [M, b, ...] live: rows b over the batch axes of the mesh."""
   axes = (None, "batch") + ("seq",) * (len(shape) - 2)
@@ -346,40 +361,74 @@ def place(x: np.ndarray, mesh, rules=sharding.TRAIN_RULES):
   return jax.device_put(x, microbatch_sharding(x.shape, mesh, rules))
 
 
-def plan(mask_BxT: np.ndarray, train) -> list[list[tuple[np.ndarray, int]]]:
-  """Per minibatch, its microbatches as [(batch rows [m, b], padded length)]."""
+def pack_len(train, T: int) -> int | None:
+  """The packed rows' token budget for a batch of padded length T: train.pack_len, or
+  T when it is 0 (a run sets it: `train_section`); None when train.packing is off."""
+  if not train.get("packing", False):
+    return None
+  return int(train.pack_len) or int(T)
+
+
+def train_section(config):
+  """The train section the learner and critic read: config.train with pack_len 0
+  resolved to the run's longest row (data.max_prompt_len + rollout.max_response_len,
+  rounded up as rl/batch.py pads), so every step packs into rows of one length."""
+  t = config.train.copy_and_resolve_references()
+  if t.packing and not t.pack_len:
+    max_len = config.data.max_prompt_len + config.rollout.max_response_len
+    t.pack_len = batch_lib.bucket_len(max_len, max_len=max_len)
+  return t
+
+
+def plan(mask_BxT: np.ndarray, train, min_rows: int = 1) -> list[list[layout.Piece]]:
+  """Per minibatch, its microbatches as layout.Pieces (packed when train.packing; a last
+  packed microbatch keeps at least min_rows rows: the devices rows are split over)."""
   t = train
-  B = mask_BxT.shape[0]
+  B, T = mask_BxT.shape
   if B % (t.num_minibatches * t.num_microbatches):
     raise ValueError(
         f"batch of {B} samples does not split into train.num_minibatches="
         f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}"
     )
+  minibatches = np.arange(B).reshape(t.num_minibatches, -1)
+  budget = pack_len(t, T)
+  if budget is not None:
+    rows_per_call = B // (t.num_minibatches * t.num_microbatches)
+    lengths = batch_lib.row_lengths(mask_BxT)
+    return [
+        layout.packed_pieces(lengths[rows], rows_per_call, budget, rows, min_rows)
+        for rows in minibatches
+    ]
   by_length = bool(t.microbatch_by_length)
   return [
       [
-          (rows[local], T)
+          layout.Piece(T=T, rows=rows[local])
           for local, T in batch_lib.microbatches(mask_BxT[rows], t.num_microbatches, by_length)
       ]
-      for rows in np.arange(B).reshape(t.num_minibatches, -1)
+      for rows in minibatches
   ]
 
 
-def piece(batch: dict[str, np.ndarray], rows: np.ndarray, T: int, mesh, rules) -> dict:
-  """The rows [m, b] of every array, cut to length T, on the mesh."""
-  cut = lambda v: v[rows][..., :T] if v.ndim == 2 else v[rows]
-  return {k: place(cut(v), mesh, rules) for k, v in batch.items()}
+def layout_stats(mask_BxT: np.ndarray, train, min_rows: int = 1) -> dict[str, float]:
+  """What the learner's calls compute for a batch: padded token positions against the
+  real tokens (prompt + response) they hold, and the calls per update."""
+  pieces = [p for mb in plan(mask_BxT, train, min_rows) for p in mb]
+  stats = layout.token_counts(pieces, batch_lib.row_lengths(mask_BxT))
+  return dict(stats, calls=len(pieces) / train.num_minibatches)
+
+
+def piece(batch: dict[str, np.ndarray], p: layout.Piece, mesh, rules) -> dict:
+  """A piece's arrays of `batch` (layout.Piece.device_arrays), on the mesh."""
+  return {k: place(v, mesh, rules) for k, v in p.device_arrays(batch).items()}
 
 
 def minibatch_update(programs, params, opt_state, batch, pieces, totals, attempted, mesh, rules):
   """One optimizer update over one minibatch with a learner's `programs` (zeros, grads,
-  add, apply): its microbatches' gradients summed into one buffer (one call per padded
-  length), then the update. (params, opt_state, metrics on device)."""
+  add, apply): its microbatches' gradients summed into one buffer (one call per piece),
+  then the update. (params, opt_state, metrics on device)."""
   grads, acc = programs.zeros(params), None
-  for rows, T in pieces:
-    grads, loss, metrics = programs.grads(
-        params, piece(batch, rows, T, mesh, rules), *totals, grads
-    )
+  for p in pieces:
+    grads, loss, metrics = programs.grads(params, piece(batch, p, mesh, rules), *totals, grads)
     acc = (loss, metrics) if acc is None else programs.add(acc, (loss, metrics))
   return programs.apply(params, opt_state, grads, *acc, np.int32(attempted))
 
@@ -406,6 +455,7 @@ class Learner:
     self.loss_cfg = self.static.loss
     self.optimizer, self.schedule = make_optimizer(train, total_updates)
     self.mesh, self.rules = mesh, rules
+    self.min_rows = sharding.shards("batch", mesh, rules)  # a call's rows split this way
     shapes = jax.eval_shape(lambda p: cast(p, jnp.float32), params)
     self.programs = p = build_programs(
         self.static, self.optimizer, shapes, mesh, rules, decode_rules, schedule=self.schedule
@@ -440,11 +490,27 @@ class Learner:
   def _put(self, x: np.ndarray):
     return place(x, self.mesh, self.rules)
 
-  def _plan(self, batch: dict[str, np.ndarray]) -> list[list[tuple[np.ndarray, int]]]:
-    return plan(batch["mask"], self.train)
+  def _plan(self, batch: dict[str, np.ndarray]) -> list[list[layout.Piece]]:
+    return plan(batch["mask"], self.train, self.min_rows)
 
-  def _piece(self, batch: dict[str, np.ndarray], rows: np.ndarray, T: int) -> dict:
-    return piece(batch, rows, T, self.mesh, self.rules)
+  def _piece(self, batch: dict[str, np.ndarray], p: layout.Piece) -> dict:
+    return piece(batch, p, self.mesh, self.rules)
+
+  def _warm_up_pieces(self, batch: dict[str, np.ndarray]) -> list[list[layout.Piece]]:
+    """The pieces of every shape a batch of this padded length can produce: unpacked,
+    its plan (every row full length); packed, one of rows x each possible row length."""
+    budget = pack_len(self.train, batch["mask"].shape[1])
+    if budget is None:
+      return self._plan(batch)
+    t = self.train
+    rows = batch["mask"].shape[0] // (t.num_minibatches * t.num_microbatches)
+    full = lambda r, T: layout.Piece(
+        T=T,
+        sample=np.broadcast_to(np.arange(r)[None, :, None], (1, r, T)).astype(np.int32),
+        pos=np.broadcast_to(np.arange(T)[None, None], (1, r, T)).astype(np.int32),
+    )
+    shapes = layout.last_shapes(rows, budget, self.min_rows)
+    return [[full(r, T) for r, T in shapes]]  # one minibatch, so `add` compiles too
 
   def warm_up(self, batch_size: int, lengths) -> int:
     """Compiles, ahead of time, every program an update at these padded lengths calls.
@@ -463,15 +529,17 @@ class Learner:
     )
     grads0, seen = compile_(self._zeros, params), set()
     totals = (np.float32(1), np.float32(1))
+    if pack_len(self.train, max(lengths)) is not None:
+      lengths = [max(lengths)]  # packed rows: one budget, its few row lengths
     for T in lengths:
       batch = _dummy_batch(batch_size, T, self.ref_params is not None, self.token_advantages)
-      for pieces in self._plan(batch):
+      for pieces in self._warm_up_pieces(batch):
         acc = None
-        for rows, length in pieces:
-          seen.add((rows.shape, length))
-          piece = self._piece(batch, rows, length)
-          for p in logprob_params:
-            compile_(self._logprobs, p, piece["tokens"], piece["targets"])
+        for p in pieces:
+          seen.add((p.packed, p.gather(batch["mask"]).shape))
+          piece = self._piece(batch, p)
+          for params_ in logprob_params:
+            compile_(self._logprobs, params_, *_logprob_args(piece))
           grads, loss, metrics = compile_(self._grads, params, piece, *totals, grads0)
           out = (loss, metrics)  # as _minibatch sums them
           acc = out if acc is None else compile_(self._add, acc, out)
@@ -480,26 +548,21 @@ class Learner:
     return len(seen)
 
   def logprobs(self, params, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
-    """Logprobs [B, T] of the targets under params (0 past a microbatch's cut). Needs the
-    batch's tokens, targets and mask (the mask decides the cuts), or a plan from _plan."""
+    """Logprobs [B, T] of the targets under params (0 past a microbatch's cut and on
+    tokens no sample needs). Needs the batch's tokens, targets and mask (the mask decides
+    the layout), or a plan from _plan."""
     pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
-    logps = [
-        self._logprobs(
-            params,
-            self._put(batch["tokens"][rows][..., :T]),
-            self._put(batch["targets"][rows][..., :T]),
-        )[0]
-        for rows, T in pieces
-    ]
+    inputs = {k: batch[k] for k in ("tokens", "targets")}
+    logps = [self._logprobs(params, *_logprob_args(self._piece(inputs, p)))[0] for p in pieces]
     out = np.zeros(batch["tokens"].shape, np.float32)
-    for (rows, T), logp in zip(pieces, to_host(logps)):
-      out[rows, :T] = logp
+    for p, logp in zip(pieces, to_host(logps)):
+      p.scatter(out, logp)
     return out
 
   def _minibatch(self, batch: dict[str, np.ndarray], pieces) -> dict:
     """One optimizer update over one minibatch: its microbatches' gradients summed into
-    one buffer (one call per padded length), then the update. Its metrics, on device."""
-    rows = np.concatenate([r.reshape(-1) for r, _ in pieces])
+    one buffer (one call per piece), then the update. Its metrics, on device."""
+    rows = np.concatenate([p.batch_rows for p in pieces])
     totals = _totals(self.loss_cfg, batch["mask"][rows], batch["stale"][rows])
     self.params, self.opt_state, m = minibatch_update(
         self.programs, self.params, self.opt_state, batch, pieces, totals, self.attempted,

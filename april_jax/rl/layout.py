@@ -1,0 +1,169 @@
+"""How a minibatch's samples are laid out in the learner's gradient calls.
+
+The host keeps a step's batch one sample a row ([B, T], rl/batch.py); the device sees it
+in pieces, one gradient (or logprob) call each, whose arrays are [M, b, T']:
+
+  unpacked  each row one sample (plain: every microbatch at the batch's T in one call;
+            by length: rows sorted by length, each microbatch cut to its own bucket).
+  packed    samples end to end in rows of a fixed token budget (`train.pack_len`):
+            position t of row r holds token pos[r, t] of sample sample[r, t], or padding
+            (sample -1). Each sample attends only to itself (its segment id, 1, 2, ... in
+            its row; 0 for the padding) and its positions restart at 0, so its logprobs
+            are those of its own row. Per-sample arrays (advantages [B]) become per token.
+
+Packing fills `rows` rows of pack_len tokens per microbatch, longest samples first, each
+into the first row with room (first-fit decreasing), until what is left fits one last
+microbatch; that one takes the smallest shape that holds it: `rows` rows cut to one of
+`pack_lengths`, or fewer rows (halved, down to the devices the rows are split over) of
+pack_len (`last_shapes`). Every sample is in exactly one row, whole, so packed and unpacked give the same losses and gradients
+(rl/losses.py reduces per segment). A row holds at most MAX_SEGMENTS samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from april_jax.models.attention import MAX_SEGMENTS
+
+GRANULE_PARTS = 8  # the last microbatch is cut to a multiple of pack_len / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One call's rows: unpacked, batch rows `rows` [M, b] cut to length T; packed, the
+  batch row `sample` [M, b, T] (-1: padding) and position `pos` of every slot."""
+
+  T: int
+  rows: np.ndarray | None = None
+  sample: np.ndarray | None = None
+  pos: np.ndarray | None = None
+
+  @property
+  def packed(self) -> bool:
+    return self.sample is not None
+
+  @property
+  def batch_rows(self) -> np.ndarray:
+    """The batch rows (samples) this piece holds, each once."""
+    if not self.packed:
+      return self.rows.reshape(-1)
+    return np.unique(self.sample[self.sample >= 0])
+
+  @property
+  def padded_tokens(self) -> int:
+    """Token positions the call computes."""
+    return int((self.rows.size if not self.packed else self.sample[..., 0].size) * self.T)
+
+  def gather(self, v: np.ndarray) -> np.ndarray:
+    """v [B, T0] (or [B]) in this piece's layout: [M, b, T] (unpacked [B] -> [M, b]).
+    Padding is 0 (False)."""
+    if not self.packed:
+      return v[self.rows][..., : self.T] if v.ndim == 2 else v[self.rows]
+    live = self.sample >= 0
+    s, p = np.where(live, self.sample, 0), self.pos
+    out = v[s, p] if v.ndim == 2 else v[s]
+    return np.where(live, out, np.zeros((), v.dtype))
+
+  def scatter(self, out_BxT: np.ndarray, x: np.ndarray) -> None:
+    """Writes x [M, b, T] (this piece's values) back into the batch layout out [B, T0]."""
+    if not self.packed:
+      out_BxT[self.rows, : self.T] = x
+      return
+    live = self.sample >= 0
+    out_BxT[self.sample[live], self.pos[live]] = x[live]
+
+  def segments(self) -> np.ndarray:
+    """[M, b, T] int32: each sample's segment id in its row (1, 2, ...), 0 for padding."""
+    starts = (self.pos == 0) & (self.sample >= 0)
+    return np.where(self.sample >= 0, np.cumsum(starts, axis=-1), 0).astype(np.int32)
+
+  def device_arrays(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The piece's arrays of `batch`; packed, with its segments and positions."""
+    out = {k: self.gather(v) for k, v in batch.items()}
+    if self.packed:
+      out["segments"] = self.segments()
+      out["positions"] = np.where(self.sample >= 0, self.pos, 0).astype(np.int32)
+    return out
+
+
+def pack_lengths(pack_len: int) -> list[int]:
+  """Every row length a packed microbatch can have: the multiples of pack_len /
+  GRANULE_PARTS (rounded up to 8) up to pack_len, so a run compiles GRANULE_PARTS of them."""
+  granule = -(-pack_len // (GRANULE_PARTS * 8)) * 8
+  return sorted({min(k * granule, pack_len) for k in range(1, GRANULE_PARTS + 1)})
+
+
+def _first_fit(order, lengths, rows: int, cap: int):
+  """Samples `order` (longest first) into `rows` rows of at most `cap` tokens, each into
+  the first row with room: (the rows' samples, the samples that fit none)."""
+  filled, bins, left = np.zeros(rows, np.int64), [[] for _ in range(rows)], []
+  for i in order:
+    room = (filled + lengths[i] <= cap) & (np.array([len(b) for b in bins]) < MAX_SEGMENTS)
+    if not room.any():
+      left.append(i)
+      continue
+    r = int(np.argmax(room))
+    bins[r].append(i)
+    filled[r] += lengths[i]
+  return bins, left
+
+
+def last_shapes(rows: int, pack_len: int, min_rows: int = 1) -> list[tuple[int, int]]:
+  """The (rows, length) a packed minibatch's last microbatch may take: `rows` rows of any
+  of `pack_lengths`, or fewer rows (halved down to min_rows) of pack_len; smallest first."""
+  shapes = {(rows, T) for T in pack_lengths(pack_len)}
+  r = rows
+  while r % 2 == 0 and r // 2 >= max(min_rows, 1):
+    r //= 2
+    shapes.add((r, pack_len))
+  return sorted(shapes, key=lambda s: (s[0] * s[1], -s[0]))
+
+
+def pack(lengths: np.ndarray, rows: int, pack_len: int, min_rows: int = 1):
+  """Samples of `lengths` tokens into microbatches: [(each row's sample indices in order,
+  the microbatch's row length)], `rows` rows each but the last (see last_shapes). Every
+  sample is in exactly one row."""
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and lengths.max() > pack_len:
+    raise ValueError(f"a sample of {lengths.max()} tokens does not fit pack_len={pack_len}")
+  left = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  out = []
+  while left:
+    for r, T in last_shapes(rows, pack_len, min_rows):
+      if T < lengths[left[0]] or r * T < lengths[left].sum():
+        continue
+      bins, rest = _first_fit(left, lengths, r, T)
+      if not rest:  # what is left fits one microbatch: the smallest shape that holds it
+        return out + [(bins, T)]
+    bins, left = _first_fit(left, lengths, rows, pack_len)
+    out.append((bins, pack_len))
+  return out
+
+
+def packed_pieces(
+    lengths: np.ndarray, rows: int, pack_len: int, batch_rows=None, min_rows: int = 1
+) -> list[Piece]:
+  """Pieces [1, rows', T] holding samples of `lengths` tokens, packed (`pack`): batch
+  rows `batch_rows` (default 0, 1, ...)."""
+  batch_rows = np.arange(len(lengths)) if batch_rows is None else np.asarray(batch_rows)
+  pieces = []
+  for bins, T in pack(lengths, rows, pack_len, min_rows):
+    sample = np.full((1, len(bins), T), -1, np.int32)
+    pos = np.zeros((1, len(bins), T), np.int32)
+    for r, row in enumerate(bins):
+      at = 0
+      for i in row:
+        n = int(lengths[i])
+        sample[0, r, at : at + n], pos[0, r, at : at + n] = batch_rows[i], np.arange(n)
+        at += n
+    pieces.append(Piece(T=T, sample=sample, pos=pos))
+  return pieces
+
+
+def token_counts(pieces: list[Piece], lengths: np.ndarray) -> dict[str, float]:
+  """Padded token positions the pieces compute against the real tokens they hold."""
+  padded = sum(p.padded_tokens for p in pieces)
+  real = int(sum(np.asarray(lengths)[p.batch_rows].sum() for p in pieces))
+  return {"padded_tokens": padded, "real_tokens": real, "padded_per_real": padded / max(real, 1)}
