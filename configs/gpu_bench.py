@@ -41,9 +41,11 @@ def get_config(arg=None):
     # Sized for the step mode, which holds two engines (APRIL's and the baseline's) beside
     # the learner on one 80 GB GPU: 448 pages (13.2 GB a pool) hold APRIL's steady state at
     # 1,024-token responses (about 360 pages; at 2,048 some samples are preempted), and
-    # microbatches of 4 rows halve the gradient pass's activations. The planner's peak
-    # (python -m april_jax.plan) is 57.2 GB at 1,024 with 16-token prompts; the second
-    # pool brings it to 70.4 GB.
+    # microbatches of 4 rows halve the gradient pass's activations. Compiled at those shapes
+    # (python -m april_jax.plan --config=configs/gpu_bench.py:qwen3_1_7b --compile
+    # --devices=1 --device_memory_gb=80 --config.rollout.max_response_len=1024
+    # --config.data.max_prompt_len=16) the peak is 59.6 GB (the gradients); the second
+    # pool brings it to 72.8 GB.
     c.rollout.kv_pages = 448
     c.train.num_microbatches = 32
   return c

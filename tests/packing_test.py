@@ -174,7 +174,8 @@ def _compare_updates(params, batch, **overrides):
     np.testing.assert_allclose(b, a, atol=1e-6 * max(float(jnp.abs(a).max()), 1e-3))
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_u)) > 1e-3
   for a, b in zip(m_u, m_p):
-    for k in a:
+    assert b["train/padded_per_real"] < a["train/padded_per_real"]  # the one that differs
+    for k in set(a) - {"train/padded_per_real"}:
       assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
   return m_p
 
@@ -244,3 +245,20 @@ def test_packed_critic_gives_the_values_gae_and_update_of_a_row_per_sample(param
   # token seen only where nothing is trained) may differ by a fraction of a step.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), p_u, p_p)
   assert np.abs(b_u["old_values"][live]).max() > 0.01
+
+
+def test_the_last_microbatch_keeps_a_row_count_the_devices_split_evenly():
+  assert (6, 1024) not in layout.last_shapes(12, 1024, min_rows=4)
+  assert (12, 1024) not in layout.last_shapes(24, 1024, min_rows=8)
+  assert {r for r, _ in layout.last_shapes(16, 1024, min_rows=4)} == {16, 8, 4}
+  assert {r for r, _ in layout.last_shapes(8, 1024, min_rows=1)} == {8, 4, 2, 1}
+
+
+def test_warm_up_compiles_every_packed_shape_even_past_the_batchs_longest_row(params, compiles):
+  batch = _batch(5)
+  learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train(True, pack_len=64), 0.8, 2)
+  learner.warm_up(8, batch_lib.all_bucket_lens(T))  # rows of 64 for a batch of 48
+  compiled = len(compiles)
+  metrics = learner.update(batch)
+  assert len(compiles) == compiled, compiles[compiled:]  # every program was ready
+  assert metrics["train/updates"] == 1 and metrics["train/padded_per_real"] >= 1

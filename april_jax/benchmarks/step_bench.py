@@ -36,9 +36,13 @@ Floors (the arithmetic is in floors.py), per side and step:
               the logits head (a prefill only writes KV) / matmul rate
   batch       bytes of the built batch's arrays / host copy rate
   learner     FLOPs of the update over the token positions its calls compute (the
-              learner's own plan: each row of a call at the call's length, attention causal
-              over it) / matmul rate. The same FLOPs over the real tokens (each sample's
-              prompt + response) give the MFU of useful work
+              learner's own plan: each row of a call at the call's length; attention causal
+              over each sample of a packed row and over its trailing padding, as a
+              segment-aware kernel computes it) / matmul rate. The same FLOPs over the real
+              tokens (each sample's prompt + response) give the MFU of useful work. Both
+              count a rematerialised layer's forward again, not the logits' chunks'
+  prefill     (its seconds include putting resumed partials' KV back into the pool, which
+              its floor does not count)
   cast        float32 masters read + the compute-dtype copy written / copy bandwidth
   checkpoint  bytes on disk / disk write rate (the rate of a file written with fsync; a
               save that lands in the page cache unsynced can beat this floor)
@@ -257,7 +261,7 @@ def _work(bench: Bench, side: Side, result, batch, checkpoint_bytes: int) -> dic
   mask = batch["mask"]
   t = bench.learner.train
   plan = update_lib.plan(mask, t, bench.learner.min_rows)
-  padded = [p.T for mb in plan for p in mb for _ in range(p.padded_tokens // p.T)]
+  padded = [n for mb in plan for p in mb for n in p.run_lengths()]
   flops = lambda lengths: floors.learner_flops(
       bench.cfg, lengths, bench.logprob_passes, t.ppo_epochs, bench.config.model.remat
   )

@@ -267,14 +267,14 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     if int(t[name]) < 1:
       err(f"train.{name} must be >= 1, got {t[name]}")
   max_len = c.data.max_prompt_len + r.max_response_len
-  if t.packing and t.pack_len and t.pack_len < max_len:
+  if t.pack_len < 0:
+    err(f"train.pack_len must be >= 0 (0 = max_len), got {t.pack_len}")
+  elif t.packing and t.pack_len and t.pack_len < max_len:
     err(
         f"train.pack_len ({t.pack_len}) is shorter than one sample of max_len "
         f"(data.max_prompt_len + rollout.max_response_len = {max_len}): a packed row must "
         "hold the longest sample (0 = max_len)"
     )
-  elif t.pack_len < 0:
-    err(f"train.pack_len must be >= 0 (0 = max_len), got {t.pack_len}")
   batch = r.batch_size * r.n_samples_per_prompt
   split = t.num_minibatches * t.num_microbatches
   if split >= 1 and batch % split:

@@ -7,8 +7,13 @@ to the keys of its own segment:
   "blockwise"  online softmax over KV chunks of `chunk` keys (a flash attention in
                pure JAX, forward and a hand-written backward): scores exist for one
                chunk at a time, O(T x chunk) memory. Runs everywhere (CPU, ROCm, TPU).
-  "cudnn"      jax.nn.dot_product_attention's cuDNN flash kernel (NVIDIA, bf16/fp16).
-  "auto"       cudnn on an NVIDIA GPU with a 16-bit compute dtype, else blockwise.
+  "cudnn"      cuDNN's flash kernel (NVIDIA, bf16/fp16): jax.nn.dot_product_attention,
+               or for segments jax's cuDNN module with its packed layout (Hopper or
+               newer; keys and values repeated to the query heads, since jax's packed
+               offsets for grouped keys are wrong before its 0.11 fix). The packed call
+               has not yet run on a GPU.
+  "auto"       cudnn on an NVIDIA GPU with a 16-bit compute dtype (with segments: on
+               Hopper or newer), else blockwise.
 
 Decode (one new token per slot): `decode_attention` reads the cache [B, K, S, H] of one
 layer in blocks up to the longest live slot (a loop with a device-side trip count), so
@@ -31,8 +36,9 @@ MAX_SEGMENTS = 64  # segments a packed row may hold (the width of cuDNN's segmen
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - m) == 0 and never NaN
 
 
-def resolve(impl: str, dtype) -> str:
-  """The implementation `auto` stands for on this backend and compute dtype."""
+def resolve(impl: str, dtype, segments: bool = False) -> str:
+  """The implementation `auto` stands for on this backend and compute dtype (with
+  segments: cuDNN's packed layout needs a Hopper GPU or newer)."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {impl!r}")
   if impl != "auto":
@@ -40,6 +46,9 @@ def resolve(impl: str, dtype) -> str:
   device = jax.devices()[0]
   nvidia = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
   sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if segments and nvidia:
+    major = str(getattr(device, "compute_capability", "0")).split(".")[0]
+    nvidia = major.isdigit() and int(major) >= 9
   return "cudnn" if nvidia and sixteen_bit else "blockwise"
 
 
@@ -48,7 +57,7 @@ def causal_attention(
 ) -> jax.Array:
   """softmax(q k^T / sqrt(H) + causal mask) v: [B, T, N, H] in q's dtype; with
   segments_BxT, masked to each query's own segment too."""
-  impl = resolve(impl, q_BxTxNxH.dtype)
+  impl = resolve(impl, q_BxTxNxH.dtype, segments_BxT is not None)
   if impl == "cudnn":
     if segments_BxT is not None:
       return _cudnn_segments(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT)
@@ -97,20 +106,24 @@ def segment_runs(segments_BxT, max_runs: int):
 def _cudnn_segments(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
   """cuDNN's flash attention over packed rows (its ragged layout: each run of a segment id
   attends causally to itself only). Reached only on NVIDIA GPUs through jax's cuDNN
-  attention module, which jax.nn.dot_product_attention does not expose segments of."""
+  attention module, which jax.nn.dot_product_attention does not expose segments of.
+  Keys and values are repeated to the query heads: jax before its 0.11 fix scales the
+  key offsets by the query's heads."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
 
+  groups = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
+  k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, groups, axis=2) for x in (k_BxTxKxH, v_BxTxKxH))
   lengths, offsets = segment_runs(segments_BxT, MAX_SEGMENTS + 1)
   return cudnn.dot_product_attention(
       q_BxTxNxH,
-      k_BxTxKxH,
-      v_BxTxKxH,
+      k_BxTxNxH,
+      v_BxTxNxH,
       q_seqlen=lengths,
       kv_seqlen=lengths,
       q_offsets=offsets,
       kv_offsets=offsets,
       scale=q_BxTxNxH.shape[-1] ** -0.5,
-      mask_type=cudnn.MaskType.CAUSAL,
+      mask_type=cudnn.MaskType.PADDING_CAUSAL,  # causal within each run of the table
       qkv_layout="BTNH",
   )
 

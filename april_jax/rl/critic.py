@@ -302,7 +302,8 @@ class Critic:
     self.attempted = host["attempted"]
 
   def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
-    """V [B, T] under the current critic (0 past a microbatch's cut)."""
+    """V [B, T] under the current critic (0 past a microbatch's cut, and packed, past
+    each sample's last needed token)."""
     pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
     vs = []
     for p in pieces:

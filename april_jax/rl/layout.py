@@ -56,6 +56,16 @@ class Piece:
     """Token positions the call computes."""
     return int((self.rows.size if not self.packed else self.sample[..., 0].size) * self.T)
 
+  def run_lengths(self) -> list[int]:
+    """The sequences the call's attention computes, by length: unpacked, whole rows of T;
+    packed, each sample and each row's trailing padding (a run of its own)."""
+    if not self.packed:
+      return [self.T] * self.rows.size
+    segments = self.segments().reshape(-1, self.T)
+    starts = np.diff(segments, axis=1, prepend=-1) != 0
+    runs = np.diff(np.append(np.flatnonzero(starts.reshape(-1)), segments.size))
+    return [int(n) for n in runs]
+
   def gather(self, v: np.ndarray) -> np.ndarray:
     """v [B, T0] (or [B]) in this piece's layout: [M, b, T] (unpacked [B] -> [M, b]).
     Padding is 0 (False)."""
@@ -112,10 +122,11 @@ def _first_fit(order, lengths, rows: int, cap: int):
 
 def last_shapes(rows: int, pack_len: int, min_rows: int = 1) -> list[tuple[int, int]]:
   """The (rows, length) a packed minibatch's last microbatch may take: `rows` rows of any
-  of `pack_lengths`, or fewer rows (halved down to min_rows) of pack_len; smallest first."""
+  of `pack_lengths`, or fewer rows of pack_len (halved while the devices, min_rows of
+  them, still split them evenly); smallest first."""
   shapes = {(rows, T) for T in pack_lengths(pack_len)}
   r = rows
-  while r % 2 == 0 and r // 2 >= max(min_rows, 1):
+  while r % 2 == 0 and r // 2 >= max(min_rows, 1) and (r // 2) % max(min_rows, 1) == 0:
     r //= 2
     shapes.add((r, pack_len))
   return sorted(shapes, key=lambda s: (s[0] * s[1], -s[0]))

@@ -24,8 +24,11 @@ layouts give the same values.
 
 Policy terms are registered by name; each returns per-token values:
 
-    fn(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, segments_BxT=None)
+    fn(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT[, segments_BxT=...])
         -> (loss_BxT, clipped_BxT, ratio_BxT)
+
+segments_BxT is passed (by keyword) only for packed rows; a term that reduces per
+sequence must take it and reduce with `seq_sums`.
 
 advantages are per sample [B] (group estimators) or per token [B, T] (a critic's GAE).
 
@@ -341,8 +344,9 @@ def policy_loss(
   )
   token_mean = lambda x_BxT: agg(jnp.asarray(x_BxT, jnp.float32), "token_mean")
 
+  packed = {} if segments_BxT is None else {"segments_BxT": segments_BxT}
   term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
-      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, segments_BxT
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, **packed
   )
   if is_weight_BxT is not None:
     term_BxT = term_BxT * jax.lax.stop_gradient(jnp.asarray(is_weight_BxT, jnp.float32))

@@ -529,8 +529,9 @@ class Learner:
     )
     grads0, seen = compile_(self._zeros, params), set()
     totals = (np.float32(1), np.float32(1))
-    if pack_len(self.train, max(lengths)) is not None:
-      lengths = [max(lengths)]  # packed rows: one budget, its few row lengths
+    budget = pack_len(self.train, max(lengths))
+    if budget is not None:  # packed rows: one budget, its few row lengths
+      lengths = [max(budget, max(lengths))]
     for T in lengths:
       batch = _dummy_batch(batch_size, T, self.ref_params is not None, self.token_advantages)
       for pieces in self._warm_up_pieces(batch):
@@ -575,6 +576,8 @@ class Learner:
     """All of one RL step's optimizer updates; returns train/* metrics (one host read)."""
     t, cfg = self.train, self.loss_cfg
     plan = self._plan(batch)
+    pieces = [p for mb in plan for p in mb]
+    counts = layout.token_counts(pieces, batch_lib.row_lengths(batch["mask"]))
     behavior = batch["behavior"]  # on the host only: the device needs the weights
     original_mask = batch["mask"]  # the drawn tokens (a mask-mode weight may drop some)
     extra = {}
@@ -619,6 +622,7 @@ class Learner:
         "train/lr": mean("lr"),
         "train/ratio_mean": mean("ratio_mean"),
         **extra,
+        "train/padded_per_real": counts["padded_per_real"],  # positions computed / tokens
         "train/skipped_updates": float(skipped),
         "train/updates": float(self.attempted - int(skipped)),
     }
