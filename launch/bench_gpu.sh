@@ -42,7 +42,10 @@
 # DAPO-like lengths; STEP_FLAGS adds flags, e.g. on an H200
 #   STEP_CONFIG=configs/gpu_bench.py:qwen3_4b \
 #       STEP_FLAGS="--config.rollout.kv_pages=320 --config.train.num_microbatches=32"
-# (the planner's peak with the second pool: about 126 GB; 640 pages would need about 150).
+# (compiled at those shapes, python -m april_jax.plan --compile --devices=1
+# --device_memory_gb=141 with the same flags and --config.rollout.max_response_len=1024
+# --config.data.max_prompt_len=16: a 110.7 GB peak, 122.9 GB with the second pool;
+# 640 pages would need about 150).
 #
 # Each part's log (its last line is the JSON result) goes to OUT; the Markdown reports and
 # plots go to REPORTS (default OUT), so OUT can be kept to a handful of files.
