@@ -50,6 +50,8 @@ def test_step_bench_times_every_phase_of_both_sides_beside_its_floor(tmp_path):
   assert out["april_floors"]["cast"] == out["baseline_floors"]["cast"]
   assert all(v > 0 and math.isfinite(v) for v in out["ceilings"].values())
   assert out["compiles_while_timed"] == 0  # every program was compiled before the clock ran
+  check = out["packed_attention"]  # float32 blockwise on the CPU: the same to rounding
+  assert check["ok"] and check["implementation"] == "blockwise" and check["max_rel_diff"] < 1e-5
   json.dumps(out)  # the JSON line carries it all
   report.write("step", out)
   assert (tmp_path / "report" / "step.md").is_file()

@@ -46,6 +46,8 @@ Floors (the arithmetic is in floors.py), per side and step:
   cast        float32 masters read + the compute-dtype copy written / copy bandwidth
   checkpoint  bytes on disk / disk write rate (the rate of a file written with fsync; a
               save that lands in the page cache unsynced can beat this floor)
+Before any of it, packed_check compares the learner's packed attention on this device with
+each sample's own row (the JSON's "packed_attention"; a mismatch is printed loudly).
 The rest of the rollout has no floor (host work). MFU here is of the matmul rate measured
 in this run, not of the device's peak; a floor over the time it bounds is its share.
 """
@@ -63,8 +65,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from april_jax.benchmarks import common, floors, scheduler_bench
+from april_jax.benchmarks import common, floors, packed_check, scheduler_bench
 from april_jax.envs.episodes import observation_mask
+from april_jax.models import hf_io
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import update as update_lib
@@ -367,6 +370,9 @@ def run(
   own = directory is None
   directory = tempfile.mkdtemp(prefix="april_step_bench_") if own else directory
   try:
+    log("packed attention against each sample alone")
+    check = packed_check.run(hf_io.model_config(config), config.model.dtype, seed)
+    _print_check(check)
     log("measuring this machine's ceilings")
     ceilings = floors.measure_ceilings(directory, config.model.dtype)
     bench = _build(config, shape, ratio, seed, steps, directory, log)
@@ -381,6 +387,7 @@ def run(
   sides = {name: _summarize(bench, recs, ceilings) for name, recs in records.items()}
   out = _result(bench, sides, ceilings, shape, steps, ratio)
   out.update(compiles_while_timed=compiles.count, compile_s_while_timed=compiles.seconds)
+  out["packed_attention"] = check
   _print(out)
   if report is not None:
     _report(report, out)
@@ -446,6 +453,16 @@ def _rows(out: dict) -> list[list]:
       row += [seconds, floor, None if floor is None else floor / seconds]
     rows.append(row)
   return rows
+
+
+def _print_check(check: dict) -> None:
+  verdict = "agrees" if check["ok"] else "DISAGREES: the learner's packed rows are wrong here"
+  print(
+      f"packed attention ({check['implementation']}) against each sample alone: max "
+      f"|difference| / max |value| {check['max_rel_diff']:.1e} (tolerance "
+      f"{check['tolerance']:.0e}), {verdict}",
+      flush=True,
+  )
 
 
 def _print(out: dict) -> None:
