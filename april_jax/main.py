@@ -34,6 +34,7 @@ import jax
 from ml_collections import config_flags
 
 from april_jax import checkpoint
+from april_jax import cli
 from april_jax import distributed
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
@@ -53,33 +54,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def _fail(message: str) -> NoReturn:
   """One line, status 2: how main reports bad input."""
-  print(f"april_jax: {'; '.join(message.strip().splitlines())}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with every error as one line and status 2 (no traceback)."""
-  try:
-    rest = flags.FLAGS(argv)
-    flags.FLAGS.config.keys()  # a config file that failed to load raises on first use
-    return rest
-  except flags.Error as e:  # an unknown flag, a bad value, a missing required flag
-    text = str(e)
-    if "Traceback (most recent call last)" in text:  # the config file raised: its last line
-      lines = [l.strip() for l in text.splitlines() if l.strip()]
-      flag = text.split(": Error whilst", 1)[0].removeprefix("flag ")
-      _fail(f"{flag}: the config file failed: {lines[-1]}")
-    _fail(f"{text} (python -m april_jax.main --helpshort lists the flags)")
-  except OSError as e:  # the --config file cannot be loaded
-    reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
-    _fail(f"--config: cannot load the config file: {reason}")
-  except (KeyError, AttributeError) as e:  # --config.<field> names no field
-    _fail(
-        f"a --config.* override names a field the config does not have: {e} (the fields "
-        "and their defaults: april_jax/configs/base.py)"
-    )
-  except Exception as e:  # pylint: disable=broad-except  # e.g. an error inside the config file
-    _fail(f"--config: the config file failed: {type(e).__name__}: {e}")
+  cli.fail("april_jax", message)
 
 
 def _leave_for_space(message: str) -> NoReturn:
@@ -201,4 +176,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.flags_parser("april_jax", "april_jax.main"))

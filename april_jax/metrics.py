@@ -6,6 +6,8 @@
   rollouts.jsonl   one line per trained group: step, prompt id, rewards, response lengths,
                    the policy versions of each sample's tokens (first and last), finish reasons
   tb/              TensorBoard event files (tensorboardX), the same scalars
+Both files are strict JSON: a value that is not a finite number (a reward's NaN or inf
+metric) is written as null, and the line counts them as `metrics/non_finite`.
 On resume, lines for steps after the restored checkpoint are dropped first (the file is
 rewritten whole and renamed into place, so a kill mid-way leaves the old or the new one),
 so a file never holds a step twice; the checkpointed step's own line comes back from the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -23,6 +26,31 @@ from typing import Any
 from absl import logging
 
 from april_jax.errors import disk_full, is_no_space
+
+
+def _finite(value) -> tuple[Any, int]:
+  """value with every number that is not finite (NaN, inf) as None, in lists too; and
+  how many there were."""
+  if isinstance(value, (list, tuple)):
+    parts = [_finite(v) for v in value]
+    return [v for v, _ in parts], sum(n for _, n in parts)
+  if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+    value = value.item()  # a numpy scalar
+  if isinstance(value, float) and not math.isfinite(value):
+    return None, 1
+  return value, 0
+
+
+def strict_line(line: dict[str, Any]) -> str:
+  """One JSON line that strict parsers read: non-finite numbers as null, counted in
+  `metrics/non_finite` (when there are any)."""
+  out, bad = {}, 0
+  for key, value in line.items():
+    out[key], n = _finite(value)
+    bad += n
+  if bad:
+    out["metrics/non_finite"] = bad
+  return json.dumps(out, allow_nan=False)
 
 
 def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) -> None:
@@ -42,7 +70,7 @@ def _truncate_jsonl(path: str, last_step: int, last_line: dict | None = None) ->
           keep.append(line if line.endswith("\n") else line + "\n")
           steps.add(step)
   if last_line is not None and last_step not in steps:
-    keep.append(json.dumps(last_line) + "\n")
+    keep.append(strict_line(last_line) + "\n")
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(keep)
@@ -108,7 +136,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     with _room_for(self.metrics_path), open(self.metrics_path, "a", encoding="utf-8") as f:
-      f.write(json.dumps({"step": step, **metrics}) + "\n")
+      f.write(strict_line({"step": step, **metrics}) + "\n")
     if self._tb is not None:
       with _room_for(self._tb_dir):
         for name, value in metrics.items():
@@ -121,7 +149,7 @@ class MetricsWriter:
     with _room_for(self.rollouts_path), open(self.rollouts_path, "a", encoding="utf-8") as f:
       for g in groups:
         f.write(
-            json.dumps(
+            strict_line(
                 {
                     "step": step,
                     "prompt_id": g.prompt_id,

@@ -26,11 +26,12 @@ import os
 import sys
 import types
 
-from april_jax import buckets, compile_check, sharding
+from april_jax import buckets, cli, compile_check, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import update as update_lib
+from april_jax.configs.validate import PLAN_CHECKS, ConfigError, validate
 from april_jax.sampler.engine_config import EngineConfig
 
 GB = 1e9
@@ -355,10 +356,13 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
 
   try:
+    validate(f.config, PLAN_CHECKS)  # what main would refuse of the shapes, in its words
     cfg = hf_io.model_config(f.config, f.model_config)
-  except (ValueError, OSError) as e:
+  except ConfigError as e:  # as main words it: every problem, one a line
     print(f"april_jax.plan: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+  except (ValueError, OSError) as e:
+    cli.fail("april_jax.plan", str(e))
   devices = f.devices or len(jax.devices())
   capacity = f.device_memory_gb * GB
   print(
@@ -404,4 +408,14 @@ if __name__ == "__main__":
       "fake CPU devices and report XLA's memory and collectives.",
   )
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  flags.register_validator(
+      "device_memory_gb",
+      lambda gb: math.isfinite(gb) and gb >= 0,
+      "--device_memory_gb takes a number of GB > 0 (0 or left out: do not check)",
+  )
+  flags.register_validator(
+      "devices",
+      lambda n: n >= 1 or (n == 0 and not flags.FLAGS["devices"].present),
+      "--devices takes a count >= 1 (left out: the devices JAX sees, 8 with --compile)",
+  )
+  app.run(main, flags_parser=cli.flags_parser("april_jax.plan", "april_jax.plan"))

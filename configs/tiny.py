@@ -18,7 +18,7 @@ from april_jax.configs import base
 
 
 def get_config(arg=None):
-  del arg
+  base.no_variants(arg, "configs/tiny.py")
   c = base.get_config()
   c.seed = 0
   c.num_steps = 120

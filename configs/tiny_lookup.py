@@ -14,7 +14,8 @@ from april_jax.configs import base
 
 
 def get_config(arg=None):
-  c = base.sibling(__file__, "tiny.py").get_config(arg)
+  base.no_variants(arg, "configs/tiny_lookup.py")
+  c = base.sibling(__file__, "tiny.py").get_config()
   c.data.task.hide_target = True
   c.rollout.reward = "lookup"
   c.rollout.max_response_len = 72  # the call, its answer and the longest walk

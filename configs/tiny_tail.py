@@ -18,7 +18,8 @@ from april_jax.configs import base
 
 
 def get_config(arg=None):
-  c = base.sibling(__file__, "tiny.py").get_config(arg)
+  base.no_variants(arg, "configs/tiny_tail.py")
+  c = base.sibling(__file__, "tiny.py").get_config()
   c.num_steps = 80
   c.data.task.ring_size = 32
   c.data.task.median = 12.0

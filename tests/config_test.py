@@ -383,3 +383,11 @@ def test_a_packing_budget_shorter_than_one_sample_is_refused_naming_the_fields()
   validate(config)
   config.train.packing, config.train.pack_len = False, max_len - 1  # unused when off
   validate(config)
+
+
+def test_a_device_memory_that_is_not_a_positive_size_is_refused():
+  for gb in (-1.0, 0.0, float("nan")):
+    config = load("tiny")
+    config.mesh.device_memory_gb = gb
+    with pytest.raises(ConfigError, match="mesh.device_memory_gb must be a number of GB > 0"):
+      validate(config)

@@ -131,6 +131,30 @@ def test_planner_cli_names_a_missing_model_shape():
   assert out.returncode == 2 and "no model shape" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--device_memory_gb=nan", "--device_memory_gb takes a number of GB > 0"),
+        ("--device_memory_gb=-1", "--device_memory_gb takes a number of GB > 0"),
+        ("--devices=0", "--devices takes a count >= 1"),
+        ("--config.rollout.kv_pages=1", "rollout.kv_pages=1 cannot hold one sequence"),
+        ("--config.mesh.device_memory_gb=-1", "mesh.device_memory_gb must be a number of GB > 0"),
+    ],
+)
+def test_planner_cli_refuses_nonsense_with_exit_2_and_no_traceback(flag, expected):
+  out = subprocess.run(
+      [sys.executable, "-m", "april_jax.plan", "--config=configs/qwen3_8b.py", flag],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      check=False,
+  )
+  assert out.returncode == 2 and expected in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and out.stderr.startswith("april_jax.plan: ")
+  assert not out.stdout  # nothing planned, no verdict
+
+
 def test_planner_cli_plans_a_real_config_with_no_other_flag():
   out = subprocess.run(
       [sys.executable, "-m", "april_jax.plan", "--config=configs/qwen3_8b.py"],

@@ -25,7 +25,7 @@ class _Server:
   "flaky" (500 twice, then ok). Records every request body."""
 
   def __init__(self):
-    self.mode, self.bodies, self.calls = "ok", [], 0
+    self.mode, self.bodies, self.calls, self.gets = "ok", [], 0, 0
     outer = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -43,8 +43,17 @@ class _Server:
           self.send_response(500)
           self.end_headers()
           return
+        if mode == "redirect":  # a POST sent elsewhere: following it would lose the sample
+          self.send_response(302)
+          self.send_header("Location", "/elsewhere")
+          self.end_headers()
+          return
         if mode == "junk":
           reply = b"<html>not a score</html>"
+        elif mode == "notes":
+          reply = json.dumps({"score": 1.0, "note": "x" * 5000, "ok": True, "n": 3}).encode()
+        elif mode == "huge":
+          reply = json.dumps({"score": 1.0, "pad": "x" * (2 << 20)}).encode()
         elif mode == "number":
           reply = b"0.5"
         else:
@@ -54,6 +63,12 @@ class _Server:
         self.send_header("Content-Type", "application/json")
         self.end_headers()
         self.wfile.write(reply)
+
+      def do_GET(self):  # pylint: disable=invalid-name
+        outer.gets += 1  # a followed redirect: answers a score for no sample
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"1.0")
 
       def log_message(self, *args):  # quiet
         pass
@@ -169,3 +184,24 @@ def test_the_config_picks_the_server_and_refuses_a_bad_url():
     validate(c)
   assert "rollout.reward_url must be an http:// or https:// URL" in str(error.value)
   assert "rollout.reward_url_retries must be >= 0, got -1" in str(error.value)
+
+
+def test_a_score_is_taken_whatever_else_the_reply_holds(server):
+  server.mode = "notes"  # text and a bool beside the score: logged numbers only
+  reward = RemoteReward(server.url, timeout_s=5.0, retries=0)
+  group = _group(6, "a", ["a", "b"])
+  runner, _ = _score(reward, [group])
+  assert group.rewards == [1.0, 1.0] and runner.errors == 0
+  assert group.reward_info["metrics"] == {"n": [3.0, 3.0], "remote_retries": [0.0, 0.0]}
+
+
+def test_a_redirect_or_an_oversized_reply_is_a_counted_error_never_a_score(server):
+  reward = RemoteReward(server.url, timeout_s=5.0, retries=1, backoff_s=0.01)
+  for mode, message in (("redirect", "HTTP 302"), ("huge", "longer than")):
+    server.mode = mode
+    group = _group(7, "a", ["a", "b"])
+    runner, _ = _score(reward, [group])
+    assert group.rewards == [-1.0, -1.0] and runner.errors == 2, mode
+    with pytest.raises(RemoteRewardError, match=message):
+      reward("a", "a", {})
+  assert server.gets == 0  # no redirect was followed

@@ -26,6 +26,12 @@ def sibling(config_file: str, name: str):
   return module
 
 
+def no_variants(arg, path: str) -> None:
+  """Refuses a variant (`--config=<path>:<arg>`) for a config file that has none."""
+  if arg:
+    raise ValueError(f"{path} has no variants (got {arg!r}); use it without ':{arg}'")
+
+
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0

@@ -150,14 +150,20 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
         )
 
 
+def _checks_mesh(c, err: Callable[[str], None]) -> None:
+  if len(tuple(c.mesh.shape)) != 3:
+    err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
+  gb = c.mesh.device_memory_gb
+  if gb is not None and not (math.isfinite(gb) and gb > 0):
+    err(f"mesh.device_memory_gb must be a number of GB > 0 (unset: ask the device), got {gb}")
+
+
 def _checks_top(c, err: Callable[[str], None]) -> None:
   for name in ("num_steps", "checkpoint_every", "eval_every"):
     if int(c[name]) < 0:
       err(f"{name} must be >= 0, got {c[name]}")
   if not 0 <= int(c.seed) < 2**32:  # numpy's and JAX's seeds are unsigned 32-bit words
     err(f"seed must be in [0, 2**32), got {c.seed}")
-  if len(tuple(c.mesh.shape)) != 3:
-    err(f"mesh.shape must have 3 entries (data, fsdp, tensor), got {tuple(c.mesh.shape)}")
   if c.data.max_prompt_len < 1:
     err(f"data.max_prompt_len must be >= 1, got {c.data.max_prompt_len}")
   if c.eval.temperature < 0 or not 0 < c.eval.top_p <= 1:
@@ -338,6 +344,7 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
 
 CHECKS: list[Callable] = [
     _checks_finite,
+    _checks_mesh,
     _checks_top,
     _checks_model,
     _checks_rollout,
@@ -379,10 +386,15 @@ def validate_for_devices(config, num_devices: int) -> None:
     )
 
 
-def validate(config) -> None:
-  """Raises ConfigError listing every problem; returns None for a config that can run."""
+# What a plan of a config's shapes needs (no data, model or reward files).
+PLAN_CHECKS: list[Callable] = [_checks_finite, _checks_mesh, _checks_rollout, _checks_train]
+
+
+def validate(config, checks=None) -> None:
+  """Raises ConfigError listing every problem; returns None for a config that can run.
+  `checks`: a subset (PLAN_CHECKS), by default every check."""
   problems: list[str] = []
-  for check in CHECKS:
+  for check in CHECKS if checks is None else checks:
     try:
       check(config, problems.append)
     except (KeyError, AttributeError, TypeError) as e:

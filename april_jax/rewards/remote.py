@@ -3,7 +3,9 @@
 The request body is one JSON object: "response", "answer", "prompt", "prompt_id" and
 "row" (the dataset row's other columns).
 The reply is a JSON number, or an object with a numeric "score" (its other numbers are
-logged as `reward/<key>`, as a local reward's would be). Each request has its own time
+logged as `reward/<key>`, as a local reward's would be; its other fields are ignored), of
+at most MAX_REPLY_BYTES. A redirect is never followed (a POST redirected becomes a GET
+without the sample, whose answer is no score): a 3xx is a failed request. Each request has its own time
 limit (`reward_url_timeout_s`); a failed one (no connection, a timeout, an HTTP error, a
 reply that is not JSON or has no score) is retried `reward_url_retries` times with
 doubling waits, and the last failure raises, so the runner scores the sample with
@@ -24,9 +26,21 @@ import time
 import urllib.error
 import urllib.request
 
+MAX_REPLY_BYTES = 1 << 20
+
 
 class RemoteRewardError(RuntimeError):
   """The server gave no usable score for a sample, after every retry."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+  """Turns every redirect into the HTTPError of its 3xx reply."""
+
+  def redirect_request(self, req, fp, code, msg, headers, newurl):  # pylint: disable=too-many-arguments
+    return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,19 +70,25 @@ class RemoteReward:
     request = urllib.request.Request(
         self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-      text = reply.read()
+    with _OPENER.open(request, timeout=self.timeout_s) as reply:
+      text = reply.read(MAX_REPLY_BYTES + 1)
+    if len(text) > MAX_REPLY_BYTES:
+      raise ValueError(f"the reply is longer than {MAX_REPLY_BYTES} bytes")
     try:
       value = json.loads(text)
     except ValueError:
       raise ValueError(f"the reply is not JSON: {text[:80]!r}") from None
     if isinstance(value, dict):
-      if not isinstance(value.get("score"), (int, float)) or isinstance(value["score"], bool):
+      if not _number(value.get("score")):
         raise ValueError(f"the reply has no numeric 'score': {text[:80]!r}")
-      return value
+      return {k: float(v) for k, v in value.items() if _number(v)}  # text fields: ignored
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return {"score": float(value)}
     raise ValueError(f"the reply is neither a number nor an object: {text[:80]!r}")
+
+
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _describe(error: Exception) -> str:
