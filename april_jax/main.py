@@ -57,6 +57,9 @@ def _fail(message: str) -> NoReturn:
   cli.fail("april_jax", message)
 
 
+_parse_flags = cli.flags_parser("april_jax", "april_jax.main")  # one line, exit 2
+
+
 def _leave_for_space(message: str) -> NoReturn:
   """A write that found no room: one line and status 2. The unfinished save is removed
   (it would never be read and holds room), and the process leaves at once, so the
@@ -176,4 +179,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.flags_parser("april_jax", "april_jax.main"))
+  app.run(main, flags_parser=_parse_flags)
