@@ -29,6 +29,7 @@ if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
 
   interrupt.install("--out is as it was; the next export to it tidies what this one left")
 
+import errno
 import os
 import re
 import shutil
@@ -148,25 +149,42 @@ def _tidy_interrupted(target: str) -> None:
       shutil.rmtree(path, ignore_errors=True)  # else the new one is in place: the old goes
 
 
+# Errors that say --out is not a place this process can write (a read-only mount, no
+# permission, a mount point that cannot be moved): one line, not a traceback.
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV)
+
+
 def _write_folder(target: str, cfg, params, tokenizer_dir: str | None) -> None:
-  """Writes the export into a new folder beside `target`, then renames it into place
-  (a previous `target` is moved aside first and removed last)."""
+  """Writes the export into a new folder beside `target`, then renames it into place (a
+  previous `target` is moved aside first and removed last). A place that cannot be written
+  is an InputError naming it, with nothing left behind."""
+  try:
+    _write_and_rename(target, cfg, params, tokenizer_dir)
+  except OSError as e:
+    if e.errno not in _CANNOT_WRITE:
+      raise
+    raise InputError(f"--out {target}: cannot write there: {e.strerror or e}") from None
+
+
+def _write_and_rename(target: str, cfg, params, tokenizer_dir: str | None) -> None:
   parent = os.path.dirname(target)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.export-", dir=parent)
+  old = None
   try:
     hf_io.save_pretrained(staging, cfg, params)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
       if os.path.isfile(os.path.join(tokenizer_dir, name)):
         shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(staging, name))
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; a model folder is shared
-    old = None
     if os.path.exists(target):
       old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
       os.rename(target, os.path.join(old, "out"))
     os.rename(staging, target)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
+    if old is not None and not os.path.exists(os.path.join(old, "out")):
+      os.rmdir(old)  # target never moved: the folder made for it goes too
     raise
   if old is not None:
     shutil.rmtree(old, ignore_errors=True)

@@ -245,3 +245,36 @@ def test_the_next_export_tidies_what_a_killed_one_left(run, tmp_path):
   assert export_lib.export(str(workdir), str(tmp_path / "exports" / "policy"), overwrite=True)
   assert _checksums(out) == current
   assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["policy"]
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+  """An empty read-only tmpfs at tmp_path/rom (skipped where mounting is not allowed)."""
+  where = tmp_path / "rom"
+  where.mkdir()
+  proc = subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(where)],
+      capture_output=True,
+      text=True,
+      check=False,
+  )
+  if proc.returncode:
+    pytest.skip(f"cannot mount a read-only filesystem here: {proc.stderr.strip()[:200]}")
+  yield where
+  subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.parametrize("inside,overwrite", [(True, False), (False, True)])
+def test_export_onto_a_read_only_place_is_one_line_leaving_nothing(
+    run, tmp_path, read_only_mount, inside, overwrite
+):
+  """Into a read-only mount, or (with --overwrite) onto the mount point itself: one line
+  naming it, exit 2, and no staging or set-aside folder left beside it."""
+  workdir, _ = run
+  out = read_only_mount / "export" if inside else read_only_mount
+  line = _one_line_refusal(
+      _export(f"--workdir={workdir}", f"--out={out}", *(["--overwrite"] if overwrite else []))
+  )
+  assert line.startswith(f"april_jax.export: --out {out}: cannot write there"), line
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["rom"]  # nothing beside it
+  assert not any(read_only_mount.iterdir())
