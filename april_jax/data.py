@@ -32,6 +32,17 @@ from april_jax.errors import InputError
 from april_jax.rewards.longtail_task import LongTailTask
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
+# A jsonl line longer than this many bytes per prompt token (plus LINE_SLACK_BYTES for the
+# answer and other columns) could not hold a prompt that fits: it is skipped, unread.
+BYTES_PER_TOKEN_BOUND = 64
+LINE_SLACK_BYTES = 1 << 20
+
+
+def line_budget(max_prompt_len: int) -> int:
+  """The longest jsonl line worth parsing for prompts of at most max_prompt_len tokens."""
+  return int(max_prompt_len) * BYTES_PER_TOKEN_BOUND + LINE_SLACK_BYTES
+
+
 PROMPT_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 ID_KEYS = ("id", "unique_id", "idx")
@@ -61,11 +72,30 @@ class _BadRow(Exception):
 
 
 # ------------------------------------------------------------------------ reading files
-def _read_jsonl(path: Path, skipped: collections.Counter) -> list[Any]:
-  """Rows of a JSON-lines file; blank lines are not rows, invalid lines are counted."""
+def _lines(f, max_bytes: int | None):
+  """(line, whole) for each line of binary file f: a line longer than max_bytes is read
+  past in chunks, never held whole, and comes back as (b"", False)."""
+  while True:
+    raw = f.readline() if max_bytes is None else f.readline(max_bytes + 1)
+    if not raw:
+      return
+    if max_bytes is None or len(raw) <= max_bytes or raw.endswith(b"\n"):
+      yield raw, True
+      continue
+    while raw and not raw.endswith(b"\n"):  # the rest of the long line, a chunk at a time
+      raw = f.readline(1 << 20)
+    yield b"", False
+
+
+def _read_jsonl(path: Path, skipped: collections.Counter, max_line_bytes=None) -> list[Any]:
+  """Rows of a JSON-lines file; blank lines are not rows, invalid lines are counted, and
+  so are lines longer than max_line_bytes (skipped without being read whole)."""
   rows = []
   with path.open("rb") as f:
-    for line_number, raw in enumerate(f, 1):
+    for line_number, (raw, whole) in enumerate(_lines(f, max_line_bytes), 1):
+      if not whole:
+        _skip(skipped, "line_too_long", f"{path} line {line_number}: over {max_line_bytes} bytes")
+        continue
       try:
         line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a BOM is no row
       except UnicodeDecodeError as e:
@@ -108,9 +138,9 @@ def _read_parquet(path: Path) -> list[Any]:
     raise DataError(f"{path} cannot be read as parquet: {e}") from None
 
 
-def _read_rows(path: Path, skipped: collections.Counter) -> list[Any]:
+def _read_rows(path: Path, skipped: collections.Counter, max_line_bytes=None) -> list[Any]:
   if path.suffix == ".jsonl":
-    return _read_jsonl(path, skipped)
+    return _read_jsonl(path, skipped, max_line_bytes)
   if path.suffix == ".json":
     return _read_json(path)
   return _read_parquet(path)
@@ -225,7 +255,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def load_records(
-    path: str | Path, prompt_key: str = "", answer_key: str = ""
+    path: str | Path, prompt_key: str = "", answer_key: str = "", max_line_bytes: int | None = None
 ) -> tuple[list[dict], collections.Counter]:
   """Reads a dataset file into records {"id", "messages", "answer", "row"}.
 
@@ -235,10 +265,13 @@ def load_records(
       messages; "" takes the first present of question, problem, prompt.
     answer_key: Field (dot path allowed) holding the answer; "" takes `answer`, else
       `reward_model.ground_truth`.
+    max_line_bytes: A jsonl line longer than this is skipped, unread (`line_budget`);
+      None reads every line.
 
   Returns:
     The records, in file order, and a Counter of skipped rows by reason (not_an_object,
-    bad_utf8, bad_json, missing_prompt, bad_prompt, bad_messages, missing_answer, bad_answer).
+    bad_utf8, bad_json, line_too_long, missing_prompt, bad_prompt, bad_messages,
+    missing_answer, bad_answer).
 
   Raises:
     DataError: If the file does not exist, its extension is not supported, it cannot be read as a whole, or
@@ -252,7 +285,7 @@ def load_records(
   if not path.is_file():
     raise DataError(f"Data file not found: {path}")
   skipped: collections.Counter = collections.Counter()
-  rows = _read_rows(path, skipped)
+  rows = _read_rows(path, skipped, max_line_bytes)
   records = []
   for index, row in enumerate(rows):
     try:
@@ -453,7 +486,12 @@ def make_prompt_source(
     if task is None:
       raise ValueError('data.source "longtail" needs the LongTailTask (task=...)')
     return LongTailSource(task, tokenizer, seed)
-  records, skipped = load_records(c["source"], c.get("prompt_key", ""), c.get("answer_key", ""))
+  records, skipped = load_records(
+      c["source"],
+      c.get("prompt_key", ""),
+      c.get("answer_key", ""),
+      line_budget(c.get("max_prompt_len", 512)),
+  )
   logging.info(
       "loaded %d prompts from %s; skipped %d rows%s",
       len(records),

@@ -85,7 +85,9 @@ def _builtin_task(c, tokenizer) -> Task:
 def _file_items(c, tokenizer) -> list[PromptItem]:
   """The first eval.num_prompts prompts of eval.path that fit data.max_prompt_len, in file
   order, each once (a file with fewer gives fewer; the skipped are logged)."""
-  records, _ = data_lib.load_records(c.eval.path, c.data.prompt_key, c.data.answer_key)
+  records, _ = data_lib.load_records(
+      c.eval.path, c.data.prompt_key, c.data.answer_key, data_lib.line_budget(c.data.max_prompt_len)
+  )
   source = data_lib.PromptIterator(
       records,
       tokenizer,

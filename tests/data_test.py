@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from april_jax.data import DataError, LongTailSource, PromptIterator, load_records
-from april_jax.data import make_prompt_source
+from april_jax.data import line_budget, make_prompt_source
 from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
@@ -452,3 +453,25 @@ def test_eval_prompts_are_the_first_that_fit_each_once(qwen3, tmp_path):
     config.eval.num_prompts = num_prompts
     items = task_lib._file_items(config, qwen3)  # pylint: disable=protected-access
     assert [item.answer for item in items] == answers
+
+
+def test_a_line_too_long_for_any_prompt_is_skipped_unread(tmp_path):
+  """A first line of 24 MB where prompts fit 64 tokens: skipped and counted, never held
+  whole (the run's source reads with the budget of data.max_prompt_len)."""
+  path = tmp_path / "huge_first.jsonl"
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(json.dumps({"problem": "x" * (24 << 20), "answer": "1"}) + "\n")
+    f.write(json.dumps({"problem": "two and two", "answer": "4"}) + "\n")
+    f.write(json.dumps({"problem": "y" * 600, "answer": "5"}))  # within budget, no newline
+  tracemalloc.start()
+  try:
+    records, skipped = load_records(path, max_line_bytes=line_budget(64))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert [r["answer"] for r in records] == ["4", "5"] and skipped == {"line_too_long": 1}
+  assert peak < 8 << 20, peak  # the line's 24 MB never were in memory at once
+  source = make_prompt_source(
+      {"source": str(path), "max_prompt_len": 64, "shuffle": False}, _char_tokenizer(), 0
+  )
+  assert [r["answer"] for r in source.records] == ["4", "5"]
