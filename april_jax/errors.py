@@ -80,3 +80,32 @@ def disk_full(path: str) -> DiskFull:
       f"no space left on the device writing {path} ({free}); the newest committed "
       "checkpoint is intact: free some space and rerun the same command to resume"
   )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _library_file(path: str) -> bool:
+  """True for a file of this package, of Python itself or of an installed package."""
+  import sysconfig  # pylint: disable=g-import-not-at-top
+
+  path = os.path.abspath(path)
+  if path.startswith(_PACKAGE + os.sep) or path.startswith("<"):
+    return True
+  roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+  return "site-packages" in path.split(os.sep) or any(path.startswith(r + os.sep) for r in roots)
+
+
+def describe(error: BaseException) -> str:
+  """One line for an error raised by a user's code: its type, its text and where in the
+  user's own files it was raised ("ValueError: boom (my_reward.py:3)"), the innermost
+  frame outside this package, Python and installed packages; no place when there is none
+  (the message then names the problem itself)."""
+  import traceback  # pylint: disable=g-import-not-at-top
+
+  text = " ".join(str(error).split())[:300]
+  line = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  frames = [f for f in traceback.extract_tb(error.__traceback__) if not _library_file(f.filename)]
+  if frames:
+    line += f" ({frames[-1].filename}:{frames[-1].lineno})"
+  return line

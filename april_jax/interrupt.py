@@ -25,11 +25,29 @@ INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 _message = "interrupted (Ctrl-C)"
 _then = "rerun the same command to resume from the last checkpoint"
 _lock = threading.Lock()
+_on_leave: list = []  # callables that end the run's child processes (workers.py)
+
+
+def on_leave(fn) -> None:
+  """`fn()` runs when Ctrl-C ends the run, before it exits: it ends the processes the run
+  started (it must be quick and take no lock another thread may hold)."""
+  _on_leave.append(fn)
+
+
+def forget(fn) -> None:
+  """Undoes on_leave(fn) (its processes have ended)."""
+  if fn in _on_leave:
+    _on_leave.remove(fn)
 
 
 def _leave() -> None:
   with _lock:  # the handler and the watcher may both get here: one line, once
     try:
+      for fn in list(_on_leave):
+        try:
+          fn()
+        except Exception:  # pylint: disable=broad-except
+          pass
       os.write(sys.stderr.fileno(), f"\napril_jax: {_message}; {_then}\n".encode())
     finally:
       os._exit(INTERRUPTED_EXIT)  # pylint: disable=protected-access

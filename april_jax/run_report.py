@@ -45,6 +45,22 @@ def summary(lines: list[dict[str, Any]], workdir: str) -> str:
         f"  eval pass@1      {evals[0]['eval/pass@1']:.3f} (step {evals[0]['step']}) -> "
         f"{evals[-1]['eval/pass@1']:.3f} (step {evals[-1]['step']})"
     )
+  total = lambda key: int(sum(l.get(key) or 0 for l in lines))
+  failed = {
+      "reward errors": total("rollout/reward_errors"),
+      "reward timeouts": total("rollout/reward_timeouts"),
+      "environment errors": total("rollout/env/errors"),
+      "environment timeouts": total("rollout/env/timeouts"),
+  }
+  out.append(
+      "  failures         "
+      + (", ".join(f"{n} {what}" for what, n in failed.items() if n) or "none")
+      + (
+          " (samples scored the fallback; the console named each step's first)"
+          if any(failed.values())
+          else ""
+      )
+  )
   out += [
       f"  rollout          {mean('rollout/tokens_per_s'):,.0f} tokens/s, slot occupancy "
       f"{mean('rollout/slot_occupancy'):.2f}",

@@ -34,7 +34,7 @@ from april_jax import run_report
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
-from april_jax.envs import base as env_base
+from april_jax.envs import in_workers
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
 from april_jax.errors import DiskFull, InputError, is_out_of_memory, is_out_of_resources
 from april_jax.evaluation import evaluate
@@ -49,6 +49,7 @@ from april_jax.rl import update as update_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
+from april_jax.rollout import failures as failures_lib
 from april_jax.sampler import EngineConfig, SlotEngine
 from april_jax.task import make_task
 from april_jax.tokenizer import Tokenizer
@@ -97,6 +98,7 @@ class Trainer:
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
+    self._failures = failures_lib.FailureStreak(c.rollout.max_failed_steps)
     self._stop_requested = False
     self.stopped = False  # stopped early by SIGTERM (after saving)
     if resuming:
@@ -195,8 +197,12 @@ class Trainer:
             "stop must be one token"
         )
       turn_stop_ids = tuple(ids)
+    try:
+      env = in_workers.load(e.name, e.timeout_s)
+    except in_workers.EnvError as problem:
+      raise InputError(str(problem)) from None
     runner = EpisodeRunner(
-        env_base.load(e.name),
+        env,
         tok.encode,
         lambda ids: tok.decode(ids, skip_special_tokens=False),
         EpisodeSettings.from_config(e),
@@ -451,10 +457,21 @@ class Trainer:
     logging.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
     self._stop_requested = True
 
+  def _check_failures(self, result, step: int) -> None:
+    """Says what failed in the step's user code; stops a run whose every sample fails the
+    same way (rollout.max_failed_steps), before it trains on it."""
+    tally = failures_lib.StepFailures.of(result.groups + result.rejected)
+    if self.primary and tally.failed:
+      print(f"april_jax: warning: {tally.line(step)}", file=sys.stderr, flush=True)
+    why = self._failures.see(tally, step)
+    if distributed.any_process(why is not None):  # every process stops alike
+      raise failures_lib.StepsFailed(why or f"another process stopped at step {step}")
+
   def train_step(self, step: int) -> dict[str, float]:
     c = self.config
     version = step
     result = self.scheduler.step(step, version)
+    self._check_failures(result, step + 1)
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
     if self.critic is None:
@@ -523,7 +540,10 @@ class Trainer:
     finally:
       signal.signal(signal.SIGTERM, previous)
       failing = sys.exc_info()[1] is not None
-      for close in (self.rewards.close, self.checkpointer.close, self.writer.close):
+      closes = [self.rewards.close, self.checkpointer.close, self.writer.close]
+      if self.episodes is not None:
+        closes.insert(1, self.episodes.close)
+      for close in closes:
         try:
           close()
         except Exception as e:  # pylint: disable=broad-except

@@ -8,6 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 # Lowest first. A component may import its own modules and those of lower layers only.
 LAYERS = [
     {"errors", "interrupt", "rendezvous", "cli"},
+    {"workers"},  # user code in killable processes
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
     {"run_report"},
     {"workdir_lock"},

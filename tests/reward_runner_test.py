@@ -107,6 +107,7 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_10_s_of_sigterm(t
       "--config.rollout.reward=runaway_for_tests",
       "--config.rollout.dynamic_sampling=False",  # every reward is the fallback
       "--config.rollout.reward_timeout_s=1.0",
+      "--config.rollout.max_failed_steps=0",  # a run that goes on whatever fails
       "--config.rollout.reward_workers=4",
       "--config.rollout.batch_size=2",
       "--config.rollout.n_samples_per_prompt=2",

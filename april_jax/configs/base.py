@@ -151,6 +151,10 @@ def _rollout() -> ml_collections.ConfigDict:
   r.reward_timeout_s = 10.0
   r.reward_fallback = 0.0
   r.reward_workers = 2
+  # A run stops (exit 2, one line naming the cause) when every sample of this many steps
+  # in a row failed the same way (its reward or environment raised or ran past its
+  # limit), and at once when the first step does; 0: never.
+  r.max_failed_steps = 3
   return r
 
 

@@ -69,6 +69,8 @@ def _checks_rollout(c, err: Callable[[str], None]) -> None:
   _checks_pages(c, err)
   if r.max_dropped_groups < 0:
     err(f"rollout.max_dropped_groups must be >= 0, got {r.max_dropped_groups}")
+  if r.max_failed_steps < 0:
+    err(f"rollout.max_failed_steps must be >= 0 (0: never stop), got {r.max_failed_steps}")
   if r.over_sampling_batch_size < r.batch_size:
     err(
         f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from april_jax import errors
+from april_jax import workers
 from april_jax.envs.base import Env, EnvStep
 
 SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
@@ -120,9 +122,11 @@ class EpisodeRunner:
       meta["env"] = _json_state(self._call(self.env.reset, row))
       return {"meta": meta}
     except TimeoutError:
-      return _failed(meta, "timeouts", f"reset ran past {self.settings.timeout_s} s")
+      return _failed(
+          meta, "timeouts", f"reset ran past env.timeout_s={self.settings.timeout_s:g} s"
+      )
     except Exception as e:  # pylint: disable=broad-except
-      return _failed(meta, "errors", f"reset: {type(e).__name__}: {e}")
+      return _failed(meta, "errors", f"reset: {_why(e)}")
 
   def _step(self, record: SampleRecord) -> dict:
     """What the turn leads to, as JSON: the sample's new meta fields, the observation's
@@ -150,9 +154,9 @@ class EpisodeRunner:
       room = s.max_observation_tokens * MAX_CHARS_PER_TOKEN
       observation, cut = self._encode(text[:room]), len(text) > room
     except TimeoutError:
-      return _failed(meta, "timeouts", f"step ran past {s.timeout_s} s", counts)
+      return _failed(meta, "timeouts", f"step ran past env.timeout_s={s.timeout_s:g} s", counts)
     except Exception as e:  # pylint: disable=broad-except
-      return _failed(meta, "errors", f"step: {type(e).__name__}: {e}", counts)
+      return _failed(meta, "errors", f"step: {_why(e)}", counts)
     if meta["turns"] >= s.max_turns:
       return {"meta": meta, "counts": counts | {"env/turn_limit": 1}}
     if cut or len(observation) > s.max_observation_tokens:  # the observation, not its frame
@@ -173,10 +177,19 @@ class EpisodeRunner:
     tokens = outcome.get("tokens")
     return None if tokens is None else np.asarray(tokens, np.int32)
 
+  def close(self) -> None:
+    """Ends the environment's worker processes, if it has any."""
+    close = getattr(self.env, "close", None)
+    if getattr(self.env, "in_workers", False) and close is not None:
+      close()
+
   def _call(self, fn, *args) -> Any:
-    """fn(*args) under the time limit (TimeoutError past it), on a daemon thread: one
-    that never returns is left behind (Python cannot stop a thread) and does not hold
-    the process at exit. Calls run one at a time: decoding waits for them."""
+    """fn(*args) under the time limit (TimeoutError past it). A user's environment runs in
+    worker processes (envs/in_workers.py), which end a call past its limit themselves. A
+    registered one runs on a daemon thread: one that never returns is left behind and
+    does not hold the process at exit. Calls run one at a time: decoding waits for them."""
+    if getattr(self.env, "in_workers", False):
+      return fn(*args)
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -197,6 +210,13 @@ class EpisodeRunner:
         raise RuntimeError(f"{type(error).__name__}({error}) raised by the environment")
       raise error
     return box["out"]
+
+
+def _why(error: Exception) -> str:
+  """An environment's error in one line, with the user's file and line."""
+  if isinstance(error, (workers.UserCodeError, workers.WorkerDied)):
+    return str(error)  # described where it was raised, in the worker
+  return errors.describe(error)
 
 
 def _failed(meta: dict, kind: str, why: str, counts: dict | None = None) -> dict:

@@ -3,11 +3,15 @@
 `submit(group)` queues one job per sample (the decoded response text and the group's
 gold answer go to the reward function); `poll()` returns the groups whose samples are
 all scored, `wait_for(groups)` / `wait_all()` block until they are. A reward function
-that raises gives that sample `fallback` and counts an error; one that runs past
-`timeout_s` gives `fallback` and counts a timeout.
+that raises (or returns something that is not a score, or ends its process) gives that
+sample `fallback` and counts an error; one that runs past `timeout_s` gives `fallback`
+and counts a timeout. Each failed sample keeps why in `group.reward_info["failures"]`:
+the error's line with the user's file and line (errors.describe), which the trainer
+prints (rollout/failures.py).
 
 With `processes=True` (what a run uses) each reward thread hands its job to a worker
-process of its own, and a job past its time limit has its process killed and replaced:
+process of its own (workers.py), and a job past its time limit has its process killed
+and replaced:
 a pathological answer (`\boxed{10^{10^{10}}}` makes a symbolic library compute a huge
 power, holding the interpreter lock) costs at most its time limit, and nothing is left
 running at the end of a run or on SIGTERM. With threads only (for in-process reward
@@ -19,17 +23,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import multiprocessing
-import os
+import functools
 import pickle
-import queue
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from april_jax import interrupt
+from april_jax import errors
+from april_jax import workers
 from april_jax.rewards import loading
 from april_jax.rollout.group import Group
 
@@ -46,8 +49,7 @@ class _Job:
   result: Any = None  # the reward; for a group-form job, a list of (reward, extras)
   extras: dict[str, float] = dataclasses.field(default_factory=dict)  # a dict reward's others
   status: str = "pending"  # pending | ok | error | timeout
-  worker: multiprocessing.Process | None = None  # the process scoring it, while it does
-  killed: bool = False
+  message: str | None = None  # why it failed: the error's line, with the user's file and line
 
 
 def _samples(job: _Job) -> int:
@@ -55,13 +57,13 @@ def _samples(job: _Job) -> int:
   return job.group.n if job.index < 0 else 1
 
 
-def _per_sample(job: _Job) -> list[tuple[float, dict, str]]:
-  """A settled job's (reward, extras, status) per sample it scored."""
+def _per_sample(job: _Job) -> list[tuple[float, dict, str, str | None]]:
+  """A settled job's (reward, extras, status, why it failed) per sample it scored."""
   if job.index >= 0:
-    return [(job.result, job.extras, job.status)]
+    return [(job.result, job.extras, job.status, job.message)]
   if job.status != "ok":  # the whole group fell back
-    return [(job.result, {}, job.status)] * job.group.n
-  return [(value, extras, "ok") for value, extras in job.result]
+    return [(job.result, {}, job.status, job.message)] * job.group.n
+  return [(value, extras, "ok", None) for value, extras in job.result]
 
 
 def _episode_fields(sample) -> dict:
@@ -71,106 +73,9 @@ def _episode_fields(sample) -> dict:
   return {"turns": sample.meta.get("turns", 0), "env_reward": sample.meta.get("env_reward")}
 
 
-class _Killed(Exception):
-  """A job whose worker process was killed at its time limit."""
-
-
-def _serve(conn, reward_fn) -> None:
-  """A worker process: scores (text, answer) jobs until told to stop or its pipe closes."""
-  interrupt.ignore_in_child()
-  me = os.getpid()
-  while True:
-    try:
-      job = conn.recv()
-    except (EOFError, OSError):
-      return
-    if job is None:
-      return
-    start = time.monotonic()
-    try:
-      out = (True, loading.score(reward_fn, *job))
-    except BaseException as e:  # pylint: disable=broad-except
-      out = (False, f"{type(e).__name__}: {e}"[:500])
-    if os.getpid() != me:  # a child the reward forked, come back here: it never answers
-      os._exit(0)  # pylint: disable=protected-access
-    conn.send(out + (time.monotonic() - start,))
-
-
-class _WorkerProcesses:
-  """One worker process per reward thread, forked from a server that has already imported
-  the worker's and the reward function's modules (so a replacement starts at once)."""
-
-  def __init__(self, reward_fn: Callable[[str, str], float], num: int):
-    self._ctx = multiprocessing.get_context("forkserver")
-    # This module (the worker's code) and the reward's, imported once in the server.
-    self._ctx.set_forkserver_preload([__name__, reward_fn.__module__])
-    self._reward_fn = reward_fn
-    self._lock = threading.Lock()
-    self._idle = queue.Queue()
-    self._all: list[multiprocessing.Process] = []
-    self._closed = False
-    for _ in range(num):
-      self._replace()
-
-  def _replace(self) -> None:
-    """Starts a worker and makes it idle; after close(), wakes a waiting thread instead."""
-    with self._lock:
-      if self._closed:
-        self._idle.put(None)
-        return
-      parent, child = self._ctx.Pipe()
-      process = self._ctx.Process(target=_serve, args=(child, self._reward_fn), daemon=True)
-      process.start()
-      child.close()
-      self._all.append(process)
-    self._idle.put((process, parent))
-
-  def score(self, job: _Job, answer: str) -> tuple[tuple[float, dict], float]:
-    """On a reward thread: ((reward, extras), seconds) from a worker; raises _Killed if
-    the job's worker was killed, RuntimeError if the reward raised."""
-    worker = self._idle.get()
-    if worker is None:  # closed
-      self._idle.put(None)
-      raise _Killed()
-    process, conn = worker
-    with self._lock:
-      job.worker = process
-      job.started_at = time.monotonic()
-    try:
-      conn.send((job.text, answer, job.context))
-      ok, value, seconds = conn.recv()
-    except (EOFError, OSError):
-      ok = None
-    with self._lock:
-      job.worker, killed = None, job.killed
-    if killed or ok is None:
-      process.join(timeout=5)
-      conn.close()
-      self._replace()
-      raise _Killed()
-    self._idle.put((process, conn))
-    if not ok:
-      raise RuntimeError(value)
-    return value, seconds
-
-  def kill(self, job: _Job) -> None:
-    """Kills the process scoring `job`, if one still is."""
-    with self._lock:
-      job.killed = True
-      if job.worker is not None:
-        job.worker.kill()
-
-  def close(self) -> None:
-    """Kills every worker; threads waiting for one are woken (and score nothing)."""
-    with self._lock:
-      self._closed = True
-      processes = list(self._all)
-    self._idle.put(None)
-    for process in processes:
-      if process.is_alive():
-        process.kill()
-    for process in processes:
-      process.join(timeout=5)
+def _reward_server(reward_fn) -> Callable[[tuple], Any]:
+  """In a worker process: the function that scores a job (text, answer, context)."""
+  return lambda job: loading.score(reward_fn, *job)
 
 
 class RewardRunner:
@@ -215,7 +120,14 @@ class RewardRunner:
     self._unagreed: list[Group] = []
     self._num_workers, self.timeout_s, self.fallback = num_workers, timeout_s, fallback
     self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
-    self._workers = _WorkerProcesses(reward_fn, num_workers) if processes else None
+    self._workers = None
+    if processes:
+      self._workers = workers.WorkerPool(
+          functools.partial(_reward_server, reward_fn),
+          num_workers,
+          preload=(__name__, reward_fn.__module__),
+          name="reward",
+      )
     self._jobs: dict[int, list[_Job]] = {}
     self._lock = threading.Lock()
     self.errors = 0
@@ -262,13 +174,22 @@ class RewardRunner:
         job.started_at = time.monotonic()
       try:
         return loading.score(self._reward_fn, job.text, job.group.answer, job.context)
+      except Exception as e:  # pylint: disable=broad-except
+        raise workers.UserCodeError(errors.describe(e)) from None
       finally:
         job.seconds = time.monotonic() - job.started_at
 
     job.future = self._pool.submit(run)
 
   def _score_in_process(self, job: _Job) -> float:
-    value, job.seconds = self._workers.score(job, job.group.answer)
+    """On a reward thread: the job's result from a worker process, killed at the limit."""
+    try:
+      value, job.seconds = self._workers.call(
+          (job.text, job.group.answer, job.context), self.timeout_s
+      )
+    except workers.CallTimeout:
+      job.seconds = self.timeout_s
+      raise
     return value
 
   def _settle(self, job: _Job, now: float) -> bool:
@@ -282,23 +203,28 @@ class RewardRunner:
           job.result, job.status = out, "ok"
         else:
           (job.result, job.extras), job.status = out, "ok"
-      except Exception:  # pylint: disable=broad-except
-        job.result, job.status = self.fallback, "error"
+      except workers.CallTimeout:  # its worker was killed at the limit
+        self._time_out(job)
+      except Exception as e:  # pylint: disable=broad-except
+        job.result, job.status, job.message = self.fallback, "error", str(e) or type(e).__name__
         self.errors += _samples(job)
       self.seconds += job.seconds
       return True
+    if self._workers is not None:
+      return False  # its thread comes back by itself at the limit
     with self._lock:
       started = job.started_at
     if started is not None and now - started > self.timeout_s:
-      job.result, job.status = self.fallback, "timeout"
-      self.timeouts += _samples(job)
+      self._time_out(job)
       self.seconds += now - started
-      if self._workers is not None:
-        self._workers.kill(job)  # its thread comes back at once
-      else:
-        self._replace_pool()
+      self._replace_pool()  # a thread cannot be stopped: abandoned
       return True
     return False
+
+  def _time_out(self, job: _Job) -> None:
+    job.result, job.status = self.fallback, "timeout"
+    job.message = f"ran past rollout.reward_timeout_s={self.timeout_s:g} s"
+    self.timeouts += _samples(job)
 
   def _replace_pool(self) -> None:
     """Abandons the pool holding a hung job; resubmits what had not started."""
@@ -317,20 +243,27 @@ class RewardRunner:
     for group_id, jobs in list(self._jobs.items()):
       if all([self._settle(job, now) for job in jobs]):
         group = jobs[0].group
-        results = [r for job in jobs for r in _per_sample(job)]  # (reward, extras, status)
+        # (reward, extras, status, why it failed) per sample
+        results = [r for job in jobs for r in _per_sample(job)]
         results = [  # an episode whose environment failed gets the fallback, whatever the form
-            (self.fallback, {}, "env_error") if "env_error" in s.meta else r
+            (self.fallback, {}, "env_error", None) if "env_error" in s.meta else r
             for r, s in zip(results, group.samples)
         ]
-        group.rewards = [value for value, _, _ in results]
+        group.rewards = [value for value, _, _, _ in results]
+        statuses = [status for _, _, status, _ in results]
         group.reward_info = {
-            "errors": sum(status == "error" for _, _, status in results),
-            "timeouts": sum(status == "timeout" for _, _, status in results),
+            "errors": statuses.count("error"),
+            "timeouts": statuses.count("timeout"),
         }
-        extras = sorted({k for _, e, _ in results for k in e})
+        if "error" in statuses or "timeout" in statuses:  # [status, why] per failed sample
+          group.reward_info["failures"] = [
+              [status, why] if status in ("error", "timeout") else None
+              for _, _, status, why in results
+          ]
+        extras = sorted({k for _, e, _, _ in results for k in e})
         if extras:  # a dict reward's other numbers, per sample (NaN where one lacks it)
           group.reward_info["metrics"] = {
-              k: [e.get(k, float("nan")) for _, e, _ in results] for k in extras
+              k: [e.get(k, float("nan")) for _, e, _, _ in results] for k in extras
           }
         del self._jobs[group_id]
         done.append(group)
@@ -370,3 +303,7 @@ class RewardRunner:
     self._pool.shutdown(wait=False, cancel_futures=True)
     if self._workers is not None:
       self._workers.close()
+
+  def worker_pids(self) -> list[int]:
+    """The live reward worker processes (none when scoring on threads)."""
+    return [] if self._workers is None else self._workers.pids()

@@ -1,0 +1,200 @@
+"""Worker processes for user code: every call has a time limit, and a call past it has its
+process killed and replaced, whatever the code holds.
+
+Rewards and user environments run here, not in the trainer: Python code that holds the
+interpreter lock (`10**(10**10)`, a C extension that never returns) cannot be stopped in
+a thread; it would stall the run and outlive it. A process can be killed.
+
+  pool = WorkerPool(make, num=4, preload=("my_module",))
+  value, seconds = pool.call(job, timeout_s=10.0)
+    CallTimeout       past the limit (its worker is killed and replaced)
+    UserCodeError     the code raised; the message names the user's file and line
+    WorkerDied        the worker died (`os._exit`, a segfault); it is replaced
+    PoolClosed        the pool was closed while the call waited
+  pool.close()
+
+`make` must be picklable (a module-level function, or a functools.partial of one); each
+worker calls `make()` once and serves every call with what it returns, `fn(job)`. Calls
+from several threads run at once, one per worker. Workers are forked from a forkserver
+(the trainer holds threads and an accelerator runtime that a fork would copy), which
+imports `preload` once, so a replacement starts at once.
+
+No worker outlives the run: `close` kills them, Ctrl-C kills them (`interrupt.on_leave`),
+and if the trainer is killed outright the forkserver leaves when the trainer's end of
+its pipe closes, and on Linux the kernel kills each worker when its forkserver goes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from april_jax import errors
+from april_jax import interrupt
+
+
+class CallTimeout(Exception):
+  """A call ran past its time limit; its worker was killed."""
+
+
+class UserCodeError(Exception):
+  """The user's code raised; the message is errors.describe's line."""
+
+
+class WorkerDied(Exception):
+  """A worker process died during a call (the code ended its process, or crashed)."""
+
+
+class PoolClosed(Exception):
+  """The pool was closed before or during the call."""
+
+
+def _die_with_parent() -> None:
+  """Linux: the kernel kills this process when its parent (the forkserver) ends."""
+  if not sys.platform.startswith("linux"):
+    return
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  if os.getppid() == 1:  # the parent went before the call above: leave now
+    os._exit(0)  # pylint: disable=protected-access
+
+
+def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
+  """A worker: builds its function once, then answers jobs until its pipe closes."""
+  interrupt.ignore_in_child()
+  _die_with_parent()
+  me = os.getpid()
+  try:
+    fn, broken = make(), None
+  except BaseException as e:  # pylint: disable=broad-except
+    fn, broken = None, errors.describe(e)
+  while True:
+    try:
+      job = conn.recv()
+    except (EOFError, OSError):
+      return
+    if job is None:
+      return
+    start = time.monotonic()
+    if fn is None:
+      out = (False, broken)
+    else:
+      try:
+        out = (True, fn(job))
+      except BaseException as e:  # pylint: disable=broad-except
+        out = (False, errors.describe(e))
+    if os.getpid() != me:  # a child the code forked, come back here: it never answers
+      os._exit(0)  # pylint: disable=protected-access
+    seconds = time.monotonic() - start
+    try:
+      conn.send(out + (seconds,))
+    except (EOFError, OSError):
+      return
+    except Exception as e:  # pylint: disable=broad-except  # the result cannot be pickled
+      conn.send((False, f"its result cannot be sent back: {errors.describe(e)}", seconds))
+
+
+def _how_it_ended(process) -> str:
+  code = process.exitcode
+  if code is None:
+    return "still running"
+  if code < 0:
+    try:
+      return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"killed by signal {-code}"
+  return f"exit status {code}"
+
+
+class WorkerPool:
+  """`num` worker processes serving `make()`'s function; see the module docstring."""
+
+  def __init__(self, make: Callable, num: int, preload: tuple[str, ...] = (), name: str = "worker"):
+    self._ctx = multiprocessing.get_context("forkserver")
+    self._ctx.set_forkserver_preload([__name__, *preload])
+    self._make, self.name = make, name
+    self._lock = threading.Lock()
+    self._idle: queue.Queue = queue.Queue()
+    self._all: list[multiprocessing.Process] = []
+    self._closed = False
+    interrupt.on_leave(self._kill_all)
+    for _ in range(num):
+      self._start_one()
+
+  def _start_one(self) -> None:
+    """Starts a worker and makes it idle; after close(), wakes a waiting thread instead."""
+    with self._lock:
+      if self._closed:
+        self._idle.put(None)
+        return
+      parent, child = self._ctx.Pipe()
+      process = self._ctx.Process(target=_serve, args=(child, self._make), daemon=True)
+      process.start()
+      child.close()
+      self._all = [p for p in self._all if p.is_alive()] + [process]
+    self._idle.put((process, parent))
+
+  def call(self, job: Any, timeout_s: float | None = None) -> tuple[Any, float]:
+    """(fn(job), seconds it took) from an idle worker; see the module docstring."""
+    worker = self._idle.get()
+    if worker is None:
+      self._idle.put(None)
+      raise PoolClosed()
+    process, conn = worker
+    try:
+      conn.send(job)
+      answered = conn.poll(timeout_s)
+      reply = conn.recv() if answered else None
+    except (EOFError, OSError):
+      answered, reply = True, None
+    if reply is None:  # past its limit, or dead
+      process.kill()
+      process.join(timeout=5)
+      conn.close()
+      self._start_one()
+      if self._closed:
+        raise PoolClosed()
+      if not answered:
+        raise CallTimeout(f"ran past its time limit of {timeout_s:g} s")
+      raise WorkerDied(f"the {self.name} process died ({_how_it_ended(process)})")
+    self._idle.put((process, conn))
+    ok, value, seconds = reply
+    if not ok:
+      raise UserCodeError(value)
+    return value, seconds
+
+  def pids(self) -> list[int]:
+    """The live workers' process ids."""
+    return [p.pid for p in list(self._all) if p.is_alive()]
+
+  def _kill_all(self) -> None:
+    """Kills every worker at once (no lock: this runs from a signal handler too)."""
+    self._closed = True
+    for process in list(self._all):
+      try:
+        os.kill(process.pid, signal.SIGKILL)
+      except (OSError, TypeError):
+        pass
+
+  def close(self) -> None:
+    """Kills every worker; calls waiting for one raise PoolClosed."""
+    with self._lock:
+      self._closed = True
+      processes = list(self._all)
+    self._idle.put(None)
+    for process in processes:
+      if process.is_alive():
+        process.kill()
+    for process in processes:
+      process.join(timeout=5)
+    interrupt.forget(self._kill_all)
