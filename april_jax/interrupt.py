@@ -5,7 +5,9 @@ XLA's threads still run, gives tracebacks and can crash the runtime. So SIGINT n
 raises: the handler prints one line and leaves with `os._exit(130)`, which runs no
 destructors. A watcher thread reads the signal from `signal.set_wakeup_fd`, so this
 happens even while the main thread is inside a long XLA call (a compile, a decode), where
-a Python-level handler would wait for the call to return.
+a Python-level handler would wait for the call to return. Before it leaves, it kills the
+worker processes the run started for user code (workers.py registers them with
+`on_leave`); their forkserver leaves by itself once the run is gone.
 
 Leaving at once loses nothing that counts: a checkpoint only counts once committed (an
 interrupted asynchronous save is ignored on resume), the jsonl files are cut back to the

@@ -12,9 +12,11 @@ message naming every bad field. A config whose memory plan (april_jax/plan.py) d
 the devices exits with status 3 and the numbers, before any weight is allocated. A process
 of a multi-host run that loses a peer exits with status 4; one whose peers do not all
 join within distributed.initialization_timeout_s says how many did and exits with 5. Rerunning with the same workdir
-resumes from its latest checkpoint. SIGTERM saves a checkpoint after the current step and
-exits with status 143 (a finished run: 0). Ctrl-C, at any point, exits at once with one
-line and status 130 (interrupt.py); the rerun resumes from the last checkpoint.
+resumes from its latest checkpoint. SIGTERM cuts the current step's rollouts (kept in the
+partial buffer), saves a checkpoint and exits with status 143 (a finished run: 0). Ctrl-C,
+at any point, exits at once with one line and status 130, ending every worker process
+(interrupt.py); the rerun resumes from the last checkpoint. A run whose every sample
+fails the same way (its reward or environment) exits with status 2 (rollout/failures.py).
 """
 
 if __name__ == "__main__":  # first of all, before jax loads: a Ctrl-C then is answered too

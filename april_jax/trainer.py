@@ -7,7 +7,8 @@
               critic.update)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
     eval      every eval_every steps: pass@1 / avg@k with sampler.generate
-    save      every checkpoint_every steps, at the end, and on SIGTERM
+    save      every checkpoint_every steps, at the end, and on SIGTERM (which cuts the
+              step's rollout at once: what it drew stays in the partial buffer)
 
 Resume: a workdir with checkpoints continues from the latest intact one (see
 checkpoint.py), if the config matches the saved one (configs/resume_check.py); with a
@@ -98,9 +99,12 @@ class Trainer:
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
+    self.resumed = resuming
     self._failures = failures_lib.FailureStreak(c.rollout.max_failed_steps)
     self._stop_requested = False
+    self._cut_polls = 0
     self.stopped = False  # stopped early by SIGTERM (after saving)
+    self._cut_step = None  # the step whose rollout SIGTERM cut, if it did
     if resuming:
       self._resume()
     else:
@@ -295,9 +299,10 @@ class Trainer:
     )
     return params
 
-  def save(self, step: int, metrics: dict[str, float]) -> float:
+  def save(self, step: int, metrics: dict[str, float] | None, replace: bool = False) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
-    with it); the seconds it took."""
+    with it; None: a step cut short, whose line is written already); the seconds it
+    took. `replace`: an existing checkpoint `step` gives way (a cut step's buffer)."""
     start = time.perf_counter()
     arrays, learner = self._state()
     buffer, scheduler = self.scheduler.state()
@@ -312,9 +317,9 @@ class Trainer:
         "learner": learner,
         "config": resume_check.as_json(self.config),
         "model": hf_io.architecture(self.model_cfg),
-        "metrics": {"step": step, **metrics},
+        "metrics": None if metrics is None else {"step": step, **metrics},
     }
-    self.checkpointer.save(step, arrays, buffer, host)
+    self.checkpointer.save(step, arrays, buffer, host, replace=replace)
     return time.perf_counter() - start
 
   def _resume(self) -> None:
@@ -454,8 +459,16 @@ class Trainer:
   # ---------------------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):
     del signum, frame
-    logging.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
+    logging.warning("SIGTERM: cutting this step's rollouts, saving a checkpoint, then exiting")
     self._stop_requested = True
+
+  def _cut_now(self) -> bool:
+    """Asked before each decode call: True once SIGTERM reached any process (agreed every
+    few calls on several hosts, where it is a collective)."""
+    if jax.process_count() == 1:
+      return self._stop_requested
+    self._cut_polls += 1
+    return self._cut_polls % 8 == 0 and distributed.any_process(self._stop_requested)
 
   def _check_failures(self, result, step: int) -> None:
     """Says what failed in the step's user code; stops a run whose every sample fails the
@@ -467,10 +480,20 @@ class Trainer:
     if distributed.any_process(why is not None):  # every process stops alike
       raise failures_lib.StepsFailed(why or f"another process stopped at step {step}")
 
-  def train_step(self, step: int) -> dict[str, float]:
+  def train_step(self, step: int) -> dict[str, float] | None:
+    """Step step + 1: rollout, learn; its metrics, or None when SIGTERM cut its rollout
+    (nothing trained; what it drew is in the partial buffer)."""
     c = self.config
     version = step
-    result = self.scheduler.step(step, version)
+    one_process = jax.process_count() == 1  # waits for rewards end at once only there
+    result = self.scheduler.step(
+        step,
+        version,
+        cut_now=self._cut_now,
+        give_up=(lambda: self._stop_requested) if one_process else None,
+    )
+    if result.cut:
+      return None
     self._check_failures(result, step + 1)
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
@@ -511,7 +534,7 @@ class Trainer:
         )
       if self.next_step == 0:
         self.engine.warm_up()
-        if c.eval_every and c.eval.before_training:
+        if c.eval_every and c.eval.before_training and not self.resumed:
           self._evaluate_before_training()
       if c.train.warm_up:
         self.learner.warm_up(
@@ -522,6 +545,10 @@ class Trainer:
         step = index + 1  # steps count from 1 everywhere a user sees them: step k = k updates
         start = time.perf_counter()
         metrics = self.train_step(index)
+        if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
+          self.save(index, None, replace=True)
+          self.stopped, self._cut_step = True, step
+          break
         metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
         last = step == c.num_steps
         # Decided once per step, and by every process alike (SIGTERM may reach only one);
@@ -561,7 +588,14 @@ class Trainer:
       distributed.any_process(False)
     if self.primary:
       self._report()
-      if self.stopped:
+      if self._cut_step is not None:
+        print(
+            f"stopped by SIGTERM during step {self._cut_step} of {c.num_steps}: its rollouts "
+            f"so far are kept in checkpoint {self._cut_step - 1}; rerun the same command to "
+            "resume",
+            flush=True,
+        )
+      elif self.stopped:
         print(
             f"stopped by SIGTERM after step {step} of {c.num_steps}: checkpoint {step} is "
             "saved; rerun the same command to resume",

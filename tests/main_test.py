@@ -252,9 +252,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   last = _read_jsonl(metrics)[-1]["step"]
   assert last < 40
   assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped
-  (stopped,) = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM after step")]
-  assert f"stopped by SIGTERM after step {last}" in stopped  # the summary says so
-  assert f"checkpoint {last} is saved" in stopped
+  (stopped,) = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM")]
+  # The summary says so: mostly the signal comes mid-rollout, which is cut and kept.
+  assert stopped.startswith(
+      (
+          f"stopped by SIGTERM during step {last + 1} of 40: its rollouts so far are kept in "
+          f"checkpoint {last}",
+          f"stopped by SIGTERM after step {last} of 40: checkpoint {last} is saved",
+      )
+  ), stopped
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):

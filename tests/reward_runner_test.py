@@ -147,7 +147,7 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_10_s_of_sigterm(t
   start = time.monotonic()
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=60)
-  # The rest of the step (1 s of reward time limit), a checkpoint and the shutdown: about
-  # 3 s beside another test process; a runaway reward that held the exit would never end.
+  # The step is cut at once; a checkpoint and the shutdown: about 3 s beside another test
+  # process; a runaway reward that held the exit would never end.
   assert time.monotonic() - start < 10.0
   assert proc.returncode == 143, err[-3000:]  # stopped by SIGTERM, saved

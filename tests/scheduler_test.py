@@ -469,3 +469,43 @@ def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
   # Preempted samples and reclaimed kept pages still cross to the host; less of it.
   assert 0 < kept.engine.kv_bytes_to_host < copied.engine.kv_bytes_to_host
   assert kept.engine.kv_bytes_to_device < copied.engine.kv_bytes_to_device
+
+
+@pytest.mark.parametrize("resume_mode", ["kv", "recompute"])
+def test_a_step_cut_early_keeps_everything_in_the_buffer_and_the_run_loses_nothing(resume_mode):
+  """What SIGTERM does: the step ends before its next decode call, nothing trains, every
+  unfinished sample is a partial and every complete group waits in the buffer (one whose
+  score was running is scored again when next admitted). The steps after train every
+  group once, whole, each sample to its budget."""
+  slow = lambda text, answer: time.sleep(0.05) or float(len(text) % 2)
+  sched, handed_out = _make(
+      _longtail_budgets, dynamic_sampling=True, resume_mode=resume_mode, reward=slow
+  )
+  calls = itertools.count()
+  cut = sched.step(0, version=0, cut_now=lambda: next(calls) == 3)
+  assert cut.cut and cut.groups == [] and sched.totals["trained"] == 0
+  assert len(sched.buffer) == len(handed_out) - len(cut.rejected) > 0
+  drawn = [s for g in sched.buffer for s in g.samples if s.started]
+  assert any(not s.finished for s in drawn)  # partials, cut mid-response
+  # A cut while waiting for rewards: the wait ends at once.
+  sched.rewards.timeout_s = 60.0
+  sched.rewards._reward_fn = lambda text, answer: time.sleep(30.0) or 1.0  # pylint: disable=protected-access
+  for g in sched.buffer:  # the scores are wanted again
+    if g.complete:
+      g.rewards = None
+  start = time.monotonic()
+  given_up = sched.step(1, version=1, cut_now=lambda: False, give_up=lambda: True)
+  assert given_up.cut and time.monotonic() - start < 5.0
+  sched.rewards._reward_fn = slow  # pylint: disable=protected-access
+  trained, rejected = [], [g.prompt_id for g in cut.rejected + given_up.rejected]
+  for step in range(2, 10):
+    result = sched.step(step, version=step)
+    for g in result.groups:
+      assert g.complete and g.scored and not g.rewards_all_equal()
+      assert [len(s.response) for s in g.samples] == list(_longtail_budgets(g.prompt_id, 3))
+    trained += [g.prompt_id for g in result.groups]
+    rejected += [g.prompt_id for g in result.rejected]
+  everything = trained + rejected + [g.prompt_id for g in sched.buffer]
+  assert len(everything) == len(set(everything))  # nothing twice
+  assert sorted(everything) == sorted(handed_out)  # nothing lost
+  assert len(trained) == 16

@@ -269,21 +269,41 @@ class RewardRunner:
         done.append(group)
     return done
 
-  def wait_for(self, groups: list[Group], poll_s: float = 0.002) -> list[Group]:
-    """Blocks until every group given is scored; returns them in the order given."""
+  def wait_for(
+      self, groups: list[Group], poll_s: float = 0.002, give_up: Callable[[], bool] | None = None
+  ) -> list[Group] | None:
+    """Blocks until every group given is scored; returns them in the order given. None
+    if `give_up()` said to stop waiting first (some may not be scored)."""
     while any(g.group_id in self._jobs for g in groups):
       self.poll()
       if any(g.group_id in self._jobs for g in groups):
+        if give_up is not None and give_up():
+          return None
         time.sleep(poll_s)
     self._settle_agreement(groups)
     return list(groups)
 
-  def wait_all(self, poll_s: float = 0.002) -> None:
+  def drop_unscored(self) -> None:
+    """Forgets every group not yet scored (its rewards stay None: a later submit scores it
+    again); their calls still running end at their time limit, or at close()."""
+    for jobs in self._jobs.values():
+      for job in jobs:
+        if job.future is not None:
+          job.future.cancel()
+    self._unagreed = [g for g in self._unagreed if g.group_id not in self._jobs]
+    self._jobs.clear()
+
+  def wait_all(self, poll_s: float = 0.002, give_up: Callable[[], bool] | None = None) -> bool:
+    """Blocks until every group submitted is scored (True), or `give_up()` says to stop
+    waiting (False)."""
     while self._jobs:
       self.poll()
       if self._jobs:
+        if give_up is not None and give_up():
+          return False
         time.sleep(poll_s)
     self._settle_agreement(self._unagreed)
+    return True
 
   def _settle_agreement(self, groups: list[Group]) -> None:
     """Replaces the rewards of these scored groups with the agreed ones (multi-host)."""

@@ -86,6 +86,7 @@ class RolloutResult:
   groups: list[Group]  # the training batch: batch_size groups
   rejected: list[Group]  # dropped by the DAPO filter this step
   stats: dict[str, float]  # counts and timings of this step (see metrics.py)
+  cut: bool = False  # ended early by cut_now: no batch; everything stays in the buffer
 
 
 class AprilScheduler:
@@ -201,11 +202,28 @@ class AprilScheduler:
     return bool(stale)
 
   # ------------------------------------------------------------------------- step
-  def step(self, step: int, version: int) -> RolloutResult:
-    """Generates until the stop rule holds; returns the training batch and stats."""
+  def step(
+      self,
+      step: int,
+      version: int,
+      cut_now: Callable[[], bool] | None = None,
+      give_up: Callable[[], bool] | None = None,
+  ) -> RolloutResult:
+    """Generates until the stop rule holds; returns the training batch and stats.
+
+    `cut_now()`, asked before each decode call (the same number of times on every
+    process of a run), ends the step early: every unfinished sample goes to the buffer as
+    at a step's end, the groups completed stay there whole (unscored ones are scored
+    again when next admitted), and the result has no batch (`cut`). `give_up()`, asked at
+    any time while waiting for rewards (so on one process only), cuts the step too."""
     st = self._begin(step, version)
     while True:
-      self._judge(st)
+      if cut_now is not None and cut_now():
+        st.cut = True
+        break
+      if not self._judge(st, give_up):
+        st.cut = True  # gave up waiting for rewards: a cut too
+        break
       if self._stop(st):
         break
       self._fill(st)
@@ -215,7 +233,10 @@ class AprilScheduler:
         break  # nothing live and nothing admissible: the prompts ran out
       self._decode(st)
     self._snapshot(st)
-    return self._end(st)
+    # Every complete group keeps its rewards, buffered ones too (unless told to give up).
+    if not st.cut and not self.rewards.wait_all(give_up=give_up):
+      st.cut = True
+    return self._cut(st) if st.cut else self._end(st)
 
   def _begin(self, step: int, version: int) -> "_Step":
     self.engine.version = version
@@ -259,9 +280,12 @@ class AprilScheduler:
     else:
       st.accept(group)
 
-  def _judge(self, st: "_Step") -> None:
-    """The DAPO filter: needs the rewards of the groups completed so far."""
-    for group in self.rewards.wait_for(st.awaiting):
+  def _judge(self, st: "_Step", give_up: Callable[[], bool] | None = None) -> bool:
+    """The DAPO filter: needs the rewards of the groups completed so far. False if
+    `give_up` ended the wait first (nothing judged)."""
+    if self.rewards.wait_for(st.awaiting, give_up=give_up) is None:
+      return False
+    for group in st.awaiting:
       if not group.rewards_all_equal():
         st.accept(group)
         continue
@@ -276,6 +300,7 @@ class AprilScheduler:
       self.totals["rejected"] += 1
       st.budget += 1  # rejected groups do not count toward the batch: admit another
     st.awaiting.clear()
+    return True
 
   def _fill(self, st: "_Step") -> None:
     """Free slots take the admitted groups' waiting samples (partials first), as far as
@@ -390,7 +415,6 @@ class AprilScheduler:
     """Takes the batch out of the buffer (overdue groups first, oldest first; then the
     rest in completion order); the step's stats."""
     engine, r = self.engine, self.rewards
-    r.wait_all()  # every complete group keeps its rewards, buffered ones too
     st.accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in st.overdue else (1, 0))
     N = self.settings.batch_size
     batch, surplus = st.accepted[:N], st.accepted[N:]
@@ -415,6 +439,17 @@ class AprilScheduler:
       st.stats.update({k: v - st.env0[k] for k, v in self.episodes.counts.items()})
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
+  def _cut(self, st: "_Step") -> RolloutResult:
+    """A step ended early: nothing trains; what it admitted stays in the buffer (scores
+    still running are dropped: their groups are scored when next admitted)."""
+    self.rewards.drop_unscored()
+    st.stats.update(
+        rollout_s=time.perf_counter() - st.start,
+        new_tokens=self.engine.tokens_generated - st.tokens0,
+        buffer_groups=len(self.buffer),
+    )
+    return RolloutResult(groups=[], rejected=st.rejected, stats=dict(st.stats), cut=True)
+
 
 @dataclasses.dataclass
 class _Step:
@@ -436,6 +471,7 @@ class _Step:
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
   blocked: bool = False  # a waiting sample found no free slot or pages at the last fill
+  cut: bool = False  # ended early (cut_now)
   stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def accept(self, group: Group) -> None:
