@@ -20,8 +20,8 @@ from several threads run at once, one per worker. Workers are forked from a fork
 imports `preload` once, so a replacement starts at once.
 
 No worker outlives the run: `close` kills them, Ctrl-C kills them (`interrupt.on_leave`),
-and if the trainer is killed outright the forkserver leaves when the trainer's end of
-its pipe closes, and on Linux the kernel kills each worker when its forkserver goes.
+and if the run is killed outright, on Linux the kernel kills the forkserver
+(forkserver_guard.py) and each worker when its forkserver goes.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class PoolClosed(Exception):
   """The pool was closed before or during the call."""
 
 
-def _die_with_parent() -> None:
-  """Linux: the kernel kills this process when its parent (the forkserver) ends."""
+def die_with_parent() -> None:
+  """Linux: the kernel kills this process when its parent ends (a worker's parent is the
+  forkserver, the forkserver's the run: forkserver_guard.py)."""
   if not sys.platform.startswith("linux"):
     return
   try:
@@ -72,7 +73,7 @@ def _die_with_parent() -> None:
 def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
   """A worker: builds its function once, then answers jobs until its pipe closes."""
   interrupt.ignore_in_child()
-  _die_with_parent()
+  die_with_parent()
   me = os.getpid()
   try:
     fn, broken = make(), None
@@ -121,7 +122,7 @@ class WorkerPool:
 
   def __init__(self, make: Callable, num: int, preload: tuple[str, ...] = (), name: str = "worker"):
     self._ctx = multiprocessing.get_context("forkserver")
-    self._ctx.set_forkserver_preload([__name__, *preload])
+    self._ctx.set_forkserver_preload(["april_jax.forkserver_guard", __name__, *preload])
     self._make, self.name = make, name
     self._lock = threading.Lock()
     self._idle: queue.Queue = queue.Queue()

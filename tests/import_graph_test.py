@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 LAYERS = [
     {"errors", "interrupt", "rendezvous", "cli"},
     {"workers"},  # user code in killable processes
+    {"forkserver_guard"},  # imported by the workers' forkserver alone
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
     {"run_report"},
     {"workdir_lock"},

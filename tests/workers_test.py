@@ -1,0 +1,113 @@
+"""Worker processes for user code: a call past its limit is ended whatever it holds, an
+error names the user's line, a dead worker is replaced, and no worker outlives the
+process that started it, however that process ends."""
+
+import functools
+import os
+from pathlib import Path
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from april_jax import workers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve_user_code(job):
+  kind, arg = job
+  if kind == "echo":
+    return arg
+  if kind == "raise":
+    raise LookupError(f"no {arg}")
+  if kind == "hold":  # holds the interpreter lock: no thread could stop this
+    return 10 ** (10**arg)
+  if kind == "exit":
+    os._exit(arg)
+  raise AssertionError(kind)
+
+
+def _make():
+  return _serve_user_code
+
+
+def _fails_to_make():
+  raise OSError("no sandbox")
+
+
+def test_a_call_past_its_limit_is_killed_and_its_worker_replaced():
+  pool = workers.WorkerPool(_make, 1, preload=(__name__,))
+  try:
+    (before,) = pool.pids()
+    start = time.monotonic()
+    with pytest.raises(workers.CallTimeout, match="time limit of 0.3 s"):
+      pool.call(("hold", 10), timeout_s=0.3)
+    assert time.monotonic() - start < 0.3 + 2.0
+    (after,) = pool.pids()
+    assert after != before
+    assert pool.call(("echo", {"x": [1]}), timeout_s=5.0)[0] == {"x": [1]}
+  finally:
+    pool.close()
+  assert not pool.pids()
+
+
+def test_an_error_names_the_users_line_and_a_worker_that_dies_is_replaced():
+  pool = workers.WorkerPool(_make, 1, preload=(__name__,))
+  try:
+    with pytest.raises(workers.UserCodeError) as raised:
+      pool.call(("raise", "table"), timeout_s=5.0)
+    line = _serve_user_code.__code__.co_firstlineno + 5
+    assert str(raised.value) == f"LookupError: no table ({__file__}:{line})"
+    with pytest.raises(workers.WorkerDied, match=r"process died \(exit status 7\)"):
+      pool.call(("exit", 7), timeout_s=5.0)
+    assert pool.call(("echo", 3), timeout_s=5.0)[0] == 3
+  finally:
+    pool.close()
+
+
+def test_a_target_that_cannot_be_made_answers_every_call_with_why():
+  pool = workers.WorkerPool(_fails_to_make, 1, preload=(__name__,))
+  try:
+    with pytest.raises(workers.UserCodeError, match="OSError: no sandbox"):
+      pool.call(("echo", 1), timeout_s=5.0)
+  finally:
+    pool.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
+def test_no_worker_outlives_a_process_killed_outright(tmp_path):
+  """SIGKILL gives the process no chance to end its workers: the kernel does, through the
+  forkserver (forkserver_guard.py), even with a worker holding the interpreter lock."""
+  script = (
+      "import sys, threading; sys.path.insert(0, 'tests')\n"
+      "import workers_test as t; from april_jax import workers\n"
+      "pool = workers.WorkerPool(t._make, 2, preload=('workers_test',))\n"
+      "threading.Thread(target=pool.call, args=(('hold', 10), 600), daemon=True).start()\n"
+      "print(' '.join(map(str, pool.pids())), flush=True)\n"
+      "import time; time.sleep(600)\n"
+  )
+  proc = subprocess.Popen(
+      [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+  )
+  pids = [int(p) for p in proc.stdout.readline().split()]
+  server = {int(Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()[1]) for p in pids}
+  assert len(pids) == 2 and len(server) == 1 and proc.pid not in server
+  time.sleep(0.5)  # the hold is running
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=10)
+  deadline = time.monotonic() + 5
+  left = set(pids) | server
+  while left and time.monotonic() < deadline:
+    left = {p for p in left if _alive(p)}
+    time.sleep(0.1)
+  assert not left
+
+
+def _alive(pid: int) -> bool:
+  try:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+  except OSError:
+    return False
