@@ -14,6 +14,7 @@ from april_jax.configs import base
 from april_jax.configs.validate import ConfigError, validate
 from april_jax.rewards import loading
 from april_jax.rewards.remote import RemoteReward, RemoteRewardError
+from april_jax.rollout import failures
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import SampleRecord
@@ -205,3 +206,27 @@ def test_a_redirect_or_an_oversized_reply_is_a_counted_error_never_a_score(serve
     with pytest.raises(RemoteRewardError, match=message):
       reward("a", "a", {})
   assert server.gets == 0  # no redirect was followed
+
+
+@pytest.mark.parametrize(
+    "mode, why",
+    [
+        ("error", ": HTTP 500 "),
+        ("junk", "the reply is not JSON: b'<html>not a score</html>'"),
+        ("down", "Connection refused"),
+    ],
+)
+def test_a_failing_server_is_named_on_the_console_line_with_its_cause(server, mode, why):
+  url = server.url
+  if mode == "down":
+    server.stop()
+  else:
+    server.mode = mode
+  group = _group(0, "7", ["7", "8"])
+  _score(RemoteReward(url, timeout_s=5.0, retries=0), [group])
+  tally = failures.StepFailures.of([group])
+  assert tally.all_one_cause and tally.kinds == {"reward_error": 2}
+  line = tally.line(1)
+  assert line.startswith(f"step 1: 2 of 2 samples failed: the reward raised for 2: "
+                         f"RemoteRewardError: {url}: ")  # fmt: skip
+  assert why in line and line.endswith("(after 1 attempts)"), line
