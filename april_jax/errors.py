@@ -109,3 +109,26 @@ def describe(error: BaseException) -> str:
   if frames:
     line += f" ({frames[-1].filename}:{frames[-1].lineno})"
   return line
+
+
+# Orbax's read errors quote TensorStore's spec through a bound method's repr, hundreds
+# of characters that say nothing; the cause it was raised from names the file and bytes.
+_NOISE = (" See full TensorStore details:",)
+
+
+def cause_line(error: BaseException) -> str:
+  """One line for a library's error: its type and first line (cut before known noise),
+  and the innermost error it was raised from, which usually names the file at fault."""
+
+  def first(e: BaseException, limit: int) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    for noise in _NOISE:
+      text = text.split(noise)[0]
+    text = text.strip()
+    return f"{type(e).__name__}: {text[:limit]}" if text else type(e).__name__
+
+  chain = list(_chain(error))
+  line = first(chain[0], 200)
+  if len(chain) > 1:
+    line += f" (from {first(chain[-1], 300)})"
+  return line

@@ -30,6 +30,7 @@ import numpy as np
 
 from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
+from april_jax import errors
 from april_jax import plan as plan_lib
 from april_jax import run_report
 from april_jax import sharding
@@ -105,6 +106,7 @@ class Trainer:
     self._cut_polls = 0
     self.stopped = False  # stopped early by SIGTERM (after saving)
     self._cut_step = None  # the step whose rollout SIGTERM cut, if it did
+    self._cut_drew = False  # whether it drew any token first
     if resuming:
       self._resume()
     else:
@@ -325,15 +327,23 @@ class Trainer:
   def _resume(self) -> None:
     """Restores the newest intact checkpoint of the same config. A damaged one is set aside
     with a warning; a changed config, or no intact checkpoint, is an InputError."""
-    # A failed read leaves Orbax's read coroutines to be collected with their errors, which
-    # Python would print to stderr; they go to the log, the one-line warning says it all.
+    # A failed read leaves Orbax's read coroutines and asyncio tasks to be collected with
+    # their errors, which Python and asyncio would print to stderr, then or any time later
+    # (from Orbax's threads): after a failed read they go to the log for the rest of the
+    # run; the one-line warning says it all.
     hook = sys.unraisablehook
     sys.unraisablehook = lambda u: logging.info("checkpoint read: %s", u.exc_value)
+    aio = std_logging.getLogger("asyncio")
+    aio_level = aio.level
+    aio.setLevel(std_logging.CRITICAL)
+    self._read_failed = False
     try:
       self._resume_newest_intact()
     finally:
       gc.collect()
-      sys.unraisablehook = hook
+      if not self._read_failed:
+        sys.unraisablehook = hook
+        aio.setLevel(aio_level)
 
   def _resume_newest_intact(self) -> None:
     ckpt, damaged = self.checkpointer, []
@@ -366,18 +376,11 @@ class Trainer:
     """Checkpoint step's arrays, buffer and host JSON; a read error is raised, not logged
     (Orbax logs its traceback itself)."""
     verbosity = logging.get_verbosity()
-    # A failed read can leave Orbax's asyncio tasks holding the error; asyncio reports
-    # them ("exception was never retrieved", with a traceback) whenever they are
-    # collected: collect them here, while both loggers are quiet.
-    aio = std_logging.getLogger("asyncio")
-    aio_level = aio.level
     logging.set_verbosity(logging.FATAL)
-    aio.setLevel(std_logging.CRITICAL)
     try:
       return self.checkpointer.restore(step, abstract_like(self._state()[0]))
     finally:
-      gc.collect()
-      aio.setLevel(aio_level)
+      gc.collect()  # what a failed read left, while its loggers are quiet (see _resume)
       logging.set_verbosity(verbosity)
 
   def _refuse_if_short_of_resources(self, step: int, error: Exception) -> None:
@@ -397,12 +400,12 @@ class Trainer:
 
   def _set_aside(self, step: int, error: Exception) -> str:
     where = self.checkpointer.set_aside(step, move=self.primary)
-    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    self._read_failed = True
     logging.info("checkpoint %d is damaged", step, exc_info=error)  # the traceback, in the log
     if self.primary:  # the mover, who knows the name it chose
       print(
-          f"april_jax: warning: checkpoint {step} is damaged ({type(error).__name__}: "
-          f"{cause}); kept in {where}; trying the one before",
+          f"april_jax: warning: checkpoint {step} is damaged ({errors.cause_line(error)}); "
+          f"kept in {where}; trying the one before",
           file=sys.stderr,
           flush=True,
       )
@@ -493,6 +496,7 @@ class Trainer:
         give_up=(lambda: self._stop_requested) if one_process else None,
     )
     if result.cut:
+      self._cut_drew = result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
       return None
     self._check_failures(result, step + 1)
     start = time.perf_counter()
@@ -546,7 +550,11 @@ class Trainer:
         start = time.perf_counter()
         metrics = self.train_step(index)
         if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
-          self.save(index, None, replace=True)
+          # Cut before it drew anything (while compiling), the newest checkpoint (or a
+          # fresh start) already is this state.
+          on_disk = index == 0 or self.checkpointer.latest_step() == index
+          if self._cut_drew or not on_disk:
+            self.save(index, None, replace=True)
           self.stopped, self._cut_step = True, step
           break
         metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
@@ -588,7 +596,13 @@ class Trainer:
       distributed.any_process(False)
     if self.primary:
       self._report()
-      if self._cut_step is not None:
+      if self._cut_step is not None and not self._cut_drew:
+        print(
+            f"stopped by SIGTERM before step {self._cut_step} of {c.num_steps} drew a token; "
+            "rerun the same command to resume",
+            flush=True,
+        )
+      elif self._cut_step is not None:
         print(
             f"stopped by SIGTERM during step {self._cut_step} of {c.num_steps}: its rollouts "
             f"so far are kept in checkpoint {self._cut_step - 1}; rerun the same command to "
