@@ -204,7 +204,7 @@ class Trainer:
         )
       turn_stop_ids = tuple(ids)
     try:
-      env = in_workers.load(e.name, e.timeout_s)
+      env = in_workers.load(e.name, e.timeout_s, e.workers)
     except in_workers.EnvError as problem:
       raise InputError(str(problem)) from None
     runner = EpisodeRunner(

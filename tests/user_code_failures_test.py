@@ -298,3 +298,30 @@ def test_a_users_environment_whose_reset_raises_stops_the_run_naming_it(tmp_path
       "april_jax: every sample of step 1 failed the same way (the environment raised): "
       f"reset: ValueError: no reset ({tmp_path / 'my_env.py'}:3)"
   ), last
+
+
+def test_the_calls_of_one_turn_run_at_once_one_per_worker(tmp_path):
+  log = tmp_path / "calls.txt"
+  (tmp_path / "slow_tool.py").write_text(
+      "import os, time\n"
+      "from april_jax.envs.base import EnvStep\n"
+      "class Env:\n"
+      "  def reset(self, row):\n"
+      "    return {}\n"
+      "  def step(self, state, turn):\n"
+      "    start = time.time(); time.sleep(0.5)\n"
+      f"    open({str(log)!r}, 'a').write(f'{{os.getpid()}} {{start}} {{time.time()}}\\n')\n"
+      "    return EnvStep('1', True, {})\n"
+  )
+  env = in_workers.load(f"{tmp_path / 'slow_tool.py'}:Env", timeout_s=10.0, workers=2)
+  runner = episodes.EpisodeRunner(env, lambda t: [1] * len(t), str)
+  try:
+    records = [_Walks(), _Walks()]
+    runner.start(records, [{}, {}])
+    assert runner.turn(records) == [None, None]
+  finally:
+    runner.close()
+  (a_pid, a_start, a_end), (b_pid, b_start, b_end) = [
+      [float(x) for x in line.split()] for line in log.read_text().splitlines()
+  ]
+  assert a_pid != b_pid and max(a_start, b_start) < min(a_end, b_end)  # they overlapped

@@ -169,6 +169,7 @@ def _env() -> ml_collections.ConfigDict:
   e.max_turns = 8  # model turns per episode
   e.max_observation_tokens = 256  # a longer observation is cut to this (counted)
   e.timeout_s = 10.0  # per call of the environment; past it the episode ends (counted)
+  e.workers = 4  # a user's environment's worker processes: calls made at once
   # An observation as the model sees it: the text that closes the model's turn, the
   # observation in the chat template's tool role, and the opening of the next turn.
   e.observation_template = "{observation}"

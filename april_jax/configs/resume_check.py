@@ -33,6 +33,9 @@ RESUMABLE = (
     "rollout.reward_url",  # where the reward server lies and how to reach it
     "rollout.reward_url_timeout_s",
     "rollout.reward_url_retries",
+    "rollout.reward_workers",  # how many score at once, not what they score
+    "rollout.max_failed_steps",
+    "env.workers",
 )
 
 

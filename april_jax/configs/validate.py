@@ -331,7 +331,7 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
   e = c.get("env")
   if e is None or not e.name:
     return
-  for name in ("max_turns", "max_observation_tokens"):
+  for name in ("max_turns", "max_observation_tokens", "workers"):
     if e[name] < 1:
       err(f"env.{name} must be >= 1, got {e[name]}")
   if e.timeout_s <= 0:

@@ -25,6 +25,7 @@ room ends the episode, counted).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -86,20 +87,23 @@ class EpisodeRunner:
     prefix, _, suffix = settings.observation_template.partition("{observation}")
     self._around = (prefix, suffix)
     self.counts = collections.Counter()  # over the run
+    self._threads = None  # calls to a user's environment, one per worker process
 
   def start(self, records: list[SampleRecord], rows: list[dict]) -> None:
     """Opens each sample's episode from its row (once: a resumed sample keeps it). An
     environment that cannot reset leaves a plain sample, ended at its first turn,
     counted."""
     fresh = [(r, row) for r, row in zip(records, rows) if "env" not in r.meta]
-    outcomes = self._agree([self._reset(row) for _, row in fresh] if self._leader else None)
+    outcomes = self._agree(
+        self._map(self._reset, [row for _, row in fresh]) if self._leader else None
+    )
     for (record, _), outcome in zip(fresh, outcomes):
       self._apply(record, outcome)
 
   def turn(self, records: list[SampleRecord]) -> list[np.ndarray | None]:
     """The environment's answer to the turn each sample just ended: the observation's
     tokens to give it, or None when its episode is over (one agreement for all)."""
-    outcomes = self._agree([self._step(r) for r in records] if self._leader else None)
+    outcomes = self._agree(self._map(self._step, records) if self._leader else None)
     return [self._apply(r, outcome) for r, outcome in zip(records, outcomes)]
 
   def resolve(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
@@ -177,17 +181,30 @@ class EpisodeRunner:
     tokens = outcome.get("tokens")
     return None if tokens is None else np.asarray(tokens, np.int32)
 
+  def _map(self, fn, items: list) -> list:
+    """[fn(item) for item in items]; with a user's environment in worker processes, its
+    calls run at once, one per worker (an outcome depends on its own sample alone)."""
+    num = getattr(self.env, "num", 1) if getattr(self.env, "in_workers", False) else 1
+    if num <= 1 or len(items) <= 1:
+      return [fn(item) for item in items]
+    if self._threads is None:
+      self._threads = concurrent.futures.ThreadPoolExecutor(num, thread_name_prefix="env")
+    return list(self._threads.map(fn, items))
+
   def close(self) -> None:
     """Ends the environment's worker processes, if it has any."""
+    if self._threads is not None:
+      self._threads.shutdown(wait=False, cancel_futures=True)
     close = getattr(self.env, "close", None)
     if getattr(self.env, "in_workers", False) and close is not None:
       close()
 
   def _call(self, fn, *args) -> Any:
     """fn(*args) under the time limit (TimeoutError past it). A user's environment runs in
-    worker processes (envs/in_workers.py), which end a call past its limit themselves. A
-    registered one runs on a daemon thread: one that never returns is left behind and
-    does not hold the process at exit. Calls run one at a time: decoding waits for them."""
+    worker processes (envs/in_workers.py), which end a call past its limit themselves; the
+    calls of one turn run at once, one per worker. A registered one runs on a daemon
+    thread: one that never returns is left behind and does not hold the process at exit.
+    Decoding waits for the calls."""
     if getattr(self.env, "in_workers", False):
       return fn(*args)
     box: dict[str, Any] = {}

@@ -43,12 +43,13 @@ def _env_server(spec: str):
 
 
 class ProcessEnv:
-  """`spec`'s environment served by `num` worker processes."""
+  """`spec`'s environment served by `num` worker processes; the episode runner makes as
+  many calls at once."""
 
   in_workers = True  # the episode runner calls it directly: its own time limit ends calls
 
   def __init__(self, spec: str, timeout_s: float, num: int = 1):
-    self.spec, self.timeout_s = spec, timeout_s
+    self.spec, self.timeout_s, self.num = spec, timeout_s, num
     self._pool = workers.WorkerPool(
         functools.partial(_env_server, spec), num, preload=(__name__,), name="environment"
     )
@@ -78,9 +79,9 @@ class ProcessEnv:
     self._pool.close()
 
 
-def load(spec: str, timeout_s: float) -> Env:
-  """The environment `spec` names: a registered one in this process, a user's in worker
-  processes (EnvError, one line, if it cannot be made)."""
+def load(spec: str, timeout_s: float, workers: int = 1) -> Env:
+  """The environment `spec` names: a registered one in this process, a user's in
+  `workers` worker processes (EnvError, one line, if it cannot be made)."""
   if loading.is_user_spec(spec) and spec not in base.ENVS:
-    return ProcessEnv(spec, timeout_s)
+    return ProcessEnv(spec, timeout_s, workers)
   return base.load(spec)
