@@ -17,7 +17,8 @@ a thread; it would stall the run and outlive it. A process can be killed.
 worker calls `make()` once and serves every call with what it returns, `fn(job)`. Calls
 from several threads run at once, one per worker. Workers are forked from a forkserver
 (the trainer holds threads and an accelerator runtime that a fork would copy), which
-imports `preload` once, so a replacement starts at once.
+imports `preload` once, so a replacement starts at once. A worker's start-up (imports,
+`make()`) is not counted in its first call's time limit.
 
 No worker outlives the run: `close` kills them, Ctrl-C kills them (`interrupt.on_leave`),
 and if the run is killed outright, on Linux the kernel kills the forkserver
@@ -26,17 +27,22 @@ and if the run is killed outright, on Linux the kernel kills the forkserver
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
 import threading
 import time
+import types
 from typing import Any, Callable
 
 from april_jax import errors
 from april_jax import interrupt
+
+START_TIMEOUT_S = 120.0  # a worker that does not start in this long has died
 
 
 class CallTimeout(Exception):
@@ -79,6 +85,10 @@ def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
     fn, broken = make(), None
   except BaseException as e:  # pylint: disable=broad-except
     fn, broken = None, errors.describe(e)
+  try:
+    conn.send("ready")  # its start-up (imports, make) is not a call's time
+  except (EOFError, OSError):
+    return
   while True:
     try:
       job = conn.recv()
@@ -105,6 +115,23 @@ def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
       conn.send((False, f"its result cannot be sent back: {errors.describe(e)}", seconds))
 
 
+@contextlib.contextmanager
+def _main_hidden(needs_main: bool):
+  """multiprocessing has a new worker run the program's main module again (for
+  `python -m april_jax.main`: jax, the trainer, every import; seconds a worker, each time
+  one is replaced) unless the main module is hidden while it starts. Only where `make`
+  comes from an importable module; under the pool's lock, for the moment of a start."""
+  if needs_main:
+    yield
+    return
+  main = sys.modules.get("__main__")
+  sys.modules["__main__"] = types.ModuleType("__main__")
+  try:
+    yield
+  finally:
+    sys.modules["__main__"] = main
+
+
 def _how_it_ended(process) -> str:
   code = process.exitcode
   if code is None:
@@ -124,6 +151,7 @@ class WorkerPool:
     self._ctx = multiprocessing.get_context("forkserver")
     self._ctx.set_forkserver_preload(["april_jax.forkserver_guard", __name__, *preload])
     self._make, self.name = make, name
+    self._needs_main = b"__main__" in pickle.dumps(make)
     self._lock = threading.Lock()
     self._idle: queue.Queue = queue.Queue()
     self._all: list[multiprocessing.Process] = []
@@ -140,7 +168,8 @@ class WorkerPool:
         return
       parent, child = self._ctx.Pipe()
       process = self._ctx.Process(target=_serve, args=(child, self._make), daemon=True)
-      process.start()
+      with _main_hidden(self._needs_main):
+        process.start()
       child.close()
       self._all = [p for p in self._all if p.is_alive()] + [process]
     self._idle.put((process, parent))
@@ -153,6 +182,10 @@ class WorkerPool:
       raise PoolClosed()
     process, conn = worker
     try:
+      if not getattr(conn, "ready", False):  # a new worker's start-up, outside the limit
+        if not conn.poll(START_TIMEOUT_S) or conn.recv() != "ready":
+          raise EOFError
+        conn.ready = True
       conn.send(job)
       answered = conn.poll(timeout_s)
       reply = conn.recv() if answered else None
