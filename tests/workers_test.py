@@ -111,3 +111,21 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
   except OSError:
     return False
+
+
+def test_a_worker_does_not_run_the_programs_main_module_again(tmp_path):
+  """multiprocessing would have each new worker run the program's main module as
+  `__mp_main__` (for `python -m april_jax.main`: jax and the trainer, seconds a worker)."""
+  log = tmp_path / "imports.txt"
+  program = tmp_path / "program.py"
+  program.write_text(
+      f"open({str(log)!r}, 'a').write(__name__ + '\\n')\n"
+      "if __name__ == '__main__':\n"
+      f"  import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+      "  import workers_test as t; from april_jax import workers\n"
+      "  pool = workers.WorkerPool(t._make, 2, preload=('workers_test',))\n"
+      "  assert pool.call(('echo', 5), 30)[0] == 5\n"
+      "  pool.close()\n"
+  )
+  subprocess.run([sys.executable, str(program)], cwd=tmp_path, check=True, timeout=120)
+  assert log.read_text().split() == ["__main__"]
