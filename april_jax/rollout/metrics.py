@@ -1,4 +1,4 @@
-"""The rollout metrics of DESIGN.md, computed from one step's result.
+"""The rollout metrics of docs/design.md, computed from one step's result.
 
 Definitions (exact; tests check them against hand counts). A multi-turn episode's
 response holds the environment's observations too: they count in the response lengths

@@ -1,4 +1,4 @@
-"""The APRIL rollout scheduler: one RL step of generation, as DESIGN.md describes it.
+"""The APRIL rollout scheduler: one RL step of generation, as docs/design.md describes it.
 
   1. Admit   free slots take, in order: samples of groups already admitted this step
              (partials first: prioritized resumption), then a new group: the oldest in

@@ -1,0 +1,30 @@
+"""The documents hold together: every relative link in README.md, BENCHMARKS.md and docs/
+names a file of the repository, and every test file docs/design.md cites exists."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_every_relative_link_names_a_file_of_the_repository(document):
+  broken = []
+  for target in _LINK.findall(document.read_text(encoding="utf-8")):
+    if re.match(r"[a-z]+://|#|mailto:", target):
+      continue
+    path = (document.parent / target.split("#")[0]).resolve()
+    if not path.exists():
+      broken.append(target)
+  assert not broken, broken
+
+
+def test_the_design_pages_tests_and_modules_exist():
+  text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+  cited = set(re.findall(r"`((?:tests|april_jax|configs)/[\w/]+\.py)`", text))
+  assert len(cited) > 15
+  assert not [path for path in sorted(cited) if not (ROOT / path).exists()]
