@@ -28,3 +28,14 @@ def test_the_design_pages_tests_and_modules_exist():
   cited = set(re.findall(r"`((?:tests|april_jax|configs)/[\w/]+\.py)`", text))
   assert len(cited) > 15
   assert not [path for path in sorted(cited) if not (ROOT / path).exists()]
+
+
+def test_the_config_reference_is_what_base_py_says():
+  """docs/config.md is written from configs/base.py (python -m april_jax.configs.reference):
+  a field added or changed there must be written again here."""
+  from april_jax.configs import base, reference  # pylint: disable=g-import-not-at-top
+
+  assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference.render()
+  comments = reference.field_comments()
+  assert set(comments) == set(reference._flat(base.get_config()))  # every field, found
+  assert not [name for name, text in comments.items() if not text]  # and described

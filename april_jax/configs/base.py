@@ -34,11 +34,11 @@ def no_variants(arg, path: str) -> None:
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.num_steps = 100
+  c.seed = 0  # params init, data order, sampling keys: a run is reproducible for a seed
+  c.num_steps = 100  # RL steps (updates); may change on resume
   c.checkpoint_every = 50  # steps; 0 = only at the end and on SIGTERM
   c.eval_every = 0  # steps; 0 = never
-  c.log_every = 1
+  c.log_every = 1  # steps between progress lines on the console
   # XLA's persistent compilation cache, so a resumed or repeated run does not compile every
   # program again. None: <workdir>/xla_cache; "" = off. JAX_COMPILATION_CACHE_DIR wins.
   c.compilation_cache_dir = config_dict.placeholder(str)
@@ -60,13 +60,15 @@ def _model() -> ml_collections.ConfigDict:
   m.tokenizer_path = ""  # default: model.path
   # Compute dtype: float32 | bfloat16 (master weights and AdamW moments are float32 always).
   m.dtype = "float32"
-  m.kv_dtype = "float32"
+  m.kv_dtype = "float32"  # the sampler's KV cache: float32 | bfloat16
   m.remat = False  # rematerialise layers in the update
   m.attention = "auto"  # auto | dense | blockwise | cudnn (models/attention.py)
   m.attention_chunk = 512  # keys per block of blockwise attention
   i = m.init = ml_collections.ConfigDict()  # the shapes of a random init (no model.path)
-  i.vocab_size = i.hidden_size = i.intermediate_size = i.num_layers = 0
-  i.num_heads = i.num_kv_heads = i.head_dim = 0
+  # Qwen3's shape, by config.json's names; 0 = unset (a random init needs them: tiny.py)
+  i.vocab_size = i.hidden_size = i.intermediate_size = i.num_layers = 0  # Qwen3's shape
+  i.num_heads = i.num_kv_heads = i.head_dim = 0  # Qwen3's shape
+  # rope and norm as config.json's; std: the normal init's standard deviation
   i.rope_theta, i.rms_norm_eps, i.tie_word_embeddings, i.std = 1e6, 1e-6, True, 0.02
   return m
 
@@ -87,8 +89,8 @@ def _distributed() -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
   d.auto = False  # jax.distributed from the cluster env (SLURM, Open MPI)
   d.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)
-  d.num_processes = 1
-  d.process_id = 0
+  d.num_processes = 1  # with coordinator_address: the run's processes
+  d.process_id = 0  # this process's index, 0 .. num_processes - 1
   d.local_device_ids = ""  # "0,1,...,7": this process's GPUs ("" = JAX decides)
   d.heartbeat_timeout_s = 60  # a peer silent this long ends the run
   d.initialization_timeout_s = 300  # waiting for every process to join
@@ -102,9 +104,9 @@ def _data() -> ml_collections.ConfigDict:
   d.prompt_key = ""  # "" = first of question/problem/prompt
   d.answer_key = ""  # "" = answer, or reward_model.ground_truth
   d.max_prompt_len = 512  # tokens; longer prompts are skipped and counted
-  d.shuffle = True
-  d.system_prompt = ""
-  d.enable_thinking = False
+  d.shuffle = True  # a seeded order, the same on every host
+  d.system_prompt = ""  # a system message before each prompt's; "" = none
+  d.enable_thinking = False  # Qwen3's chat template: thinking on
   d.task = ml_collections.ConfigDict()  # the built-in task (data.source = "longtail")
   d.task.ring_size = 64  # symbols on the ring; walks are at most this long
   d.task.median = 8.0  # answer lengths: log-normal with this median ...
@@ -123,34 +125,34 @@ def _rollout() -> ml_collections.ConfigDict:
   r.partial_rollout = True  # False: the synchronous baseline
   r.resume_mode = "kv"  # kv | recompute
   r.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
-  r.num_slots = 32
+  r.num_slots = 32  # sequences the sampler decodes at once
   r.sync_every = 16  # decode steps per host round trip
   # The KV page pool: slots hold pages of page_size positions (a power of two) as their
   # sequences grow; decode attention reads the live pages, decode_block positions per
   # chunk. kv_pages unset: max_len for every slot (no preemption); fewer serve more slots
   # in the same memory and preempt the youngest slot when the pool runs out.
   r.page_size = 16
-  r.kv_pages = config_dict.placeholder(int)
-  r.decode_block = 1024
+  r.kv_pages = config_dict.placeholder(int)  # pages in the pool (above)
+  r.decode_block = 1024  # positions per chunk of decode attention (above)
   # xla: chunks of gathered pages (any backend); pallas: one kernel that reads each page in
   # place (GPUs, through Triton; a CPU interprets it, slowly); auto: pallas on NVIDIA GPUs,
   # xla elsewhere. The same attention either way.
   r.decode_attention = "auto"
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
-  r.max_response_len = 256
-  r.temperature = 1.0
-  r.top_p = 1.0
-  r.top_k = 0
+  r.max_response_len = 256  # tokens a response may draw (a multi-turn one: with observations)
+  r.temperature = 1.0  # sampling; the behaviour logprobs are under it
+  r.top_p = 1.0  # nucleus; 1.0 = off
+  r.top_k = 0  # 0 = off
   r.dynamic_sampling = False  # DAPO: drop groups whose rewards are equal
   r.max_dropped_groups = 64  # per step; past it they are kept, so every step ends
   r.reward = "math"  # a registered name, or path/to/file.py:fn or package.module:fn
   r.reward_url = ""  # an HTTP reward server: POSTs each sample, reads its score (wins over reward)
   r.reward_url_timeout_s = 10.0  # per request
   r.reward_url_retries = 2  # a failed request is tried again this many times, waits doubling
-  r.reward_timeout_s = 10.0
-  r.reward_fallback = 0.0
-  r.reward_workers = 2
+  r.reward_timeout_s = 10.0  # per sample; past it the worker is killed, the sample scored fallback
+  r.reward_fallback = 0.0  # the reward of a sample whose reward or environment failed
+  r.reward_workers = 2  # worker processes scoring at once
   # A run stops (exit 2, one line naming the cause) when every sample of this many steps
   # in a row failed the same way (its reward or environment raised or ran past its
   # limit), and at once when the first step does; 0: never.
@@ -184,10 +186,10 @@ def _train() -> ml_collections.ConfigDict:
   # with a learned critic (rl/critic.py, the knobs below)
   t.advantage = "grpo"
   t.critic_path = ""  # a Qwen3 folder to start the critic from; "" = the policy's weights
-  t.critic_lr = 1e-5
+  t.critic_lr = 1e-5  # the critic's learning rate
   t.value_clip = 0.2  # around the values at the start of the update; 0 = no clip
-  t.gae_gamma = 1.0
-  t.gae_lambda = 1.0
+  t.gae_gamma = 1.0  # GAE's discount
+  t.gae_lambda = 1.0  # GAE's lambda
   t.gae_whiten = True  # advantages whitened over the batch's trained tokens
   t.policy_loss = "ppo_clip"  # ppo_clip | gspo
   # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
@@ -203,16 +205,16 @@ def _train() -> ml_collections.ConfigDict:
   # reward -reward_kl_coef * (logp - ref_logp); 0 = off
   t.reward_kl_coef = 0.0
   t.kl_type = "low_var_kl"  # k1 | k3 | low_var_kl
-  t.entropy_coef = 0.0
+  t.entropy_coef = 0.0  # an entropy bonus in the loss; 0 = off
   # Stale-data corrections (rl/corrections.py). Each token's term is weighted by
   # w = pi_prox / pi_behav (the learner's logprob at the start of the update over the
   # sampler's), at is_level token | sequence | geometric; is_mode truncate: min(w, tis_cap)
   # (TIS); mask: w inside [is_low, tis_cap], outside the token or sample leaves the loss
   # (IcePop: token, 0.5, 5; MIS: sequence or geometric). tis_cap 0 = no weight.
   t.tis_cap = 2.0
-  t.is_level = "token"
-  t.is_mode = "truncate"
-  t.is_low = 0.0
+  t.is_level = "token"  # token | sequence | geometric (above)
+  t.is_mode = "truncate"  # truncate | mask (above)
+  t.is_low = 0.0  # mask's lower bound (above)
   # The ratio's anchor: proximal (the params at the start of the update; with a weight
   # this is decoupled PPO) | behavior (the sampler's logprobs: coupled PPO, no old-logprob
   # pass, tis_cap must be 0).
@@ -221,15 +223,15 @@ def _train() -> ml_collections.ConfigDict:
   # --mask-offpolicy-in-partial-rollout: the tokens a partial sample drew before it was cut).
   t.mask_stale_tokens = False
   t.overlong_buffer_len = config_dict.placeholder(int)  # DAPO's, in tokens; None = off
-  t.overlong_penalty_factor = 1.0
-  t.lr = 1e-6
+  t.overlong_penalty_factor = 1.0  # the overlong penalty at the budget's end
+  t.lr = 1e-6  # AdamW's peak learning rate
   t.lr_schedule = "constant"  # constant | cosine
-  t.warmup_steps = 0
-  t.min_lr_ratio = 0.1
-  t.weight_decay = 0.0
-  t.b1 = 0.9
-  t.b2 = 0.999
-  t.max_grad_norm = 1.0
+  t.warmup_steps = 0  # linear warm-up, in updates
+  t.min_lr_ratio = 0.1  # cosine: the last learning rate / lr
+  t.weight_decay = 0.0  # AdamW's
+  t.b1 = 0.9  # AdamW's
+  t.b2 = 0.999  # AdamW's
+  t.max_grad_norm = 1.0  # gradients clipped to this global norm
   t.num_minibatches = 1  # optimizer updates per RL step (per epoch)
   t.num_microbatches = 1  # gradient accumulation per update
   # Samples packed end to end into rows of pack_len tokens (rl/layout.py): a microbatch is
@@ -237,15 +239,15 @@ def _train() -> ml_collections.ConfigDict:
   # need; each sample attends to itself only. pack_len 0: data.max_prompt_len +
   # rollout.max_response_len. Off: a row per sample, padded.
   t.packing = True
-  t.pack_len = 0
+  t.pack_len = 0  # tokens a packed row holds (above)
   # Unpacked: rows sorted by length, each microbatch cut to its own padded length.
   t.microbatch_by_length = True
-  t.ppo_epochs = 1
+  t.ppo_epochs = 1  # passes over the batch per step
   t.logprob_chunk = 512  # sequence chunk for logits (memory bound)
   t.warm_up = False  # compile the update for every length bucket ahead of time
   t.sft_steps = 0  # supervised warm-start steps (built-in task)
-  t.sft_lr = 1e-3
-  t.sft_batch_size = 32
+  t.sft_lr = 1e-3  # the warm start's learning rate
+  t.sft_batch_size = 32  # the warm start's demonstrations per step
   return t
 
 
@@ -253,9 +255,9 @@ def _eval() -> ml_collections.ConfigDict:
   """Evaluation: pass@1 and avg@k on held-out prompts."""
   e = ml_collections.ConfigDict()
   e.path = ""  # "" = held-out built-in task prompts
-  e.num_prompts = 32
+  e.num_prompts = 32  # held-out prompts evaluated
   e.k = 4  # avg@k samples per prompt; 0 = greedy only
-  e.temperature = 0.6
+  e.temperature = 0.6  # of the avg@k samples (pass@1 is greedy)
   e.top_p = 1.0  # nucleus of the avg@k samples
   e.before_training = True  # also evaluate before step 1 (the line of step 0)
   return e
