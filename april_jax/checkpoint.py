@@ -10,7 +10,7 @@ A checkpoint that cannot be read (a truncated file, bad metadata) is moved to
 `workdir/damaged_checkpoints/<step>` for inspection (`<step>.2`, ... if that is taken:
 nothing set aside is ever replaced), and the one before is used.
 
-Resume order (main.py): build model, learner and engine as for a fresh run, then, if a
+Resume order (trainer.py): build model, learner and engine as for a fresh run, then, if a
 checkpoint exists, replace params/optimizer state, the buffer, the data position and
 the counters with the saved ones, and continue. Checkpoint k holds the state after k
 updates (steps count from 1, as the console, metrics.jsonl and export --step do).

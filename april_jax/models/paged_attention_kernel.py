@@ -1,8 +1,8 @@
 """Ragged decode attention as one Pallas kernel that reads each page where it lies.
 
 paged_attention.paged_decode_attention, the XLA path, gathers a chunk of pages and then
-scores it; XLA writes the gathered pages out before the products read them (on the CPU
-and on an H200 alike: BENCHMARKS.md), so a step may move its KV three times. This kernel
+scores it; XLA writes the gathered pages out before the products read them
+(BENCHMARKS.md), so a step may move its KV three times. This kernel
 computes the same function with no gather.
 
 The work is cut by the live tokens, not by slot. plan_work cuts the step's live blocks
@@ -17,9 +17,8 @@ merge="kernel", as a second Pallas program per slot and KV head that folds its s
 runs in order (one launch; a candidate until a GPU times it, roofline mode).
 Nothing is copied, nothing past a slot's length is read, and no program walks more than
 R blocks: a long slot is spread over as many programs as its length asks, so a
-long-tailed mix of lengths costs what a uniform mix of the same live tokens costs. (Runs
-of a fixed width per slot did not do that: on an H200 one 4k-token slot among 16 held
-the step to its one program's walk, 2x the uniform step.)
+long-tailed mix of lengths costs what a uniform mix of the same live tokens costs (runs
+of a fixed width per slot would hold a step to its longest slot's walk).
 
 Pallas lowers it for Triton: run on NVIDIA GPUs; for AMD GPUs its lowering is checked,
 but it has not been compiled or run on one. On the CPU it runs in Pallas' interpret
@@ -48,8 +47,7 @@ PROGRAMS = 1024  # runs x KV heads a step's live blocks are cut into, at least: 
 INTERPRETED_RUNS = 16  # as few on a CPU, where each program is a trip of a loop
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
 # How the engine's decode merges each slot's runs (paged_decode_attention's `merge`): the
-# XLA merge, as timed on an H200, until a GPU times the merge program against it
-# (roofline mode; BENCHMARKS.md).
+# XLA merge; the merge program is a candidate the roofline benchmark times against it.
 ENGINE_MERGE = "xla"
 
 
@@ -303,9 +301,9 @@ def suits(page_size: int, head_dim: int) -> bool:
 
 def choose(decode_attention: str, page_size: int, head_dim: int) -> str:
   """The decode attention to run: "auto" is the kernel on an NVIDIA GPU (CUDA) when the
-  shapes suit it, where it is measured (an H200: the engine's step 8x faster than
-  through the XLA path, BENCHMARKS.md), and the XLA path elsewhere (a CPU would only
-  interpret the kernel; ROCm is untimed). "xla" and "pallas" are taken as given."""
+  shapes suit it (where it is measured faster than the XLA path: BENCHMARKS.md), and the
+  XLA path elsewhere (a CPU would only interpret the kernel; ROCm is untimed). "xla" and "pallas" are taken as given.
+  """
   return _choice(decode_attention, page_size, head_dim)[0]
 
 

@@ -425,8 +425,7 @@ def device_fns(
   pool has `num_pages` usable pages (default: max_len for every slot), split over the
   slot axes' shards, plus one scratch page per shard. Attention reads decode_block //
   page_size pages per chunk, or a shard's whole pool when that is fewer: a chunk
-  wider than the pool would gather padding (at 16 pages of 256 positions and
-  decode_block 32,768, a chunk of 128 pages made a step 14x slower)."""
+  wider than the pool would gather padding."""
   shards = 1
   if mesh is not None:
     spec = sharding.logical_to_spec(("batch",), (num_slots,), mesh, rules)[0]
