@@ -11,14 +11,12 @@
               step's rollout at once: what it drew stays in the partial buffer)
 
 Resume: a workdir with checkpoints continues from the latest intact one (see
-checkpoint.py), if the config matches the saved one (configs/resume_check.py); with a
+resume.py), if the config matches the saved one (configs/resume_check.py); with a
 fixed seed the continuation equals the uninterrupted run (timings aside).
 """
 
 from __future__ import annotations
 
-import gc
-import logging as std_logging
 import os
 import signal
 import sys
@@ -30,15 +28,15 @@ import numpy as np
 
 from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
-from april_jax import errors
 from april_jax import plan as plan_lib
+from april_jax import resume
 from april_jax import run_report
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import in_workers
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
-from april_jax.errors import DiskFull, InputError, is_out_of_memory, is_out_of_resources
+from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, paged_attention_kernel, qwen3
@@ -325,91 +323,13 @@ class Trainer:
     return time.perf_counter() - start
 
   def _resume(self) -> None:
-    """Restores the newest intact checkpoint of the same config. A damaged one is set aside
-    with a warning; a changed config, or no intact checkpoint, is an InputError."""
-    # A failed read leaves Orbax's read coroutines and asyncio tasks to be collected with
-    # their errors, which Python and asyncio would print to stderr, then or any time later
-    # (from Orbax's threads): after a failed read they go to the log for the rest of the
-    # run; the one-line warning says it all.
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda u: logging.info("checkpoint read: %s", u.exc_value)
-    aio = std_logging.getLogger("asyncio")
-    aio_level = aio.level
-    aio.setLevel(std_logging.CRITICAL)
-    self._read_failed = False
-    try:
-      self._resume_newest_intact()
-    finally:
-      gc.collect()
-      if not self._read_failed:
-        sys.unraisablehook = hook
-        aio.setLevel(aio_level)
-
-  def _resume_newest_intact(self) -> None:
-    ckpt, damaged = self.checkpointer, []
-    for step in ckpt.steps():
-      try:
-        host = ckpt.read_host(step)
-      except Exception as e:  # pylint: disable=broad-except
-        damaged.append(self._set_aside(step, e))
-        continue
-      resume_check.check_resumable(host.get("config"), self.config, step, ckpt.directory)
-      resume_check.check_same_model(host.get("model"), self.model_cfg, step, ckpt.directory)
-      try:
-        restored, failure = self._read_quietly(step), None
-      except Exception as e:  # pylint: disable=broad-except
-        restored, failure = None, e
-        self._refuse_if_short_of_resources(step, e)
-      # Set aside only when every process came through its read (a peer that died, e.g. of
-      # memory, fails this collective: exit 4, and nothing is moved).
-      if distributed.any_process(failure is not None):
-        damaged.append(self._set_aside(step, failure or RuntimeError("a peer's read failed")))
-        continue
-      return self._restore(step, *restored)
-    raise InputError(
-        f"no intact checkpoint in {ckpt.directory}: every one is damaged (kept in "
-        f"{', '.join(damaged)}); running again starts this run afresh, keeping its "
-        "metrics beside them"
+    """Restores the newest intact checkpoint of the same config (resume.py: a damaged one
+    is set aside with a warning; a changed config, or no intact one, is an InputError)."""
+    target = abstract_like(self._state()[0])
+    found = resume.newest_intact(
+        self.checkpointer, self.config, self.model_cfg, target, primary=self.primary
     )
-
-  def _read_quietly(self, step: int):
-    """Checkpoint step's arrays, buffer and host JSON; a read error is raised, not logged
-    (Orbax logs its traceback itself)."""
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.FATAL)
-    try:
-      return self.checkpointer.restore(step, abstract_like(self._state()[0]))
-    finally:
-      gc.collect()  # what a failed read left, while its loggers are quiet (see _resume)
-      logging.set_verbosity(verbosity)
-
-  def _refuse_if_short_of_resources(self, step: int, error: Exception) -> None:
-    """A read that failed for the machine's size or limits, not the files: nothing is set
-    aside; out of memory exits 3 (main), other limits (open files, a quota) 2."""
-    if not is_out_of_resources(error):
-      return
-    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    where = f"checkpoint {step} of {self.checkpointer.directory}"
-    advice = (
-        "nothing was set aside; if it fails so again where the resources suffice, move "
-        f"checkpoints/{step} out of the workdir to resume from the one before"
-    )
-    if is_out_of_memory(error):
-      raise MemoryError(f"restoring {where} ran out of memory ({cause}); {advice}") from error
-    raise InputError(f"restoring {where} ran short of resources ({cause}); {advice}") from error
-
-  def _set_aside(self, step: int, error: Exception) -> str:
-    where = self.checkpointer.set_aside(step, move=self.primary)
-    self._read_failed = True
-    logging.info("checkpoint %d is damaged", step, exc_info=error)  # the traceback, in the log
-    if self.primary:  # the mover, who knows the name it chose
-      print(
-          f"april_jax: warning: checkpoint {step} is damaged ({errors.cause_line(error)}); "
-          f"kept in {where}; trying the one before",
-          file=sys.stderr,
-          flush=True,
-      )
-    return where
+    self._restore(*found)
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learner.restore(arrays, host["learner"])

@@ -18,7 +18,7 @@ LAYERS = [
     {"rollout", "task"},
     {"evaluation"},  # scores through the rollout's reward runner
     {"rl"},
-    {"configs", "compile_check", "plan", "trainer"},
+    {"configs", "compile_check", "plan", "resume", "trainer"},
     {"main", "bench", "benchmarks", "export"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

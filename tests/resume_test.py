@@ -1,6 +1,6 @@
-"""The trainer's choice when a checkpoint's restore fails: damage sets it aside and the one
-before is tried; a machine short of memory, files or quota stops the run with nothing moved;
-a model of another shape is refused before anything is read."""
+"""Which checkpoint a run resumes from when a restore fails (resume.py): damage sets it
+aside and the one before is tried; a machine short of memory, files or quota stops the run
+with nothing moved; a model of another shape is refused before anything is read."""
 
 import dataclasses
 
@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from april_jax import resume
 from april_jax.checkpoint import Checkpointer
 from april_jax.configs import base, resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
-from april_jax.trainer import Trainer
 
 CFG = qwen3.Qwen3Config(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -20,24 +20,24 @@ CFG = qwen3.Qwen3Config(
 )  # fmt: skip
 
 
-def _trainer(workdir, read_error):
-  """A Trainer with only what resuming reads: two checkpoints whose arrays fail to restore
-  with `read_error`."""
+def _checkpoints(workdir, read_error):
+  """Two checkpoints whose arrays fail to restore with `read_error`."""
   config = base.get_config()
   checkpointer = Checkpointer(str(workdir))
   for step in (1, 2):
     host = {"config": resume_check.as_json(config), "model": hf_io.architecture(CFG)}
     checkpointer.save(step, {"x": jax.numpy.zeros(4)}, {"ids": np.arange(3)}, host)
   checkpointer.manager.wait_until_finished()
-  trainer = object.__new__(Trainer)
-  trainer.config, trainer.model_cfg, trainer.primary = config, CFG, True
-  trainer.checkpointer = checkpointer
 
-  def read(step):
+  def restore(step, target):
     raise read_error
 
-  trainer._read_quietly = read  # pylint: disable=protected-access
-  return trainer
+  checkpointer.restore = restore
+  return checkpointer, config
+
+
+def _resume(checkpointer, config, model_cfg=CFG):
+  return resume.newest_intact(checkpointer, config, model_cfg, target=None)
 
 
 @pytest.mark.parametrize(
@@ -52,25 +52,24 @@ def _trainer(workdir, read_error):
     ],
 )
 def test_a_restore_short_of_memory_or_files_moves_nothing(tmp_path, error, raised, words):
-  trainer = _trainer(tmp_path, error)
+  checkpointer, config = _checkpoints(tmp_path, error)
   with pytest.raises(raised, match=words) as info:
-    trainer._resume()  # pylint: disable=protected-access
+    _resume(checkpointer, config)
   assert "nothing was set aside" in str(info.value)
   assert Checkpointer(str(tmp_path)).steps() == [2, 1]
   assert not (tmp_path / "damaged_checkpoints").exists()
 
 
 def test_a_damaged_restore_sets_each_checkpoint_aside_in_turn(tmp_path, capsys):
-  trainer = _trainer(tmp_path, ValueError("a chunk's header is corrupt"))
+  checkpointer, config = _checkpoints(tmp_path, ValueError("a chunk's header is corrupt"))
   with pytest.raises(InputError, match="no intact checkpoint"):
-    trainer._resume()  # pylint: disable=protected-access
+    _resume(checkpointer, config)
   assert sorted(p.name for p in (tmp_path / "damaged_checkpoints").iterdir()) == ["1", "2"]
   assert capsys.readouterr().err.count("is damaged (ValueError: a chunk's header") == 2
 
 
 def test_a_model_of_another_shape_is_refused_before_any_read(tmp_path):
-  trainer = _trainer(tmp_path, AssertionError("never read"))
-  trainer.model_cfg = dataclasses.replace(CFG, hidden_size=64)
+  checkpointer, config = _checkpoints(tmp_path, AssertionError("never read"))
   with pytest.raises(InputError, match="hidden_size: 32 -> 64"):
-    trainer._resume()  # pylint: disable=protected-access
+    _resume(checkpointer, config, dataclasses.replace(CFG, hidden_size=64))
   assert Checkpointer(str(tmp_path)).steps() == [2, 1]
