@@ -506,7 +506,7 @@ class SlotEngine:
     once (also across calls, while it is in the last prefill call: _prompt_kvs), in
     calls of up to prefill_width prompts of one length bucket; its KV copied into its
     samples' slots, insert_width slots per insert call (each slot owns its pages;
-    README.md says why pages are not shared). Returns each group's slots.
+    docs/what_fits.md says why pages are not shared). Returns each group's slots.
 
     Each sample keeps its own response budget, rng and sampling params.
     """
