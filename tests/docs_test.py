@@ -1,5 +1,6 @@
 """The documents hold together: every relative link in README.md, BENCHMARKS.md and docs/
-names a file of the repository, and every test file docs/design.md cites exists."""
+names a file of the repository (and a heading there, where it names one), every file
+docs/design.md cites exists, and docs/config.md is what configs/base.py says."""
 
 import re
 from pathlib import Path
@@ -11,14 +12,27 @@ DOCUMENTS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _anchors(path: Path) -> set[str]:
+  """The anchors a Markdown file's headings get (GitHub's rule: lower case, punctuation
+  dropped, spaces to hyphens, a repeated one numbered)."""
+  out, seen = set(), {}
+  for line in path.read_text(encoding="utf-8").splitlines():
+    if re.match(r"#{1,6} ", line):
+      slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+      out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+      seen[slug] = seen.get(slug, 0) + 1
+  return out
+
+
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
 def test_every_relative_link_names_a_file_of_the_repository(document):
   broken = []
   for target in _LINK.findall(document.read_text(encoding="utf-8")):
     if re.match(r"[a-z]+://|#|mailto:", target):
       continue
-    path = (document.parent / target.split("#")[0]).resolve()
-    if not path.exists():
+    file, _, anchor = target.partition("#")
+    path = (document.parent / file).resolve()
+    if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
       broken.append(target)
   assert not broken, broken
 
