@@ -105,6 +105,7 @@ class Trainer:
     self.stopped = False  # stopped early by SIGTERM (after saving)
     self._cut_step = None  # the step whose rollout SIGTERM cut, if it did
     self._cut_drew = False  # whether it drew any token first
+    self._stopped_after = None  # the step SIGTERM stopped the run after, if it did
     if resuming:
       self._resume()
     else:
@@ -447,68 +448,17 @@ class Trainer:
     return metrics
 
   def run(self) -> None:
-    c = self.config
+    """Compiles, then runs steps next_step + 1 .. num_steps (or until SIGTERM), closes
+    what the run opened and says how it ended."""
     previous = signal.signal(signal.SIGTERM, self._on_sigterm)
     try:
-      if self.primary:
-        print(
-            "compiling the sampler and the learner for every length bucket (once per run; "
-            "the compilation cache keeps them for the next)",
-            flush=True,
-        )
-      if self.next_step == 0:
-        self.engine.warm_up()
-        if c.eval_every and c.eval.before_training and not self.resumed:
-          self._evaluate_before_training()
-      if c.train.warm_up:
-        self.learner.warm_up(
-            c.rollout.batch_size * c.rollout.n_samples_per_prompt,
-            batch_lib.all_bucket_lens(c.data.max_prompt_len + c.rollout.max_response_len),
-        )
-      for index in range(self.next_step, c.num_steps):
-        step = index + 1  # steps count from 1 everywhere a user sees them: step k = k updates
-        start = time.perf_counter()
-        metrics = self.train_step(index)
-        if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
-          # Cut before it drew anything (while compiling), the newest checkpoint (or a
-          # fresh start) already is this state.
-          on_disk = index == 0 or self.checkpointer.latest_step() == index
-          if self._cut_drew or not on_disk:
-            self.save(index, None, replace=True)
-          self.stopped, self._cut_step = True, step
-          break
-        metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
-        last = step == c.num_steps
-        # Decided once per step, and by every process alike (SIGTERM may reach only one);
-        # a stopping run skips evaluation to save within the scheduler's grace period.
-        stop = distributed.any_process(self._stop_requested)
-        if not stop and c.eval_every and (step % c.eval_every == 0 or last):
-          metrics.update(self.evaluate())
-        if stop or last or (c.checkpoint_every and step % c.checkpoint_every == 0):
-          metrics["time/checkpoint_s"] = self.save(step, metrics)
-        self.writer.write(step, metrics)
-        if self.primary and c.log_every and (index % c.log_every == 0 or last):
-          log_progress(step, c.num_steps, metrics)
-        if stop:
-          self.stopped = True
+      self._compile()
+      for index in range(self.next_step, self.config.num_steps):
+        if self._one_step(index):
           break
     finally:
       signal.signal(signal.SIGTERM, previous)
-      failing = sys.exc_info()[1] is not None
-      closes = [self.rewards.close, self.checkpointer.close, self.writer.close]
-      if self.episodes is not None:
-        closes.insert(1, self.episodes.close)
-      for close in closes:
-        try:
-          close()
-        except Exception as e:  # pylint: disable=broad-except
-          if not failing:
-            raise
-          # The error that ended the run is the one to report (a full disk fails the
-          # closing writes too).
-          logging.info("while closing after an error: %s", e, exc_info=True)
-      if self._lock is not None:
-        self._lock.release()
+      self._close(failing=sys.exc_info()[1] is not None)
     if self.stopped:
       # Every process has finished writing its part of the last checkpoint before any
       # leaves with the stopped status (a launcher such as `srun --kill-on-bad-exit`
@@ -516,22 +466,88 @@ class Trainer:
       distributed.any_process(False)
     if self.primary:
       self._report()
-      if self._cut_step is not None and not self._cut_drew:
-        print(
-            f"stopped by SIGTERM before step {self._cut_step} of {c.num_steps} drew a token; "
-            "rerun the same command to resume",
-            flush=True,
-        )
-      elif self._cut_step is not None:
-        print(
-            f"stopped by SIGTERM during step {self._cut_step} of {c.num_steps}: its rollouts "
-            f"so far are kept in checkpoint {self._cut_step - 1}; rerun the same command to "
-            "resume",
-            flush=True,
-        )
-      elif self.stopped:
-        print(
-            f"stopped by SIGTERM after step {step} of {c.num_steps}: checkpoint {step} is "
-            "saved; rerun the same command to resume",
-            flush=True,
-        )
+      self._say_how_it_stopped()
+
+  def _compile(self) -> None:
+    """The sampler's and (with train.warm_up) the learner's programs for every bucket,
+    and the evaluation before training of a fresh run."""
+    c = self.config
+    if self.primary:
+      print(
+          "compiling the sampler and the learner for every length bucket (once per run; "
+          "the compilation cache keeps them for the next)",
+          flush=True,
+      )
+    if self.next_step == 0:
+      self.engine.warm_up()
+      if c.eval_every and c.eval.before_training and not self.resumed:
+        self._evaluate_before_training()
+    if c.train.warm_up:
+      self.learner.warm_up(
+          c.rollout.batch_size * c.rollout.n_samples_per_prompt,
+          batch_lib.all_bucket_lens(c.data.max_prompt_len + c.rollout.max_response_len),
+      )
+
+  def _one_step(self, index: int) -> bool:
+    """Step index + 1: train, evaluate, save, log. True when the run stops here."""
+    c = self.config
+    step = index + 1  # steps count from 1 everywhere a user sees them: step k = k updates
+    start = time.perf_counter()
+    metrics = self.train_step(index)
+    if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
+      # Cut before it drew anything (while compiling), the newest checkpoint (or a fresh
+      # start) already is this state.
+      on_disk = index == 0 or self.checkpointer.latest_step() == index
+      if self._cut_drew or not on_disk:
+        self.save(index, None, replace=True)
+      self.stopped, self._cut_step = True, step
+      return True
+    metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
+    last = step == c.num_steps
+    # Decided once per step, and by every process alike (SIGTERM may reach only one); a
+    # stopping run skips evaluation to save within the scheduler's grace period.
+    stop = distributed.any_process(self._stop_requested)
+    if not stop and c.eval_every and (step % c.eval_every == 0 or last):
+      metrics.update(self.evaluate())
+    if stop or last or (c.checkpoint_every and step % c.checkpoint_every == 0):
+      metrics["time/checkpoint_s"] = self.save(step, metrics)
+    self.writer.write(step, metrics)
+    if self.primary and c.log_every and (index % c.log_every == 0 or last):
+      log_progress(step, c.num_steps, metrics)
+    if stop:
+      self.stopped, self._stopped_after = True, step
+    return stop
+
+  def _close(self, failing: bool) -> None:
+    """Ends the workers, the checkpoint writer and the metric files; releases the lock.
+    After an error, a failure to close is logged: the error that ended the run is the one
+    to report (a full disk fails the closing writes too)."""
+    closes = [self.rewards.close, self.checkpointer.close, self.writer.close]
+    if self.episodes is not None:
+      closes.insert(1, self.episodes.close)
+    for close in closes:
+      try:
+        close()
+      except Exception as e:  # pylint: disable=broad-except
+        if not failing:
+          raise
+        logging.info("while closing after an error: %s", e, exc_info=True)
+    if self._lock is not None:
+      self._lock.release()
+
+  def _say_how_it_stopped(self) -> None:
+    """After the summary: the line of a run SIGTERM stopped, and what its rerun resumes."""
+    n, cut = self.config.num_steps, self._cut_step
+    if cut is not None and not self._cut_drew:
+      line = f"stopped by SIGTERM before step {cut} of {n} drew a token"
+    elif cut is not None:
+      line = (
+          f"stopped by SIGTERM during step {cut} of {n}: its rollouts so far are kept in "
+          f"checkpoint {cut - 1}"
+      )
+    elif self.stopped:
+      step = self._stopped_after
+      line = f"stopped by SIGTERM after step {step} of {n}: checkpoint {step} is saved"
+    else:
+      return
+    print(f"{line}; rerun the same command to resume", flush=True)
