@@ -140,18 +140,8 @@ class Checkpointer:
     return None
 
   def save(
-      self,
-      step: int,
-      state: Any,
-      buffer_state: dict[str, np.ndarray],
-      host: dict[str, Any],
-      replace: bool = False,
+      self, step: int, state: Any, buffer_state: dict[str, np.ndarray], host: dict[str, Any]
   ) -> None:
-    """Saves checkpoint `step`; with `replace`, one already there gives way first (a kill
-    between the two resumes from the checkpoint before)."""
-    if replace and step in self.manager.all_steps():
-      self.manager.wait_until_finished()
-      self.manager.delete(step)
     arrays, specs = _pack_buffer(buffer_state)
     host = dict(host, buffer_specs=specs)
     # Asynchronous: save returns once the arrays are copied off the devices (they may be

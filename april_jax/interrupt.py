@@ -85,6 +85,8 @@ def install(then: str | None = None) -> None:
 
 
 def ignore_in_child() -> None:
-  """For worker processes: the terminal's Ctrl-C reaches the whole process group, and
-  the run, not each worker, answers it (a worker ends when its pipe closes)."""
+  """For worker processes: the terminal's Ctrl-C, and a launcher's SIGTERM to the whole
+  process group (SLURM, a container's stop), reach every process, and the run, not each
+  worker, answers them: it cuts its step and then ends its workers itself."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)

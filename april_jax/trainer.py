@@ -104,7 +104,9 @@ class Trainer:
     self._cut_polls = 0
     self.stopped = False  # stopped early by SIGTERM (after saving)
     self._cut_step = None  # the step whose rollout SIGTERM cut, if it did
-    self._cut_drew = False  # whether it drew any token first
+    self._cut_drew = False  # whether it drew a token first
+    self._cut_saved = False  # whether its rollouts so far went into a checkpoint
+    self._cut_before = None  # the newest checkpoint when it was cut
     self._stopped_after = None  # the step SIGTERM stopped the run after, if it did
     if resuming:
       self._resume()
@@ -300,10 +302,10 @@ class Trainer:
     )
     return params
 
-  def save(self, step: int, metrics: dict[str, float] | None, replace: bool = False) -> float:
+  def save(self, step: int, metrics: dict[str, float] | None) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
     with it; None: a step cut short, whose line is written already); the seconds it
-    took. `replace`: an existing checkpoint `step` gives way (a cut step's buffer)."""
+    took."""
     start = time.perf_counter()
     arrays, learner = self._state()
     buffer, scheduler = self.scheduler.state()
@@ -320,7 +322,7 @@ class Trainer:
         "model": hf_io.architecture(self.model_cfg),
         "metrics": None if metrics is None else {"step": step, **metrics},
     }
-    self.checkpointer.save(step, arrays, buffer, host, replace=replace)
+    self.checkpointer.save(step, arrays, buffer, host)
     return time.perf_counter() - start
 
   def _resume(self) -> None:
@@ -401,8 +403,10 @@ class Trainer:
     if self.primary and tally.failed:
       print(f"april_jax: warning: {tally.line(step)}", file=sys.stderr, flush=True)
     why = self._failures.see(tally, step)
-    if distributed.any_process(why is not None):  # every process stops alike
-      raise failures_lib.StepsFailed(why or f"another process stopped at step {step}")
+    # Process 0's verdict and words for every process (their rewards are its rewards).
+    why = distributed.agree_json(why) if jax.process_count() > 1 else why
+    if why is not None:
+      raise failures_lib.StepsFailed(why)
 
   def train_step(self, step: int) -> dict[str, float] | None:
     """Step step + 1: rollout, learn; its metrics, or None when SIGTERM cut its rollout
@@ -495,11 +499,15 @@ class Trainer:
     start = time.perf_counter()
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
-      # Cut before it drew anything (while compiling), the newest checkpoint (or a fresh
-      # start) already is this state.
-      on_disk = index == 0 or self.checkpointer.latest_step() == index
-      if self._cut_drew or not on_disk:
-        self.save(index, None, replace=True)
+      # Saved unless the state before this step is on disk already: checkpoint `index`,
+      # never replaced (a kill while the new one was written would lose both; the step's
+      # rollouts are drawn again on resume), or a fresh run's start, if it drew nothing.
+      self._cut_before = self.checkpointer.latest_step()
+      fresh = index == 0 and self._cut_before is None and not self._cut_drew
+      on_disk = self._cut_before == index or fresh
+      self._cut_saved = not on_disk
+      if self._cut_saved:
+        self.save(index, None)
       self.stopped, self._cut_step = True, step
       return True
     metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
@@ -538,8 +546,10 @@ class Trainer:
   def _say_how_it_stopped(self) -> None:
     """After the summary: the line of a run SIGTERM stopped, and what its rerun resumes."""
     n, cut = self.config.num_steps, self._cut_step
-    if cut is not None and not self._cut_drew:
-      line = f"stopped by SIGTERM before step {cut} of {n} drew a token"
+    if cut is not None and not self._cut_saved:
+      before = self._cut_before
+      kept = "nothing drawn yet" if before is None else f"checkpoint {before} is kept"
+      line = f"stopped by SIGTERM during step {cut} of {n} ({kept}; its rollouts are drawn again)"
     elif cut is not None:
       line = (
           f"stopped by SIGTERM during step {cut} of {n}: its rollouts so far are kept in "

@@ -16,8 +16,9 @@ a thread; it would stall the run and outlive it. A process can be killed.
 `make` must be picklable (a module-level function, or a functools.partial of one); each
 worker calls `make()` once and serves every call with what it returns, `fn(job)`. Calls
 from several threads run at once, one per worker. Workers are forked from a forkserver
-(the trainer holds threads and an accelerator runtime that a fork would copy), which
-imports `preload` once, so a replacement starts at once. A worker's start-up (imports,
+(the trainer holds threads and an accelerator runtime that a fork would copy), one for
+every pool of the process, which imports the first pool's `preload` once, so a
+replacement starts at once. A worker's start-up (imports,
 `make()`) is not counted in its first call's time limit.
 
 No worker outlives the run: `close` kills them, Ctrl-C kills them (`interrupt.on_leave`),
@@ -43,6 +44,9 @@ from april_jax import errors
 from april_jax import interrupt
 
 START_TIMEOUT_S = 120.0  # a worker that does not start in this long has died
+_START_AGAIN = object()  # in the idle queue: a worker whose start failed, to start again
+# Worker starts hide the main module (_main_hidden), one at a time across every pool.
+_START_LOCK = threading.Lock()
 
 
 class CallTimeout(Exception):
@@ -77,7 +81,9 @@ def die_with_parent() -> None:
 
 
 def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
-  """A worker: builds its function once, then answers jobs until its pipe closes."""
+  """A worker: builds its function once, then answers jobs until its pipe closes. It
+  ignores Ctrl-C and SIGTERM sent to the whole process group: the run answers them, and
+  ends its workers itself."""
   interrupt.ignore_in_child()
   die_with_parent()
   me = os.getpid()
@@ -161,36 +167,58 @@ class WorkerPool:
       self._start_one()
 
   def _start_one(self) -> None:
-    """Starts a worker and makes it idle; after close(), wakes a waiting thread instead."""
+    """Starts a worker and makes it idle; after close(), wakes a waiting thread instead. A
+    start that fails leaves a token in its place: the next call tries again."""
     with self._lock:
       if self._closed:
         self._idle.put(None)
         return
-      parent, child = self._ctx.Pipe()
-      process = self._ctx.Process(target=_serve, args=(child, self._make), daemon=True)
-      with _main_hidden(self._needs_main):
-        process.start()
-      child.close()
+      try:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_serve, args=(child, self._make), daemon=True)
+        with _START_LOCK, _main_hidden(self._needs_main):
+          process.start()
+        child.close()
+      except Exception:  # pylint: disable=broad-except  # the forkserver gone, no fds left
+        self._idle.put(_START_AGAIN)
+        raise
       self._all = [p for p in self._all if p.is_alive()] + [process]
     self._idle.put((process, parent))
 
+  def _idle_worker(self):
+    """The next idle worker (process, pipe), starting one where a start failed before."""
+    while True:
+      worker = self._idle.get()
+      if worker is None:
+        self._idle.put(None)
+        raise PoolClosed()
+      if worker is not _START_AGAIN:
+        return worker
+      self._start_one()
+
   def call(self, job: Any, timeout_s: float | None = None) -> tuple[Any, float]:
     """(fn(job), seconds it took) from an idle worker; see the module docstring."""
-    worker = self._idle.get()
-    if worker is None:
-      self._idle.put(None)
-      raise PoolClosed()
-    process, conn = worker
+    process, conn = self._idle_worker()
+    answered, reply, why = True, None, None
     try:
       if not getattr(conn, "ready", False):  # a new worker's start-up, outside the limit
-        if not conn.poll(START_TIMEOUT_S) or conn.recv() != "ready":
+        if not conn.poll(START_TIMEOUT_S):
+          why = f"did not start within {START_TIMEOUT_S:g} s"
+          raise EOFError
+        if conn.recv() != "ready":
           raise EOFError
         conn.ready = True
       conn.send(job)
       answered = conn.poll(timeout_s)
       reply = conn.recv() if answered else None
     except (EOFError, OSError):
-      answered, reply = True, None
+      reply = None
+    except Exception as e:  # pylint: disable=broad-except  # a reply this process cannot read
+      self._idle.put((process, conn))  # the worker is fine: the whole reply was read
+      raise UserCodeError(
+          f"its result cannot be read in the trainer ({errors.describe(e)}); return plain "
+          "data (numbers, strings, lists, dicts)"
+      ) from None
     if reply is None:  # past its limit, or dead
       process.kill()
       process.join(timeout=5)
@@ -200,7 +228,8 @@ class WorkerPool:
         raise PoolClosed()
       if not answered:
         raise CallTimeout(f"ran past its time limit of {timeout_s:g} s")
-      raise WorkerDied(f"the {self.name} process died ({_how_it_ended(process)})")
+      why = why or _how_it_ended(process)
+      raise WorkerDied(f"the {self.name} process died ({why})")
     self._idle.put((process, conn))
     ok, value, seconds = reply
     if not ok:

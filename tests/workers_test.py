@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -27,6 +28,11 @@ def _serve_user_code(job):
     return 10 ** (10**arg)
   if kind == "exit":
     os._exit(arg)
+  if kind == "ghost":  # an object of a module the calling process has never imported
+    module = types.ModuleType("ghost_module")
+    exec("class Ghost:\n  pass", module.__dict__)  # pylint: disable=exec-used
+    sys.modules["ghost_module"] = module
+    return module.Ghost()
   raise AssertionError(kind)
 
 
@@ -129,3 +135,26 @@ def test_a_worker_does_not_run_the_programs_main_module_again(tmp_path):
   )
   subprocess.run([sys.executable, str(program)], cwd=tmp_path, check=True, timeout=120)
   assert log.read_text().split() == ["__main__"]
+
+
+def test_a_result_the_caller_cannot_read_is_an_error_and_the_worker_stays():
+  pool = workers.WorkerPool(_make, 1, preload=(__name__,))
+  try:
+    (pid,) = pool.pids()
+    with pytest.raises(workers.UserCodeError, match="cannot be read in the trainer"):
+      pool.call(("ghost", None), timeout_s=5.0)
+    assert pool.call(("echo", 2), timeout_s=5.0)[0] == 2 and pool.pids() == [pid]
+  finally:
+    pool.close()
+
+
+def test_a_sigterm_to_the_process_group_is_the_runs_to_answer_not_the_workers():
+  pool = workers.WorkerPool(_make, 1, preload=(__name__,))
+  try:
+    assert pool.call(("echo", 1), timeout_s=5.0)[0] == 1
+    (pid,) = pool.pids()
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGINT)
+    assert pool.call(("echo", 2), timeout_s=5.0)[0] == 2 and pool.pids() == [pid]
+  finally:
+    pool.close()

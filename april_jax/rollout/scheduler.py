@@ -30,8 +30,10 @@ stale_restarts); its siblings within the limit are kept. The group is then overd
   - the stop rule also waits until every overdue group is complete (the other slots
     keep decoding meanwhile; what they finish is surplus for the next step), and
   - the batch takes overdue groups first, oldest first.
-A restart is never cut: it finishes in the step it restarts, at the current version.
-The oldest overdue group always trains in its step, so no prompt restarts forever; no
+A restart is never cut at a step's end: it finishes in the step it restarts, at the
+current version (only SIGTERM cuts it, and its staleness is judged again on resume).
+The oldest overdue group always trains in its step (unless SIGTERM cuts the step: then it
+waits in the buffer, a restart like any other), so no prompt restarts forever; no
 trained token is staler than max_staleness, and the prompt itself is never lost.
 
 With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
@@ -86,7 +88,7 @@ class RolloutResult:
   groups: list[Group]  # the training batch: batch_size groups
   rejected: list[Group]  # dropped by the DAPO filter this step
   stats: dict[str, float]  # counts and timings of this step (see metrics.py)
-  cut: bool = False  # ended early by cut_now: no batch; everything stays in the buffer
+  cut: bool = False  # ended early (SIGTERM): no batch; everything stays in the buffer
 
 
 class AprilScheduler:
@@ -217,13 +219,13 @@ class AprilScheduler:
     again when next admitted), and the result has no batch (`cut`). `give_up()`, asked at
     any time while waiting for rewards (so on one process only), cuts the step too."""
     st = self._begin(step, version)
+    st.give_up = give_up
     while True:
       if cut_now is not None and cut_now():
         st.cut = True
         break
-      if not self._judge(st, give_up):
-        st.cut = True  # gave up waiting for rewards: a cut too
-        break
+      if not self._judge(st):
+        break  # gave up waiting for rewards: a cut too
       if self._stop(st):
         break
       self._fill(st)
@@ -234,7 +236,7 @@ class AprilScheduler:
       self._decode(st)
     self._snapshot(st)
     # Every complete group keeps its rewards, buffered ones too (unless told to give up).
-    if not st.cut and not self.rewards.wait_all(give_up=give_up):
+    if not st.cut and not self.rewards.wait_all(give_up=st.give_up):
       st.cut = True
     return self._cut(st) if st.cut else self._end(st)
 
@@ -280,10 +282,11 @@ class AprilScheduler:
     else:
       st.accept(group)
 
-  def _judge(self, st: "_Step", give_up: Callable[[], bool] | None = None) -> bool:
+  def _judge(self, st: "_Step") -> bool:
     """The DAPO filter: needs the rewards of the groups completed so far. False if
-    `give_up` ended the wait first (nothing judged)."""
-    if self.rewards.wait_for(st.awaiting, give_up=give_up) is None:
+    `give_up` ended the wait first: nothing judged, and the step is cut."""
+    if self.rewards.wait_for(st.awaiting, give_up=st.give_up) is None:
+      st.cut = True
       return False
     for group in st.awaiting:
       if not group.rewards_all_equal():
@@ -393,7 +396,9 @@ class AprilScheduler:
 
   def _stop(self, st: "_Step") -> bool:
     """batch_size groups accepted and every overdue one decided; the baseline also
-    waits for every admitted group."""
+    waits for every admitted group. A cut step stops at once."""
+    if st.cut:
+      return True
     if len(st.accepted) < self.settings.batch_size or not st.overdue <= st.decided:
       return False
     return self.settings.partial_rollout or all(
@@ -471,7 +476,8 @@ class _Step:
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
   blocked: bool = False  # a waiting sample found no free slot or pages at the last fill
-  cut: bool = False  # ended early (cut_now)
+  cut: bool = False  # ended early (cut_now, or give_up while waiting for rewards)
+  give_up: Callable[[], bool] | None = None
   stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def accept(self, group: Group) -> None:
