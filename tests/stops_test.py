@@ -71,7 +71,12 @@ def _alive(pid: int) -> bool:
 
 
 def _start(config: str, workdir: Path, mark: Path, *flags: str, spin: bool = True):
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS, MARK=str(mark))
+  # A compilation cache of its own: a run ended at once (Ctrl-C) may leave an entry it was
+  # writing cut short, which the session's other runs would read and warn about.
+  cache = workdir.parent / "xla_cache"
+  env = dict(
+      os.environ, XLA_FLAGS=MAIN_XLA_FLAGS, MARK=str(mark), JAX_COMPILATION_CACHE_DIR=str(cache)
+  )
   if spin:
     env["SPIN"] = "1"
   return subprocess.Popen(
