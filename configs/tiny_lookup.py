@@ -7,7 +7,7 @@ it. An episode: the model ends a turn with ':' (the call), the tool's answer `<t
 fed into the same slot, the model walks and stops. Observation tokens are given, not
 drawn: outside the loss. The warm start imitates a sloppy demonstrator that calls the
 tool and then, 9 times in 10, walks one symbol too far; RL teaches it to stop at the
-target the tool named. Otherwise configs/tiny.py (README, "A multi-turn run").
+target the tool named. Otherwise configs/tiny.py (docs/environments.md).
 """
 
 from april_jax.configs import base

@@ -1,10 +1,13 @@
 """The documents hold together: every relative link in README.md, BENCHMARKS.md and docs/
-names a file of the repository (and a heading there, where it names one), every file
-docs/design.md cites exists, and docs/config.md is what configs/base.py says."""
+names a file of the repository (and a heading there, where it names one), every docs page
+is linked from another document, every file the documents cite exists, README.md stays a
+front page, docs/config.md is what configs/base.py says, and docs/metrics.md names every
+metric the code writes."""
 
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +44,8 @@ def test_the_design_pages_tests_and_modules_exist():
   text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
   cited = set(re.findall(r"`((?:tests|april_jax|configs)/[\w/]+\.py)`", text))
   assert len(cited) > 15
-  assert not [path for path in sorted(cited) if not (ROOT / path).exists()]
+  missing = [path for path in sorted(cited) if not (ROOT / path).exists()]
+  assert not missing, missing
 
 
 def test_the_config_reference_is_what_base_py_says():
@@ -53,3 +57,71 @@ def test_the_config_reference_is_what_base_py_says():
   comments = reference.field_comments()
   assert set(comments) == set(reference._flat(base.get_config()))  # every field, found
   assert not [name for name, text in comments.items() if not text]  # and described
+
+
+def _linked_pages(document: Path) -> set[Path]:
+  """The Markdown files a document links to."""
+  out = set()
+  for target in _LINK.findall(document.read_text(encoding="utf-8")):
+    if not re.match(r"[a-z]+://|#|mailto:", target):
+      out.add((document.parent / target.partition("#")[0]).resolve())
+  return out
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_every_docs_page_is_linked_from_another_document(page):
+  """A page no other document links to is a page no reader finds."""
+  assert any(page.resolve() in _linked_pages(d) for d in DOCUMENTS if d != page)
+
+
+# benchmarks_log.md is a lab notebook: it cites files as they were then.
+CURRENT = [d for d in DOCUMENTS if d.name != "benchmarks_log.md"]
+
+
+@pytest.mark.parametrize("document", CURRENT, ids=lambda p: p.name)
+def test_every_file_a_document_cites_exists(document):
+  """Paths in inline code (`april_jax/...`, `configs/...`, `launch/...`, `tests/...`),
+  a config's `:variant` dropped; placeholders such as `configs/<name>.py` are skipped."""
+  text = document.read_text(encoding="utf-8")
+  cited = set()
+  for span in re.findall(r"`([^`]+)`", text):
+    for path in re.findall(r"(?<![\w./-])((?:april_jax|configs|launch|tests)/[\w./*<>-]*)", span):
+      path = path.split(":")[0].rstrip(".,")
+      if not re.search(r"[*<>]", path):
+        cited.add(path)
+  missing = [path for path in sorted(cited) if not (ROOT / path).exists()]
+  assert not missing, missing
+
+
+def test_the_readme_is_a_front_page():
+  """What it is, results, install, the first run, where to go next: the rest is in docs/."""
+  lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+  assert len(lines) < 150, f"README.md has {len(lines)} lines: move the details into docs/"
+
+
+def _metric_keys() -> set[str]:
+  """The metric keys the code writes, as it names them: string literals in april_jax (the
+  benchmarks only read them), the episodes' counters (logged under rollout/), and the
+  importance weights' metrics (under train/)."""
+  from april_jax.rl import corrections  # pylint: disable=g-import-not-at-top
+
+  keys = set()
+  for path in (ROOT / "april_jax").rglob("*.py"):
+    if "benchmarks" not in path.parts:
+      text = path.read_text(encoding="utf-8")
+      keys |= set(re.findall(r'"((?:rollout|train|eval|critic|time|metrics)/\w[\w@/]*)"', text))
+  episodes = (ROOT / "april_jax" / "envs" / "episodes.py").read_text(encoding="utf-8")
+  keys |= {f"rollout/{name}" for name in re.findall(r'"(env/\w+)"', episodes)}
+  zeros, ones = np.zeros((1, 2)), np.ones((1, 2))
+  weights = corrections.importance_weights("token", "truncate", 0.0, 2.0, zeros, zeros, ones)
+  keys |= {f"train/{name}" for name in weights.metrics}
+  return {key + "<k>" if key.endswith("@") else key for key in keys}  # eval/avg@<k>
+
+
+def test_the_metrics_reference_names_every_metric_the_code_writes():
+  keys = _metric_keys()
+  assert {"rollout/tokens_per_s", "train/loss", "rollout/env/turns", "train/is_weight_max"} <= keys
+  page = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+  named = set(re.findall(r"`([a-z]+/[\w@/<>]+)`", page))
+  missing = sorted(keys - named)
+  assert not missing, f"docs/metrics.md lacks {missing}"
