@@ -148,9 +148,8 @@ def _gradients(learner: Learner, batch: dict[str, np.ndarray]):
   trained = update_lib.trained_mask(learner.loss_cfg, batch["mask"], batch["stale"])
   totals = (np.float32(trained.sum()), np.float32((trained.sum(-1) > 0).sum()))
   grads = learner.programs.zeros(learner.params)
-  for p in update_lib.plan(batch["mask"], learner.train)[0]:
-    piece = update_lib.piece(batch, p, None, None)
-    grads = learner.programs.grads(learner.params, piece, *totals, grads)[0]
+  for p in layout.plan(batch["mask"], learner.train)[0]:
+    grads = learner.programs.grads(learner.params, learner.piece(batch, p), totals, grads)[0]
   return grads
 
 
@@ -161,7 +160,7 @@ def _compare_updates(params, batch, **overrides):
   for packing in (False, True):
     learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train(packing, **overrides), 0.8, 4)
     if packing:  # packing really packs: some row holds two samples or more
-      pieces = [p for mb in update_lib.plan(batch["mask"], learner.train) for p in mb]
+      pieces = [p for mb in layout.plan(batch["mask"], learner.train) for p in mb]
       assert max(p.segments().max() for p in pieces) >= 2
     logp = learner.logprobs(learner.params, batch)
     grads = _gradients(learner, batch)

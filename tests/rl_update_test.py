@@ -1,6 +1,7 @@
 """The learner: same-version logprobs match the sampler, sharding, accumulation and
 length-sorted microbatches change nothing, a non-finite step is skipped, no reference params
-without KL."""
+without KL. Batches are built from hand-made samples (learner_batches.py), but for the one
+test of a real scheduler step's batch."""
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from april_jax.data import PromptItem
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
 from conftest import mesh_or_skip, tiny_qwen3
+import learner_batches
 
 CFG = tiny_qwen3()
 TEMPERATURE = 0.8
@@ -30,8 +32,8 @@ def _train_config(**overrides) -> ml_collections.ConfigDict:
   return t
 
 
-def _rollout_batch(params, version=0, steps=1, seed=0):
-  """Real rollouts from the scheduler (partials included) turned into a training batch."""
+def _rollout_batch(params, seed=0):
+  """A real scheduler step's rollouts (version 0) turned into a training batch."""
   engine = SlotEngine(
       CFG, params, EngineConfig(num_slots=6, max_len=48, sync_every=4, stop_ids=(3,))
   )
@@ -52,11 +54,14 @@ def _rollout_batch(params, version=0, steps=1, seed=0):
   rewards = RewardRunner(
       lambda text, answer: float(len(text)), decode=lambda ids: "x" * len(ids), processes=False
   )
-  sched = AprilScheduler(engine, settings, source, rewards, seed=seed)
-  for s in range(steps):
-    result = sched.step(s, version=version + s)
+  result = AprilScheduler(engine, settings, source, rewards, seed=seed).step(0)
   adv = np.asarray(advantages.get_advantage("grpo")(np.array([g.rewards for g in result.groups])))
-  return batch_lib.build_batch(result.groups, adv, version + steps - 1, max_len=48)
+  return batch_lib.build_batch(result.groups, adv, 0, max_len=48)
+
+
+def _batch(seed, **kw):
+  """Two prompts' groups of four hand-made samples (learner_batches.random_batch)."""
+  return learner_batches.random_batch(seed, CFG.vocab_size, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +84,7 @@ def test_learner_logprobs_equal_sampler_behavior_logprobs_same_version(params):
 
 
 def test_update_changes_params_and_reduces_loss_on_repeat(params):
-  batch = _rollout_batch(params, seed=1)
+  batch = _batch(1)
   assert np.abs(batch["advantages"]).max() > 0.1
   learner = Learner(
       CFG,
@@ -98,7 +103,7 @@ def test_update_changes_params_and_reduces_loss_on_repeat(params):
 
 
 def test_gradient_accumulation_equals_one_big_batch(params):
-  batch = _rollout_batch(params, seed=2)
+  batch = _batch(2)
   one = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
   two = Learner(
       CFG, jax.tree.map(jnp.copy, params), _train_config(num_microbatches=4), TEMPERATURE, 1
@@ -108,9 +113,9 @@ def test_gradient_accumulation_equals_one_big_batch(params):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), one.params, two.params)
 
 
-def _long_tail_batch(params, seed, T=48):
-  """A rollout batch padded to T, with its shortest row stretched to T: one long tail."""
-  batch = _rollout_batch(params, seed=seed)
+def _long_tail_batch(seed, T=48):
+  """A batch padded to T, with its shortest row stretched to T: one long tail."""
+  batch = _batch(seed)
   lengths = batch_lib.row_lengths(batch["mask"])
   assert lengths.max() <= 32
   pad = lambda x: np.pad(x, ((0, 0), (0, T - x.shape[1])))
@@ -127,7 +132,7 @@ def _long_tail_batch(params, seed, T=48):
 
 @pytest.mark.parametrize("minibatches,microbatches", [(1, 4), (2, 2)])
 def test_length_sorted_microbatches_equal_plain_microbatches(params, minibatches, microbatches):
-  batch = _long_tail_batch(params, seed=7)
+  batch = _long_tail_batch(seed=7)
   pieces = batch_lib.microbatches(batch["mask"], 4, by_length=True)
   assert sorted(T for _, T in pieces) == [32, 32, 32, 48]  # only the tail pays for 48
   cfg = lambda by_length: _train_config(
@@ -185,7 +190,7 @@ def test_warm_up_compiles_every_update_program_ahead_of_time_without_running(
     params, kl_coef, mesh_shape, compiles
 ):
   mesh = mesh_or_skip(mesh_shape)
-  batch = _long_tail_batch(params, seed=8)
+  batch = _long_tail_batch(seed=8)
   learner = Learner(
       CFG,
       jax.tree.map(jnp.copy, params),
@@ -207,7 +212,7 @@ def test_warm_up_compiles_every_update_program_ahead_of_time_without_running(
 
 
 def test_non_finite_update_is_skipped_and_counted(params):
-  batch = _rollout_batch(params, seed=3)
+  batch = _batch(3)
   batch["advantages"] = np.where(
       np.arange(len(batch["advantages"])) == 0, np.nan, batch["advantages"]
   ).astype(np.float32)
@@ -224,12 +229,12 @@ def test_reference_params_held_only_with_kl(params):
   no_kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.0), TEMPERATURE, 1)
   kl = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(kl_coef=0.05), TEMPERATURE, 1)
   assert no_kl.ref_params is None and kl.ref_params is not None
-  metrics = kl.update(_rollout_batch(params, seed=4))
+  metrics = kl.update(_batch(4))
   assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # first update: policy == ref
 
 
 def test_off_policy_batch_uses_tis_and_reports_staleness(params):
-  batch = _rollout_batch(params, steps=3, seed=5)
+  batch = _batch(5, stale=True)
   assert batch["stale"].any()  # partial samples carried across versions
   learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(tis_cap=2.0), TEMPERATURE, 1)
   metrics = learner.update(batch)
@@ -243,8 +248,8 @@ def _updated(params, batch, **train):
 
 
 def _agreeing_batch(params, seed):
-  """A rollout batch whose behaviour logprobs are the learner's own (weights exactly 1)."""
-  batch = _rollout_batch(params, seed=seed)
+  """A batch whose behaviour logprobs are the learner's own (weights exactly 1)."""
+  batch = _batch(seed)
   learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
   return dict(batch, behavior=learner.logprobs(learner.params, batch))
 
@@ -281,7 +286,7 @@ def test_the_behavior_anchor_is_coupled_ppo_and_skips_the_old_logprob_pass(param
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 def test_sharded_update_equals_unsharded(params):
-  batch = _rollout_batch(params, seed=6)
+  batch = _batch(6)
   mesh = sharding.make_mesh((2, 2, 2))
   sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), qwen3.param_shardings(CFG, mesh))
   plain = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(), TEMPERATURE, 1)
@@ -302,7 +307,7 @@ def test_sharded_update_equals_unsharded(params):
 
 def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
   params = qwen3.init_params(CFG, jax.random.key(1), std=0.02)
-  batch = _rollout_batch(params, seed=3)
+  batch = _batch(3)
   learner = Learner(CFG, params, _train_config(lr=1e-6), TEMPERATURE, 1, compute_dtype="bfloat16")
   masters_before = jax.tree.map(np.asarray, learner.params)
   decoded_before = jax.tree.map(np.asarray, learner.decode_params())
@@ -329,7 +334,7 @@ def test_lr_1e_6_adamw_step_changes_bf16_decoded_weights():
 
 
 def test_reinforce_pp_puts_the_kl_to_the_reference_into_each_tokens_return(params):
-  batch = dict(_rollout_batch(params, seed=9), rewards=np.linspace(-1.0, 1.0, 8))
+  batch = dict(_batch(9), rewards=np.linspace(-1.0, 1.0, 8))
   train = dict(advantage="reinforce_plus_plus", tis_cap=0.0)
   a = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(reward_kl_coef=0.5, **train),
               TEMPERATURE, 2)  # fmt: skip

@@ -30,6 +30,9 @@ from one critic, and the critic has been updated since those tokens were drawn; 
 value clip is a trust region around the critic being trained, which an older critic's
 values are not. The price is one forward pass of the critic per trained sample and
 step, the same as the policy's old-logprob pass.
+
+The critic trains as the learner does, by rl/step.py's step (the same layout of samples in
+the calls, gradient accumulation and optimizer), on the value loss, at train.critic_lr.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from april_jax.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages as advantages_lib
+from april_jax.rl import step
 from april_jax.rl import update as update_lib
 
 HEAD = "value_head"
@@ -171,50 +175,26 @@ class _Static:
   compute_dtype: str
 
 
-def _values(static: _Static, params, tokens_MxbxT, positions=None, segments=None):
-  fn = lambda xs: values(
+def _values(static: _Static, params, micro: dict[str, Any], remat: bool = False):
+  """V [b, T] of one microbatch (packed rows: with their positions and segments)."""
+  return values(
       static.model,
       params,
-      xs[0],
+      micro["tokens"],
       compute_dtype=static.compute_dtype,
-      positions_BxT=xs[1],
-      segments_BxT=xs[2],
+      remat=remat,
+      positions_BxT=micro.get("positions"),
+      segments_BxT=micro.get("segments"),
   )
-  return jax.lax.map(fn, (tokens_MxbxT, positions, segments))
 
 
-def _grads(static: _Static, params, mb: dict[str, Any], total_tokens, grads):
-  """grads plus the value-loss gradients of microbatches [M, b, T] (see update._grads)."""
-
-  def micro_loss(p, micro):
-    v = values(
-        static.model,
-        p,
-        micro["tokens"],
-        compute_dtype=static.compute_dtype,
-        remat=static.remat,
-        positions_BxT=micro.get("positions"),
-        segments_BxT=micro.get("segments"),
-    )
-    return value_loss(
-        v, micro["old_values"], micro["returns"], micro["mask"], static.value_clip, total_tokens
-    )
-
-  return update_lib.accumulate_grads(micro_loss, params, mb, grads)
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-  """The critic's jitted programs (built from shapes alone, as update.Programs)."""
-
-  param_sh: Any
-  opt_sh: Any
-  init_opt: Any
-  values: Any  # (params, tokens [M, b, T]) -> V [M, b, T]
-  zeros: Any
-  grads: Any
-  add: Any
-  apply: Any
+def _micro_loss(static: _Static, params, micro: dict[str, Any], totals):
+  """One microbatch's value loss and metrics; totals: the minibatch's (total_tokens,)."""
+  v = _values(static, params, micro, static.remat)
+  (total_tokens,) = totals
+  return value_loss(
+      v, micro["old_values"], micro["returns"], micro["mask"], static.value_clip, total_tokens
+  )
 
 
 def critic_train(train):
@@ -226,30 +206,18 @@ def critic_train(train):
 
 def build_programs(
     static: _Static, optimizer, schedule, params_shape, mesh=None, rules=sharding.TRAIN_RULES
-) -> Programs:
-  if mesh is None:
-    param_sh = opt_sh = None
-    pin = lambda sh: {}
-  else:
-    param_sh = param_shardings(static.model, mesh, rules)
-    opt_sh = update_lib.optimizer_shardings(optimizer, params_shape, param_sh, mesh)
-    pin = lambda sh: {"out_shardings": sh}
-  traced = lambda fn: sharding.traced_under(fn, mesh, rules)
-  return Programs(
-      param_sh=param_sh,
-      opt_sh=opt_sh,
-      init_opt=jax.jit(optimizer.init, **pin(opt_sh)),
-      values=jax.jit(traced(functools.partial(_values, static))),
-      zeros=jax.jit(update_lib._zeros_like, **pin(param_sh)),  # pylint: disable=protected-access
-      grads=jax.jit(
-          traced(functools.partial(_grads, static)), donate_argnums=3, **pin((param_sh, None, None))
-      ),
-      add=jax.jit(update_lib._add),  # pylint: disable=protected-access
-      apply=jax.jit(
-          functools.partial(update_lib._apply, optimizer, schedule),  # pylint: disable=protected-access
-          donate_argnums=(0, 1),
-          **pin((param_sh, opt_sh, None)),
-      ),
+) -> step.Programs:
+  """The critic's programs: the training step's (rl/step.py), `forward` giving V."""
+  param_sh = None if mesh is None else param_shardings(static.model, mesh, rules)
+  return step.build_programs(
+      functools.partial(_values, static),
+      functools.partial(_micro_loss, static),
+      optimizer,
+      schedule,
+      params_shape,
+      param_sh,
+      mesh,
+      rules,
   )
 
 
@@ -260,7 +228,7 @@ def make_static(model_cfg, train, remat: bool, compute_dtype: str) -> _Static:
 CRITIC_KEYS = ("tokens", "mask", "old_values", "returns")
 
 
-class Critic:
+class Critic(step.TrainedModel):
   """Holds the critic's float32 masters and optimizer state; turns a step's rewards into
   per-token advantages (`advantages`) and regresses its values on the returns (`update`).
   Made from a policy's params (or a critic folder's): their backbone, a new zero head."""
@@ -276,47 +244,20 @@ class Critic:
       remat: bool = False,
       compute_dtype: str = "float32",
   ):
-    self.train, self.mesh, self.rules = train, mesh, rules
     self.static = make_static(model_cfg, train, remat, compute_dtype)
-    self.optimizer, self.schedule = update_lib.make_optimizer(critic_train(train), total_updates)
-    from_policy = lambda p: critic_params(update_lib.cast(p, jnp.float32), model_cfg)
+    self.optimizer, self.schedule = step.make_optimizer(critic_train(train), total_updates)
+    from_policy = lambda p: critic_params(step.cast(p, jnp.float32), model_cfg)
     shapes = jax.eval_shape(from_policy, params)
-    self.programs = p = build_programs(
-        self.static, self.optimizer, self.schedule, shapes, mesh, rules
-    )
+    p = build_programs(self.static, self.optimizer, self.schedule, shapes, mesh, rules)
     # The head is made inside the program, in its sharding (on every host of a run).
     pin = {} if mesh is None else {"out_shardings": p.param_sh}
-    self.params = jax.jit(from_policy, **pin)(params)
-    self.opt_state = p.init_opt(self.params)
-    self.attempted = 0
-
-  def state(self) -> tuple[dict[str, Any], dict]:
-    return {"params": self.params, "opt_state": self.opt_state}, {"attempted": self.attempted}
-
-  def _plan(self, batch: dict[str, np.ndarray]):
-    rows = sharding.shards("batch", self.mesh, self.rules)
-    return update_lib.plan(batch["mask"], self.train, rows)
-
-  def restore(self, arrays: dict[str, Any], host: dict) -> None:
-    self.params, self.opt_state = arrays["params"], arrays["opt_state"]
-    self.attempted = host["attempted"]
+    super().__init__(p, jax.jit(from_policy, **pin)(params), train, mesh, rules)
 
   def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
     """V [B, T] under the current critic (0 past a microbatch's cut, and packed, past
     each sample's last needed token)."""
-    pieces = [p for mb in (plan or self._plan(batch)) for p in mb]
-    vs = []
-    for p in pieces:
-      arrays = update_lib.piece({"tokens": batch["tokens"]}, p, self.mesh, self.rules)
-      vs.append(
-          self.programs.values(
-              self.params, arrays["tokens"], arrays.get("positions"), arrays.get("segments")
-          )
-      )
-    out = np.zeros(batch["tokens"].shape, np.float32)
-    for p, v in zip(pieces, to_host(vs)):
-      p.scatter(out, v)
-    return out
+    pieces = [p for mb in (plan or self.plan(batch)) for p in mb]
+    return self.forward_pass(self.params, {"tokens": batch["tokens"]}, pieces)
 
   def advantages(self, batch: dict[str, np.ndarray], rewards_B, plan=None) -> dict[str, float]:
     """Sets batch's per-token "advantages" (GAE, whitened if asked), "returns" and
@@ -341,21 +282,9 @@ class Critic:
   def update(self, batch: dict[str, np.ndarray], plan=None) -> dict[str, float]:
     """ppo_epochs x num_minibatches optimizer updates of the value loss on the returns
     `advantages` set; critic/* metrics (one host read)."""
-    t = self.train
-    plan = plan or self._plan(batch)
     arrays = {k: batch[k] for k in CRITIC_KEYS}
-    metrics = []
-    for _ in range(t.ppo_epochs):
-      for pieces in plan:
-        rows = np.concatenate([p.batch_rows for p in pieces])
-        totals = (np.float32((arrays["mask"][rows] > 0).sum()),)
-        self.params, self.opt_state, m = update_lib.minibatch_update(
-            self.programs, self.params, self.opt_state, arrays, pieces, totals,
-            self.attempted, self.mesh, self.rules,
-        )  # fmt: skip
-        self.attempted += 1
-        metrics.append(m)
-    metrics = to_host(metrics)
+    totals = lambda rows: (np.float32((arrays["mask"][rows] > 0).sum()),)
+    metrics = to_host(self.epochs(arrays, plan or self.plan(batch), totals))
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
     return {
         "critic/value_loss": mean("value_loss"),

@@ -17,6 +17,10 @@ microbatch; that one takes the smallest shape that holds it: `rows` rows cut to 
 `pack_lengths`, or fewer rows (halved, down to the devices the rows are split over) of
 pack_len (`last_shapes`). Every sample is in exactly one row, whole, so packed and unpacked give the same losses and gradients
 (rl/losses.py reduces per segment). A row holds at most MAX_SEGMENTS samples.
+
+`plan` lays a whole step's batch out, per minibatch its pieces, as the train section says
+(`train_section`: the one the learner and the critic read); `layout_stats` counts what
+those pieces compute.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from april_jax.models.attention import MAX_SEGMENTS
+from april_jax.rl import batch as batch_lib
 
 GRANULE_PARTS = 8  # the last microbatch is cut to a multiple of pack_len / 8
 
@@ -178,3 +183,77 @@ def token_counts(pieces: list[Piece], lengths: np.ndarray) -> dict[str, float]:
   padded = sum(p.padded_tokens for p in pieces)
   real = int(sum(np.asarray(lengths)[p.batch_rows].sum() for p in pieces))
   return {"padded_tokens": padded, "real_tokens": real, "padded_per_real": padded / max(real, 1)}
+
+
+# ------------------------------------------------------------------ a step's batch
+
+
+def pack_len(train, T: int) -> int | None:
+  """The packed rows' token budget for a batch of padded length T: train.pack_len, or
+  T when it is 0 (a run sets it: `train_section`); None when train.packing is off."""
+  if not train.get("packing", False):
+    return None
+  return int(train.pack_len) or int(T)
+
+
+def train_section(config):
+  """The train section the learner and critic read: config.train with pack_len 0
+  resolved to the run's longest row (data.max_prompt_len + rollout.max_response_len,
+  rounded up as rl/batch.py pads), so every step packs into rows of one length."""
+  t = config.train.copy_and_resolve_references()
+  if t.packing and not t.pack_len:
+    max_len = config.data.max_prompt_len + config.rollout.max_response_len
+    t.pack_len = batch_lib.bucket_len(max_len, max_len=max_len)
+  return t
+
+
+def plan(mask_BxT: np.ndarray, train, min_rows: int = 1) -> list[list[Piece]]:
+  """Per minibatch, its microbatches as Pieces (packed when train.packing; a last packed
+  microbatch keeps at least min_rows rows: the devices rows are split over)."""
+  t = train
+  B, T = mask_BxT.shape
+  if B % (t.num_minibatches * t.num_microbatches):
+    raise ValueError(
+        f"batch of {B} samples does not split into train.num_minibatches="
+        f"{t.num_minibatches} x train.num_microbatches={t.num_microbatches}"
+    )
+  minibatches = np.arange(B).reshape(t.num_minibatches, -1)
+  budget = pack_len(t, T)
+  if budget is not None:
+    rows_per_call = B // (t.num_minibatches * t.num_microbatches)
+    lengths = batch_lib.row_lengths(mask_BxT)
+    return [
+        packed_pieces(lengths[rows], rows_per_call, budget, rows, min_rows) for rows in minibatches
+    ]
+  by_length = bool(t.microbatch_by_length)
+  return [
+      [
+          Piece(T=T, rows=rows[local])
+          for local, T in batch_lib.microbatches(mask_BxT[rows], t.num_microbatches, by_length)
+      ]
+      for rows in minibatches
+  ]
+
+
+def every_shape_plan(mask_BxT: np.ndarray, train, min_rows: int = 1) -> list[list[Piece]]:
+  """Pieces of every shape a batch of mask_BxT's padded length can produce (to compile
+  them ahead of time): unpacked, its plan (give it rows all of full length); packed, one
+  minibatch of a piece for each shape a packed microbatch may take (`last_shapes`)."""
+  budget = pack_len(train, mask_BxT.shape[1])
+  if budget is None:
+    return plan(mask_BxT, train, min_rows)
+  rows = mask_BxT.shape[0] // (train.num_minibatches * train.num_microbatches)
+  full = lambda r, T: Piece(
+      T=T,
+      sample=np.broadcast_to(np.arange(r)[None, :, None], (1, r, T)).astype(np.int32),
+      pos=np.broadcast_to(np.arange(T)[None, None], (1, r, T)).astype(np.int32),
+  )
+  return [[full(r, T) for r, T in last_shapes(rows, budget, min_rows)]]
+
+
+def layout_stats(mask_BxT: np.ndarray, train, min_rows: int = 1) -> dict[str, float]:
+  """What the learner's calls compute for a batch: padded token positions against the
+  real tokens (prompt + response) they hold, and the calls per update."""
+  pieces = [p for mb in plan(mask_BxT, train, min_rows) for p in mb]
+  stats = token_counts(pieces, batch_lib.row_lengths(mask_BxT))
+  return dict(stats, calls=len(pieces) / train.num_minibatches)
