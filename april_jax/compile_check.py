@@ -33,6 +33,8 @@ from april_jax.models import qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
+from april_jax.rl import layout
+from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler import rows as rows_lib
@@ -204,67 +206,59 @@ def compile_program(
 # ------------------------------------------------------------------------ programs
 
 
-def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tuple:
-  r, m = config.rollout, config.model
-  max_len = config.data.max_prompt_len + r.max_response_len
+def _sampler_fns(config, cfg: qwen3.Qwen3Config, mesh):
+  """The run's engine settings, its device programs and its slot state (abstract)."""
   econf = EngineConfig.from_run_config(config)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
-  fns = slot_ops.device_fns(
-      cfg,
-      econf.num_slots,
-      max_len,
-      econf.sync_every,
-      econf.kv_dtype,
-      mesh,
-      decode_rules,
-      econf.decode_block,
-      econf.page_size,
-      econf.num_pages,
-      econf.decode_attention,
-  )
-  state = _abstract(jax.eval_shape(fns.init), fns.state_sharding)
-  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-  T = max_len  # the longest prefill / KV copy
-  kv_dtype = jnp.dtype(m.kv_dtype)
-  rep = functools.partial(_replicated, mesh)
-  W, Wr = econf.insert_width, econf.snapshot_width
-  kv = lambda r, t=T: qwen3.KVCache(
-      *(jax.ShapeDtypeStruct((L, r, t, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
-  )
-  i32 = jnp.int32
-  rows = lambda w: jax.tree.map(
-      lambda x: rep(x.shape, x.dtype), rows_lib.rows_from_records([], w, max_len, [])
-  )
-  insert_args = lambda r, w, t=T: (state, kv(r, t), rows(w), rep((w,), i32), rep((w,), i32))
-  # Prompts that start together: prefill_rows of them at the longest prompt bucket.
-  prompt = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, max_len)
-  B = econf.prefill_rows(prompt)
-  programs = [
-      compile_program("prefill", fns.prefill_kv, (decode_params, rep((1, T), i32)), (True, False)),
+  fns = slot_ops.device_fns(cfg, econf.device_settings(), mesh, decode_rules)
+  return econf, fns, _abstract(jax.eval_shape(fns.init), fns.state_sharding)
+
+
+def _prefill_programs(fns, mesh, decode_params, T: int, B: int, prompt: int) -> list:
+  """prefill: one sequence of the longest length T, and B prompts together at the
+  longest prompt bucket."""
+  tokens = lambda *shape: _replicated(mesh, shape, jnp.int32)
+  return [
+      compile_program("prefill", fns.prefill_kv, (decode_params, tokens(1, T)), (True, False)),
       compile_program(
           "prefill (prompts together)",
           fns.prefill_kv,
-          (decode_params, rep((B, prompt), i32)),
+          (decode_params, tokens(B, prompt)),
           (True, False),
       ),
-      compile_program(
-          "insert",
-          fns.insert,
-          insert_args(1, W) + (state.page_table,),
-          (True, False, False, False, False, False),
-      ),
-      compile_program(
-          "insert (prompts together)",
-          fns.insert,
-          insert_args(B, W, prompt) + (state.page_table,),
-          (True, False, False, False, False, False),
-      ),
-      compile_program(
-          "insert_rows (restore)",
-          fns.insert,
-          insert_args(Wr, Wr) + (state.page_table,),
-          (True, False, False, False, False, False),
-      ),
+  ]
+
+
+def _insert_programs(cfg: qwen3.Qwen3Config, econf, fns, state, mesh, B, prompt) -> list:
+  """insert: one sequence's KV at the longest length, B prompts' at the longest prompt
+  bucket, and a snapshot's rows restored."""
+  L, K, H, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, econf.max_len
+  kv_dtype = jnp.dtype(econf.kv_dtype)
+  rep = functools.partial(_replicated, mesh)
+  kv = lambda r, t: qwen3.KVCache(
+      *(jax.ShapeDtypeStruct((L, r, t, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
+  )
+  rows = lambda w: jax.tree.map(
+      lambda x: rep(x.shape, x.dtype), rows_lib.rows_from_records([], w, T, [])
+  )
+  i32 = jnp.int32
+  args = lambda r, w, t=T: (state, kv(r, t), rows(w), rep((w,), i32), rep((w,), i32))
+  W, Wr = econf.insert_width, econf.snapshot_width
+  resident = (True, False, False, False, False, False)
+  insert = lambda name, *a: compile_program(name, fns.insert, a + (state.page_table,), resident)
+  return [
+      insert("insert", *args(1, W)),
+      insert("insert (prompts together)", *args(B, W, prompt)),
+      insert("insert_rows (restore)", *args(Wr, Wr)),
+  ]
+
+
+def _decode_programs(econf, fns, state, mesh, decode_params) -> list:
+  """decode (one call of sync_every steps) and a snapshot's KV copy at the longest
+  length."""
+  rep = functools.partial(_replicated, mesh)
+  i32, Wr = jnp.int32, econf.snapshot_width
+  return [
       compile_program(
           "decode",
           fns.decode,
@@ -274,13 +268,25 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
       compile_program(
           "extract_kv (snapshot)",
           fns.extract_kv,
-          (state, rep((Wr,), i32), T, state.page_table),
+          (state, rep((Wr,), i32), econf.max_len, state.page_table),
           (True, False, False, False),
       ),
   ]
+
+
+def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tuple:
+  """The sampler's programs at their largest shapes; the slot state's bytes and those of
+  the KV kept from the prefill call that held a group's prompt (per device)."""
+  econf, fns, state = _sampler_fns(config, cfg, mesh)
+  # Prompts that start together: prefill_rows of them at the longest prompt bucket.
+  prompt = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, econf.max_len)
+  B = econf.prefill_rows(prompt)
+  programs = _prefill_programs(fns, mesh, decode_params, econf.max_len, B, prompt)
+  programs += _insert_programs(cfg, econf, fns, state, mesh, B, prompt)
+  programs += _decode_programs(econf, fns, state, mesh, decode_params)
   # The KV of the prefill call that held the last prompt, kept for the rest of its group
   # (SlotEngine._prompt_kvs).
-  kept = jax.eval_shape(fns.prefill_kv, decode_params, rep((B, prompt), i32))
+  kept = jax.eval_shape(fns.prefill_kv, decode_params, _replicated(mesh, (B, prompt), jnp.int32))
   kv_sh = qwen3.KVCache(fns.kv_sharding, fns.kv_sharding)
   return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))
 
@@ -292,7 +298,7 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
   rules = tuple(tuple(x) for x in config.mesh.rules)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype)
-  optimizer, schedule = update_lib.make_optimizer(t, max(config.num_steps, 1) * t.num_minibatches)
+  optimizer, schedule = step_lib.make_optimizer(t, max(config.num_steps, 1) * t.num_minibatches)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
   progs = update_lib.build_programs(
       static, optimizer, shapes, mesh, rules, decode_rules, schedule=schedule
@@ -314,17 +320,17 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
   per-token advantages; else rows at the longest bucket (all microbatches in one call
   unless cut by length)."""
   r = config.rollout
-  t = update_lib.train_section(config)
+  t = layout.train_section(config)
   max_len = config.data.max_prompt_len + r.max_response_len
   T = batch_lib.bucket_len(max_len, max_len=max_len)
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   M = 1 if bool(t.microbatch_by_length) and t.num_microbatches > 1 else t.num_microbatches
-  packed = update_lib.pack_len(t, T)
+  packed = layout.pack_len(t, T)
   if packed is not None:
     M, T = 1, packed
   rules = tuple(tuple(x) for x in config.mesh.rules)
   place = lambda dtype, *shape: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=update_lib.microbatch_sharding(shape, mesh, rules)
+      shape, dtype, sharding=step_lib.microbatch_sharding(shape, mesh, rules)
   )
   f32 = jnp.float32
   mb = dict(tokens=place(jnp.int32, M, rows, T), mask=place(f32, M, rows, T))
@@ -338,23 +344,28 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
   return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
 
 
+def _forward_inputs(mb: dict, keys) -> dict:
+  """The arrays of microbatch `mb` a forward program reads: `keys`, and packed, the rows'
+  positions and segments."""
+  return {k: v for k, v in mb.items() if k in keys or k in ("positions", "segments")}
+
+
 def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   progs, arrays = _learner_arrays(config, cfg, mesh)
   masters, opt_state = arrays["master params (float32)"], arrays["optimizer state (float32)"]
   reference = arrays.get("reference params")
   mb = _longest_microbatch(config, mesh, with_ref=reference is not None)
-  tokens, packed = mb["tokens"], (mb.get("positions"), mb.get("segments"))
-  resident = (True, False, False, False, False)
+  inputs = _forward_inputs(mb, update_lib.FORWARD_KEYS)
   programs = [
       compile_program("decode_params (cast)", progs.decode_params, (masters,), (True,)),
-      compile_program("old logprobs", progs.logprobs, (masters, tokens, tokens, *packed), resident),
+      compile_program("old logprobs", progs.forward, (masters, inputs), (True, False)),
   ]
   if reference is not None:
-    args = (reference, tokens, tokens, *packed)
-    programs.append(compile_program("reference logprobs", progs.logprobs, args, resident))
+    args = (reference, inputs)
+    programs.append(compile_program("reference logprobs", progs.forward, args, (True, False)))
   scalar = _replicated(mesh, (), jnp.float32)
-  args = (masters, mb, scalar, scalar, masters)  # the gradient sum: sharded like the masters
-  programs.append(compile_program("gradients", progs.grads, args, (True,) + (False,) * 4))
+  args = (masters, mb, (scalar, scalar), masters)  # the gradient sum: sharded like the masters
+  programs.append(compile_program("gradients", progs.grads, args, (True,) + (False,) * 3))
   _, loss, metrics = jax.eval_shape(progs.grads, *args)
   rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
   acc = (rep_like(loss), jax.tree.map(rep_like, metrics))
@@ -372,7 +383,7 @@ def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dic
   t, m = config.train, config.model
   rules = tuple(tuple(x) for x in config.mesh.rules)
   static = critic_lib.make_static(cfg, t, m.remat, m.dtype)
-  optimizer, schedule = update_lib.make_optimizer(
+  optimizer, schedule = step_lib.make_optimizer(
       critic_lib.critic_train(t), max(config.num_steps, 1) * t.num_minibatches * t.ppo_epochs
   )
   shapes = jax.eval_shape(
@@ -382,23 +393,19 @@ def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dic
   params = arrays["critic params (float32)"] = _abstract(shapes, progs.param_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
   arrays["critic optimizer state (float32)"] = opt_state
-  tokens, packed = mb["tokens"], (mb.get("positions"), mb.get("segments"))
-  cmb = dict(tokens=tokens, mask=mb["mask"], old_values=mb["mask"], returns=mb["mask"])
-  if packed[0] is not None:
-    cmb.update(positions=packed[0], segments=packed[1])
-  scalar = _replicated(mesh, (), jnp.float32)
+  inputs = _forward_inputs(mb, ("tokens",))
+  cmb = dict(inputs, mask=mb["mask"], old_values=mb["mask"], returns=mb["mask"])
+  totals = (_replicated(mesh, (), jnp.float32),)
   programs = [
-      compile_program(
-          "critic values", progs.values, (params, tokens, *packed), (True, False, False, False)
-      ),
+      compile_program("critic values", progs.forward, (params, inputs), (True, False)),
       compile_program(
           "critic gradients",
           progs.grads,
-          (params, cmb, scalar, params),
+          (params, cmb, totals, params),
           (True, False, False, False),
       ),
   ]
-  _, loss, metrics = jax.eval_shape(progs.grads, params, cmb, scalar, params)
+  _, loss, metrics = jax.eval_shape(progs.grads, params, cmb, totals, params)
   rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
   args = (params, opt_state, params, rep_like(loss), jax.tree.map(rep_like, metrics))
   args += (_replicated(mesh, (), jnp.int32),)

@@ -30,7 +30,7 @@ from april_jax import buckets, cli, compile_check, sharding
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
-from april_jax.rl import update as update_lib
+from april_jax.rl import layout
 from april_jax.configs.validate import PLAN_CHECKS, ConfigError, validate
 from april_jax.sampler.engine_config import EngineConfig
 
@@ -171,10 +171,8 @@ def make_plan(
 def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
   """The KV pool's usable pages in all, and the pages of one slot shard (its scratch
   page included), as slot_ops.device_fns builds it."""
-  r = config.rollout
-  max_len = config.data.max_prompt_len + r.max_response_len
-  shards = _split(r.num_slots, "batch", mesh, decode_rules)
-  usable = r.kv_pages if r.kv_pages is not None else r.num_slots * -(-max_len // r.page_size)
+  shards = _split(config.rollout.num_slots, "batch", mesh, decode_rules)
+  usable = EngineConfig.from_run_config(config).usable_pages
   per_shard = -(-usable // shards) + 1
   return usable, per_shard
 
@@ -261,15 +259,15 @@ def _learner_programs(x) -> dict[str, float]:
   """The learner: one microbatch of `rows` rows per device at the longest length bucket,
   or, packed (train.packing), rows of pack_len tokens."""
   cfg, r, m = x.cfg, x.config.rollout, x.config.model
-  t = update_lib.train_section(x.config)
+  t = layout.train_section(x.config)
   split = lambda n, axis: n / _split(n, axis, x.mesh, x.rules)
   L, D = cfg.num_layers, cfg.hidden_size
   masters = params_bytes(cfg, x.mesh, x.rules, 4)
   T = batch_lib.bucket_len(x.max_len, max_len=x.max_len)
   per_call = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   rows = max(1, per_call // _split(1 << 20, "batch", x.mesh, x.rules))
-  if update_lib.pack_len(t, T) is not None:
-    T = update_lib.pack_len(t, T)  # one call of rows x pack_len, however many are needed
+  if layout.pack_len(t, T) is not None:
+    T = layout.pack_len(t, T)  # one call of rows x pack_len, however many are needed
   elif not (t.microbatch_by_length and t.num_microbatches > 1):
     rows *= t.num_microbatches  # one fused call over every microbatch
   chunk = min(m.attention_chunk, x.max_len)
@@ -297,7 +295,7 @@ def pages_that_fit(config, cfg, num_devices: int, capacity: float, native_16bit=
   r = config.rollout
   max_len = config.data.max_prompt_len + r.max_response_len
   low = -(-max_len // r.page_size)  # one sequence at max_len: the least the pool may hold
-  high = r.kv_pages if r.kv_pages is not None else r.num_slots * low
+  high = EngineConfig.from_run_config(config).usable_pages
   fits = lambda pages: make_plan(
       _with_pages(config, pages), cfg, num_devices, capacity, native_16bit
   ).fits

@@ -1,7 +1,7 @@
 """One RL run: build everything from a config, then loop rollout -> learn -> log -> save.
 
   step k (policy version k = params after k updates):
-    rollout   scheduler.step(k, version=k) on the engine holding the learner's params
+    rollout   scheduler.step(k) on the engine holding the learner's params, version k
     learn     rewards (+ overlong shaping) -> advantages -> batch -> learner.update
               (PPO with a critic: batch -> critic values, GAE -> learner.update ->
               critic.update)
@@ -44,8 +44,8 @@ from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
+from april_jax.rl import layout
 from april_jax.rl import sft
-from april_jax.rl import update as update_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
@@ -79,7 +79,7 @@ class Trainer:
     resuming = self.checkpointer.latest_step() is not None
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
-    t = update_lib.train_section(c)  # packed rows' budget resolved to the run's max_len
+    t = layout.train_section(c)  # packed rows' budget resolved to the run's max_len
     self.learner = Learner(
         self.model_cfg,
         params,
@@ -130,7 +130,7 @@ class Trainer:
 
   def _make_critic(self, policy_params) -> critic_lib.Critic:
     """PPO's critic, from train.critic_path or the policy's own weights."""
-    c, t = self.config, update_lib.train_section(self.config)
+    c, t = self.config, layout.train_section(self.config)
     params = policy_params
     if t.critic_path:
       params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules)
@@ -308,7 +308,7 @@ class Trainer:
     took."""
     start = time.perf_counter()
     arrays, learner = self._state()
-    buffer, scheduler = self.scheduler.state()
+    buffer, scheduler = self.scheduler.checkpoint()
     problem = self.checkpointer.room_problem(step, arrays, buffer)
     if distributed.any_process(problem is not None):  # all stop alike, or none does
       raise DiskFull(problem or f"another process found no room for checkpoint {step}")
@@ -338,7 +338,7 @@ class Trainer:
     self.learner.restore(arrays, host["learner"])
     if self.critic is not None:
       self.critic.restore(arrays["critic"], host["learner"]["critic"])
-    self.engine.params = self.learner.decode_params()
+    self.engine.set_policy(self.learner.decode_params(), step)
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
     self.writer.truncate_after(step, host.get("metrics"))
@@ -412,13 +412,11 @@ class Trainer:
     """Step step + 1: rollout, learn; its metrics, or None when SIGTERM cut its rollout
     (nothing trained; what it drew is in the partial buffer)."""
     c = self.config
-    version = step
+    version = self.engine.version  # the params after `step` updates
+    assert version == step, (version, step)
     one_process = jax.process_count() == 1  # waits for rewards end at once only there
     result = self.scheduler.step(
-        step,
-        version,
-        cut_now=self._cut_now,
-        give_up=(lambda: self._stop_requested) if one_process else None,
+        step, cut_now=self._cut_now, give_up=(lambda: self._stop_requested) if one_process else None
     )
     if result.cut:
       self._cut_drew = result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
@@ -446,7 +444,7 @@ class Trainer:
     metrics.update(self.learner.update(batch))
     if self.critic is not None:
       metrics.update(self.critic.update(batch))
-    self.engine.params = self.learner.decode_params()  # version + 1
+    self.engine.set_policy(self.learner.decode_params(), version + 1)
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
     return metrics

@@ -10,8 +10,7 @@
 #               per-device shapes (seconds): does this backend copy the gathered pages,
 #               and what does that cost against the same pages read in place; and one
 #               layer at the steady state through the XLA path and the Pallas kernel,
-#               the engine's and two candidates (its runs merged by a second kernel,
-#               and that with fewer, longer runs)
+#               the engine's and a candidate (fewer, longer runs)
 #   sampler     decode tokens/s at the Qwen3-0.6B shape through the XLA path, against a
 #               plain static-batch JAX sampler, bytes per step over step time as a
 #               fraction of the copy bandwidth measured in the same run, and a

@@ -1,24 +1,16 @@
 """The scheduler benchmark runs end to end and reports both sides (no timing asserted)."""
 
-import importlib.util
-from pathlib import Path
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from april_jax.benchmarks import length_dists, scheduler_bench
+import cli
+from conftest import load_config
 
 
 def _tiny_config():
-  spec = importlib.util.spec_from_file_location(
-      "tiny", Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = load_config("tiny")
   config.rollout.n_samples_per_prompt = 4  # the benchmarks' recorded setting (BENCHMARKS.md)
   config.rollout.dynamic_sampling = False
   return config
@@ -67,8 +59,8 @@ def test_scheduler_bench_engine_is_the_configs_at_the_bench_prompt_length():
   config.rollout.prefill_width = 2
   config.rollout.resume_mode = "recompute"
   engine = scheduler_bench.engine_config(config)
-  assert (engine.page_size, engine.num_pages, engine.prefill_width) == (32, 40, 2)
-  assert engine.preempt_mode == "recompute"
+  assert (engine.page_size, engine.kv_pages, engine.prefill_width) == (32, 40, 2)
+  assert engine.resume_mode == "recompute"
   assert engine.num_slots == config.rollout.num_slots
   max_len = scheduler_bench.PROMPT_LEN + config.rollout.max_response_len
   assert (engine.max_len, engine.prompt_len) == (max_len, scheduler_bench.PROMPT_LEN)
@@ -168,13 +160,8 @@ def test_bad_bench_flags_are_one_line_each_before_anything_runs(tmp_path):
       ("--dist=bogus", "value should be one of <dapo_math|deepmath|deepscaler>"),
   ]
   for flag, words in bad:
-    proc = subprocess.run(
-        [sys.executable, "-m", "april_jax.bench", "--mode=e2e", "--config=configs/tiny.py", flag],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    proc = cli.run(
+        "--mode=e2e", flag, config="tiny.py", module="april_jax.bench", devices=None, timeout=300
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert words in proc.stderr and not proc.stdout
@@ -279,11 +266,7 @@ def test_tail_step_bench_decodes_through_the_kernel_it_is_asked_for(monkeypatch)
 def test_roofline_of_the_8b_config_reads_within_10_percent_of_the_live_bytes():
   from april_jax.benchmarks import roofline  # pylint: disable=g-import-not-at-top
 
-  root = Path(__file__).resolve().parents[1]
-  spec = importlib.util.spec_from_file_location("qwen3_8b", root / "configs" / "qwen3_8b.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  out = roofline.run(module.get_config(), devices=8, shape="dapo_math", trials=3, timed=False)
+  out = roofline.run(load_config("qwen3_8b"), devices=8, shape="dapo_math", trials=3, timed=False)
   assert 1.0 < out["paged_over_bound"] <= 1.1
   # Through the kernel: one KV head a device, 256 slots and 1,024 runs; every busy program
   # walks at most 1/1024 of the live blocks (rounded up), far less than the longest slot.

@@ -1,9 +1,7 @@
 """Config files load, validate, and a wrong config names its field."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,27 +10,19 @@ from april_jax.configs.validate import ConfigError, validate
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl.losses import LossConfig
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-def load(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+from conftest import load_config
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_tail", "tiny_lookup"])
 def test_tiny_configs_are_valid(name):
-  validate(load(name))
+  validate(load_config(name))
 
 
 def test_distributed_fields_are_checked():
   from april_jax.distributed import parse_device_ids  # pylint: disable=g-import-not-at-top
 
   assert parse_device_ids("0,1, 2") == [0, 1, 2] and parse_device_ids("") is None
-  config = load("tiny")
+  config = load_config("tiny")
   config.distributed.coordinator_address = "host0"
   config.distributed.num_processes = 2
   config.distributed.process_id = 2
@@ -48,14 +38,14 @@ def test_distributed_fields_are_checked():
 
 
 def test_task_fields_are_checked():
-  config = load("tiny")
+  config = load_config("tiny")
   config.data.task.ring_size = 1
   config.data.task.sigma = -0.5
   with pytest.raises(ConfigError) as info:
     validate(config)
   assert "data.task.ring_size must be in [2, 1024], got 1" in str(info.value)
   assert "data.task.sigma >= 0" in str(info.value)
-  config = load("tiny")
+  config = load_config("tiny")
   config.data.task.ring_size = 200  # needs 405 token ids, the model has 136
   config.data.task.demo_overshoot = 1.5
   with pytest.raises(ConfigError) as info:
@@ -69,7 +59,7 @@ def test_task_fields_are_checked():
 def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tmp_path):
   rows = tmp_path / "train.jsonl"
   rows.write_text('{"question": "1+1?", "answer": "2"}\n')
-  config = load("tiny")
+  config = load_config("tiny")
   config.data.source = str(rows)
   config.train.sft_steps = 5
   config.eval_every = 10
@@ -105,7 +95,9 @@ def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tm
     ],
 )
 def test_wrong_field_is_named(field, value, message):
-  config = load("tiny_lookup" if field.startswith("env.") and field != "env.name" else "tiny")
+  config = load_config(
+      "tiny_lookup" if field.startswith("env.") and field != "env.name" else "tiny"
+  )
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(ConfigError, match=message):
@@ -113,7 +105,7 @@ def test_wrong_field_is_named(field, value, message):
 
 
 def test_all_problems_are_reported_together():
-  config = load("tiny")
+  config = load_config("tiny")
   config.rollout.batch_size = 0
   config.rollout.temperature = -1.0
   with pytest.raises(ConfigError) as info:
@@ -122,7 +114,7 @@ def test_all_problems_are_reported_together():
 
 
 def test_the_baseline_admits_exactly_the_groups_it_trains():
-  config = load("tiny")  # N = 8, N' = 16
+  config = load_config("tiny")  # N = 8, N' = 16
   config.rollout.partial_rollout = False
   with pytest.raises(
       ConfigError,
@@ -136,7 +128,7 @@ def test_the_baseline_admits_exactly_the_groups_it_trains():
 
 
 def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up():
-  config = load("tiny")  # responses up to 64 tokens
+  config = load_config("tiny")  # responses up to 64 tokens
   config.train.overlong_buffer_len = 65
   with pytest.raises(
       ConfigError,
@@ -160,7 +152,7 @@ def test_overlong_buffer_longer_than_the_response_budget_is_refused_at_start_up(
     ],
 )
 def test_a_non_finite_number_anywhere_in_the_config_is_refused_by_name(field, value):
-  config = load("tiny")
+  config = load_config("tiny")
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(ConfigError, match=rf"{field} must be a finite number, got {value}"):
@@ -168,7 +160,7 @@ def test_a_non_finite_number_anywhere_in_the_config_is_refused_by_name(field, va
 
 
 def test_optional_knobs_are_off_while_unset_and_a_negative_staleness_limit_is_refused():
-  config = load("tiny")
+  config = load_config("tiny")
   t = config.train
   assert (t.dual_clip_c, t.norm_len, t.overlong_buffer_len, config.rollout.max_staleness) == (
       None,
@@ -189,7 +181,7 @@ def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refuse
   from april_jax.rl import losses  # pylint: disable=g-import-not-at-top
 
   loss_config = LossConfig.from_config
-  config = load("tiny")
+  config = load_config("tiny")
   config.train.eps_clip_high = None  # the tiny config sets DAPO's 0.28
   config.train.policy_loss = "gspo"
   validate(config)
@@ -222,7 +214,7 @@ def test_gspo_by_name_gets_gspo_clips_and_sequence_mean_and_bad_mixes_are_refuse
 
 def test_paper_configs_need_a_model_and_data_and_say_so():
   for name in ("qwen3_8b", "qwen3_4b"):
-    config = load(name)
+    config = load_config(name)
     assert (
         config.rollout.batch_size,
         config.rollout.n_samples_per_prompt,
@@ -236,7 +228,7 @@ def test_paper_configs_need_a_model_and_data_and_say_so():
 
 
 def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
-  c = load("qwen3_8b")
+  c = load_config("qwen3_8b")
   r, t = c.rollout, c.train
   assert (r.temperature, r.max_response_len, r.dynamic_sampling, r.max_staleness) == (
       0.8,
@@ -260,41 +252,41 @@ def test_qwen3_8b_is_april_s_own_dapo_setting_and_the_rest_are_named_variants():
       0.98,
       0.1,
   )
-  more = load("qwen3_8b", "tis+overlong+stale4")
+  more = load_config("qwen3_8b", "tis+overlong+stale4")
   assert (more.train.tis_cap, more.train.overlong_buffer_len, more.rollout.max_staleness) == (
       2.0,
       1024,
       4,
   )
-  base = load("qwen3_8b", "baseline")
+  base = load_config("qwen3_8b", "baseline")
   assert not base.rollout.partial_rollout and base.rollout.over_sampling_batch_size == 32
-  node = load("qwen3_4b", "node+baseline")
+  node = load_config("qwen3_4b", "node+baseline")
   assert (node.rollout.num_slots, node.rollout.kv_pages) == (512, 8704)
   assert not node.rollout.partial_rollout
   assert node.rollout.temperature == 0.8 and node.model.init.hidden_size == 2560
   with pytest.raises(ValueError, match="variant 'tls': one of"):
-    load("qwen3_8b", "tis+tls")
+    load_config("qwen3_8b", "tis+tls")
   with pytest.raises(ValueError, match="'gpu' or 'node', not both"):
-    load("qwen3_4b", "gpu+node")
+    load_config("qwen3_4b", "gpu+node")
 
 
 def test_gpu_bench_config_variants_have_real_shapes():
   from april_jax.models.qwen3 import Qwen3Config  # pylint: disable=g-import-not-at-top
 
-  small = Qwen3Config.from_init(load("gpu_bench", "qwen3_0_6b").model.init)
-  large = Qwen3Config.from_init(load("gpu_bench", "qwen3_4b").model.init)
+  small = Qwen3Config.from_init(load_config("gpu_bench", "qwen3_0_6b").model.init)
+  large = Qwen3Config.from_init(load_config("gpu_bench", "qwen3_4b").model.init)
   assert 0.59e9 < small.num_params() < 0.61e9 and 4.0e9 < large.num_params() < 4.1e9
   with pytest.raises(ValueError, match="variant 'qwen3_9b'"):
-    load("gpu_bench", "qwen3_9b")
+    load_config("gpu_bench", "qwen3_9b")
 
 
 def test_the_kv_page_pool_fields_are_checked_by_name():
-  config = load("tiny")
+  config = load_config("tiny")
   config.rollout.page_size = 24
   with pytest.raises(ConfigError) as info:
     validate(config)
   assert "rollout.page_size must be a power of two" in str(info.value)
-  config = load("tiny")
+  config = load_config("tiny")
   config.rollout.page_size = 16
   config.rollout.kv_pages = 3
   max_len = config.data.max_prompt_len + config.rollout.max_response_len
@@ -308,7 +300,7 @@ def test_the_kv_page_pool_fields_are_checked_by_name():
 
 
 def test_a_checkpoint_saved_before_a_field_existed_resumes_at_its_default_only():
-  config = load("tiny")
+  config = load_config("tiny")
   saved = resume_check.as_json(config)
   del saved["env"], saved["data"]["task"]["hide_target"]  # fields added since
   assert resume_check.differences(saved, config) == []
@@ -319,7 +311,7 @@ def test_a_checkpoint_saved_before_a_field_existed_resumes_at_its_default_only()
 def test_a_resume_names_each_field_of_another_model_and_accepts_a_copy_of_the_same():
   """model.path may change on resume (the model moved); a model of another shape may not:
   its arrays would not fit the checkpoint's, and the read would look like damage."""
-  cfg = qwen3.Qwen3Config.from_init(load("tiny").model.init)
+  cfg = qwen3.Qwen3Config.from_init(load_config("tiny").model.init)
   saved = json.loads(json.dumps(hf_io.architecture(cfg)))  # as the checkpoint keeps it
   assert "attention" not in saved and saved["hidden_size"] == cfg.hidden_size
   resume_check.check_same_model(saved, dataclasses.replace(cfg, attention="dense"), 3, "ck")
@@ -334,14 +326,14 @@ def test_a_resume_names_each_field_of_another_model_and_accepts_a_copy_of_the_sa
 
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_a_seed_numpy_cannot_take_is_refused_by_name(seed):
-  config = load("tiny")
+  config = load_config("tiny")
   config.seed = seed
   with pytest.raises(ConfigError, match=rf"seed must be in \[0, 2\*\*32\), got {seed}"):
     validate(config)
 
 
 def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(tmp_path):
-  config = load("tiny")  # GRPO with dynamic sampling
+  config = load_config("tiny")  # GRPO with dynamic sampling
   t = config.train
   t.critic_path = str(tmp_path)  # a critic for GRPO advantages
   t.gae_lambda = 0.95
@@ -357,7 +349,7 @@ def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(
       "is_mode='mask' needs an upper bound: tis_cap > 1",
   ):
     assert words in str(e.value)
-  ppo = load("tiny")
+  ppo = load_config("tiny")
   ppo.train.advantage = "gae"  # with the tiny config's dynamic sampling
   ppo.train.gae_lambda = 1.5
   with pytest.raises(ConfigError) as e:
@@ -366,13 +358,13 @@ def test_algorithm_combinations_that_make_no_sense_are_refused_together_by_name(
   assert "train.gae_lambda must be in [0, 1], got 1.5" in str(e.value)
   ppo.rollout.dynamic_sampling, ppo.train.gae_lambda = False, 0.95
   validate(ppo)
-  rpp = load("tiny")
+  rpp = load_config("tiny")
   rpp.train.advantage, rpp.train.reward_kl_coef = "reinforce_plus_plus", 0.01
   validate(rpp)
 
 
 def test_a_packing_budget_shorter_than_one_sample_is_refused_naming_the_fields():
-  config = load("tiny")
+  config = load_config("tiny")
   max_len = config.data.max_prompt_len + config.rollout.max_response_len
   config.train.pack_len = max_len - 1
   with pytest.raises(ConfigError) as info:
@@ -387,7 +379,7 @@ def test_a_packing_budget_shorter_than_one_sample_is_refused_naming_the_fields()
 
 def test_a_device_memory_that_is_not_a_positive_size_is_refused():
   for gb in (-1.0, 0.0, float("nan")):
-    config = load("tiny")
+    config = load_config("tiny")
     config.mesh.device_memory_gb = gb
     with pytest.raises(ConfigError, match="mesh.device_memory_gb must be a number of GB > 0"):
       validate(config)

@@ -1,11 +1,12 @@
-"""Shared test set-up: 8 CPU devices for sharding tests, tiny random HF Qwen3 models."""
+"""Shared test set-up: 8 CPU devices for sharding tests, the configs/ files' configs, tiny
+Qwen3 models (ours, and random HF ones saved by transformers), the sampler tests' model
+and params, the Qwen3 tokenizer."""
 
 import atexit
+import importlib.util
 import lzma
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 # Must happen before JAX initialises its backends.
@@ -34,6 +35,7 @@ import pytest  # pylint: disable=g-import-not-at-top
 
 # The real data the tests read ships with them (tests/data/README.md: sources, licenses).
 TEST_DATA = Path(__file__).resolve().parent / "data"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 MATH_DIR = TEST_DATA / "math"
 MODEL_CONFIGS_DIR = TEST_DATA / "model_configs"
 
@@ -54,6 +56,23 @@ def _unpacked_qwen3_tokenizer() -> Path:
 QWEN3_TOKENIZER_DIR = _unpacked_qwen3_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+  """The real Qwen3 tokenizer (april_jax.tokenizer.Tokenizer)."""
+  from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+
+  return Tokenizer.from_pretrained(QWEN3_TOKENIZER_DIR)
+
+
+def load_config(name: str, arg=None):
+  """configs/<name>.py's config (its get_config(arg); arg: a variant, as after the colon
+  of --config=configs/<name>.py:<arg>)."""
+  spec = importlib.util.spec_from_file_location(name, CONFIGS_DIR / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def tiny_qwen3(**overrides):
   """A 2-layer Qwen3 of 48 tokens for learner tests (the model package's own config)."""
   from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
@@ -61,6 +80,20 @@ def tiny_qwen3(**overrides):
   shape = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2)
   shape.update(num_heads=4, num_kv_heads=2, head_dim=8)
   return qwen3.Qwen3Config(**dict(shape, **overrides))
+
+
+def sampler_qwen3():
+  """The sampler tests' model: tiny_qwen3 with 96 tokens and heads of 16."""
+  return tiny_qwen3(vocab_size=96, head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def sampler_params():
+  """Random params of sampler_qwen3() (key 0, std 0.35), one set for the session."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top
+
+  return qwen3.init_params(sampler_qwen3(), jax.random.key(0), std=0.35)
 
 
 # Small Qwen3 shapes covering the cases the model must get right.
@@ -159,23 +192,7 @@ def mesh_or_skip(shape):
   return sharding.make_mesh(shape)
 
 
-# XLA_FLAGS of the tests' `python -m april_jax.main` subprocesses: one CPU device. The
-# runs of the tiny config share their compiled programs through the session's cache with
-# the first run that teaches (20 steps: there running dominates, so it keeps XLA's
-# optimisations). Runs with programs of their own (their own cache, model or shapes) and a
-# few steps are mostly compiling, so they turn the optimisations off, as the tests do
-# (a full disk's three runs: 49 s -> 32 s).
-MAIN_XLA_FLAGS = "--xla_force_host_platform_device_count=1"
-MAIN_XLA_FLAGS_UNOPTIMISED = MAIN_XLA_FLAGS + " --xla_backend_optimization_level=0"
-
-
-def run_main(config: str, workdir, *flags) -> subprocess.CompletedProcess:
-  """`python -m april_jax.main --config=configs/<config>` in a subprocess on one CPU
-  device, from the repository root; its exit status and output, never raising."""
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS)
-  return subprocess.run(
-      [sys.executable, "-m", "april_jax.main", f"--config=configs/{config}",
-       f"--workdir={workdir}", *flags],
-      cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-      timeout=600, check=False,
-  )  # fmt: skip
+def step_at(scheduler, step: int, version: int, **options):
+  """One scheduler step with its engine's policy at `version` (the params it holds)."""
+  scheduler.engine.set_policy(scheduler.engine.params, version)
+  return scheduler.step(step, **options)

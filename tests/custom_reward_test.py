@@ -4,13 +4,11 @@ and every way the spec can be wrong refused in one line at start-up."""
 
 import json
 
-import numpy as np
 import pytest
 
 from april_jax.rewards import loading
-from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
-from april_jax.sampler import SampleRecord
+from record_builders import text_group, text_of
 
 USER_REWARDS = """
 import time
@@ -48,28 +46,6 @@ NOT_CALLABLE = 3
 """
 
 
-def _decode(ids):
-  return "".join(chr(i) for i in ids)
-
-
-def _group(group_id, prompt, answer, responses):
-  samples = []
-  for text in responses:
-    ids = np.array([ord(c) for c in text], np.int32)
-    samples.append(
-        SampleRecord(
-            prompt=np.array([ord(c) for c in prompt], np.int32),
-            max_new_tokens=8,
-            rng=np.zeros(2, np.uint32),
-            response=ids,
-            logprobs=np.zeros(len(ids), np.float32),
-            versions=np.zeros(len(ids), np.int32),
-            finish_reason="stop",
-        )
-    )
-  return Group(group_id, group_id, samples[0].prompt, answer, samples, first_step=0)
-
-
 @pytest.fixture(scope="module")
 def user_file(tmp_path_factory):
   path = tmp_path_factory.mktemp("user") / "my_rewards.py"
@@ -79,8 +55,8 @@ def user_file(tmp_path_factory):
 
 
 def test_a_file_reward_scores_in_worker_processes_and_its_extras_are_kept(user_file):
-  runner = RewardRunner(loading.resolve(f"{user_file}:exact"), _decode, num_workers=2)
-  group = _group(0, "q7", "7", ["7", " 8 ", "7 "])
+  runner = RewardRunner(loading.resolve(f"{user_file}:exact"), text_of, num_workers=2)
+  group = text_group(0, "7", ["7", " 8 ", "7 "], prompt="q7")
   runner.submit(group)
   (scored,) = runner.wait_for([group])
   runner.close()
@@ -90,8 +66,8 @@ def test_a_file_reward_scores_in_worker_processes_and_its_extras_are_kept(user_f
 
 
 def test_the_sample_form_gets_the_prompt_and_its_id(user_file):
-  runner = RewardRunner(loading.resolve(f"{user_file}:with_prompt"), _decode, num_workers=1)
-  groups = [_group(1, "q3", "3", ["a"]), _group(2, "q5", "4", ["b"])]
+  runner = RewardRunner(loading.resolve(f"{user_file}:with_prompt"), text_of, num_workers=1)
+  groups = [text_group(1, "3", ["a"], prompt="q3"), text_group(2, "4", ["b"], prompt="q5")]
   for g in groups:
     runner.submit(g)
   runner.wait_for(groups)
@@ -100,8 +76,8 @@ def test_the_sample_form_gets_the_prompt_and_its_id(user_file):
 
 
 def test_the_sample_form_gets_the_dataset_rows_other_columns(user_file):
-  runner = RewardRunner(loading.resolve(f"{user_file}:by_level"), _decode, num_workers=1)
-  with_row, without = _group(7, "q", "1", ["a"]), _group(8, "q", "1", ["a"])
+  runner = RewardRunner(loading.resolve(f"{user_file}:by_level"), text_of, num_workers=1)
+  with_row, without = text_group(7, "1", ["a"], prompt="q"), text_group(8, "1", ["a"], prompt="q")
   with_row.row = {"level": 3, "source": "amc"}
   for g in (with_row, without):
     runner.submit(g)
@@ -111,9 +87,9 @@ def test_the_sample_form_gets_the_dataset_rows_other_columns(user_file):
 
 
 def test_a_user_reward_past_its_time_limit_or_returning_no_number_gets_the_fallback(user_file):
-  slow = RewardRunner(loading.resolve(f"{user_file}:slow"), _decode, 1, timeout_s=1.0, fallback=-1)
-  bad = RewardRunner(loading.resolve(f"{user_file}:not_a_number"), _decode, 1, fallback=-2)
-  a, b = _group(3, "q", "1", ["x"]), _group(4, "q", "1", ["x"])
+  slow = RewardRunner(loading.resolve(f"{user_file}:slow"), text_of, 1, timeout_s=1.0, fallback=-1)
+  bad = RewardRunner(loading.resolve(f"{user_file}:not_a_number"), text_of, 1, fallback=-2)
+  a, b = text_group(3, "1", ["x"], prompt="q"), text_group(4, "1", ["x"], prompt="q")
   slow.submit(a)
   bad.submit(b)
   slow.wait_for([a])
@@ -125,12 +101,12 @@ def test_a_user_reward_past_its_time_limit_or_returning_no_number_gets_the_fallb
 
 
 def test_the_group_form_scores_a_prompts_samples_together(user_file):
-  runner = RewardRunner(loading.resolve(f"{user_file}:ranked"), _decode, num_workers=2)
-  group = _group(5, "q", "1", ["ccc", "a", "bb"])
+  runner = RewardRunner(loading.resolve(f"{user_file}:ranked"), text_of, num_workers=2)
+  group = text_group(5, "1", ["ccc", "a", "bb"], prompt="q")
   runner.submit(group)
   runner.wait_for([group])
-  wrong = RewardRunner(loading.resolve(f"{user_file}:short_group"), _decode, 1, fallback=-1)
-  short = _group(6, "q", "1", ["a", "b"])
+  wrong = RewardRunner(loading.resolve(f"{user_file}:short_group"), text_of, 1, fallback=-1)
+  short = text_group(6, "1", ["a", "b"], prompt="q")
   wrong.submit(short)
   wrong.wait_for([short])
   runner.close()
@@ -172,8 +148,8 @@ def test_each_wrong_spec_is_one_line_naming_it(user_file, spec, expected):
 
 def test_a_reward_that_cannot_reach_a_worker_process_is_refused_by_name():
   with pytest.raises(TypeError, match="pass processes=False to score on threads"):
-    RewardRunner(lambda response, answer: 0.0, _decode)
-  RewardRunner(lambda response, answer: 0.0, _decode, processes=False).close()
+    RewardRunner(lambda response, answer: 0.0, text_of)
+  RewardRunner(lambda response, answer: 0.0, text_of, processes=False).close()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e300])
@@ -199,8 +175,8 @@ def test_a_reward_that_forks_gets_only_its_own_answers_back(tmp_path):
       "  os.waitpid(pid, 0)\n"
       "  return float(len(response))\n"
   )
-  runner = RewardRunner(loading.resolve(f"{path}:score"), _decode, 1, fallback=-1.0)
-  groups = [_group(i, "q", "1", ["a" * (i + 1), "b" * (i + 2)]) for i in range(3)]
+  runner = RewardRunner(loading.resolve(f"{path}:score"), text_of, 1, fallback=-1.0)
+  groups = [text_group(i, "1", ["a" * (i + 1), "b" * (i + 2)], prompt="q") for i in range(3)]
   for group in groups:
     runner.submit(group)
   runner.wait_for(groups)

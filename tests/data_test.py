@@ -16,9 +16,9 @@ import pytest
 from april_jax.data import DataError, LongTailSource, PromptIterator, load_records
 from april_jax.data import line_budget, make_prompt_source
 from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
-from april_jax.tokenizer import CharTokenizer, Tokenizer
+from april_jax.tokenizer import CharTokenizer
 
-from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR as QWEN3_DIR
+from conftest import MATH_DIR
 
 # file -> number of records
 FORMATS = {
@@ -29,11 +29,6 @@ FORMATS = {
     "dapo_format_aime24.parquet": 960,
 }
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking=False
-
-
-@pytest.fixture(scope="module")
-def qwen3() -> Tokenizer:
-  return Tokenizer.from_pretrained(QWEN3_DIR)
 
 
 def _char_tokenizer() -> CharTokenizer:
@@ -114,13 +109,15 @@ def test_keys_given_explicitly_with_a_dot_path():
 
 
 # ---------------------------------------------------------------------- chat template
-def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_prompt(qwen3):
+def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_prompt(
+    qwen3_tokenizer,
+):
   records, _ = load_records(MATH_DIR / "gsm8k_test.jsonl")
-  it = PromptIterator(records, qwen3, max_prompt_len=4096, shuffle=False)
-  tail = qwen3.encode(GENERATION_PROMPT)
+  it = PromptIterator(records, qwen3_tokenizer, max_prompt_len=4096, shuffle=False)
+  tail = qwen3_tokenizer.encode(GENERATION_PROMPT)
   for record in records:
     item = it()
-    expected = qwen3.apply_chat_template(
+    expected = qwen3_tokenizer.apply_chat_template(
         record["messages"], add_generation_prompt=True, enable_thinking=False, tokenize=True
     )
     assert item.tokens.dtype == np.int32 and item.prompt_id == record["id"]
@@ -129,19 +126,24 @@ def test_prompt_tokens_equal_the_qwen3_chat_template_and_end_with_generation_pro
     assert item.answer == record["answer"]
 
 
-def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3):
+def test_system_prompt_comes_first_and_thinking_switch_is_passed(qwen3_tokenizer):
   records, _ = load_records(MATH_DIR / "dapo_format_aime24.parquet")
   it = PromptIterator(
-      records[:3], qwen3, 4096, shuffle=False, system_prompt="Be brief.", enable_thinking=True
+      records[:3],
+      qwen3_tokenizer,
+      4096,
+      shuffle=False,
+      system_prompt="Be brief.",
+      enable_thinking=True,
   )
   item = it()
   messages = [{"role": "system", "content": "Be brief."}] + records[0]["messages"]
-  expected = qwen3.apply_chat_template(
+  expected = qwen3_tokenizer.apply_chat_template(
       messages, add_generation_prompt=True, enable_thinking=True, tokenize=True
   )
   assert item.tokens.tolist() == expected
-  assert qwen3.decode(item.tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>")
-  assert qwen3.decode(item.tokens).endswith("<|im_start|>assistant\n")
+  assert qwen3_tokenizer.decode(item.tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+  assert qwen3_tokenizer.decode(item.tokens).endswith("<|im_start|>assistant\n")
 
 
 # ---------------------------------------------------------------------- malformed rows
@@ -438,7 +440,7 @@ def test_records_keep_the_rows_columns_as_json_for_the_reward():
   assert row["reward_model"]["ground_truth"] == records[0]["answer"]
 
 
-def test_eval_prompts_are_the_first_that_fit_each_once(qwen3, tmp_path):
+def test_eval_prompts_are_the_first_that_fit_each_once(qwen3_tokenizer, tmp_path):
   """A file with fewer prompts that fit than eval.num_prompts wrapped around: a prompt was
   scored twice and the evaluation's mean weighted it double."""
   from april_jax import task as task_lib  # pylint: disable=g-import-not-at-top
@@ -451,7 +453,7 @@ def test_eval_prompts_are_the_first_that_fit_each_once(qwen3, tmp_path):
   config.eval.path, config.data.max_prompt_len = str(path), 64
   for num_prompts, answers in ((2, ["1", "3"]), (3, ["1", "3", "4"]), (10, ["1", "3", "4"])):
     config.eval.num_prompts = num_prompts
-    items = task_lib._file_items(config, qwen3)  # pylint: disable=protected-access
+    items = task_lib._file_items(config, qwen3_tokenizer)  # pylint: disable=protected-access
     assert [item.answer for item in items] == answers
 
 

@@ -3,22 +3,17 @@ left (status 2), before it writes a checkpoint that cannot fit; the checkpoints 
 files already there stay intact, and a copy of the workdir on a roomier disk resumes and
 ends exactly as a run that never stopped."""
 
-import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
+import cli
 
 from april_jax import errors
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = [
-    "--config=configs/tiny.py",
     "--config.num_steps=2",
     "--config.checkpoint_every=1",
     "--config.train.sft_steps=0",
@@ -27,19 +22,17 @@ RUN = [
 
 
 def _main(workdir, cache):
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
-  return subprocess.run(
-      [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN,
-       f"--config.compilation_cache_dir={cache}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-  )  # fmt: skip
+  return cli.run(
+      *RUN,
+      f"--config.compilation_cache_dir={cache}",
+      config="tiny.py",
+      workdir=workdir,
+      optimised=False,
+  )
 
 
 def _lines(path):
-  untimed = lambda l: {
-      k: v for k, v in l.items() if not k.startswith("time/") and "_per_s" not in k
-  }
-  return [untimed(json.loads(l)) for l in Path(path).read_text().splitlines()]
+  return [cli.untimed(l) for l in cli.read_jsonl(path)]
 
 
 @pytest.fixture
@@ -107,11 +100,7 @@ def test_a_disk_too_small_for_the_cache_and_the_logs_is_a_warning_and_one_line(s
   # The compilation cache lives in the workdir here (the default): its writes fail
   # first, then a jsonl or TensorBoard write, or the room check before checkpoint 1.
   workdir = small_disk(600 << 10) / "run"
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
-  proc = subprocess.run(
-      [sys.executable, "-m", "april_jax.main", f"--workdir={workdir}", *RUN],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-  )  # fmt: skip
+  proc = cli.run(*RUN, config="tiny.py", workdir=workdir, optimised=False)
   assert proc.returncode == 2, proc.stderr[-3000:]
   lines = proc.stderr.strip().splitlines()
   assert "Traceback" not in proc.stderr and len(lines) <= 2, proc.stderr[-3000:]

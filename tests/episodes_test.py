@@ -1,37 +1,30 @@
 """Multi-turn episodes: observations fed in place, cuts and resumes, loss masks, the env."""
 
 import concurrent.futures
-import importlib.util
 import itertools
 import json
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from april_jax import sampler
 from april_jax.data import PromptItem
 from april_jax.envs import base, episodes
+from april_jax.envs.episode_state import Episode
 from april_jax.models import qwen3
 from april_jax.rl import batch as batch_lib
 from april_jax.rollout import AprilScheduler, PartialBuffer, RewardRunner, RolloutSettings
 from april_jax.rollout import rollout_metrics
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax.sampler.records import Status
 from april_jax.configs import validate
-from conftest import QWEN3_TOKENIZER_DIR, run_main
+import cli
+from conftest import QWEN3_TOKENIZER_DIR, load_config, sampler_qwen3, step_at
+from record_builders import teacher_forced_logprobs
 
-CFG = qwen3.Qwen3Config(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-)
+CFG = sampler_qwen3()
 PARAMS = qwen3.init_params(CFG, jax.random.key(0), std=0.35)
 STOPS = (3, 17, 29, 41, 55, 68, 80, 91)  # a turn ends on any of these
 OBS_START = 200  # a scripted observation's token ids, decoded from their text
@@ -99,16 +92,16 @@ def _episode(cut=None, mode="kv", seed=0):
   engine, runner = _engine(), _runner()
   record = _record(seed)
   runner.start([record], [{"answer": "gold"}])
-  engine.add_group([record])
+  engine.admit([record])
   cuts = 0
   while True:
     cut_now = cut == "every"
     for r in engine.step():
-      if r.meta.get("blocker"):
+      if r.index == "blocker":
         if engine.holds(r):
           engine.release(r)
         continue
-      if r.finish_reason == "stop":
+      if r.status is Status.HELD:
         observation = runner.turn([r])[0]
         if observation is not None:
           engine.extend(r, observation)
@@ -121,9 +114,9 @@ def _episode(cut=None, mode="kv", seed=0):
       record = _through_buffer(partial, with_kv=mode == "kv")
       if engine.num_free == 2:  # resume in the other slot
         blocker = _record(seed=99, budget=1)
-        blocker.meta["blocker"] = True
-        engine.add_group([blocker])
-      engine.add(record, mode=mode)
+        blocker.index = "blocker"
+        engine.admit([blocker])
+      engine.admit([record], mode=mode)
       cuts += 1
 
 
@@ -133,22 +126,12 @@ def uncut():
   return record
 
 
-def _teacher_forced_logprobs(record, padded_len=128):
-  tokens = np.concatenate([record.prompt, record.response])
-  padded = np.zeros(padded_len, np.int32)
-  padded[: len(tokens) - 1] = tokens[:-1]
-  logits = qwen3.forward(CFG, PARAMS, jnp.asarray(padded[None]))[0]
-  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-  P = len(record.prompt)
-  return logp[np.arange(P - 1, len(tokens) - 1), record.response]
-
-
 def test_an_episode_feeds_observations_in_place_and_draws_over_them_exactly(uncut):
-  meta = uncut.meta
-  assert meta["turns"] == 4 and meta["env"]["turns"] == 4 and meta["env_reward"] == 1.0
-  assert len(meta["obs"]) == 3 and uncut.finish_reason == "stop"
+  episode = uncut.episode
+  assert episode.turns == 4 and episode.state["turns"] == 4 and episode.reward == 1.0
+  assert len(episode.observations) == 3 and uncut.finish_reason == "stop"
   mask = episodes.observation_mask(uncut)
-  for k, (start, end) in enumerate(meta["obs"]):
+  for k, (start, end) in enumerate(episode.observations):
     assert end - start == k + 5  # turn k + 1's observation, whole
     assert uncut.response[start - 1] in STOPS  # right after the turn's stop token
     np.testing.assert_array_equal(uncut.logprobs[start:end], 0.0)
@@ -156,7 +139,9 @@ def test_an_episode_feeds_observations_in_place_and_draws_over_them_exactly(uncu
   # grown over the observations in the slot is the KV of the full sequence.
   drawn = mask > 0
   np.testing.assert_allclose(
-      uncut.logprobs[drawn], _teacher_forced_logprobs(uncut)[drawn], atol=1e-4
+      uncut.logprobs[drawn],
+      teacher_forced_logprobs(CFG, PARAMS, uncut, padded_len=128)[drawn],
+      atol=1e-4,
   )
   stops_drawn = [i for i, t in enumerate(uncut.response) if drawn[i] and t in STOPS]
   assert len(stops_drawn) == 4  # one per turn, the last ending the episode
@@ -169,12 +154,12 @@ def test_an_episode_cut_and_resumed_equals_the_uncut_one(uncut, cut, mode):
   assert cuts >= (3 if cut == "turn" else 10)
   np.testing.assert_array_equal(record.response, uncut.response)
   np.testing.assert_allclose(record.logprobs, uncut.logprobs, atol=1e-4)
-  for key in ("obs", "turns", "env", "env_reward"):
-    assert record.meta[key] == uncut.meta[key], key
+  for key in ("observations", "turns", "state", "reward"):
+    assert getattr(record.episode, key) == getattr(uncut.episode, key), key
 
 
 def test_loss_mask_leaves_out_exactly_the_observation_tokens(uncut):
-  spans = uncut.meta["obs"]
+  spans = uncut.episode.observations
   observed = sum(end - start for start, end in spans)
   assert observed == 5 + 6 + 7
   group = Group(0, 0, uncut.prompt, "", [uncut], first_step=0)
@@ -234,10 +219,10 @@ def _to_the_end(runner):
   """One episode of `runner`'s environment, run to its end on an engine of its own."""
   engine, record = _engine(), _record()
   runner.start([record], [{"answer": ""}])
-  engine.add_group([record])
+  engine.admit([record])
   while engine.num_live:
     for r in engine.step():
-      if r.finish_reason == "stop":
+      if r.status is Status.HELD:
         observation = runner.turn([r])[0]
         if observation is not None:
           engine.extend(r, observation)
@@ -269,11 +254,11 @@ def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
   record = _to_the_end(runner)
   assert record.finished and runner.counts[count] >= 1
   if count in ("env/errors", "env/timeouts"):
-    assert "env_error" in record.meta and record.meta["turns"] == 1
+    assert record.env_error is not None and record.episode.turns == 1
   if count == "env/turn_limit":
-    assert record.meta["turns"] == 2 and len(record.meta["obs"]) == 1
+    assert record.episode.turns == 2 and len(record.episode.observations) == 1
   if count == "env/observations_cut":  # the observation is cut, not the template around it
-    for start, end in record.meta["obs"]:
+    for start, end in record.episode.observations:
       assert end - start == 12 and record.response[start] == 1 and record.response[end - 1] == 2
 
 
@@ -300,7 +285,7 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized():
   record = _to_the_end(runner)
   assert record.finished and runner.counts["env/observations_cut"] >= 1
   assert max(longest) <= 10 * episodes.MAX_CHARS_PER_TOKEN
-  for start, end in record.meta["obs"]:
+  for start, end in record.episode.observations:
     assert end - start == 12 and record.response[start] == 1 and record.response[end - 1] == 2
 
 
@@ -335,24 +320,26 @@ def _scheduler(
 
 def _trained(result):
   return [
-      (g.prompt_id, s.response.tolist(), s.meta["obs"]) for g in result.groups for s in g.samples
+      (g.prompt_id, s.response.tolist(), s.episode.observations)
+      for g in result.groups
+      for s in g.samples
   ]
 
 
 def test_kill_and_resume_mid_episode_equals_the_uninterrupted_run():
   a = _scheduler()
-  uninterrupted = [_trained(a.step(step, version=0)) for step in range(4)]
+  uninterrupted = [_trained(step_at(a, step, 0)) for step in range(4)]
   b = _scheduler()
-  first = [_trained(b.step(step, version=0)) for step in range(2)]
-  arrays, host = b.state()
+  first = [_trained(step_at(b, step, 0)) for step in range(2)]
+  arrays, host = b.checkpoint()
   mid_episode = [
-      s for g in b.buffer for s in g.samples if s.started and not s.finished and s.meta["turns"]
+      s for g in b.buffer for s in g.samples if s.started and not s.finished and s.episode.turns
   ]
   assert mid_episode  # the cut fell inside episodes that had taken turns
   # A new process: new engine and env, the checkpoint's buffer, the data where it was.
   c = _scheduler(first_prompt=max(g.prompt_id for g in b.buffer) + 1)
   c.restore({k: np.array(v) for k, v in arrays.items()}, host)
-  resumed = first + [_trained(c.step(step, version=0)) for step in range(2, 4)]
+  resumed = first + [_trained(step_at(c, step, 0)) for step in range(2, 4)]
   assert resumed == uninterrupted
   assert sum(len(spans) for step in uninterrupted for _, _, spans in step) > 4
 
@@ -372,13 +359,13 @@ def test_every_episode_trains_once_and_whole_even_when_siblings_end_turns_togeth
   s.episodes = episodes.EpisodeRunner(_Coin(), encode, decode)
   trained = []
   for step in range(6):
-    for group in s.step(step, version=step).groups:
+    for group in step_at(s, step, step).groups:
       trained.append(group.prompt_id)
       for x in group.samples:
-        assert x.finished and x.meta["turns"] >= 1
-        spans, stop_ended = x.meta["obs"], x.response[-1] in STOPS
+        assert x.finished and x.episode.turns >= 1
+        spans, stop_ended = x.episode.observations, x.response[-1] in STOPS
         # An episode the environment ended answered every turn but its last.
-        assert len(spans) == x.meta["turns"] - 1 or not stop_ended
+        assert len(spans) == x.episode.turns - 1 or not stop_ended
         assert all(x.response[b - 1] in STOPS for b, _ in spans)
   assert len(trained) == len(set(trained)) == 12
   assert s.totals["trained"] == 12
@@ -386,12 +373,12 @@ def test_every_episode_trains_once_and_whole_even_when_siblings_end_turns_togeth
 
 def test_scheduler_counts_turns_and_masks_observations_in_its_metrics():
   s = _scheduler()
-  result = s.step(0, version=0)
+  result = step_at(s, 0, 0)
   metrics = rollout_metrics(result, 0)
   samples = [x for g in result.groups for x in g.samples]
-  observed = sum(e - b for x in samples for b, e in x.meta["obs"])
+  observed = sum(e - b for x in samples for b, e in x.episode.observations)
   total = sum(len(x.response) for x in samples)
-  assert metrics["rollout/env/turns"] >= sum(x.meta["turns"] for x in samples) > 0
+  assert metrics["rollout/env/turns"] >= sum(x.episode.turns for x in samples) > 0
   assert metrics["rollout/observation_token_frac"] == pytest.approx(observed / total)
 
 
@@ -408,11 +395,11 @@ def test_a_sample_whose_environment_failed_gets_the_fallback_reward():
       batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1, max_response_len=60
   )
   env = episodes.EpisodeRunner(_Raises(), encode, decode)
-  result = AprilScheduler(engine, settings, source, runner, episodes=env).step(0, version=0)
+  result = AprilScheduler(engine, settings, source, runner, episodes=env).step(0)
   (group,) = result.groups
   for sample, reward in zip(group.samples, group.rewards):
-    assert reward == (-1.0 if "env_error" in sample.meta else 1.0)
-  assert result.stats["env/errors"] == sum("env_error" in x.meta for x in group.samples) > 0
+    assert reward == (-1.0 if sample.env_error is not None else 1.0)
+  assert result.stats["env/errors"] == sum(x.env_error is not None for x in group.samples) > 0
 
 
 def test_an_engine_and_scheduler_disagreeing_on_episodes_is_refused():
@@ -425,20 +412,11 @@ def test_an_engine_and_scheduler_disagreeing_on_episodes_is_refused():
 
 # ------------------------------------------------------------- configs and the CLI
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _config(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
 
 def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_same_turn():
   from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
-  c = _config("gsm8k_tool")
+  c = load_config("gsm8k_tool")
   problems = []
   validate._checks_env(c, problems.append)  # pylint: disable=protected-access
   assert not problems  # (the run itself: real_data_test.py)
@@ -462,7 +440,7 @@ def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_s
       "<|im_end|>\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
       "<|im_start|>assistant\n"
   )
-  assert record.meta["env"] == {"calls": 1} and record.meta["obs"] == [
+  assert record.episode.state == {"calls": 1} and record.episode.observations == [
       [len(record.response), len(record.response) + len(observation)]
   ]
   # A turn that ends on <|im_end|> with no call is the final answer.
@@ -503,7 +481,9 @@ def walk(sample):
 
 def _main(workdir, *flags):
   # max_response_len as configs/tiny.py's: the programs other runs compiled are cached.
-  return run_main("tiny_lookup.py", workdir, "--config.rollout.max_response_len=64", *flags)
+  return cli.run(
+      "--config.rollout.max_response_len=64", *flags, config="tiny_lookup.py", workdir=workdir
+  )
 
 
 def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_early(tmp_path):
@@ -546,18 +526,18 @@ def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_
 def test_a_held_slot_must_be_extended_or_released_before_the_next_step():
   engine = _engine()
   record, other = _record(0), _record(1)
-  engine.add_group([record])
+  engine.admit([record])
   with pytest.raises(ValueError, match="not held in a slot at a stop"):
     engine.extend(record, [5])  # still decoding
   stopped = []
   while not stopped:
-    stopped = [r for r in engine.step() if r.finish_reason == "stop"]
+    stopped = [r for r in engine.step() if r.status is Status.HELD]
   with pytest.raises(RuntimeError, match="held at a stop"):
     engine.step()
   with pytest.raises(ValueError, match="no room"):
     engine.extend(stopped[0], np.ones(stopped[0].budget_left, np.int32))
   engine.release(stopped[0])
-  assert engine.num_live == 0 and engine.book.used() == 0
+  assert engine.num_live == 0 and engine.kv.book.used() == 0
   with pytest.raises(ValueError, match="not held"):
     engine.release(other)
 
@@ -595,7 +575,7 @@ def test_on_several_hosts_process_0_answers_and_every_process_applies_the_same_o
     assert (given[0] is None) == (given[1] is None) == (turn == 3)
     if turn < 3:
       np.testing.assert_array_equal(given[0], given[1])
-  assert records[0].meta == records[1].meta and leader.counts == follower.counts
+  assert records[0].episode == records[1].episode and leader.counts == follower.counts
 
 
 def test_a_group_reward_gets_each_episode_and_a_failed_environment_gets_the_fallback(tmp_path):
@@ -614,8 +594,8 @@ def test_a_group_reward_gets_each_episode_and_a_failed_environment_gets_the_fall
     sample.response = np.array([4, 5], np.int32)
     sample.logprobs, sample.versions = np.zeros(2, np.float32), np.zeros(2, np.int32)
     sample.finish_reason = "stop"
-    sample.meta.update(env={}, turns=i + 1, obs=[], env_reward=0.5)
-  samples[2].meta["env_error"] = "step: RuntimeError: down"
+    sample.episode = Episode(state={}, turns=i + 1, reward=0.5)
+  samples[2].episode.error = "step: RuntimeError: down"
   group = Group(0, 0, samples[0].prompt, "", samples, first_step=0)
   runner.submit(group)
   runner.wait_all()

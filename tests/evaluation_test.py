@@ -12,16 +12,9 @@ from april_jax.data import PromptItem
 from april_jax.rewards import loading
 from april_jax.rollout import RewardRunner
 from april_jax.sampler import EngineConfig, SlotEngine
+from conftest import tiny_qwen3
 
-CFG = qwen3.Qwen3Config(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-)
+CFG = tiny_qwen3(vocab_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 
 
 def _run(reward_fn, k=3, top_p=1.0, timeout_s=30.0):

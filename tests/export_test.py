@@ -9,7 +9,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,8 +20,8 @@ from april_jax.checkpoint import Checkpointer
 from april_jax.configs import base, resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
+import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = qwen3.Qwen3Config(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
     num_kv_heads=1, head_dim=16,
@@ -48,14 +47,7 @@ def run(tmp_path_factory):
 
 
 def _export(*args):
-  return subprocess.run(
-      [sys.executable, "-m", "april_jax.export", *args],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-      check=False,
-  )
+  return cli.run(*args, module="april_jax.export", devices=None, timeout=300)
 
 
 def _checksums(folder: Path) -> dict[str, str]:

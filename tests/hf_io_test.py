@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from april_jax.models import hf_io, qwen3
+from conftest import tiny_qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,15 +44,7 @@ def test_load_save_load_is_identical_including_sharded_files(hf_model_dir, tmp_p
 
 
 def test_bfloat16_round_trip_keeps_dtype_and_values(tmp_path):
-  cfg = qwen3.Qwen3Config(
-      vocab_size=64,
-      hidden_size=32,
-      intermediate_size=48,
-      num_layers=2,
-      num_heads=2,
-      num_kv_heads=1,
-      head_dim=16,
-  )
+  cfg = tiny_qwen3(vocab_size=64, intermediate_size=48, num_heads=2, num_kv_heads=1, head_dim=16)
   params = qwen3.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
   umask = os.umask(0o022)
   try:

@@ -8,19 +8,14 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
+import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 TRIES = 10
 QUICK = [
-    "--config=configs/tiny.py",
     "--config.train.sft_steps=0",
     "--config.eval.before_training=false",
     "--config.eval.num_prompts=8",
@@ -32,22 +27,14 @@ CRASH_SIGNS = ("Traceback", "Fatal Python error", "Segmentation fault", "Excepti
 
 
 def _start(workdir, cache, *extra):
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED, PYTHONUNBUFFERED="1")
-  return subprocess.Popen(
-      [
-          sys.executable,
-          "-m",
-          "april_jax.main",
-          f"--workdir={workdir}",
-          *QUICK,
-          f"--config.compilation_cache_dir={cache}",
-          *extra,
-      ],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
+  return cli.launch(
+      *QUICK,
+      f"--config.compilation_cache_dir={cache}",
+      *extra,
+      config="tiny.py",
+      workdir=workdir,
+      optimised=False,
+      env={"PYTHONUNBUFFERED": "1"},
       start_new_session=True,  # its own process group, as a terminal's foreground job is
   )
 

@@ -10,40 +10,25 @@ import jax
 import numpy as np
 import pytest
 
-from april_jax import sampler, sharding
-from april_jax.models import qwen3
-from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax import sharding
+from april_jax.sampler import EngineConfig, SlotEngine
 from april_jax.sampler.kept_kv import KeptKV
 from april_jax.sampler.pages import PageBook
-from conftest import tiny_qwen3
+from conftest import sampler_qwen3
+from record_builders import random_prompts, sample_records
 
-CFG = tiny_qwen3(vocab_size=96, head_dim=16)  # the sampler tests' model
-
-
-@pytest.fixture(scope="module")
-def params():
-  return qwen3.init_params(CFG, jax.random.key(0), std=0.35)
+CFG = sampler_qwen3()
 
 
 def _records(lengths, max_new_tokens, seed=0):
-  rng = np.random.default_rng(seed)
-  keys = sampler.sample_keys(seed, len(lengths))
-  return [
-      SampleRecord(
-          prompt=rng.integers(0, CFG.vocab_size, n).astype(np.int32),
-          max_new_tokens=max_new_tokens,
-          rng=keys[i],
-          temperature=1.0,
-          meta={"index": i},
-      )
-      for i, n in enumerate(lengths)
-  ]
+  """Fresh records of random prompts of these lengths, drawn at temperature 1."""
+  return sample_records(random_prompts(seed, lengths), max_new_tokens, temperature=1.0, seed=seed)
 
 
 def _drain(engine):
   out = {}
   while engine.num_live:
-    out.update({r.meta["index"]: r for r in engine.step()})
+    out.update({r.index: r for r in engine.step()})
   return out
 
 
@@ -51,7 +36,7 @@ def _straight(config, params, lengths, seed=0):
   """The samples decoded to the end, never cut."""
   engine = SlotEngine(CFG, params, config)
   for r in _records(lengths, 22, seed=seed):
-    engine.add_group([r])
+    engine.admit([r])
   return _drain(engine)
 
 
@@ -60,7 +45,7 @@ def _cut(config, params, lengths, steps=2, keep=True, seed=0):
   engine = SlotEngine(CFG, params, config)
   records = _records(lengths, 22, seed=seed)
   for r in records:
-    engine.add_group([r])
+    engine.admit([r])
   for _ in range(steps):
     assert not engine.step()
   return engine, engine.snapshot(with_kv=True, keep=keep)
@@ -132,7 +117,7 @@ def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and
         out[0, j, : len(values), 0, 0] = values
     return out, -out
 
-  kept = KeptKV(book, bucket=lambda n: 8 if n <= 8 else 16, snapshot_width=4, read_kv=read_kv)
+  kept = KeptKV(book, bucket=lambda n: 8 if n <= 8 else 16, snapshot_width=4)
   expected = []
   # Six records of shard 0 (slots 0-2 twice: more than its 3 rows) of bucket 8, then
   # shard 1's: 7 positions (bucket 8) and 13 (bucket 16).
@@ -145,7 +130,7 @@ def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and
     expected.append((record, pool[book.shard_of(slot), pages].reshape(-1)[:used]))
     kept.keep(slot, record, used)
   assert len(kept) == 8 and book.used() == 0
-  kept.copy_out_all()
+  kept.copy_out_all(read_kv)
   for record, values in expected:
     np.testing.assert_array_equal(record.kv_k[0, :, 0, 0], values)
     np.testing.assert_array_equal(record.kv_v, -record.kv_k)
@@ -157,23 +142,25 @@ def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and
 
 # ---------------------------------------------------------------------- the engine
 @pytest.mark.parametrize("decode_attention", ["xla", "pallas"])
-def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params, decode_attention):
+def test_kept_partials_continue_in_place_exactly_as_from_host_kv(sampler_params, decode_attention):
   """Through either decode attention (the kernel, interpreted here, is what a GPU runs)."""
   config = EngineConfig(
       num_slots=8, max_len=64, sync_every=3, snapshot_width=4, decode_attention=decode_attention
   )
   lengths = [3, 14, 6, 20, 9, 2]
-  straight = _straight(config, params, lengths)
-  kept_engine, kept = _cut(config, params, lengths)
-  host_engine, host = _cut(config, params, lengths, keep=False)
+  straight = _straight(config, sampler_params, lengths)
+  kept_engine, kept = _cut(config, sampler_params, lengths)
+  host_engine, host = _cut(config, sampler_params, lengths, keep=False)
   assert all(kept_engine.keeps(r) and not r.has_kv for r in kept)
-  assert kept_engine.kv_bytes_to_host == 0 < host_engine.kv_bytes_to_host
+  assert kept_engine.counters.kv_bytes_to_host == 0 < host_engine.counters.kv_bytes_to_host
   # The pages are free for the accounting, as after a plain snapshot.
-  assert kept_engine.book.free() == host_engine.book.free() and kept_engine.book.used() == 0
+  assert (
+      kept_engine.kv.book.free() == host_engine.kv.book.free() and kept_engine.kv.book.used() == 0
+  )
   assert [r.kv_version for r in kept] == [r.kv_version for r in host] == [0] * 6
-  kept_engine.add_partials(kept[::-1], mode="kv")
-  host_engine.add_partials(host[::-1], mode="kv")
-  assert kept_engine.kv_bytes_to_device == 0 < host_engine.kv_bytes_to_device
+  kept_engine.admit(kept[::-1], mode="kv")
+  host_engine.admit(host[::-1], mode="kv")
+  assert kept_engine.counters.kv_bytes_to_device == 0 < host_engine.counters.kv_bytes_to_device
   assert not any(kept_engine.keeps(r) for r in kept)
   from_pool, from_host = _drain(kept_engine), _drain(host_engine)
   for i, r in straight.items():
@@ -184,29 +171,31 @@ def test_kept_partials_continue_in_place_exactly_as_from_host_kv(params, decode_
 
 
 @pytest.mark.parametrize("decode_attention", ["xla", "pallas"])
-def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params, decode_attention):
+def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(
+    sampler_params, decode_attention
+):
   # 10 pages of 8: the two cut samples keep 6, and four fresh ones need all 10.
   config = EngineConfig(
       num_slots=4,
       max_len=64,
       sync_every=8,
       page_size=8,
-      num_pages=10,
+      kv_pages=10,
       decode_attention=decode_attention,
   )
   lengths = [12, 12]
-  straight = _straight(config, params, lengths)
-  engine, kept = _cut(config, params, lengths, steps=1)
-  host_engine, host = _cut(config, params, lengths, steps=1, keep=False)
+  straight = _straight(config, sampler_params, lengths)
+  engine, kept = _cut(config, sampler_params, lengths, steps=1)
+  host_engine, host = _cut(config, sampler_params, lengths, steps=1, keep=False)
   fresh = _records([9, 9, 9, 9], 8, seed=9)  # 2 pages each: 4 plain free, then 4 kept
   for r in fresh:
-    r.meta["index"] = f"fresh{r.meta['index']}"
+    r.index = f"fresh{r.index}"
   assert engine.room_for(fresh) == host_engine.room_for(fresh) == 4
   extract, calls = engine.fns.extract_kv, []
   engine.fns = dataclasses.replace(
       engine.fns, extract_kv=lambda *a: calls.append(a[1]) or extract(*a)
   )
-  engine.add_groups([[r] for r in fresh])
+  engine.admit(fresh)
   assert not any(engine.keeps(r) for r in kept)  # their pages were needed: copied out
   assert len(calls) == 1  # both in one call: one admission, one length bucket
   for a, b in zip(kept, host):
@@ -214,39 +203,39 @@ def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(params, decod
     np.testing.assert_array_equal(a.kv_v, b.kv_v)
     assert a.kv_version == b.kv_version
   _drain(engine)
-  engine.add_partials(kept, mode="kv")
+  engine.admit(kept, mode="kv")
   resumed = _drain(engine)
   for i, r in straight.items():
     np.testing.assert_array_equal(resumed[i].response, r.response)
     np.testing.assert_allclose(resumed[i].logprobs, r.logprobs, atol=1e-5)
-  assert engine.book.used() == 0 and engine.book.free() == 10 and not engine.book.kept
+  assert engine.kv.book.used() == 0 and engine.kv.book.free() == 10 and not engine.kv.book.kept
 
 
-def test_copy_out_kept_gives_what_a_plain_snapshot_copies(params):
+def test_copy_out_kept_gives_what_a_plain_snapshot_copies(sampler_params):
   config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
-  engine, kept = _cut(config, params, [7, 30, 4])
-  _, host = _cut(config, params, [7, 30, 4], keep=False)
+  engine, kept = _cut(config, sampler_params, [7, 30, 4])
+  _, host = _cut(config, sampler_params, [7, 30, 4], keep=False)
   engine.copy_out_kept()
-  assert not engine.book.kept and engine.book.free() == engine.book.usable
+  assert not engine.kv.book.kept and engine.kv.book.free() == engine.kv.book.usable
   for a, b in zip(kept, host):
     assert not engine.keeps(a) and a.kv_k.shape == b.kv_k.shape
     np.testing.assert_array_equal(a.kv_k, b.kv_k)
     np.testing.assert_array_equal(a.kv_v, b.kv_v)
-  assert engine.kv_bytes_to_host == sum(r.kv_k.nbytes + r.kv_v.nbytes for r in host)
+  assert engine.counters.kv_bytes_to_host == sum(r.kv_k.nbytes + r.kv_v.nbytes for r in host)
 
 
-def test_a_kept_sample_resumed_by_recompute_lets_its_pages_go_uncopied(params):
+def test_a_kept_sample_resumed_by_recompute_lets_its_pages_go_uncopied(sampler_params):
   config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
-  straight = _straight(config, params, [5, 9])
-  engine, kept = _cut(config, params, [5, 9])
-  engine.add_partials(kept, mode="recompute")
-  assert engine.kv_bytes_to_host == 0 and not engine.book.kept
+  straight = _straight(config, sampler_params, [5, 9])
+  engine, kept = _cut(config, sampler_params, [5, 9])
+  engine.admit(kept, mode="recompute")
+  assert engine.counters.kv_bytes_to_host == 0 and not engine.kv.book.kept
   resumed = _drain(engine)
   for i, r in straight.items():
     np.testing.assert_array_equal(resumed[i].response, r.response)
 
 
-def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(params):
+def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(sampler_params):
   """Slots 0-1 on one device, 2-3 on another. A kept sample goes back to the shard of
   its pages and takes them back in place; one whose shard has no free slot left goes
   to the other shard and continues from a copy of its KV."""
@@ -255,23 +244,23 @@ def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(params):
   mesh = sharding.make_mesh((2, 1, 1), jax.devices()[:2])
   config = EngineConfig(num_slots=4, max_len=64, sync_every=3)
   make = lambda: _records([5, 9, 7], 22)  # slots 0, 1 (shard 0) and 2 (shard 1)
-  straight = SlotEngine(CFG, params, config, mesh=mesh)
+  straight = SlotEngine(CFG, sampler_params, config, mesh=mesh)
   for r in make():
-    straight.add_group([r])
+    straight.admit([r])
   want = _drain(straight)
 
   def cut():
-    engine = SlotEngine(CFG, params, config, mesh=mesh)
+    engine = SlotEngine(CFG, sampler_params, config, mesh=mesh)
     for r in make():
-      engine.add_group([r])
+      engine.admit([r])
     engine.step()
     return engine, engine.snapshot(keep=True)
 
   engine, (a, b, c) = cut()
-  assert [engine.book.kept[id(r)][0] for r in (a, b, c)] == [0, 0, 1]
-  assert [r.meta["shard"] for r in (a, b, c)] == [0, 0, 1]
-  assert engine.add_partials([c, a, b], mode="kv") == [2, 0, 1]  # each to its own shard
-  assert engine.kv_bytes_to_host == 0 == engine.kv_bytes_to_device
+  assert [engine.kv.book.kept[r][0] for r in (a, b, c)] == [0, 0, 1]
+  assert [r.home_shard for r in (a, b, c)] == [0, 0, 1]
+  assert engine.admit([c, a, b], mode="kv") == [2, 0, 1]  # each to its own shard
+  assert engine.counters.kv_bytes_to_host == 0 == engine.counters.kv_bytes_to_device
   got = _drain(engine)
   for i, r in want.items():
     np.testing.assert_array_equal(got[i].response, r.response)
@@ -280,29 +269,31 @@ def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(params):
   engine, (a, b, c) = cut()
   blockers = _records([4, 4], 2, seed=5)
   for r in blockers:
-    r.meta["index"] = f"blocker{r.meta['index']}"
-  engine.add_groups([[r] for r in blockers])  # slots 0 and 1: shard 0 is full
-  assert engine.add_partials([a, b], mode="kv") == [2, 3]  # on shard 1: copies
-  assert not a.has_kv and engine.kv_bytes_to_host > 0 < engine.kv_bytes_to_device
+    r.index = f"blocker{r.index}"
+  engine.admit(blockers)  # slots 0 and 1: shard 0 is full
+  assert engine.admit([a, b], mode="kv") == [2, 3]  # on shard 1: copies
+  assert not a.has_kv and engine.counters.kv_bytes_to_host > 0 < engine.counters.kv_bytes_to_device
   got = {}
   while any(engine.holds(r) for r in blockers):  # a and b decode on meanwhile
-    got.update({r.meta["index"]: r for r in engine.step()})
-  engine.add_partials([c], mode="kv")  # to shard 0, freed by the blockers: a copy
+    got.update({r.index: r for r in engine.step()})
+  engine.admit([c], mode="kv")  # to shard 0, freed by the blockers: a copy
   got.update(_drain(engine))
   for i, r in want.items():
     np.testing.assert_array_equal(got[i].response, r.response)
     np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)
 
 
-def test_a_dropped_engine_frees_its_device_state_without_a_collection(params):
-  """The engine holds its KeptKV, which reads through the engine: no reference cycle may
-  keep the pool alive once the engine is dropped (a run builds engines and drops them)."""
+def test_a_dropped_engine_frees_its_device_state_without_a_collection(sampler_params):
+  """The engine holds its parts (the KV manager and its kept KV, the prefill cache),
+  which read through the engine only when a call hands them its read: no reference cycle
+  may keep the pool alive once the engine is dropped (a run builds engines and drops
+  them)."""
   gc.collect()
   before = {id(a) for a in jax.live_arrays()}
   gc.disable()
   try:
-    engine, _ = _cut(EngineConfig(num_slots=4, max_len=64, sync_every=3), params, [3, 5])
-    assert len(engine.kept) == 2
+    engine, _ = _cut(EngineConfig(num_slots=4, max_len=64, sync_every=3), sampler_params, [3, 5])
+    assert len(engine.kv.kept) == 2
     assert {id(a) for a in jax.live_arrays()} - before  # the pool, the page table, ...
     del engine
     assert not {id(a) for a in jax.live_arrays()} - before

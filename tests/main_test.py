@@ -1,38 +1,14 @@
 """python -m april_jax.main end to end: bad configs fail fast, the tiny run learns, and a
 killed run resumes exactly where its checkpoint left it."""
 
-import json
-import os
 import socket
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import MAIN_XLA_FLAGS, MAIN_XLA_FLAGS_UNOPTIMISED
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.py")
-
-
-def _main(workdir, *overrides, xla_flags=MAIN_XLA_FLAGS, **kwargs):
-  cmd = [
-      sys.executable,
-      "-m",
-      "april_jax.main",
-      f"--config={TINY}",
-      f"--workdir={workdir}",
-      *overrides,
-  ]
-  env = dict(os.environ, XLA_FLAGS=xla_flags)
-  return subprocess.Popen(
-      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-  )
-
+import cli
 
 LEARNS = "test_tiny_run_learns_the_builtin_task"
 
@@ -46,27 +22,25 @@ def first_run(request, tmp_path_factory):
     yield None
     return
   workdir = tmp_path_factory.mktemp("first_run")
-  proc = _main(workdir, "--config.num_steps=20", "--config.checkpoint_every=0")
+  proc = cli.launch(
+      "--config.num_steps=20", "--config.checkpoint_every=0", config="tiny.py", workdir=workdir
+  )
   try:
     yield workdir, proc
   finally:
     proc.kill()  # a no-op once it has ended
 
 
-def _read_jsonl(path):
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
-  proc = _main(
-      tmp_path / "w",
+  proc = cli.launch(
       "--config.rollout.over_sampling_batch_size=4",
       "--config.rollout.n_samples_per_prompt=1",
       "--config.train.policy_loss=nope",
       "--config.model.path=/no/such/model",
       "--config.rollout.temperature=nan",
       "--config.train.lr=inf",
+      config="tiny.py",
+      workdir=tmp_path / "w",
   )
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 2, err
@@ -102,7 +76,7 @@ def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flags, expected):
-  proc = _main(tmp_path / "w", *flags)
+  proc = cli.launch(*flags, config="tiny.py", workdir=tmp_path / "w")
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 2, err[-3000:]
   assert err.strip().splitlines() == [err.strip()] and err.startswith("april_jax: "), err[-3000:]
@@ -118,12 +92,13 @@ def test_a_lone_process_of_a_multi_host_run_says_so_in_one_line_and_exits_5(
   with socket.socket() as s:  # a free port
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  proc = _main(
-      tmp_path / "w",
+  proc = cli.launch(
       f"--config.distributed.coordinator_address=localhost:{port}",
       "--config.distributed.num_processes=2",
       f"--config.distributed.process_id={process_id}",
       "--config.distributed.initialization_timeout_s=3",
+      config="tiny.py",
+      workdir=tmp_path / "w",
   )
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 5, err[-3000:]
@@ -139,7 +114,7 @@ def test_a_broken_model_folder_or_an_unusable_workdir_is_one_line_and_exit_2(tmp
       ([f"--config.model.path={tmp_path / 'model'}"], "model/config.json is not valid JSON"),
       ([f"--workdir={tmp_path / 'a_file' / 'w'}"], "cannot be created or written: Not a directory"),
   ]:
-    proc = _main(tmp_path / "w", *flags)
+    proc = cli.launch(*flags, config="tiny.py", workdir=tmp_path / "w")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err[-3000:]
     lines = [l for l in err.strip().splitlines() if not l.startswith("WARNING")]
@@ -147,19 +122,20 @@ def test_a_broken_model_folder_or_an_unusable_workdir_is_one_line_and_exit_2(tmp
 
 
 def test_bfloat16_run_evaluates_every_step_on_its_engine_and_finishes(tmp_path):
-  proc = _main(
-      tmp_path,
+  proc = cli.launch(
       "--config.model.dtype=bfloat16",
       "--config.model.kv_dtype=bfloat16",
       "--config.num_steps=2",
       "--config.eval_every=1",
       "--config.train.sft_steps=2",
       "--config.eval.num_prompts=4",
-      xla_flags=MAIN_XLA_FLAGS_UNOPTIMISED,  # bfloat16 programs of its own: mostly compiling
+      config="tiny.py",
+      workdir=tmp_path,
+      optimised=False,  # bfloat16 programs of its own: mostly compiling
   )
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]
-  metrics = _read_jsonl(tmp_path / "metrics.jsonl")
+  metrics = cli.read_jsonl(tmp_path / "metrics.jsonl")
   assert [m["step"] for m in metrics] == [0, 1, 2]  # 0: the evaluation before training
   assert all("eval/pass@1" in m for m in metrics)
   assert all(np.isfinite(m["train/loss"]) for m in metrics[1:])
@@ -182,9 +158,9 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
   # The uninterrupted run alongside the one that is killed (two cores: each compiles
   # mostly on one). Both write their own workdir.
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  uninterrupted = _main(straight, *steps)
+  uninterrupted = cli.launch(*steps, config="tiny.py", workdir=straight)
   try:
-    proc = _main(killed, *steps)
+    proc = cli.launch(*steps, config="tiny.py", workdir=killed)
     ckpt = killed / "checkpoints" / "4"
     deadline = time.monotonic() + 600
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
@@ -197,46 +173,46 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
   finally:
     uninterrupted.kill()  # a no-op once it has ended
   assert uninterrupted.returncode == 0, err[-3000:]
-  proc = _main(killed, *steps)
+  proc = cli.launch(*steps, config="tiny.py", workdir=killed)
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]
   assert "resumed from step" in out
 
-  a, b = _read_jsonl(straight / "metrics.jsonl"), _read_jsonl(killed / "metrics.jsonl")
+  a, b = cli.read_jsonl(straight / "metrics.jsonl"), cli.read_jsonl(killed / "metrics.jsonl")
   assert [m["step"] for m in b] == list(range(1, 7))
   assert all(m["critic/value_loss"] > 0 for m in b)  # the critic trained, and resumed
   assert [set(m) for m in a] == [set(m) for m in b]
-  timing = lambda k: k.startswith("time/") or k.endswith("_per_s")
   for ma, mb in zip(a, b):
     for key, value in ma.items():
-      if not timing(key):
+      if not cli.timing(key):
         assert mb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ma["step"], key)
 
   assert list((killed / "tb").glob("events.out.tfevents.*"))  # TensorBoard files too
-  ra, rb = _read_jsonl(straight / "rollouts.jsonl"), _read_jsonl(killed / "rollouts.jsonl")
+  ra, rb = cli.read_jsonl(straight / "rollouts.jsonl"), cli.read_jsonl(killed / "rollouts.jsonl")
   trained = [r["prompt_id"] for r in rb]
   assert len(trained) == len(set(trained)) == 6 * 8  # no prompt trained twice or lost
   assert trained == [r["prompt_id"] for r in ra]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
-  proc = _main(
-      tmp_path,
+  proc = cli.launch(
       "--config.num_steps=40",
       "--config.checkpoint_every=0",
       "--config.eval_every=0",
       "--config.train.sft_steps=0",
       "--config.rollout.n_samples_per_prompt=4",
+      config="tiny.py",
+      workdir=tmp_path,
   )
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.monotonic() + 600
   while proc.poll() is None and time.monotonic() < deadline:
-    if metrics.exists() and len(_read_jsonl(metrics)) >= 2:
+    if metrics.exists() and len(cli.read_jsonl(metrics)) >= 2:
       break
     time.sleep(0.2)
   assert proc.poll() is None, "the run ended before SIGTERM"
   # A second run on the same workdir is refused, in one line, and leaves the first alone.
-  second = _main(tmp_path, "--config.num_steps=40")
+  second = cli.launch("--config.num_steps=40", config="tiny.py", workdir=tmp_path)
   _, second_err = second.communicate(timeout=300)
   assert second.returncode == 2, second_err[-3000:]
   message = [line for line in second_err.splitlines() if line.startswith("april_jax:")]
@@ -249,7 +225,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 143, err[-3000:]  # stopped, not finished, with a status of its own
   assert "Traceback" not in err
-  last = _read_jsonl(metrics)[-1]["step"]
+  last = cli.read_jsonl(metrics)[-1]["step"]
   assert last < 40
   assert (tmp_path / "checkpoints" / str(last)).is_dir()  # saved at the step it stopped
   (stopped,) = [l for l in out.splitlines() if l.startswith("stopped by SIGTERM")]
@@ -265,7 +241,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
-  proc = _main(tmp_path, "--config.mesh.device_memory_gb=0.001")
+  proc = cli.launch("--config.mesh.device_memory_gb=0.001", config="tiny.py", workdir=tmp_path)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 3, err[-2000:]
   assert "GB per device but a device holds 0.0 GB" in err and "slot state (KV cache)" in err
@@ -300,7 +276,7 @@ def test_tiny_run_learns_the_builtin_task(first_run):
   tmp_path, proc = first_run
   out, err = proc.communicate(timeout=900)
   assert proc.returncode == 0, err[-3000:]
-  evals = [m for m in _read_jsonl(tmp_path / "metrics.jsonl") if "eval/pass@1" in m]
+  evals = [m for m in cli.read_jsonl(tmp_path / "metrics.jsonl") if "eval/pass@1" in m]
   # Before training (step 0) the warm-started policy stops late: greedy is rarely right.
   # Seeded, so deterministic on a given platform; measured here: 0.000 -> 0.266 (and
   # 0.672 after the whole run's 120 steps, README).

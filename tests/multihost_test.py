@@ -6,12 +6,8 @@ shared) must give the same metrics and params either way; killing one of the two
 processes must end the other promptly, with a clear message; and restarting both must
 resume from the last checkpoint and finish like the uninterrupted run."""
 
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +16,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny_lookup.py")  # multi-turn: episodes agree across hosts
+import cli
+
+TINY = "tiny_lookup.py"  # multi-turn: episodes agree across hosts
 STEPS = 2  # checkpoints 1 and 2: the pair is killed after the first, resumes for the second
 RUN = [
     f"--config.num_steps={STEPS}",
@@ -33,7 +30,8 @@ RUN = [
     "--config.train.lr=3e-4",
     "--config.mesh.shape=(2,2,2)",
 ]
-TIMING = lambda key: key.startswith("time/") or key.endswith("_per_s")
+# The runs turn XLA's backend optimisations off (optimised=False), as conftest.py does for
+# the tests: they are mostly compiling.
 
 
 def _free_port() -> int:
@@ -42,38 +40,19 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir, devices: int, *flags):
-  cmd = [
-      sys.executable,
-      "-m",
-      "april_jax.main",
-      f"--config={TINY}",
-      f"--workdir={workdir}",
-      *RUN,
-      *flags,
-  ]
-  # Backend optimisations off, as conftest.py sets them for the tests: these runs are
-  # mostly compiling.
-  env = dict(
-      os.environ,
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-      "--xla_backend_optimization_level=0",
-  )
-  return subprocess.Popen(
-      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  )
-
-
 def _two_processes(workdir, port=None):
   port = port or _free_port()
   return [
-      _launch(
-          workdir,
-          4,
+      cli.launch(
+          *RUN,
           f"--config.distributed.coordinator_address=localhost:{port}",
           "--config.distributed.num_processes=2",
           f"--config.distributed.process_id={i}",
           "--config.distributed.heartbeat_timeout_s=15",
+          config=TINY,
+          workdir=workdir,
+          devices=4,
+          optimised=False,
       )
       for i in range(2)
   ]
@@ -87,8 +66,7 @@ def _finish(procs, timeout=600):
 
 
 def _metrics(workdir):
-  with open(Path(workdir) / "metrics.jsonl", encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return cli.read_jsonl(Path(workdir) / "metrics.jsonl")
 
 
 def _params(workdir, step):
@@ -117,7 +95,7 @@ def _assert_same_run(a, b):
   for ma, mb in zip(a, b):
     assert set(ma) == set(mb)
     for key, value in ma.items():
-      if not TIMING(key):
+      if not cli.timing(key):
         assert mb[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ma["step"], key)
 
 
@@ -146,7 +124,8 @@ def runs(tmp_path_factory):
   process after checkpoint 1 and are restarted (a straight 2-process run is the first
   half of this one: comparing the whole of it checks both)."""
   root = tmp_path_factory.mktemp("multihost")
-  one = _launch(root / "one", 8)  # alongside: the pair spends much of its time waiting
+  # Alongside: the pair spends much of its time waiting.
+  one = cli.launch(*RUN, config=TINY, workdir=root / "one", devices=8, optimised=False)
   killed = _killed_at_the_first_checkpoint(root / "two")
   ((one_out, _),) = _finish([one])
   outs = _finish(_two_processes(root / "two"))

@@ -4,7 +4,7 @@ a one-token slot, a full pool, float32 and bfloat16 pages, a slot's blocks cut i
 over several programs; its work plan walks every live block once in runs no longer than
 the live tokens ask, whatever the longest slot; it reads nothing past a slot's length
 and nothing its table does not list; its sums follow the slots' lengths, not which pages
-they hold; its runs merge alike in XLA and in a second kernel; it lowers for Triton on
+they hold; it lowers for Triton on
 CUDA and ROCm at the 8B config's shapes; and "auto" picks it on NVIDIA GPUs only."""
 
 import functools
@@ -51,9 +51,9 @@ def _xla(case, chunk_pages=2):
   return pa.paged_decode_attention(**case, chunk_pages=chunk_pages, view=qwen3.kv_view)
 
 
-def _kernel(case, runs=4, merge="xla"):
+def _kernel(case, runs=4):
   """The kernel, the live blocks cut into four runs (a slot's blocks over several)."""
-  return pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs, merge=merge)
+  return pk.paged_decode_attention(**case, view=qwen3.kv_view, runs=runs)
 
 
 @pytest.mark.parametrize(
@@ -134,21 +134,15 @@ def test_work_plan_covers_every_live_block_once_in_runs_the_longest_slot_does_no
         ([16, 31, 47, 64, 1], 7, True),  # bfloat16 pages of a full pool
     ],
 )
-def test_the_merge_kernel_equals_the_xla_merge_and_the_xla_path(past, runs, bf16):
-  """merge="kernel" folds each slot's runs in a second Pallas program: the same
-  attention as the one-hot merge, and as the XLA path, to rounding."""
+def test_runs_merged_per_slot_equal_the_xla_path(past, runs, bf16):
+  """Each slot's runs, merged with its new key, give the XLA path's attention to
+  rounding, whatever the runs (idle programs, one run, none cached)."""
   case = _case(past, seed=len(past), bf16=bf16, G=4 if bf16 else 3)
   f32 = lambda x: np.asarray(x.astype(jnp.float32))
-  got = f32(_kernel(case, runs, merge="kernel"))
+  got = f32(_kernel(case, runs))
   tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=2e-5, atol=2e-6)
-  np.testing.assert_allclose(got, f32(_kernel(case, runs)), **tol)
   np.testing.assert_allclose(got, f32(_xla(case)), **tol)
   assert np.isfinite(got).all()
-
-
-def test_merge_is_checked_by_name():
-  with pytest.raises(ValueError, match="merge must be 'xla' or 'kernel'"):
-    _kernel(_case([3, 5]), merge="triton")
 
 
 def test_kernel_equals_the_xla_path_on_bfloat16_pages_of_a_full_pool():
@@ -181,23 +175,20 @@ def test_kernel_reads_nothing_past_a_length_or_off_the_table():
   np.testing.assert_array_equal(_kernel(garbage), want)
 
 
-@pytest.mark.parametrize("runs, merge", [(3, "xla"), (40, "xla"), (3, "kernel"), (40, "kernel")])
-def test_a_nan_in_one_slots_kv_stays_in_that_slot(runs, merge):
+@pytest.mark.parametrize("runs", [3, 40])
+def test_a_nan_in_one_slots_kv_stays_in_that_slot(runs):
   """A slot whose live keys hold a NaN comes out NaN; every other slot, including those
   whose runs merge beside its runs, is what it was without the NaN."""
   case = _case([20, 37, 5, 33], seed=13)
-  want = np.asarray(_kernel(case, runs=runs, merge=merge))
+  want = np.asarray(_kernel(case, runs=runs))
   pool_k = np.array(case["pool_k_LxPxKxTxH"])
   pool_k[1, np.asarray(case["table_SxJ"])[1, 1], :, 3] = np.nan  # slot 1, position 19
-  got = np.asarray(
-      _kernel(dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k)), runs=runs, merge=merge)
-  )
+  got = np.asarray(_kernel(dict(case, pool_k_LxPxKxTxH=jnp.asarray(pool_k)), runs=runs))
   assert np.isnan(got[1]).all()
   np.testing.assert_array_equal(np.delete(got, 1, axis=0), np.delete(want, 1, axis=0))
 
 
-@pytest.mark.parametrize("merge", ["xla", "kernel"])
-def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds(merge):
+def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds():
   """The same sequences in other physical pages give the same bits (resume exactness)."""
   case = _case([40, 7, 16], seed=11)
   pool_k, pool_v = np.asarray(case["pool_k_LxPxKxTxH"]), np.asarray(case["pool_v_LxPxKxTxH"])
@@ -212,22 +203,18 @@ def test_kernel_sums_in_page_order_whatever_pages_a_slot_holds(merge):
       pool_v_LxPxKxTxH=jnp.asarray(moved_v),
       table_SxJ=jnp.asarray(np.where(table >= 0, move[np.maximum(table, 0)], -1)),
   )
-  np.testing.assert_array_equal(_kernel(moved, merge=merge), _kernel(case, merge=merge))
+  np.testing.assert_array_equal(_kernel(moved), _kernel(case))
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-@pytest.mark.parametrize("merge", ["xla", "kernel"])
-def test_kernel_lowers_for_triton_at_the_8b_shapes(platform, merge):
+def test_kernel_lowers_for_triton_at_the_8b_shapes(platform):
   """One device's shapes of configs/qwen3_8b.py's decode (tensor parallel over 8: one KV
   head of 128, 4 queries per KV head), bfloat16 pages of 256 stored as uint16, lowered
-  for NVIDIA (CUDA) and AMD (ROCm) GPUs, with either merge (the kernel's merge is a
-  second Triton program). Lowering needs no GPU; compiling the Triton programs does, and
+  for NVIDIA (CUDA) and AMD (ROCm) GPUs. Lowering needs no GPU; compiling the Triton programs does, and
   is left to launch/bench_gpu.sh (NVIDIA; never yet on AMD)."""
   S, K, G, H, L, P, T, J = 256, 1, 4, 128, 36, 4353, 256, 68
   sds = jax.ShapeDtypeStruct
-  fn = jax.jit(
-      functools.partial(pk.paged_decode_attention, view=qwen3.kv_view, interpret=False, merge=merge)
-  )
+  fn = jax.jit(functools.partial(pk.paged_decode_attention, view=qwen3.kv_view, interpret=False))
   lowered = fn.trace(
       sds((S, K, G, H), jnp.float32),
       sds((S, K, H), jnp.bfloat16),
@@ -240,7 +227,6 @@ def test_kernel_lowers_for_triton_at_the_8b_shapes(platform, merge):
   ).lower(lowering_platforms=(platform,))
   text = lowered.as_text()
   assert "triton" in text and "paged_decode_attention" in text
-  assert ("paged_decode_attention_merge" in text) == (merge == "kernel")  # its own program
   gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
   assert not [g for g in gathers if f"x{P}x" in g]  # the pool is read by the kernel alone
 
@@ -269,26 +255,16 @@ def test_shapes_a_gpu_kernel_cannot_tile_are_refused_by_name():
     pk.paged_decode_attention(**case, view=qwen3.kv_view, interpret=False)
 
 
-@pytest.mark.parametrize(
-    "mesh_shape, merge", [(None, "xla"), ((2, 2, 2), "xla"), ((2, 2, 2), "kernel")]
-)
-def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemption(
-    mesh_shape, merge, monkeypatch, request
-):
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemption(mesh_shape):
   """Six prompts through four slots (refills) and a pool of ten pages of 8 per slot shard
   (preemption, then restore): sampled at temperature 0.7, the kernel's run draws the same
   tokens, with the same logprobs up to rounding, as the XLA path's; on one device, and
-  per device on a mesh that splits the slots in two (ten pages each). Also with the
-  engine's runs merged by the merge program (pk.ENGINE_MERGE), ready to be its default."""
+  per device on a mesh that splits the slots in two (ten pages each)."""
   from april_jax import sampler  # pylint: disable=g-import-not-at-top
-  from april_jax.sampler import slot_ops  # pylint: disable=g-import-not-at-top
   from conftest import mesh_or_skip, tiny_qwen3  # pylint: disable=g-import-not-at-top
 
   mesh = mesh_or_skip(mesh_shape)
-  if merge != pk.ENGINE_MERGE:
-    monkeypatch.setattr(pk, "ENGINE_MERGE", merge)
-    slot_ops.device_fns.cache_clear()  # cached programs were built with the default merge
-    request.addfinalizer(slot_ops.device_fns.cache_clear)  # and these with this one
   cfg = tiny_qwen3(vocab_size=128, head_dim=16)
   params = qwen3.init_params(cfg, jax.random.key(0), std=0.35)
   if mesh is not None:
@@ -296,7 +272,7 @@ def test_generate_through_the_kernel_equals_the_xla_path_with_refills_and_preemp
   rng = np.random.default_rng(7)
   prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 9, 3, 12, 7, 4)]
   kw = dict(max_new_tokens=40, num_slots=4, max_len=64, temperature=0.7, seed=3, page_size=8)
-  kw.update(num_pages=10 * (1 if mesh is None else 2), return_records=True, sync_every=8)
+  kw.update(kv_pages=10 * (1 if mesh is None else 2), return_records=True, sync_every=8)
   kw.update(mesh=mesh)
   xla = sampler.generate(cfg, params, prompts, **kw)
   kernel = sampler.generate(cfg, params, prompts, decode_attention="pallas", **kw)

@@ -10,6 +10,7 @@ import pytest
 
 from april_jax.models import paged_attention as pa
 from april_jax.sampler import pages as pages_lib
+from april_jax.sampler.engine_config import EngineConfig
 
 
 def _dense_reference(q_SxKxGxH, k_new, v_new, seq_k, seq_v, past):
@@ -152,7 +153,8 @@ def test_a_chunk_is_never_wider_than_the_pool():
       num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
   )  # fmt: skip
   params = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
-  fns = slot_ops.device_fns(cfg, 4, 256, 1, decode_block=32768, page_size=256)
+  settings = EngineConfig(num_slots=4, max_len=256, sync_every=1, decode_block=32768, page_size=256)
+  fns = slot_ops.device_fns(cfg, settings.device_settings())
   state = jax.eval_shape(fns.init)
   i32 = jax.ShapeDtypeStruct((), jnp.int32)
   compiled = fns.decode.lower(

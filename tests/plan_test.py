@@ -3,11 +3,7 @@
 arithmetic plan agrees with the compiled programs."""
 
 import dataclasses
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import pytest
@@ -15,19 +11,13 @@ import pytest
 from april_jax import compile_check, plan, sharding
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
+from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler import EngineConfig
-from conftest import MODEL_CONFIGS_DIR
+import cli
+from conftest import MODEL_CONFIGS_DIR, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
-
-
-def _config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 _REPORTS = {}
@@ -36,7 +26,7 @@ _REPORTS = {}
 def _compiled(name, devices, gb):
   """The compile check of configs/<name>.py (compiled once per test session)."""
   if name not in _REPORTS:
-    config = _config(name)
+    config = load_config(name)
     cfg = hf_io.model_config(config)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:devices])
     _REPORTS[name] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
@@ -47,12 +37,12 @@ def test_shipped_shapes_are_the_released_qwen3_configs():
   for name in ("qwen3_4b", "qwen3_8b"):
     path = MODEL_CONFIGS_DIR / f"{name.replace('_', '-')}.config.json"
     from_hf = hf_io.config_from_hf(json.loads(path.read_text()))
-    assert hf_io.model_config(_config(name)) == dataclasses.replace(from_hf, attention="auto")
+    assert hf_io.model_config(load_config(name)) == dataclasses.replace(from_hf, attention="auto")
     assert QWEN3_SHAPES[name]["hidden_size"] == from_hf.hidden_size
 
 
 def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
-  config = _config("qwen3_8b")
+  config = load_config("qwen3_8b")
   cfg = hf_io.model_config(config)
   p = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
   masters = p.resident["master params (float32)"]
@@ -73,7 +63,7 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
-  config = _config("qwen3_8b")
+  config = load_config("qwen3_8b")
   config.rollout.kv_pages = 8 * 4352  # 165 GB of KV per device
   too_big = plan.make_plan(config, hf_io.model_config(config), 8, 80e9)
   assert not too_big.fits
@@ -82,7 +72,7 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
 
 
 def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
-  config = _config("qwen3_8b", "ppo")
+  config = load_config("qwen3_8b", "ppo")
   cfg = hf_io.model_config(config)
   assert plan.make_plan(config, cfg, 8, 80e9).fits  # PPO with its critic fits 8 x 80 GB
   pages = plan.pages_that_fit(config, cfg, 8, 70e9)
@@ -95,7 +85,7 @@ def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
 
 @needs_8
 def test_the_critics_programs_compile_within_15_percent_of_the_plan():
-  config = _config("qwen3_8b", "ppo")
+  config = load_config("qwen3_8b", "ppo")
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:8])
   arrays = {}
@@ -115,17 +105,11 @@ def test_the_critics_programs_compile_within_15_percent_of_the_plan():
 
 
 def test_planner_cli_names_a_missing_model_shape():
-  out = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "april_jax.plan",
-          "--config=configs/tiny.py",
-          "--config.model.init.hidden_size=0",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  out = cli.run(
+      "--config.model.init.hidden_size=0",
+      config="tiny.py",
+      module="april_jax.plan",
+      devices=None,
       timeout=120,
   )
   assert out.returncode == 2 and "no model shape" in out.stderr
@@ -142,28 +126,14 @@ def test_planner_cli_names_a_missing_model_shape():
     ],
 )
 def test_planner_cli_refuses_nonsense_with_exit_2_and_no_traceback(flag, expected):
-  out = subprocess.run(
-      [sys.executable, "-m", "april_jax.plan", "--config=configs/qwen3_8b.py", flag],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=120,
-      check=False,
-  )
+  out = cli.run(flag, config="qwen3_8b.py", module="april_jax.plan", devices=None, timeout=120)
   assert out.returncode == 2 and expected in out.stderr, out.stderr[-2000:]
   assert "Traceback" not in out.stderr and out.stderr.startswith("april_jax.plan: ")
   assert not out.stdout  # nothing planned, no verdict
 
 
 def test_planner_cli_plans_a_real_config_with_no_other_flag():
-  out = subprocess.run(
-      [sys.executable, "-m", "april_jax.plan", "--config=configs/qwen3_8b.py"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=120,
-      check=False,
-  )
+  out = cli.run(config="qwen3_8b.py", module="april_jax.plan", devices=None, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "8.19B params" in out.stdout and "gradients" in out.stdout
   assert "not checked against a device" in out.stdout  # no capacity given, no verdict
@@ -223,12 +193,12 @@ def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only(
 
 @needs_8
 def test_optimizer_state_is_sharded_like_the_params():
-  config = _config("qwen3_8b")
+  config = load_config("qwen3_8b")
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   t = config.train
   static = update_lib.make_static(cfg, t, 1.0, True, "bfloat16")
-  optimizer, schedule = update_lib.make_optimizer(t, 100)
+  optimizer, schedule = step_lib.make_optimizer(t, 100)
   shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))
   progs = update_lib.build_programs(static, optimizer, shapes, mesh, schedule=schedule)
   masters = compile_check._abstract(shapes, progs.param_sh)  # pylint: disable=protected-access
@@ -244,12 +214,12 @@ def test_optimizer_state_is_sharded_like_the_params():
 
 @needs_8
 def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
-  config = _config("qwen3_8b")
+  config = load_config("qwen3_8b")
   r, t = config.rollout, config.train
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   shape = (1, rows, 17408)
-  assert update_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
+  assert step_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
   from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
 
   validate.validate_for_devices(config, 8)

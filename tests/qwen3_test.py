@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from april_jax.models import hf_io, qwen3
+from conftest import tiny_qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -70,15 +71,7 @@ def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir, block):
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
 def test_chunked_logprobs_equal_log_softmax_of_full_logits(chunk_size):
-  cfg = qwen3.Qwen3Config(
-      vocab_size=97,
-      hidden_size=32,
-      intermediate_size=64,
-      num_layers=2,
-      num_heads=4,
-      num_kv_heads=2,
-      head_dim=16,
-  )
+  cfg = tiny_qwen3(vocab_size=97, head_dim=16)
   params = qwen3.init_params(cfg, jax.random.key(0), std=0.3)
   tokens = jnp.asarray(_random_tokens(2, (2, 23), cfg.vocab_size))
   targets = jnp.roll(tokens, -1, axis=1)
@@ -93,11 +86,9 @@ def test_chunked_logprobs_equal_log_softmax_of_full_logits(chunk_size):
 
 
 def test_chunked_logprob_gradients_match_full_and_remat_changes_nothing():
-  cfg = qwen3.Qwen3Config(
+  cfg = tiny_qwen3(
       vocab_size=61,
-      hidden_size=32,
       intermediate_size=48,
-      num_layers=2,
       num_heads=2,
       num_kv_heads=1,
       head_dim=16,

@@ -3,11 +3,7 @@ tokenizer -> `main` on a DAPO-format parquet, evaluated on AIME-2024 -> a resume
 -> transformers loads the export and gives the trained policy's logits."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +12,12 @@ import pytest
 
 from april_jax.checkpoint import Checkpointer
 from april_jax.models import hf_io, qwen3
-from conftest import MAIN_XLA_FLAGS_UNOPTIMISED, MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
+import cli
+from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     "--config.data.source=" + str(MATH_DIR / "dapo_format_aime24.parquet"),
     "--config.eval.path=" + str(MATH_DIR / "aime24.jsonl"),
@@ -44,19 +40,6 @@ RUN = [
     "--config.eval.num_prompts=2",
     "--config.eval.k=1",
 ]
-
-
-def _run(*args, module="april_jax.main"):
-  env = dict(os.environ, XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED)
-  return subprocess.run(
-      [sys.executable, "-m", module, *args],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      check=False,
-  )
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +66,12 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
 ):
   workdir, out = tmp_path / "run", tmp_path / "export"
   model = f"--config.model.path={model_dir}"
-  first = _run(
-      f"--config={ROOT / 'configs' / 'tiny.py'}",
-      f"--workdir={workdir}",
-      model,
-      *RUN,
-      "--config.num_steps=1",
+  first = cli.run(
+      model, *RUN, "--config.num_steps=1", config="tiny.py", workdir=workdir, optimised=False
   )
   assert first.returncode == 0, first.stderr[-3000:]
-  second = _run(
-      f"--config={ROOT / 'configs' / 'tiny.py'}",
-      f"--workdir={workdir}",
-      model,
-      *RUN,
-      "--config.num_steps=2",
+  second = cli.run(
+      model, *RUN, "--config.num_steps=2", config="tiny.py", workdir=workdir, optimised=False
   )
   assert second.returncode == 0, second.stderr[-3000:]
   assert "resumed from step 1 (1 groups in the partial buffer)" in second.stdout
@@ -112,7 +87,7 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   # (A warm-start needs reference responses, which a dataset does not have: refused at
   # start-up, config_test.py.)
 
-  export = _run(f"--workdir={workdir}", f"--out={out}", module="april_jax.export")
+  export = cli.run(f"--out={out}", workdir=workdir, module="april_jax.export", optimised=False)
   assert export.returncode == 0, export.stderr[-3000:]
   assert "exported checkpoint 2" in export.stdout
   assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
@@ -146,13 +121,14 @@ def test_a_bom_file_whose_prompts_all_exceed_max_prompt_len_is_one_line_before_w
   data = tmp_path / "long.jsonl"
   rows = [{"problem": "What is " + " + ".join(["1"] * n) + "?", "answer": "1"} for n in (40, 30)]
   data.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
-  proc = _run(
-      f"--config={ROOT / 'configs' / 'tiny.py'}",
-      f"--workdir={tmp_path / 'run'}",
+  proc = cli.run(
       f"--config.model.path={model_dir}",
       *[a for a in RUN if not a.startswith(("--config.data.source", "--config.data.max_prompt"))],
       f"--config.data.source={data}",
       "--config.data.max_prompt_len=40",
+      config="tiny.py",
+      workdir=tmp_path / "run",
+      optimised=False,
   )
   assert proc.returncode == 2, proc.stderr[-3000:]
   (line,) = proc.stderr.strip().splitlines()

@@ -7,7 +7,6 @@ import json
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from april_jax.configs import base
@@ -15,9 +14,8 @@ from april_jax.configs.validate import ConfigError, validate
 from april_jax.rewards import loading
 from april_jax.rewards.remote import RemoteReward, RemoteRewardError
 from april_jax.rollout import failures
-from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
-from april_jax.sampler import SampleRecord
+from record_builders import text_group, text_of
 
 
 class _Server:
@@ -92,28 +90,11 @@ def server():
 
 
 def _group(group_id, answer, responses, prompt="q?"):
-  ids = lambda text: np.array([ord(c) for c in text], np.int32)
-  samples = [
-      SampleRecord(
-          prompt=ids(prompt),
-          max_new_tokens=8,
-          rng=np.zeros(2, np.uint32),
-          response=ids(t),
-          logprobs=np.zeros(len(t), np.float32),
-          versions=np.zeros(len(t), np.int32),
-          finish_reason="stop",
-      )
-      for t in responses
-  ]
-  return Group(group_id, f"p{group_id}", ids(prompt), answer, samples, first_step=0)
-
-
-def _decode(ids):
-  return "".join(chr(i) for i in ids)
+  return text_group(group_id, answer, responses, prompt, prompt_id=f"p{group_id}")
 
 
 def _score(reward, groups, timeout_s=30.0, fallback=-1.0):
-  runner = RewardRunner(reward, _decode, num_workers=2, timeout_s=timeout_s, fallback=fallback)
+  runner = RewardRunner(reward, text_of, num_workers=2, timeout_s=timeout_s, fallback=fallback)
   for g in groups:
     runner.submit(g)
   start = time.monotonic()

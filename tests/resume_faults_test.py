@@ -8,48 +8,15 @@ import glob
 import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboardX.proto import event_pb2
 
-from conftest import MAIN_XLA_FLAGS
+import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config.checkpoint_every=1", "--config.eval_every=0", "--config.train.sft_steps=2"]
 RUN += ["--config.rollout.n_samples_per_prompt=4"]
-
-
-def _main(workdir, *overrides):
-  cmd = [
-      sys.executable,
-      "-m",
-      "april_jax.main",
-      f"--config={ROOT / 'configs' / 'tiny.py'}",
-      f"--workdir={workdir}",
-      *RUN,
-      *overrides,
-  ]
-  env = {"XLA_FLAGS": MAIN_XLA_FLAGS}
-  return subprocess.run(
-      cmd,
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      env={**__import__("os").environ, **env},
-      check=False,
-  )
-
-
-def _lines(path):
-  return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-
-
-def _untimed(line):
-  return {k: v for k, v in line.items() if not k.startswith("time/") and "per_s" not in k}
 
 
 def _tensorboard_scalars(tb_dir):
@@ -73,9 +40,9 @@ def _tensorboard_scalars(tb_dir):
 def three_steps(tmp_path_factory):
   """A 3-step run checkpointed at every step, and its metrics."""
   workdir = tmp_path_factory.mktemp("three_steps")
-  proc = _main(workdir, "--config.num_steps=3")
+  proc = cli.run(*RUN, "--config.num_steps=3", config="tiny.py", workdir=workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return workdir, _lines(workdir / "metrics.jsonl")
+  return workdir, cli.read_jsonl(workdir / "metrics.jsonl")
 
 
 def test_a_damaged_checkpoint_and_a_lost_metrics_line_resume_from_the_one_before(
@@ -92,17 +59,18 @@ def test_a_damaged_checkpoint_and_a_lost_metrics_line_resume_from_the_one_before
   largest.write_bytes(largest.read_bytes()[:1000])
   with open(workdir / "metrics.jsonl", "w", encoding="utf-8") as f:
     f.write(json.dumps(original[0]) + "\n")
-  proc = _main(workdir, "--config.num_steps=4")  # num_steps may change on resume
+  # num_steps may change on resume.
+  proc = cli.run(*RUN, "--config.num_steps=4", config="tiny.py", workdir=workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   warnings = [l for l in proc.stderr.splitlines() if l.startswith("april_jax: warning:")]
   assert len(warnings) == 1 and "checkpoint 3 is damaged" in warnings[0], proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr
   assert (workdir / "damaged_checkpoints" / "3" / "state").is_dir()  # kept for inspection
   assert "resumed from step 2" in proc.stdout
-  lines = _lines(workdir / "metrics.jsonl")
+  lines = cli.read_jsonl(workdir / "metrics.jsonl")
   assert [l["step"] for l in lines] == [1, 2, 3, 4]
-  assert _untimed(lines[1]) == _untimed(original[1])  # the checkpoint's copy of its line
-  assert _untimed(lines[2]) == _untimed(original[2])  # step 3 again, exactly
+  assert cli.untimed(lines[1]) == cli.untimed(original[1])  # the checkpoint's copy of its line
+  assert cli.untimed(lines[2]) == cli.untimed(original[2])  # step 3 again, exactly
   shown = _tensorboard_scalars(workdir / "tb")
   assert len(shown) == len(set(shown)) and {s for _, s in shown} == {1, 2, 3, 4}
 
@@ -122,18 +90,21 @@ def test_a_damaged_array_file_is_one_clean_line_even_with_read_debris_collected_
       key=lambda p: p.stat().st_size,
   )
   data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-  launcher = (
-      "import sys; sys.path.insert(0, 'tests'); import resume_debris; from absl import app; "
-      "from april_jax import main; app.run(main.main, flags_parser=main._parse_flags)"
+  # A compilation cache of its own: another test's run writing the shared one at the same
+  # time can leave an entry this run would warn about reading.
+  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}
+  proc = cli.run(
+      *RUN,
+      "--config.num_steps=3",
+      config="tiny.py",
+      workdir=workdir,
+      preload="resume_debris",
+      env=cache,
   )
-  proc = subprocess.run(
-      [sys.executable, "-c", launcher, f"--config={ROOT / 'configs' / 'tiny.py'}",
-       f"--workdir={workdir}", *RUN, "--config.num_steps=3"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-      env={**__import__("os").environ, "XLA_FLAGS": MAIN_XLA_FLAGS},
-  )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, proc.stderr[-3000:]
+  (line,) = lines
   assert line.startswith("april_jax: warning: checkpoint 3 is damaged (") and "(from " in line
   assert "<bound method" not in line and "OUT_OF_RANGE" in line, line
   assert "resumed from step 2" in proc.stdout
@@ -143,8 +114,13 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
   source, _ = three_steps
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
-  proc = _main(
-      workdir, "--config.num_steps=4", "--config.rollout.max_response_len=32", "--config.eval.k=2"
+  proc = cli.run(
+      *RUN,
+      "--config.num_steps=4",
+      "--config.rollout.max_response_len=32",
+      "--config.eval.k=2",
+      config="tiny.py",
+      workdir=workdir,
   )
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   (message,) = [l for l in proc.stderr.splitlines() if l.startswith("april_jax:")]
@@ -154,7 +130,7 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
   )
   for step in (1, 2, 3):
     (workdir / "checkpoints" / str(step) / "host" / "metadata").write_text("not json")
-  proc = _main(workdir, "--config.num_steps=4")
+  proc = cli.run(*RUN, "--config.num_steps=4", config="tiny.py", workdir=workdir)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   errors = [
       l for l in proc.stderr.splitlines() if l.startswith("april_jax:") and "warning" not in l
@@ -164,12 +140,12 @@ def test_a_changed_config_or_no_intact_checkpoint_is_refused_in_one_line(three_s
 
   # Running again starts afresh; the set-aside run's metrics are kept beside its checkpoints.
   old = {name: (workdir / name).read_bytes() for name in ("metrics.jsonl", "rollouts.jsonl")}
-  proc = _main(workdir, "--config.num_steps=1")
+  proc = cli.run(*RUN, "--config.num_steps=1", config="tiny.py", workdir=workdir)
   assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert "starting afresh; the metrics of the run whose checkpoints" in proc.stderr
   kept = workdir / "damaged_checkpoints" / "metrics"
   assert {name: (kept / name).read_bytes() for name in old} == old
-  assert [l["step"] for l in _lines(workdir / "metrics.jsonl")] == [1]
+  assert [l["step"] for l in cli.read_jsonl(workdir / "metrics.jsonl")] == [1]
 
 
 def test_a_model_of_another_shape_is_refused_and_nothing_is_set_aside(three_steps, tmp_path):
@@ -187,7 +163,7 @@ def test_a_model_of_another_shape_is_refused_and_nothing_is_set_aside(three_step
     path.write_text(json.dumps(host))
   before = {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
   before.pop(workdir / ".lock")
-  proc = _main(workdir, "--config.num_steps=4")
+  proc = cli.run(*RUN, "--config.num_steps=4", config="tiny.py", workdir=workdir)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   (message,) = [l for l in proc.stderr.splitlines() if l.startswith("april_jax:")]
   assert "the model the config names now is not the one checkpoint 3" in message

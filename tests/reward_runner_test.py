@@ -2,21 +2,17 @@
 no more, a raising reward is counted, killed workers are replaced, close leaves nothing."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from april_jax.rewards.math import math_reward
 from april_jax.rollout import Group, RewardRunner
 from april_jax.sampler import SampleRecord
-from conftest import MAIN_XLA_FLAGS_UNOPTIMISED
+import cli
+from record_builders import text_of
 
-ROOT = Path(__file__).resolve().parents[1]
 TOWER = "\\boxed{10^{10^{10}}}"  # sympy would compute 10**(10**10) holding the GIL
 
 
@@ -42,13 +38,9 @@ def _group(group_id: int, answer: str, responses: list[str]) -> Group:
   )
 
 
-def _decode(ids) -> str:
-  return "".join(chr(i) for i in ids)
-
-
 def test_a_pathological_answer_costs_its_time_limit_and_the_workers_recover():
   runner = RewardRunner(
-      math_reward, _decode, num_workers=2, timeout_s=1.0, fallback=-1.0, processes=True
+      math_reward, text_of, num_workers=2, timeout_s=1.0, fallback=-1.0, processes=True
   )
   try:
     runner.wait_for([_group(0, "7", ["so \\boxed{7}"])])  # workers up and warm
@@ -83,7 +75,7 @@ def _raises(text: str, answer: str) -> float:
 
 def test_a_reward_that_raises_in_a_worker_gets_the_fallback_and_is_counted():
   runner = RewardRunner(
-      _raises, _decode, num_workers=1, timeout_s=5.0, fallback=-1.0, processes=True
+      _raises, text_of, num_workers=1, timeout_s=5.0, fallback=-1.0, processes=True
   )
   try:
     group = _group(0, "1", ["a", "b"])
@@ -97,13 +89,7 @@ def test_a_reward_that_raises_in_a_worker_gets_the_fallback_and_is_counted():
 
 def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_10_s_of_sigterm(tmp_path):
   # `main` on the built-in task with a reward (tests/runaway_reward.py) that never returns.
-  launcher = (
-      "import runaway_reward; from absl import app; from april_jax import main; "
-      "app.run(main.main, flags_parser=main._parse_flags)"
-  )
-  flags = [
-      f"--config={ROOT / 'configs' / 'tiny.py'}",
-      f"--workdir={tmp_path}",
+  proc = cli.launch(
       "--config.rollout.reward=runaway_for_tests",
       "--config.rollout.dynamic_sampling=False",  # every reward is the fallback
       "--config.rollout.reward_timeout_s=1.0",
@@ -118,19 +104,10 @@ def test_a_run_whose_rewards_run_away_steps_on_and_ends_within_10_s_of_sigterm(t
       "--config.eval_every=0",
       "--config.checkpoint_every=0",
       "--config.num_steps=200",
-  ]
-  env = dict(
-      os.environ,
-      XLA_FLAGS=MAIN_XLA_FLAGS_UNOPTIMISED,
-      PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-  )
-  proc = subprocess.Popen(
-      [sys.executable, "-c", launcher, *flags],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
+      config="tiny.py",
+      workdir=tmp_path,
+      preload="runaway_reward",
+      optimised=False,
   )
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.monotonic() + 300

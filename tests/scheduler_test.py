@@ -19,16 +19,9 @@ from april_jax.rollout import (
 )
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from conftest import step_at, tiny_qwen3
 
-CFG = qwen3.Qwen3Config(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-)
+CFG = tiny_qwen3(vocab_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 PARAMS = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
 MAX_BUDGET = 40
 
@@ -91,7 +84,7 @@ def test_every_admitted_prompt_is_trained_once_rejected_or_buffered(resume_mode)
   sched, handed_out = _make(_longtail_budgets, dynamic_sampling=True, resume_mode=resume_mode)
   trained, rejected = [], []
   for step in range(12):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     assert len(result.groups) == 2
     for g in result.groups:
       # No group is trained before all n samples are done, each to its full budget.
@@ -122,11 +115,11 @@ def test_a_scarce_pool_over_two_slot_shards_starts_what_fits_and_loses_nothing(r
       num_slots=6,
       resume_mode=resume_mode,
       mesh=sharding.make_mesh((2, 1, 1), jax.devices()[:2]),
-      engine_settings=dict(page_size=8, num_pages=20, preempt_mode=resume_mode),
+      engine_settings=dict(page_size=8, kv_pages=20, resume_mode=resume_mode),
   )
   trained = []
   for step in range(6):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     assert len(result.groups) == 2
     for g in result.groups:
       assert [len(s.response) for s in g.samples] == list(budgets(g.prompt_id, 3))
@@ -148,23 +141,23 @@ def test_waiting_samples_take_slots_on_shards_with_pages_for_them():
       lambda i, n: np.full(n, 20),
       num_slots=4,
       mesh=sharding.make_mesh((2, 1, 1), jax.devices()[:2]),
-      engine_settings=dict(page_size=8, num_pages=16),
+      engine_settings=dict(page_size=8, kv_pages=16),
   )
   engine = sched.engine
   record = lambda P, budget: SampleRecord(np.arange(P) % 32, budget, np.zeros(2, np.uint32))
   partial = record(40, 20)
-  engine.add_group([partial])
+  engine.admit([partial])
   engine.step(refill=False)
   engine.snapshot(with_kv=True)
   assert partial.started and partial.has_kv
-  engine.add_group([record(40, 20)])  # slot 0
-  assert engine.book.free(1) == 2 and engine.book.free(2) == 8
+  engine.admit([record(40, 20)])  # slot 0
+  assert engine.kv.book.free(1) == 2 and engine.kv.book.free(2) == 8
   fresh = record(4, 4)
-  st = sched._begin(0, 0)  # pylint: disable=protected-access
+  st = sched._begin(0)  # pylint: disable=protected-access
   st.active = [Group(g, g, r.prompt, "", [r], 0) for g, r in enumerate([fresh, partial])]
   assert sched._start_waiting(st) and not st.blocked  # pylint: disable=protected-access
-  owner = engine._owner  # pylint: disable=protected-access
-  assert owner[1] is fresh and owner[2] is partial and engine.book.free(2) == 2
+  owner = engine.slots.owner
+  assert owner(1) is fresh and owner(2) is partial and engine.kv.book.free(2) == 2
   finished = []
   while engine.num_live:
     finished += engine.step()
@@ -175,7 +168,7 @@ def test_waiting_samples_take_slots_on_shards_with_pages_for_them():
 def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():
   sched, _ = _make(_longtail_budgets, Np=2, partial_rollout=False)
   for step in range(5):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     assert len(result.groups) == 2 and len(sched.buffer) == 0
     # Every step generates its whole batch, all of it by this step's policy.
     trained_tokens = sum(len(s.response) for g in result.groups for s in g.samples)
@@ -192,9 +185,9 @@ def test_groups_admitted_together_share_prefill_calls(partial_rollout):
   sched, _ = _make(
       lambda i, n: np.full(n, 6), N=4, Np=4, num_slots=12, partial_rollout=partial_rollout
   )
-  result = sched.step(0, version=0)
+  result = step_at(sched, 0, 0)
   assert len(result.groups) == 4 and result.stats["admitted_groups"] == 4
-  assert sched.engine.prefills == 1
+  assert sched.engine.counters.prefills == 1
   assert all(len(s.response) == 6 for g in result.groups for s in g.samples)
   # Each sample decoded its own group's prompt: greedy-equal to a fresh engine's.
   for group in result.groups:
@@ -203,7 +196,7 @@ def test_groups_admitted_together_share_prefill_calls(partial_rollout):
         SampleRecord(s.prompt, s.max_new_tokens, s.rng, s.temperature, s.top_k, s.top_p)
         for s in group.samples
     ]
-    alone.add_group(fresh)
+    alone.admit(fresh)
     while alone.num_live:
       alone.step()
     for s, want in zip(group.samples, fresh):
@@ -226,14 +219,14 @@ def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_matc
   budgets = lambda i, n: [24, 1] if i == 0 else [2, 2]
   sched, _ = _make(budgets, N=1, n=2, Np=2, num_slots=4, resume_mode=resume_mode)
   for step in range(40):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     (group,) = result.groups
     if group.prompt_id == 0:
       break
   else:
     pytest.fail("group 0 was never trained")
   long_sample = group.samples[0]
-  k = long_sample.meta["cuts"]  # step ends it was cut at, and continued after
+  k = long_sample.cuts  # step ends it was cut at, and continued after
   assert k >= 2
   if resume_mode == "recompute":  # each continuation recomputes its KV: one tag per update
     assert set(long_sample.versions.tolist()) == set(range(k + 1))
@@ -247,7 +240,7 @@ def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_matc
   )
   # The paper's measure: the long sample was cut at k step ends and continued; its short
   # sibling finished in the step it started, so its token is not counted.
-  assert "cuts" not in group.samples[1].meta
+  assert group.samples[1].cuts == 0
   assert metrics["rollout/off_policy_token_frac"] == pytest.approx(24 / 25)
   assert metrics["rollout/staleness_max"] == step  # its first token was drawn at version 0
   assert metrics["rollout/staleness_mean"] == pytest.approx(
@@ -260,7 +253,7 @@ def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit
   sched, handed_out = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=limit)
   restarts, trained = 0, []
   for step in range(25):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     restarts += result.stats.get("stale_restarts", 0)
     for g in result.groups:
       # Live: an overdue group trains in its step unless older overdue groups fill the
@@ -270,7 +263,7 @@ def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit
       for s in g.samples:
         assert step - s.versions.min() <= limit
     # Pages are kept only for samples still in the buffer: a restarted one lets go.
-    assert set(sched.engine.book.kept) <= {id(s) for g in sched.buffer for s in g.samples}
+    assert set(sched.engine.kv.book.kept) <= {s for g in sched.buffer for s in g.samples}
   assert restarts > 0 and sched.totals["stale_restarts"] == restarts
   assert sorted(trained + [g.prompt_id for g in sched.buffer]) == sorted(handed_out)
 
@@ -285,7 +278,7 @@ def test_a_response_longer_than_the_staleness_limit_restarts_once_and_trains(res
   )
   first_keys = None
   for step in range(60):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     if step == 0:
       first_keys = [s.rng.copy() for s in sched.buffer.get(0).samples]
     (group,) = result.groups
@@ -296,7 +289,7 @@ def test_a_response_longer_than_the_staleness_limit_restarts_once_and_trains(res
   assert step == 3 and result.stats["overdue_groups"] == 1
   assert sched.totals["stale_restarts"] == 2  # both samples once, then never again
   for sample, key in zip(group.samples, first_keys):
-    assert sample.meta["restarts"] == 1 and not np.array_equal(sample.rng, key)
+    assert sample.restarts == 1 and not np.array_equal(sample.rng, key)
     assert set(sample.versions.tolist()) == {step}  # redrawn within this step: on-policy
   assert [len(s.response) for s in group.samples] == [36, 1]
 
@@ -311,7 +304,9 @@ def test_a_stale_sample_restarts_but_its_siblings_within_the_limit_are_kept():
       response=[7, 8],
       logprobs=[-1.0, -1.0],
       versions=[0, 0],
-      meta={"group": 0, "index": 0, "cuts": 2},
+      group_id=0,
+      index=0,
+      cuts=2,
   )
   recent = SampleRecord(
       prompt=prompt,
@@ -321,7 +316,8 @@ def test_a_stale_sample_restarts_but_its_siblings_within_the_limit_are_kept():
       logprobs=[-1.0] * 6,
       versions=[2] * 6,
       finish_reason="length",
-      meta={"group": 0, "index": 1},
+      group_id=0,
+      index=1,
   )
   sched.buffer.add(
       Group(
@@ -329,13 +325,13 @@ def test_a_stale_sample_restarts_but_its_siblings_within_the_limit_are_kept():
       )
   )
   sched.next_group_id = 1
-  result = sched.step(3, version=3)
+  result = step_at(sched, 3, 3)
   (group,) = result.groups
   assert result.stats["stale_restarts"] == 1
   assert group.samples[1] is recent  # finished two versions ago: within the limit, kept
   restarted = group.samples[0]
   assert set(restarted.versions.tolist()) == {3} and len(restarted.response) == 6
-  assert "cuts" not in restarted.meta and restarted.meta["restarts"] == 1
+  assert restarted.cuts == 0 and restarted.restarts == 1
 
 
 def test_dapo_filter_keeps_all_equal_groups_out_and_still_delivers_n_groups():
@@ -343,7 +339,7 @@ def test_dapo_filter_keeps_all_equal_groups_out_and_still_delivers_n_groups():
   budgets = lambda i, n: [2, 4, 6] if i % 2 == 0 else [2, 3, 4]
   sched, _ = _make(budgets, N=2, Np=2, dynamic_sampling=True)
   for step in range(4):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     assert len(result.groups) == 2
     assert all(g.prompt_id % 2 == 1 for g in result.groups)
     assert all(g.prompt_id % 2 == 0 for g in result.rejected)
@@ -355,7 +351,7 @@ def test_dapo_filter_stops_dropping_at_its_cap_so_a_hopeless_step_still_ends():
   # cap the filter would admit groups forever.
   sched, _ = _make(lambda i, n: [2, 4, 6], N=2, Np=2, dynamic_sampling=True, max_dropped_groups=3)
   for step in range(2):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     assert len(result.groups) == 2 and len(result.rejected) == 3
     assert result.stats["zero_std_groups_dropped"] == 3
     assert result.stats["zero_std_groups_kept"] == 2
@@ -374,7 +370,7 @@ def test_reward_that_raises_or_hangs_gets_fallback_and_is_counted():
   sched, _ = _make(
       lambda i, n: [3] * n, N=3, n=2, Np=3, answers=answers, reward=reward, timeout_s=0.3
   )
-  result = sched.step(0, version=0)
+  result = step_at(sched, 0, 0)
   by_id = {g.prompt_id: g for g in result.groups}
   assert by_id[0].rewards == [-1.0, -1.0] and by_id[0].reward_info["errors"] == 2
   assert by_id[1].rewards == [-1.0, -1.0] and by_id[1].reward_info["timeouts"] == 2
@@ -384,11 +380,11 @@ def test_reward_that_raises_or_hangs_gets_fallback_and_is_counted():
 
 def test_surplus_complete_groups_stay_buffered_and_train_first_next_step():
   sched, handed_out = _make(lambda i, n: [2] * n, N=1, n=2, Np=4, num_slots=8)
-  first = sched.step(0, version=0)
+  first = step_at(sched, 0, 0)
   assert [g.prompt_id for g in first.groups] == [0]
   assert sorted(g.prompt_id for g in sched.buffer) == [1, 2, 3]
   assert all(g.complete and g.scored for g in sched.buffer)
-  second = sched.step(1, version=1)
+  second = step_at(sched, 1, 1)
   assert [g.prompt_id for g in second.groups] == [1]  # oldest surplus first, no decoding
   assert second.stats["new_tokens"] == 0
 
@@ -399,13 +395,13 @@ def test_buffer_round_trips_through_numpy_state_and_resumes_identically():
   from host KV. Both continue bit for bit alike."""
   make = lambda: _make(_longtail_budgets, resume_mode="kv")[0]
   a, b = make(), make()
-  a.step(0, version=0)
-  b.step(0, version=0)
+  step_at(a, 0, 0)
+  step_at(b, 0, 0)
   partials = [s for g in a.buffer for s in g.samples if s.started and not s.finished]
   assert partials and all(a.engine.keeps(s) and not s.has_kv for s in partials)
   for g in list(a.buffer) + list(b.buffer):  # a dataset row rides along, for the reward
     g.row = {"level": 3, "tags": ["algebra"], "source": {"name": "amc"}}
-  state, _ = b.state()
+  state, _ = b.checkpoint()
   assert not any(b.engine.keeps(s) for g in b.buffer for s in g.samples)
   b.buffer = PartialBuffer.from_state({k: np.array(v) for k, v in state.items()})
   for ga, gb in zip(a.buffer, b.buffer):
@@ -420,19 +416,19 @@ def test_buffer_round_trips_through_numpy_state_and_resumes_identically():
       if sb.has_kv:  # the used length: every position but the pending token's
         assert sb.kv_k.shape[1] == sb.length - 1 and sb.kv_version == sa.kv_version == 0
   assert b.buffer.host_bytes() > a.buffer.host_bytes() > 0
-  ra, rb = a.step(1, version=1), b.step(1, version=1)
+  ra, rb = step_at(a, 1, 1), step_at(b, 1, 1)
   assert [g.group_id for g in ra.groups] == [g.group_id for g in rb.groups]
   for ga, gb in zip(ra.groups, rb.groups):
     for sa, sb in zip(ga.samples, gb.samples):
       np.testing.assert_array_equal(sa.response, sb.response)
       np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
       np.testing.assert_array_equal(sa.versions, sb.versions)
-  assert a.engine.kv_bytes_to_device == 0 < b.engine.kv_bytes_to_device
+  assert a.engine.counters.kv_bytes_to_device == 0 < b.engine.counters.kv_bytes_to_device
 
 
 def test_occupancy_and_throughput_follow_their_definitions():
   sched, _ = _make(_longtail_budgets, N=2, Np=4)
-  result = sched.step(0, version=0)
+  result = step_at(sched, 0, 0)
   m, st = rollout_metrics(result, 0), result.stats
   assert 0 < m["rollout/slot_occupancy"] <= 1
   assert m["rollout/slot_occupancy"] == pytest.approx(
@@ -448,7 +444,7 @@ def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
   keeping its partials' KV in the pool and once copying it to the host at each step's
   end: the same samples, tokens, logprobs and stats, step by step."""
   budgets = lambda i, n: np.random.default_rng(3000 + i).integers(5, 58, n)
-  settings = dict(page_size=8, num_pages=24)
+  settings = dict(page_size=8, kv_pages=24)
   kept, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
   copied, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
   snapshot = copied.engine.snapshot
@@ -457,7 +453,7 @@ def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
   )
   counts = ("preemptions", "new_tokens", "decode_steps", "partial_samples")
   for step in range(6):
-    a, b = kept.step(step, version=step), copied.step(step, version=step)
+    a, b = step_at(kept, step, step), step_at(copied, step, step)
     assert [g.group_id for g in a.groups] == [g.group_id for g in b.groups]
     assert [a.stats.get(k) for k in counts] == [b.stats.get(k) for k in counts]
     for ga, gb in zip(a.groups, b.groups):
@@ -467,8 +463,8 @@ def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
         np.testing.assert_array_equal(sa.versions, sb.versions)
   assert kept.totals["preemptions"] > 0
   # Preempted samples and reclaimed kept pages still cross to the host; less of it.
-  assert 0 < kept.engine.kv_bytes_to_host < copied.engine.kv_bytes_to_host
-  assert kept.engine.kv_bytes_to_device < copied.engine.kv_bytes_to_device
+  assert 0 < kept.engine.counters.kv_bytes_to_host < copied.engine.counters.kv_bytes_to_host
+  assert kept.engine.counters.kv_bytes_to_device < copied.engine.counters.kv_bytes_to_device
 
 
 @pytest.mark.parametrize("resume_mode", ["kv", "recompute"])
@@ -482,7 +478,7 @@ def test_a_step_cut_early_keeps_everything_in_the_buffer_and_the_run_loses_nothi
       _longtail_budgets, dynamic_sampling=True, resume_mode=resume_mode, reward=slow
   )
   calls = itertools.count()
-  cut = sched.step(0, version=0, cut_now=lambda: next(calls) == 3)
+  cut = step_at(sched, 0, 0, cut_now=lambda: next(calls) == 3)
   assert cut.cut and cut.groups == [] and sched.totals["trained"] == 0
   assert len(sched.buffer) == len(handed_out) - len(cut.rejected) > 0
   drawn = [s for g in sched.buffer for s in g.samples if s.started]
@@ -494,12 +490,12 @@ def test_a_step_cut_early_keeps_everything_in_the_buffer_and_the_run_loses_nothi
     if g.complete:
       g.rewards = None
   start = time.monotonic()
-  given_up = sched.step(1, version=1, cut_now=lambda: False, give_up=lambda: True)
+  given_up = step_at(sched, 1, 1, cut_now=lambda: False, give_up=lambda: True)
   assert given_up.cut and time.monotonic() - start < 5.0
   sched.rewards._reward_fn = slow  # pylint: disable=protected-access
   trained, rejected = [], [g.prompt_id for g in cut.rejected + given_up.rejected]
   for step in range(2, 10):
-    result = sched.step(step, version=step)
+    result = step_at(sched, step, step)
     for g in result.groups:
       assert g.complete and g.scored and not g.rewards_all_equal()
       assert [len(s.response) for s in g.samples] == list(_longtail_budgets(g.prompt_id, 3))

@@ -1,31 +1,20 @@
 """The step benchmark runs whole RL steps on both sides and sets each phase against its
 floor (no timing asserted beyond positive, finite seconds)."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
-import subprocess
-import sys
 
 import pytest
 
 from april_jax.benchmarks import floors, step_bench
 from april_jax.benchmarks.report import Report
 from april_jax.models import qwen3
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _config(name: str, arg=None):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+import cli
+from conftest import load_config
 
 
 def test_step_bench_times_every_phase_of_both_sides_beside_its_floor(tmp_path):
-  config = _config("tiny")
+  config = load_config("tiny")
   config.rollout.n_samples_per_prompt = 4  # the benchmarks' recorded setting (BENCHMARKS.md)
   config.rollout.max_response_len = 48
   report = Report(str(tmp_path / "report"), "step")
@@ -84,31 +73,24 @@ def test_learner_flops_count_the_passes_over_the_body_attention_and_head():
 
 
 def test_gpu_bench_qwen3_1_7b_is_the_released_shape():
-  cfg = qwen3.Qwen3Config.from_init(_config("gpu_bench", "qwen3_1_7b").model.init)
+  cfg = qwen3.Qwen3Config.from_init(load_config("gpu_bench", "qwen3_1_7b").model.init)
   # Qwen3-1.7B's model card: 1.7B parameters, 1.4B of them outside the embedding.
   assert 1.70e9 < cfg.num_params() < 1.75e9
   assert 1.38e9 < floors.body_params(cfg) < 1.42e9
   for variant in ("qwen3_0_6b", "qwen3_4b"):  # the others are unchanged
-    assert _config("gpu_bench", variant).model.init.num_layers in (28, 36)
+    assert load_config("gpu_bench", variant).model.init.num_layers in (28, 36)
 
 
 def test_step_mode_from_the_command_line_ends_with_its_json_line():
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "april_jax.bench",
-          "--mode=step",
-          "--config=configs/tiny.py",
-          "--steps=1",
-          "--max_response_len=32",
-          "--out_dir=",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  proc = cli.run(
+      "--mode=step",
+      "--steps=1",
+      "--max_response_len=32",
+      "--out_dir=",
+      config="tiny.py",
+      module="april_jax.bench",
+      devices=None,
       timeout=300,
-      check=False,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])

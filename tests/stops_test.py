@@ -5,15 +5,12 @@ forkserver, reward and environment workers) is alive a few seconds later."""
 import os
 from pathlib import Path
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import MAIN_XLA_FLAGS
-
-ROOT = Path(__file__).resolve().parents[1]
+import cli
+from process_tree import alive, descendants
 
 # Writes a mark, then holds the interpreter lock until killed (when SPIN is set).
 SPINNING_REWARD = """
@@ -40,58 +37,28 @@ class Env:
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree")
 
 
-def _children() -> dict[int, list[int]]:
-  out: dict[int, list[int]] = {}
-  for name in os.listdir("/proc"):
-    if name.isdigit():
-      try:
-        stat = Path(f"/proc/{name}/stat").read_text()
-      except OSError:
-        continue
-      ppid = int(stat.rpartition(")")[2].split()[1])
-      out.setdefault(ppid, []).append(int(name))
-  return out
-
-
-def _descendants(pid: int) -> set[int]:
-  children, out, todo = _children(), set(), [pid]
-  while todo:
-    for child in children.get(todo.pop(), []):
-      out.add(child)
-      todo.append(child)
-  return out
-
-
-def _alive(pid: int) -> bool:
-  try:
-    state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-  except OSError:
-    return False
-  return state != "Z"  # a zombie has ended; only its exit status is left
-
-
 def _start(config: str, workdir: Path, mark: Path, *flags: str, spin: bool = True):
   # A compilation cache of its own: a run ended at once (Ctrl-C) may leave an entry it was
   # writing cut short, which the session's other runs would read and warn about.
-  cache = workdir.parent / "xla_cache"
-  env = dict(
-      os.environ, XLA_FLAGS=MAIN_XLA_FLAGS, MARK=str(mark), JAX_COMPILATION_CACHE_DIR=str(cache)
-  )
+  env = dict(MARK=str(mark), JAX_COMPILATION_CACHE_DIR=str(workdir.parent / "xla_cache"))
   if spin:
     env["SPIN"] = "1"
-  return subprocess.Popen(
-      [sys.executable, "-m", "april_jax.main", f"--config=configs/{config}",
-       f"--workdir={workdir}", "--config.train.sft_steps=0", "--config.eval_every=0",
-       "--config.rollout.max_failed_steps=0", *flags],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-  )  # fmt: skip
+  return cli.launch(
+      "--config.train.sft_steps=0",
+      "--config.eval_every=0",
+      "--config.rollout.max_failed_steps=0",
+      *flags,
+      config=config,
+      workdir=workdir,
+      env=env,
+  )
 
 
 def _busy_tree(proc, mark: Path, workers: int) -> set[int]:
   """Waits until user code runs (its mark) and the run has its workers; their pids."""
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:
-    tree = _descendants(proc.pid)
+    tree = descendants(proc.pid)
     if mark.exists() and len(tree) >= workers:
       return tree
     time.sleep(0.2)
@@ -101,9 +68,9 @@ def _busy_tree(proc, mark: Path, workers: int) -> set[int]:
 
 def _all_ended(pids: set[int], within_s: float = 5.0) -> set[int]:
   deadline = time.monotonic() + within_s
-  while time.monotonic() < deadline and any(_alive(p) for p in pids):
+  while time.monotonic() < deadline and any(alive(p) for p in pids):
     time.sleep(0.1)
-  return {p for p in pids if _alive(p)}
+  return {p for p in pids if alive(p)}
 
 
 def test_sigterm_cuts_the_step_at_once_saves_and_leaves_no_process(tmp_path):

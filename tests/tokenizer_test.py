@@ -31,25 +31,20 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> Tokenizer:
-  return Tokenizer.from_pretrained(QWEN3_DIR)
-
-
-@pytest.fixture(scope="module")
 def hf_qwen3():
   transformers = pytest.importorskip("transformers")
   return transformers.AutoTokenizer.from_pretrained(str(QWEN3_DIR))
 
 
-def test_encode_matches_known_qwen3_ids(qwen3):
-  assert qwen3.encode("Hello world") == [9707, 1879]
-  assert qwen3.encode("<|im_start|>hello<|im_end|>") == [151644, 14990, 151645]
+def test_encode_matches_known_qwen3_ids(qwen3_tokenizer):
+  assert qwen3_tokenizer.encode("Hello world") == [9707, 1879]
+  assert qwen3_tokenizer.encode("<|im_start|>hello<|im_end|>") == [151644, 14990, 151645]
 
 
-def test_digits_are_one_token_each(qwen3):
-  ids = qwen3.encode("12345")
+def test_digits_are_one_token_each(qwen3_tokenizer):
+  ids = qwen3_tokenizer.encode("12345")
   assert len(ids) == 5
-  assert [qwen3.decode([i]) for i in ids] == list("12345")
+  assert [qwen3_tokenizer.decode([i]) for i in ids] == list("12345")
 
 
 @pytest.mark.parametrize(
@@ -61,33 +56,33 @@ def test_digits_are_one_token_each(qwen3):
         "∫_0^1 x^2 dx = 1/3, so \\frac{1}{3} ≈ 0.333",
     ],
 )
-def test_decode_inverts_encode(qwen3, text):
-  assert qwen3.decode(qwen3.encode(text)) == text
+def test_decode_inverts_encode(qwen3_tokenizer, text):
+  assert qwen3_tokenizer.decode(qwen3_tokenizer.encode(text)) == text
 
 
-def test_special_ids_are_qwen3s(qwen3):
-  assert qwen3.eos_id == 151645
-  assert qwen3.pad_id == 151643
-  assert 151645 in qwen3.stop_ids and 151643 in qwen3.stop_ids
-  assert len(set(qwen3.stop_ids)) == len(qwen3.stop_ids)
-  assert qwen3.token_to_id("<|im_end|>") == 151645
+def test_special_ids_are_qwen3s(qwen3_tokenizer):
+  assert qwen3_tokenizer.eos_id == 151645
+  assert qwen3_tokenizer.pad_id == 151643
+  assert 151645 in qwen3_tokenizer.stop_ids and 151643 in qwen3_tokenizer.stop_ids
+  assert len(set(qwen3_tokenizer.stop_ids)) == len(qwen3_tokenizer.stop_ids)
+  assert qwen3_tokenizer.token_to_id("<|im_end|>") == 151645
 
 
-def test_vocab_size_counts_added_tokens(qwen3):
-  assert qwen3.vocab_size == 151669
-  assert qwen3.vocab_size > qwen3.token_to_id("<|im_end|>")
+def test_vocab_size_counts_added_tokens(qwen3_tokenizer):
+  assert qwen3_tokenizer.vocab_size == 151669
+  assert qwen3_tokenizer.vocab_size > qwen3_tokenizer.token_to_id("<|im_end|>")
 
 
-def test_skip_special_tokens_drops_them_in_decode(qwen3):
-  ids = qwen3.encode("<|im_start|>hello<|im_end|>")
-  assert qwen3.decode(ids, skip_special_tokens=True) == "hello"
+def test_skip_special_tokens_drops_them_in_decode(qwen3_tokenizer):
+  ids = qwen3_tokenizer.encode("<|im_start|>hello<|im_end|>")
+  assert qwen3_tokenizer.decode(ids, skip_special_tokens=True) == "hello"
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_chat_template_renders_like_transformers(
-    qwen3, hf_qwen3, name, add_generation_prompt, enable_thinking
+    qwen3_tokenizer, hf_qwen3, name, add_generation_prompt, enable_thinking
 ):
   messages = CONVERSATIONS[name]
   expected = hf_qwen3.apply_chat_template(
@@ -96,7 +91,7 @@ def test_chat_template_renders_like_transformers(
       add_generation_prompt=add_generation_prompt,
       enable_thinking=enable_thinking,
   )
-  rendered = qwen3.apply_chat_template(
+  rendered = qwen3_tokenizer.apply_chat_template(
       messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
   )
   assert rendered == expected
@@ -107,7 +102,7 @@ def test_chat_template_renders_like_transformers(
       add_generation_prompt=add_generation_prompt,
       enable_thinking=enable_thinking,
   )
-  assert qwen3.apply_chat_template(
+  assert qwen3_tokenizer.apply_chat_template(
       messages,
       add_generation_prompt=add_generation_prompt,
       enable_thinking=enable_thinking,
@@ -115,17 +110,19 @@ def test_chat_template_renders_like_transformers(
   ) == list(expected_ids)
 
 
-def test_disabled_thinking_prompt_closes_an_empty_think_block(qwen3):
-  rendered = qwen3.apply_chat_template(CONVERSATIONS["single_user"], enable_thinking=False)
+def test_disabled_thinking_prompt_closes_an_empty_think_block(qwen3_tokenizer):
+  rendered = qwen3_tokenizer.apply_chat_template(
+      CONVERSATIONS["single_user"], enable_thinking=False
+  )
   assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_tokenized_chat_is_the_ids_of_the_rendered_string(qwen3):
+def test_tokenized_chat_is_the_ids_of_the_rendered_string(qwen3_tokenizer):
   messages = CONVERSATIONS["multi_turn_with_thinking"]
-  rendered = qwen3.apply_chat_template(messages)
-  ids = qwen3.apply_chat_template(messages, tokenize=True)
-  assert ids == qwen3.encode(rendered)
-  assert ids[0] == qwen3.token_to_id("<|im_start|>")
+  rendered = qwen3_tokenizer.apply_chat_template(messages)
+  ids = qwen3_tokenizer.apply_chat_template(messages, tokenize=True)
+  assert ids == qwen3_tokenizer.encode(rendered)
+  assert ids[0] == qwen3_tokenizer.token_to_id("<|im_start|>")
 
 
 def test_missing_folder_raises_file_not_found_naming_it(tmp_path):
@@ -153,12 +150,12 @@ def test_no_chat_template_raises_value_error_naming_folder(tmp_path):
     tokenizer.apply_chat_template(CONVERSATIONS["single_user"])
 
 
-def test_chat_template_falls_back_to_config_string(qwen3, tmp_path):
+def test_chat_template_falls_back_to_config_string(qwen3_tokenizer, tmp_path):
   template = (QWEN3_DIR / "chat_template.jinja").read_text()
   config = {"eos_token": {"content": "<|im_end|>", "special": True}, "chat_template": template}
   tokenizer = Tokenizer.from_pretrained(_folder_with_config(tmp_path, config))
   messages = CONVERSATIONS["system_and_user"]
-  assert tokenizer.apply_chat_template(messages) == qwen3.apply_chat_template(messages)
+  assert tokenizer.apply_chat_template(messages) == qwen3_tokenizer.apply_chat_template(messages)
   assert tokenizer.eos_id == 151645
   assert tokenizer.pad_id == tokenizer.eos_id
 

@@ -4,7 +4,6 @@ stops with one line and exit 2, and an environment's call past its limit is ende
 whatever it holds."""
 
 import ctypes
-import json
 import math
 import os
 import time
@@ -19,7 +18,7 @@ from april_jax.rollout import failures
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import SampleRecord
-from tests.conftest import run_main
+import cli
 
 
 # ------------------------------------------------------------- rewards that go wrong
@@ -151,7 +150,7 @@ def test_the_run_stops_at_the_first_step_or_after_max_failed_steps_of_one_cause(
 # ------------------------------------------------------------------- whole runs
 def _lines(workdir):
   path = workdir / "metrics.jsonl"
-  return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+  return cli.read_jsonl(path) if path.exists() else []
 
 
 def test_a_reward_that_always_raises_stops_the_run_at_step_1_naming_its_file_and_line(tmp_path):
@@ -159,13 +158,13 @@ def test_a_reward_that_always_raises_stops_the_run_at_step_1_naming_its_file_and
       'def score(response, answer):\n  raise ValueError("boom")\n'
   )
   spec = f"{tmp_path / 'my_reward.py'}:score"
-  run = run_main(
-      "tiny.py",
-      tmp_path / "run",
+  run = cli.run(
       f"--config.rollout.reward={spec}",
       "--config.train.sft_steps=0",
       "--config.eval_every=0",
       "--config.num_steps=3",
+      config="tiny.py",
+      workdir=tmp_path / "run",
   )
   assert run.returncode == 2, run.stderr[-3000:]
   where = f"ValueError: boom ({tmp_path / 'my_reward.py'}:2)"
@@ -185,13 +184,13 @@ def test_a_reward_that_fails_some_samples_is_said_each_step_and_counted_in_the_s
       "    raise KeyError(len(response))\n"
       "  return 1.0\n"
   )
-  run = run_main(
-      "tiny.py",
-      tmp_path / "run",
+  run = cli.run(
       f"--config.rollout.reward={tmp_path / 'odd.py'}:score",
       "--config.train.sft_steps=0",
       "--config.eval_every=0",
       "--config.num_steps=2",
+      config="tiny.py",
+      workdir=tmp_path / "run",
   )
   assert run.returncode == 0, run.stderr[-3000:]
   warnings = [l for l in run.stderr.splitlines() if l.startswith("april_jax: warning: step ")]
@@ -211,7 +210,11 @@ class _Walks:
   def __init__(self):
     self.response = np.array([5, 6], np.int32)
     self.budget_left = 100
-    self.meta = {}
+    self.episode = None
+
+  @property
+  def env_error(self):
+    return None if self.episode is None else self.episode.error
 
 
 def test_a_users_environment_holding_the_interpreter_lock_is_killed_at_its_limit(tmp_path):
@@ -237,7 +240,7 @@ def test_a_users_environment_holding_the_interpreter_lock_is_killed_at_its_limit
     assert runner.turn(records) == [None, None]  # each episode ends, counted
     assert time.monotonic() - start < 2 * 0.5 + 2.0
     assert runner.counts["env/timeouts"] == 2
-    assert records[0].meta["env_error"] == "step ran past env.timeout_s=0.5 s"
+    assert records[0].env_error == "step ran past env.timeout_s=0.5 s"
     assert env.pids() and not set(env.pids()) & set(first)  # killed and replaced
   finally:
     runner.close()
@@ -254,7 +257,7 @@ def test_a_users_environment_that_raises_keeps_its_file_and_line(tmp_path):
   try:
     record = _Walks()
     runner.start([record], [{"q": "x"}])
-    why = record.meta["env_error"]
+    why = record.env_error
     assert why == f"reset: RuntimeError: no table for x ({tmp_path / 'bad_env.py'}:3)", why
     assert failures.StepFailures.of([_FakeGroup([record])]).kinds == {"env_error": 1}
   finally:
@@ -283,14 +286,14 @@ def test_a_users_environment_whose_reset_raises_stops_the_run_naming_it(tmp_path
       "  def step(self, state, turn):\n"
       "    raise AssertionError('never reached')\n"
   )
-  run = run_main(
-      "tiny_lookup.py",
-      tmp_path / "run",
+  run = cli.run(
       f"--config.env.name={tmp_path / 'my_env.py'}:Env",
       "--config.rollout.max_response_len=64",
       "--config.train.sft_steps=0",
       "--config.eval_every=0",
       "--config.num_steps=2",
+      config="tiny_lookup.py",
+      workdir=tmp_path / "run",
   )
   assert run.returncode == 2, run.stderr[-3000:]
   last = run.stderr.strip().splitlines()[-1]

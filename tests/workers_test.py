@@ -14,6 +14,7 @@ import types
 import pytest
 
 from april_jax import workers
+from process_tree import alive, parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def test_no_worker_outlives_a_process_killed_outright(tmp_path):
       [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
   )
   pids = [int(p) for p in proc.stdout.readline().split()]
-  server = {int(Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()[1]) for p in pids}
+  server = {parent(p) for p in pids}
   assert len(pids) == 2 and len(server) == 1 and proc.pid not in server
   time.sleep(0.5)  # the hold is running
   proc.send_signal(signal.SIGKILL)
@@ -107,16 +108,9 @@ def test_no_worker_outlives_a_process_killed_outright(tmp_path):
   deadline = time.monotonic() + 5
   left = set(pids) | server
   while left and time.monotonic() < deadline:
-    left = {p for p in left if _alive(p)}
+    left = {p for p in left if alive(p)}
     time.sleep(0.1)
   assert not left
-
-
-def _alive(pid: int) -> bool:
-  try:
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-  except OSError:
-    return False
 
 
 def test_a_worker_does_not_run_the_programs_main_module_again(tmp_path):

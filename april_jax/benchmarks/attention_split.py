@@ -42,6 +42,31 @@ def _per_layer_us(fn, args, layers: int, repeats: int, calls: int = 50) -> float
   return 1e6 * best / calls / layers
 
 
+def _as_dense(pool, table: np.ndarray):
+  """A dense cache [2, S, K, positions, H] holding what each slot's pages of `pool`
+  [2, P, K, T, H] hold, in the order of the slot's row of `table` [S, pages a slot]."""
+  _, _, K, page_size, H = pool.shape
+  slots, per_slot = table.shape
+  return pool[:, table].transpose(0, 1, 3, 2, 4, 5).reshape(2, slots, K, per_slot * page_size, H)
+
+
+def _page_gathers(page_size: int, chunk: int):
+  """The paged side's page gathers alone, as a function like its attention's: the k and v
+  gathers of each chunk of `chunk` pages, summed into the output so that they are read."""
+
+  def gathers(q, layer, pool_k, pool_v, past, table):
+    plan = paged_attention.plan_pages(past, table, page_size, chunk)
+
+    def one_chunk(c, total):
+      _, page_C, _ = jax.lax.dynamic_slice_in_dim(plan.pairs_3xE, c * chunk, chunk, axis=1)
+      k_c, v_c = pool_k[layer, page_C], pool_v[layer, page_C]  # [C, K, T, H]
+      return total + jnp.sum(k_c, axis=(0, 2))[:, None] + jnp.sum(v_c, axis=(0, 2))[:, None]
+
+    return jax.lax.fori_loop(0, plan.num_chunks, one_chunk, jnp.zeros_like(q))
+
+  return gathers
+
+
 def run(
     cfg: qwen3.Qwen3Config,
     slots: int,
@@ -64,13 +89,7 @@ def run(
   table = rng.permutation(P - 1).astype(np.int32).reshape(slots, per_slot)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   pool_k, pool_v = normal(2, P, K, page_size, H), normal(2, P, K, page_size, H)
-  # The dense cache holds what each slot's pages hold, in its order: [2, S, K, positions, H].
-  as_dense = (
-      lambda pool: pool[:, table]
-      .transpose(0, 1, 3, 2, 4, 5)
-      .reshape(2, slots, K, per_slot * page_size, H)
-  )
-  dense_k, dense_v = as_dense(pool_k), as_dense(pool_v)
+  dense_k, dense_v = _as_dense(pool_k, table), _as_dense(pool_v, table)
   q, new = normal(slots, K, G, H), normal(slots, K, H)
   past = jnp.full((slots,), length, jnp.int32)
   table = jnp.asarray(table)
@@ -83,15 +102,7 @@ def run(
   def dense(q, layer, cache_k, cache_v, past):
     return attention.decode_attention(q, new, new, cache_k, cache_v, layer, past, decode_block)
 
-  def gathers(q, layer, pool_k, pool_v, past, table):
-    plan = paged_attention.plan_pages(past, table, page_size, chunk)
-
-    def one_chunk(c, total):
-      _, page_C, _ = jax.lax.dynamic_slice_in_dim(plan.pairs_3xE, c * chunk, chunk, axis=1)
-      k_c, v_c = pool_k[layer, page_C], pool_v[layer, page_C]  # [C, K, T, H]
-      return total + jnp.sum(k_c, axis=(0, 2))[:, None] + jnp.sum(v_c, axis=(0, 2))[:, None]
-
-    return jax.lax.fori_loop(0, plan.num_chunks, one_chunk, jnp.zeros_like(q))
+  gathers = _page_gathers(page_size, chunk)
 
   differ = jnp.max(
       jnp.abs(paged(q, 1, pool_k, pool_v, past, table) - dense(q, 1, dense_k, dense_v, past))

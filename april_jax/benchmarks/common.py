@@ -82,7 +82,7 @@ def greedy_engine(
 def add_greedy_groups(engine, prompts, keys, new_tokens: int) -> None:
   """Admits each prompt as a one-sample greedy group, prompt i drawing from keys[i]."""
   for i, p in enumerate(prompts):
-    engine.add_group(
+    engine.admit(
         [sampler.SampleRecord(prompt=p, max_new_tokens=new_tokens, rng=keys[i], temperature=0.0)]
     )
 

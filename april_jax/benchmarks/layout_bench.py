@@ -18,7 +18,7 @@ import numpy as np
 
 from april_jax.benchmarks import common, length_dists
 from april_jax.rl import batch as batch_lib
-from april_jax.rl import update as update_lib
+from april_jax.rl import layout
 
 PROMPT_MIN, PROMPT_MAX = 100, 400
 
@@ -39,15 +39,15 @@ def sample_mask(config, shape: str, seed: int) -> np.ndarray:
 
 
 def run(config, shape: str = "dapo_math", seeds=(0, 1, 2, 3, 4), devices: int = 1) -> dict:
-  packed_train = update_lib.train_section(config)
+  packed_train = layout.train_section(config)
   packed_train.packing = True
   unpacked_train = packed_train.copy_and_resolve_references()
   unpacked_train.update(packing=False, microbatch_by_length=True)
   rows = []
   for seed in seeds:
     mask = sample_mask(config, shape, seed)
-    unpacked = update_lib.layout_stats(mask, unpacked_train, devices)
-    packed = update_lib.layout_stats(mask, packed_train, devices)
+    unpacked = layout.layout_stats(mask, unpacked_train, devices)
+    packed = layout.layout_stats(mask, packed_train, devices)
     rows.append({"seed": seed, "unpacked": unpacked, "packed": packed})
   t = packed_train
   per_call = mask.shape[0] // (t.num_minibatches * t.num_microbatches)

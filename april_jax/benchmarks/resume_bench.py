@@ -74,7 +74,8 @@ def run(
   results = {m: [] for m in MODES}
   for step in range(steps):
     for mode, sched in sides.items():
-      results[mode].append(sched.step(step, version=step))
+      sched.engine.set_policy(sched.engine.params, step)
+      results[mode].append(sched.step(step))
     common.progress("resume", step + 1, steps)
   r = config.rollout
   out = {

@@ -184,6 +184,85 @@ def timed_chunk(pool_shape, pool_dtype, q_shape, chunk: int, kv_bytes: int, call
   }
 
 
+def _layer_page_table(lengths: np.ndarray, T: int, rng):
+  """Each slot's pages, shuffled over a pool with one spare page: (pages each slot needs,
+  the pool's page count P, the page table [slots, most pages], -1 past a slot's pages)."""
+  need = -(-lengths // T)
+  P = int(need.sum()) + 1
+  ids = rng.permutation(P - 1)
+  table = np.full((len(lengths), max(int(need.max()), 1)), -1, np.int32)
+  ends = np.cumsum(need)
+  for s, n in enumerate(need):
+    table[s, :n] = ids[ends[s] - n : ends[s]]
+  return need, P, table
+
+
+def _layer_args(
+    lengths: np.ndarray, table: np.ndarray, K: int, G: int, H: int, T: int, P: int, dtype
+):
+  """The arguments of one layer's decode attention (random values in `dtype`): queries,
+  the new token's keys and values, a pool of P pages, layer 0, the lengths, the table."""
+  S = len(lengths)
+  key = lambda i: jax.random.key(i)
+  values = lambda i, shape: jax.random.normal(key(i), shape, jnp.float32).astype(dtype)
+  return (
+      values(1, (S, K, G, H)).astype(jnp.float32),
+      values(2, (S, K, H)),
+      values(3, (S, K, H)),
+      values(4, (1, P, K, T, H)),
+      values(5, (1, P, K, T, H)),
+      jnp.int32(0),
+      jnp.asarray(lengths),
+      jnp.asarray(table),
+  )
+
+
+def _layer_programs(chunk: int, wide: int, S: int, interpret) -> list:
+  """(name, jitted program) of each way timed_layer runs one layer's decode attention:
+  the XLA path at chunks of `chunk` and of `wide` pages, then LAYER_KERNELS' kernels."""
+  xla = lambda pages: jax.jit(
+      lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=pages, view=qwen3.kv_view)
+  )
+  kernel = lambda **kw: jax.jit(
+      lambda *a: paged_attention_kernel.paged_decode_attention(
+          *a, view=qwen3.kv_view, interpret=interpret, **kw
+      )
+  )
+  kernels = {"kernel": kernel(), "kernel_mean_runs": kernel(runs=S)}
+  return [("xla", xla(chunk)), ("xla_wide", xla(wide)), *kernels.items()]
+
+
+def _time_layer_programs(programs, args, calls: int) -> tuple[dict, dict]:
+  """Microseconds per call of each program (best of 3 after a compiling run), and its
+  last output as float32; a program other than the XLA path's that fails is reported as
+  layer_<name>_error instead."""
+  out, outputs = {}, {}
+  for name, fn in programs:
+    many = lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
+    try:
+      many()  # compiles
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if name == "xla":
+        raise
+      out[f"layer_{name}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+      continue
+    best, results = common.best_of(3, many)
+    out[f"layer_{name}_us"] = 1e6 * best / calls
+    outputs[name] = np.asarray(results[-1].astype(jnp.float32))
+  return out, outputs
+
+
+def _layer_comparisons(out: dict, outputs: dict, live: int) -> None:
+  """Adds to `out` each timed program's KV GB/s and, for all but the XLA path, its time
+  over the XLA path's and the largest difference between their outputs."""
+  for name in outputs:
+    out[f"layer_{name}_gbps"] = live / out[f"layer_{name}_us"] / 1e3
+    if name != "xla":
+      out[f"layer_{name}_over_xla"] = out[f"layer_{name}_us"] / out["layer_xla_us"]
+      diff = np.max(np.abs(outputs["xla"] - outputs[name]))
+      out[f"layer_{name}_max_abs_diff"] = float(diff)
+
+
 def timed_layer(
     lengths,
     K: int,
@@ -201,9 +280,8 @@ def timed_layer(
   time follow its loop trips or its bytes; it lists the live pages in each call, where
   the engine lists them once a step for every layer) and through the kernel
   (paged_attention_kernel) as the
-  engine runs it ("kernel") and as two candidates: its runs folded by a second Pallas
-  program ("kernel_merged"), and that with the live blocks cut into S runs, so a slot no
-  longer than the mean walks in one program ("kernel_merged_mean_runs"). Microseconds per
+  engine runs it ("kernel") and as a candidate: the live blocks cut into S runs, so a
+  slot no longer than the mean walks in one program ("kernel_mean_runs"). Microseconds per
   call, each one's KV GB/s (the live bytes over its time), and the largest difference
   between each kernel's output and the XLA path's, which checks the kernel as this
   backend compiled it. A kernel this backend cannot build or run is reported
@@ -211,72 +289,24 @@ def timed_layer(
   its other results print."""
   rng = np.random.default_rng(1)
   lengths = np.asarray(lengths, np.int32)
-  need = -(-lengths // T)
-  P = int(need.sum()) + 1
-  ids = rng.permutation(P - 1)
-  table = np.full((len(lengths), max(int(need.max()), 1)), -1, np.int32)
-  ends = np.cumsum(need)
-  for s, n in enumerate(need):
-    table[s, :n] = ids[ends[s] - n : ends[s]]
+  need, P, table = _layer_page_table(lengths, T, rng)
   S = len(lengths)
-  key = lambda i: jax.random.key(i)
-  values = lambda i, shape: jax.random.normal(key(i), shape, jnp.float32).astype(dtype)
-  args = (
-      values(1, (S, K, G, H)).astype(jnp.float32),
-      values(2, (S, K, H)),
-      values(3, (S, K, H)),
-      values(4, (1, P, K, T, H)),
-      values(5, (1, P, K, T, H)),
-      jnp.int32(0),
-      jnp.asarray(lengths),
-      jnp.asarray(table),
-  )
+  args = _layer_args(lengths, table, K, G, H, T, P, dtype)
   chunk = slot_ops.chunk_pages_for(decode_block, T, P - 1)
   wide = slot_ops.chunk_pages_for(4 * decode_block, T, P - 1)
-  xla = lambda pages: jax.jit(
-      lambda *a: paged_attention.paged_decode_attention(*a, chunk_pages=pages, view=qwen3.kv_view)
-  )
-  kernel = lambda **kw: jax.jit(
-      lambda *a: paged_attention_kernel.paged_decode_attention(
-          *a, view=qwen3.kv_view, interpret=interpret, **kw
-      )
-  )
-  kernels = {
-      "kernel": kernel(),
-      "kernel_merged": kernel(merge="kernel"),
-      "kernel_merged_mean_runs": kernel(merge="kernel", runs=S),
-  }
-  out, outputs = {}, {}
-  for name, fn in (("xla", xla(chunk)), ("xla_wide", xla(wide)), *kernels.items()):
-    many = lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
-    try:
-      many()  # compiles
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      if name == "xla":
-        raise
-      out[f"layer_{name}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      continue
-    best, results = common.best_of(3, many)
-    out[f"layer_{name}_us"] = 1e6 * best / calls
-    outputs[name] = np.asarray(results[-1].astype(jnp.float32))
+  out, outputs = _time_layer_programs(_layer_programs(chunk, wide, S, interpret), args, calls)
   live = 2 * int(lengths.sum()) * K * H * jnp.dtype(dtype).itemsize
   out.update(layer_slots=S, layer_live_kv_bytes=live)
   for name, pages in (("xla", chunk), ("xla_wide", wide)):
     out[f"layer_{name}_chunk_pages"] = pages
     out[f"layer_{name}_chunks"] = -(-int(need.sum()) // pages)  # loop trips a call takes
-  for name in outputs:
-    out[f"layer_{name}_gbps"] = live / out[f"layer_{name}_us"] / 1e3
-    if name != "xla":
-      out[f"layer_{name}_over_xla"] = out[f"layer_{name}_us"] / out["layer_xla_us"]
-      diff = np.max(np.abs(outputs["xla"] - outputs[name]))
-      out[f"layer_{name}_max_abs_diff"] = float(diff)
+  _layer_comparisons(out, outputs, live)
   return out
 
 
 LAYER_KERNELS = {  # timed_layer's kernels, as its lines name them
     "kernel": "kernel (the engine's)",
-    "kernel_merged": "kernel, runs merged by a second kernel",
-    "kernel_merged_mean_runs": "the same, live blocks in S runs",
+    "kernel_mean_runs": "the same, live blocks in S runs",
 }
 
 
@@ -332,27 +362,22 @@ def kernel_plan(lengths, page: int, kv_heads: int, group: int, head_dim: int) ->
   }
 
 
-def run(
-    config,
-    devices: int = 8,
-    shape: str = "dapo_math",
-    prompt: int = 256,
-    trials: int = 50,
-    timed: bool = True,
-):
-  cfg = hf_io.model_config(config)
-  r = config.rollout
+def _planning_mesh(config, devices: int):
+  """A stand-in for the decode mesh of `devices` devices (its axis sizes, all the
+  planner reads) and the config's decode sharding rules."""
   mesh_shape = sharding.resolve_mesh_shape(tuple(config.mesh.shape), devices)
   mesh = type("Mesh", (), {"shape": dict(zip(sharding.MESH_AXES, mesh_shape))})()
   rules = tuple(tuple(x) for x in config.mesh.decode_rules)
-  kv_split = plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
-  per_token = plan_lib.kv_bytes_per_token(cfg, config.model.kv_dtype) / kv_split
-  weights = plan_lib.params_bytes(cfg, mesh, rules, plan_lib.dtype_bytes(config.model.dtype))
-  max_len = config.data.max_prompt_len + r.max_response_len
-  usable, _ = plan_lib.pool_pages(config, mesh, rules)
+  return mesh, rules
+
+
+def _steady_state_bytes(
+    rng, r, shape: str, prompt: int, trials: int, usable: int, per_token, weights, dense_slots
+):
+  """Over `trials` draws of the steady state: the mean (live slots, live bound bytes,
+  paged bytes, dense slots, dense bytes) per device and step, and the last trial's live
+  lengths."""
   page = r.page_size
-  dense_slots = usable * page // max_len  # what the same memory held at max_len
-  rng = np.random.default_rng(0)
   rows = []
   for _ in range(trials):
     # As many live slots as the pool holds at steady state (at most num_slots).
@@ -365,29 +390,31 @@ def run(
     dense_live = _steady_lengths(rng, shape, prompt, r.max_response_len, dense_slots)
     dense = dense_slots * dense_live.max() * per_token
     rows.append((len(lengths), weights + live, weights + paged, dense_slots, weights + dense))
-  a = np.array(rows, np.float64).mean(0)
-  chunk = compiled_chunk(config, cfg, mesh, rules, timed)
+  return np.array(rows, np.float64).mean(0), lengths
+
+
+def _kernel_step(cfg, lengths, page: int, kv_heads: int, per_token, weights) -> dict:
+  """kernel_plan at these lengths, and what a step through the kernel reads: kernel_gb
+  and kernel_over_bound (over these lengths' live bound)."""
   group = cfg.num_heads // cfg.num_kv_heads
-  chunk.update(kernel_plan(lengths, page, cfg.num_kv_heads // kv_split, group, cfg.head_dim))
+  plan = kernel_plan(lengths, page, kv_heads, group, cfg.head_dim)
   # What a step through the kernel reads at the last trial's lengths: the weights, each
   # slot's KV to its last whole block, and every layer's partial results written and read.
-  block = chunk["kernel_block"]
+  block = plan["kernel_block"]
   kernel_kv = (-(-lengths // block) * block).sum() * per_token
-  kernel = weights + kernel_kv + 2 * cfg.num_layers * chunk["kernel_partials_bytes"]
-  chunk.update(
-      kernel_gb=kernel / 1e9, kernel_over_bound=kernel / (weights + lengths.sum() * per_token)
+  kernel = weights + kernel_kv + 2 * cfg.num_layers * plan["kernel_partials_bytes"]
+  return dict(
+      plan, kernel_gb=kernel / 1e9, kernel_over_bound=kernel / (weights + lengths.sum() * per_token)
   )
-  if timed and jax.default_backend() != "cpu":  # a CPU only interprets the kernel
-    # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
-    kv_heads = cfg.num_kv_heads // kv_split
-    value = jnp.dtype(config.model.kv_dtype)
-    chunk.update(
-        timed_layer(
-            lengths, kv_heads, group, cfg.head_dim, page, value, decode_block=r.decode_block
-        )
-    )
+
+
+def _roofline_summary(
+    shape: str, devices: int, weights, a, dense_slots, kv_gb: float, chunk: dict
+) -> dict:
+  """The mode's result: the steady state's mean bytes `a` (from _steady_state_bytes)
+  against each other, per sequence over kv_gb (the pool's KV GB), and `chunk`'s numbers."""
   copied = weights + 3 * (a[2] - weights)  # the pages read, the copy written and read
-  out = {
+  return {
       "mode": "roofline",
       "shape": shape,
       "devices": devices,
@@ -399,13 +426,18 @@ def run(
       "dense_slots": a[3],
       "dense_gb": a[4] / 1e9,
       "dense_per_live_token_over_paged": (a[4] / a[3]) / (a[2] / a[0]),
-      "sequences_per_gb_kv_paged": a[0] / (usable * page * per_token / 1e9),
-      "sequences_per_gb_kv_dense": dense_slots / (usable * page * per_token / 1e9),
+      "sequences_per_gb_kv_paged": a[0] / kv_gb,
+      "sequences_per_gb_kv_dense": dense_slots / kv_gb,
       **chunk,
       "chunk_scratch_over_kv": chunk["chunk_scratch_bytes"] / chunk["chunk_kv_bytes"],
       "paged_copied_gb": copied / 1e9,
       "paged_copied_over_bound": copied / a[1],
   }
+
+
+def _print_steady_state(out: dict, shape: str, devices: int, dense_slots) -> None:
+  """The steady state's bytes per device and decode step, the compiled chunk's scratch
+  and the kernel's plan, as lines."""
   print(
       f"{shape} steady state, {devices} devices, per device and decode step:\n"
       f"  live bound  {out['live_bound_gb']:.3f} GB ({out['live_slots']:.0f} live slots)\n"
@@ -429,8 +461,10 @@ def run(
       f"{out['kernel_gb']:.3f} GB = {out['kernel_over_bound']:.3f}x those lengths' bound",
       flush=True,
   )
-  for line in layer_lines(out):
-    print(line, flush=True)
+
+
+def _print_timed_chunk(out: dict) -> None:
+  """The timed chunk's line (timed_chunk's numbers), when it was timed."""
   if "chunk_gathered_us" in out:
     mb = lambda name: out[f"chunk_{name}_scratch_bytes"] / 1e6
     print(
@@ -444,4 +478,49 @@ def run(
         f"here ({out['chunk_copy_gbps']:.0f} GB/s)",
         flush=True,
     )
+
+
+def run(
+    config,
+    devices: int = 8,
+    shape: str = "dapo_math",
+    prompt: int = 256,
+    trials: int = 50,
+    timed: bool = True,
+):
+  """The mode: bytes per device and decode step at the config's shapes on `devices`
+  devices, over `trials` draws of the `shape` distribution's steady state; with `timed`,
+  the chunk (and on an accelerator one layer) timed too. Prints and returns the numbers."""
+  cfg = hf_io.model_config(config)
+  r = config.rollout
+  mesh, rules = _planning_mesh(config, devices)
+  kv_split = plan_lib._split(cfg.num_kv_heads, "kv_heads", mesh, rules)  # pylint: disable=protected-access
+  per_token = plan_lib.kv_bytes_per_token(cfg, config.model.kv_dtype) / kv_split
+  weights = plan_lib.params_bytes(cfg, mesh, rules, plan_lib.dtype_bytes(config.model.dtype))
+  max_len = config.data.max_prompt_len + r.max_response_len
+  usable, _ = plan_lib.pool_pages(config, mesh, rules)
+  page = r.page_size
+  dense_slots = usable * page // max_len  # what the same memory held at max_len
+  rng = np.random.default_rng(0)
+  a, lengths = _steady_state_bytes(
+      rng, r, shape, prompt, trials, usable, per_token, weights, dense_slots
+  )
+  chunk = compiled_chunk(config, cfg, mesh, rules, timed)
+  kv_heads = cfg.num_kv_heads // kv_split
+  chunk.update(_kernel_step(cfg, lengths, page, kv_heads, per_token, weights))
+  if timed and jax.default_backend() != "cpu":  # a CPU only interprets the kernel
+    # One device's heads (as compiled_chunk) at the last trial's lengths: XLA vs kernel.
+    group = cfg.num_heads // cfg.num_kv_heads
+    value = jnp.dtype(config.model.kv_dtype)
+    chunk.update(
+        timed_layer(
+            lengths, kv_heads, group, cfg.head_dim, page, value, decode_block=r.decode_block
+        )
+    )
+  kv_gb = usable * page * per_token / 1e9
+  out = _roofline_summary(shape, devices, weights, a, dense_slots, kv_gb, chunk)
+  _print_steady_state(out, shape, devices, dense_slots)
+  for line in layer_lines(out):
+    print(line, flush=True)
+  _print_timed_chunk(out)
   return out

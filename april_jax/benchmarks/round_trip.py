@@ -25,15 +25,15 @@ def _step_seconds(engine, prompts, keys, skip: int, steps: int, budget: int) -> 
   """Seconds per decode step over `steps` steps of every slot, after `skip` untimed ones
   (the same for both settings, so that both time the same positions)."""
   common.add_greedy_groups(engine, prompts, keys, budget)
-  begin = engine.decode_steps
-  while engine.decode_steps - begin < skip:
+  begin = engine.counters.decode_steps
+  while engine.counters.decode_steps - begin < skip:
     engine.step(refill=False)
   jax.block_until_ready(engine.state)
-  first, start = engine.decode_steps, time.perf_counter()
-  while engine.decode_steps - first < steps:
+  first, start = engine.counters.decode_steps, time.perf_counter()
+  while engine.counters.decode_steps - first < steps:
     engine.step(refill=False)
   jax.block_until_ready(engine.state)
-  seconds = (time.perf_counter() - start) / (engine.decode_steps - first)
+  seconds = (time.perf_counter() - start) / (engine.counters.decode_steps - first)
   engine.snapshot(with_kv=False)
   return seconds
 

@@ -145,7 +145,7 @@ def resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype="float32
       held_tokens = sum(r.length for r in partials)
       host_bytes = sum(r.host_bytes() for r in partials)
       for r in partials:
-        engine.add(r, mode=mode)
+        engine.admit([r], mode=mode)
       jax.block_until_ready(engine.state)
       if trial:
         timings.append(time.perf_counter() - start)
@@ -186,11 +186,11 @@ def decode_step_seconds(
     common.add_greedy_groups(engine, prompts, keys, new_tokens)
     engine.step()
     jax.block_until_ready(engine.state)
-    steps, start = engine.decode_steps, time.perf_counter()
+    steps, start = engine.counters.decode_steps, time.perf_counter()
     while engine.num_live:
       engine.step()
     jax.block_until_ready(engine.state)
-    return (time.perf_counter() - start) / max(engine.decode_steps - steps, 1)
+    return (time.perf_counter() - start) / max(engine.counters.decode_steps - steps, 1)
 
   def static_run(n):
     start = time.perf_counter()
@@ -225,6 +225,101 @@ def _time_whole_generations(
   return _warm_best_of(repeats, ours), _warm_best_of(repeats, static)
 
 
+def _attention_split(cfg, batch, prompt_len, new_tokens, repeats, seed, kv_dtype, log) -> dict:
+  """attention_split.run at the engine's default pages and decode block, every slot at the
+  mean cached length over the timed steps."""
+  engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
+  log("one layer's attention, paged and dense")
+  return attention_split.run(
+      cfg,
+      batch,
+      prompt_len + new_tokens // 2,  # the mean cached length over the timed steps
+      engine_config.page_size,
+      engine_config.decode_block,
+      repeats,
+      seed=seed,
+      dtype=kv_dtype,
+  )
+
+
+def _engine_vs_static(cfg, tokens, ours, static, step_s, static_step_s, split) -> dict:
+  """The engine against the static sampler: whole generations ((seconds, outputs) of
+  each), steady decode steps (seconds), their outputs' agreement; and the attention split."""
+  (ours_s, ours_out), (static_s, static_out) = ours, static
+  return {
+      "model_params": cfg.num_params(),
+      "april_jax_tokens_per_s": tokens / ours_s,
+      "static_tokens_per_s": tokens / static_s,
+      "slots_vs_static": static_s / ours_s,
+      "decode_step_ms": 1e3 * step_s,
+      "static_decode_step_ms": 1e3 * static_step_s,
+      "step_slots_vs_static": static_step_s / step_s,
+      "static_outputs_equal_frac": _equal_frac(ours_out, static_out),
+      "static_outputs_agreeing_prefix_frac": _agreeing_prefix_frac(ours_out, static_out),
+      "attention_paged_us": split["paged_us"],
+      "attention_dense_us": split["dense_us"],
+      "attention_gather_us": split["gather_us"],
+      "attention_max_abs_diff": split["max_abs_diff"],
+  }
+
+
+def _transformers_numbers(
+    cfg, params, prompts, new_tokens, repeats, tokens, ours_s, ours_out, log
+) -> dict:
+  """transformers' generate against the engine: its tokens/s, the engine's speedup over
+  it, and the fraction of their greedy outputs that are equal."""
+  log("transformers' generate")
+  hf_s, hf_out = _transformers_side(cfg, params, prompts, new_tokens, repeats)
+  return dict(
+      transformers_tokens_per_s=tokens / hf_s,
+      speedup_vs_transformers=hf_s / ours_s,
+      greedy_outputs_equal_frac=_equal_frac(ours_out, hf_out),
+  )
+
+
+def _bandwidth_bound_numbers(
+    cfg, batch, prompt_len, new_tokens, dtype, kv_dtype, hbm_gbps, tokens_per_s
+) -> dict:
+  """The memory-bandwidth bound on decode tokens/s at hbm_gbps, and the share of it that
+  tokens_per_s reaches."""
+  nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+  mean_len = prompt_len + new_tokens / 2
+  bound = decode_bound_tokens_per_s(cfg, batch, mean_len, nbytes, kv_nbytes, hbm_gbps)
+  return dict(bandwidth_bound_tokens_per_s=bound, bandwidth_utilisation=tokens_per_s / bound)
+
+
+def _copy_bandwidth_numbers(
+    cfg, batch, prompt_len, new_tokens, dtype, kv_dtype, copy_gbps, step_s
+) -> dict:
+  """The bytes one steady-state decode step reads and their rate over step_s as a share
+  of copy_gbps."""
+  # Bytes one steady-state step reads (the weights once, each slot's live KV at the
+  # mean length) over its time, against the copy bandwidth measured in this run.
+  nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+  mean_len = prompt_len + new_tokens / 2
+  kv = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_nbytes
+  step_bytes = cfg.num_params() * nbytes + kv
+  return dict(
+      step_bytes=step_bytes,
+      copy_gbps=copy_gbps,
+      copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
+  )
+
+
+def _host_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype, log) -> dict:
+  """The engine's host round trip (host_*) and what parking and resuming unfinished
+  samples costs, kv against recompute (resume_*)."""
+  out = {}
+  log("host round trip")
+  trip = round_trip.run(cfg, params, prompts, sync_every, kv_dtype)
+  out.update({f"host_{k}": v for k, v in trip.items()})
+  log("resume costs, kv and recompute")
+  resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
+  for k in ("us_per_token", "host_bytes"):
+    out.update({f"resume_{mode}_{k}": resume[mode][k] for mode in ("kv", "recompute")})
+  return out
+
+
 def run_one(
     cfg: qwen3.Qwen3Config,
     batch: int,
@@ -240,6 +335,7 @@ def run_one(
     log=lambda label: None,
     decode_attention: str = "auto",
 ) -> dict:
+  """One model's numbers for the decode table (keys as in _COLUMNS, and more)."""
   log("random params")
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.1, dtype=jnp.dtype(dtype))
   prompts = random_prompts(cfg.vocab_size, batch, prompt_len, seed)
@@ -259,69 +355,23 @@ def run_one(
       cfg, params, prompts, new_tokens, sync_every, kv_dtype, repeats, decode_attention
   )
   log(f"steady decode step: {1e3 * step_s:.3f} ms, static {1e3 * static_step_s:.3f} ms")
-  engine_config = sampler.EngineConfig(num_slots=batch, max_len=prompt_len + new_tokens)
-  log("one layer's attention, paged and dense")
-  split = attention_split.run(
-      cfg,
-      batch,
-      prompt_len + new_tokens // 2,  # the mean cached length over the timed steps
-      engine_config.page_size,
-      engine_config.decode_block,
-      repeats,
-      seed=seed,
-      dtype=kv_dtype,
+  split = _attention_split(cfg, batch, prompt_len, new_tokens, repeats, seed, kv_dtype, log)
+  out = _engine_vs_static(
+      cfg, tokens, (ours_s, ours_out), (static_s, static_out), step_s, static_step_s, split
   )
-  out = {
-      "model_params": cfg.num_params(),
-      "april_jax_tokens_per_s": tokens / ours_s,
-      "static_tokens_per_s": tokens / static_s,
-      "slots_vs_static": static_s / ours_s,
-      "decode_step_ms": 1e3 * step_s,
-      "static_decode_step_ms": 1e3 * static_step_s,
-      "step_slots_vs_static": static_step_s / step_s,
-      "static_outputs_equal_frac": _equal_frac(ours_out, static_out),
-      "static_outputs_agreeing_prefix_frac": _agreeing_prefix_frac(ours_out, static_out),
-      "attention_paged_us": split["paged_us"],
-      "attention_dense_us": split["dense_us"],
-      "attention_gather_us": split["gather_us"],
-      "attention_max_abs_diff": split["max_abs_diff"],
-  }
   if hf:
-    log("transformers' generate")
-    hf_s, hf_out = _transformers_side(cfg, params, prompts, new_tokens, repeats)
     out.update(
-        transformers_tokens_per_s=tokens / hf_s,
-        speedup_vs_transformers=hf_s / ours_s,
-        greedy_outputs_equal_frac=_equal_frac(ours_out, hf_out),
+        _transformers_numbers(
+            cfg, params, prompts, new_tokens, repeats, tokens, ours_s, ours_out, log
+        )
     )
+  sizes = (cfg, batch, prompt_len, new_tokens, dtype, kv_dtype)
   if hbm_gbps > 0:
-    nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    mean_len = prompt_len + new_tokens / 2
-    bound = decode_bound_tokens_per_s(cfg, batch, mean_len, nbytes, kv_nbytes, hbm_gbps)
-    out.update(
-        bandwidth_bound_tokens_per_s=bound,
-        bandwidth_utilisation=out["april_jax_tokens_per_s"] / bound,
-    )
+    out.update(_bandwidth_bound_numbers(*sizes, hbm_gbps, out["april_jax_tokens_per_s"]))
   if copy_gbps > 0:
-    # Bytes one steady-state step reads (the weights once, each slot's live KV at the
-    # mean length) over its time, against the copy bandwidth measured in this run.
-    nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    mean_len = prompt_len + new_tokens / 2
-    kv = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_nbytes
-    step_bytes = cfg.num_params() * nbytes + kv
-    out.update(
-        step_bytes=step_bytes,
-        copy_gbps=copy_gbps,
-        copy_bandwidth_frac=step_bytes / step_s / (copy_gbps * 1e9),
-    )
+    out.update(_copy_bandwidth_numbers(*sizes, copy_gbps, step_s))
   log(f"one layer's attention: paged {split['paged_us']:.1f} us, dense {split['dense_us']:.1f}")
-  log("host round trip")
-  trip = round_trip.run(cfg, params, prompts, sync_every, kv_dtype)
-  out.update({f"host_{k}": v for k, v in trip.items()})
-  log("resume costs, kv and recompute")
-  resume = resume_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype)
-  for k in ("us_per_token", "host_bytes"):
-    out.update({f"resume_{mode}_{k}": resume[mode][k] for mode in ("kv", "recompute")})
+  out.update(_host_costs(cfg, params, prompts, new_tokens, sync_every, kv_dtype, log))
   log("done")
   return out
 
@@ -405,6 +455,51 @@ def _report(report, result: dict, models) -> None:
     )
 
 
+def _check_timeable(new_tokens: int, sync_every: int) -> None:
+  """Refuses a run whose engine would finish in its first (untimed) call."""
+  if new_tokens <= sync_every:
+    raise ValueError(
+        f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "
+        "first call is not timed, so nothing would be left to time a decode step by"
+    )
+
+
+def _print_header() -> None:
+  """The decode table's header line."""
+  print(
+      f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'static tok/s':>13} "
+      f"{'ratio':>6} {'step ms':>8} {'static step ms':>15} {'ratio':>6} "
+      f"{'transformers tok/s':>19} {'ratio':>6} {'equal':>6} {'kv us/tok':>10} "
+      f"{'recompute us/tok':>17}",
+      flush=True,
+  )
+
+
+def _fill_transformers_columns(r: dict) -> None:
+  """NaN in the transformers columns of a row run without transformers."""
+  r.setdefault("transformers_tokens_per_s", float("nan"))
+  r.setdefault("speedup_vs_transformers", float("nan"))
+  r.setdefault("greedy_outputs_equal_frac", float("nan"))
+
+
+def _long_tail_step(tail_model: str, tail_rounds: int, seed: int, decode_attention: str) -> dict:
+  """tail_step.run on BENCH_MODELS[tail_model]: a decode step at a long-tailed mix of
+  lengths against a uniform mix of the same live tokens; prints its line."""
+  common.stage_logger(tail_model)("decode steps, long-tailed mix vs uniform")
+  tail = tail_step.run(
+      BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed, decode_attention=decode_attention
+  )
+  print(
+      f"{tail_model}: decode step, long-tailed mix ({tail['tail_prompt_lens']}) "
+      f"{tail['tail_step_ms']:.2f} ms vs uniform ({tail['uniform_prompt_lens']}) "
+      f"{tail['uniform_step_ms']:.2f} ms: {tail['tail_over_uniform']:.2f}x (median of "
+      f"{tail['rounds']} rounds, {tail['tail_over_uniform_min']:.2f}-"
+      f"{tail['tail_over_uniform_max']:.2f}x)",
+      flush=True,
+  )
+  return tail
+
+
 def run(
     models=("tiny", "small"),
     batch: int = 16,
@@ -426,11 +521,7 @@ def run(
   `decode_attention`; its host round trip and resume costs by the engine's default,
   auto); copy_gbps > 0 also gives each model's bytes per decode step over its time as a
   fraction of that (measured) copy bandwidth."""
-  if new_tokens <= sync_every:
-    raise ValueError(
-        f"new_tokens ({new_tokens}) must exceed sync_every ({sync_every}): the engine's "
-        "first call is not timed, so nothing would be left to time a decode step by"
-    )
+  _check_timeable(new_tokens, sync_every)
   result = {
       "mode": "sampler",
       "batch": batch,
@@ -439,13 +530,7 @@ def run(
       "decode_attention": decode_attention,
       "machine": common.machine(),
   }
-  print(
-      f"{'model':>6} {'params':>10} {'april_jax tok/s':>16} {'static tok/s':>13} "
-      f"{'ratio':>6} {'step ms':>8} {'static step ms':>15} {'ratio':>6} "
-      f"{'transformers tok/s':>19} {'ratio':>6} {'equal':>6} {'kv us/tok':>10} "
-      f"{'recompute us/tok':>17}",
-      flush=True,
-  )
+  _print_header()
   for name in models:
     r = run_one(
         BENCH_MODELS[name],
@@ -462,25 +547,12 @@ def run(
         log=common.stage_logger(name),
         decode_attention=decode_attention,
     )
-    r.setdefault("transformers_tokens_per_s", float("nan"))
-    r.setdefault("speedup_vs_transformers", float("nan"))
-    r.setdefault("greedy_outputs_equal_frac", float("nan"))
+    _fill_transformers_columns(r)
     result.update({f"{name}_{k}": v for k, v in r.items()})
     _print_row(name, r)
   if tail_model:
-    common.stage_logger(tail_model)("decode steps, long-tailed mix vs uniform")
-    tail = tail_step.run(
-        BENCH_MODELS[tail_model], repeats=tail_rounds, seed=seed, decode_attention=decode_attention
-    )
+    tail = _long_tail_step(tail_model, tail_rounds, seed, decode_attention)
     result.update({f"{tail_model}_{k}": v for k, v in tail.items()})
-    print(
-        f"{tail_model}: decode step, long-tailed mix ({tail['tail_prompt_lens']}) "
-        f"{tail['tail_step_ms']:.2f} ms vs uniform ({tail['uniform_prompt_lens']}) "
-        f"{tail['uniform_step_ms']:.2f} ms: {tail['tail_over_uniform']:.2f}x (median of "
-        f"{tail['rounds']} rounds, {tail['tail_over_uniform_min']:.2f}-"
-        f"{tail['tail_over_uniform_max']:.2f}x)",
-        flush=True,
-    )
   if report is not None:
     _report(report, result, models)
   return result

@@ -35,7 +35,9 @@ PROMPT_LEN = 16
 
 # The engine calls a scheduler step makes, timed one by one: decoding (with its host round
 # trip), starting fresh groups (prefills), resuming partials, and the step-end snapshot.
-CLOCKED = ("step", "add_groups", "add_partials", "snapshot")
+# The engine's decode calls, its two admission phases (fresh prompts; partial samples
+# continued) and its step-end snapshot.
+CLOCKED = ("step", "_start_fresh", "_continue_partials", "snapshot")
 
 
 class EngineClock:
@@ -76,8 +78,7 @@ def make_side(
   """A warmed-up scheduler over the shared workload (prompts and budgets from the seed)."""
   r = config.rollout
   n, max_resp = r.n_samples_per_prompt, r.max_response_len
-  preempt_mode = resume_mode or r.resume_mode
-  engine_cfg = dataclasses.replace(engine_config(config), preempt_mode=preempt_mode)
+  engine_cfg = dataclasses.replace(engine_config(config), resume_mode=resume_mode or r.resume_mode)
   engine = SlotEngine(cfg, params, engine_cfg)
   engine.warm_up()
 
@@ -188,44 +189,43 @@ def add_plots(report, out: dict, results: dict, shape: str, max_len: int) -> Non
   )
 
 
-def run(
-    config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0, seed: int = 0, report=None
-) -> dict:
-  cfg, params = common.bench_model(config, seed)
-  sides = {
-      "april": make_side(cfg, params, config, shape, True, ratio, seed),
-      "baseline": make_side(cfg, params, config, shape, False, 1.0, seed),
-  }
-  clocks = {name: EngineClock(sched.engine) for name, sched in sides.items()}
+def _run_steps(sides: dict, params, steps: int) -> dict:
+  """`steps` scheduler steps, the sides taking turns step by step: each side's results."""
   results = {name: [] for name in sides}
   for step in range(steps):
     for name, sched in sides.items():
-      sched.engine.params = params
-      results[name].append(sched.step(step, version=step))
+      sched.engine.set_policy(params, step)
+      results[name].append(sched.step(step))
     common.progress("scheduler", step + 1, steps)
-  versions = list(range(steps))
-  april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
-  for name, side in (("april", april), ("baseline", base)):
-    tokens = sum(res.stats["new_tokens"] for res in results[name])
-    rollout_s = sum(res.stats["rollout_s"] for res in results[name])
-    seconds = clocks[name].seconds
-    side["decode_tokens_per_s"] = tokens / seconds["step"]
-    side["decode_frac"] = seconds["step"] / rollout_s
-    # The rest of the rollout: starting groups, resuming partials, the step-end snapshot,
-    # and the scheduler's own host work (admission, rewards, bookkeeping).
-    side["start_frac"] = seconds["add_groups"] / rollout_s
-    side["resume_frac"] = seconds["add_partials"] / rollout_s
-    side["snapshot_frac"] = seconds["snapshot"] / rollout_s
-    side["host_frac"] = 1.0 - sum(seconds.values()) / rollout_s
-    engine = sides[name].engine
-    side["prefills_per_step"] = engine.prefills / steps
-    # KV between the pool and the host (snapshots kept in the pool move none).
-    side["kv_host_mb_per_step"] = (
-        (engine.kv_bytes_to_host + engine.kv_bytes_to_device) / steps / 1e6
-    )
-    side["preemptions_per_step"] = (
-        sum(res.stats.get("preemptions", 0) for res in results[name]) / steps
-    )
+  return results
+
+
+def _add_engine_split(side: dict, results: list, seconds: dict, engine, steps: int) -> None:
+  """Adds to a side's summary where its rollout time went (decoding, starting groups,
+  resuming partials, the step-end snapshot, the host), its decoding tokens/s, and its
+  prefills, KV host traffic and preemptions per step."""
+  tokens = sum(res.stats["new_tokens"] for res in results)
+  rollout_s = sum(res.stats["rollout_s"] for res in results)
+  side["decode_tokens_per_s"] = tokens / seconds["step"]
+  side["decode_frac"] = seconds["step"] / rollout_s
+  # The rest of the rollout: starting groups, resuming partials, the step-end snapshot,
+  # and the scheduler's own host work (admission, rewards, bookkeeping).
+  side["start_frac"] = seconds["_start_fresh"] / rollout_s
+  side["resume_frac"] = seconds["_continue_partials"] / rollout_s
+  side["snapshot_frac"] = seconds["snapshot"] / rollout_s
+  side["host_frac"] = 1.0 - sum(seconds.values()) / rollout_s
+  counters = engine.counters
+  side["prefills_per_step"] = counters.prefills / steps
+  # KV between the pool and the host (snapshots kept in the pool move none).
+  side["kv_host_mb_per_step"] = (
+      (counters.kv_bytes_to_host + counters.kv_bytes_to_device) / steps / 1e6
+  )
+  side["preemptions_per_step"] = sum(res.stats.get("preemptions", 0) for res in results) / steps
+
+
+def _comparison(config, shape: str, steps: int, ratio: float, april: dict, base: dict) -> dict:
+  """The mode's result: the run's settings, APRIL's speedup against its two ideals, and
+  both sides' summaries (april_*, baseline_*)."""
   r = config.rollout
   speedup = april["tokens_per_s"] / base["tokens_per_s"]
   occupancy_ideal = april["slot_occupancy"] / base["slot_occupancy"]
@@ -251,8 +251,11 @@ def run(
   out.update({f"april_{k}": v for k, v in april.items()})
   out.update({f"baseline_{k}": v for k, v in base.items()})
   out.update({k: april[k] for k in ("off_policy_token_frac", "stale_token_frac", "staleness_max")})
-  if report is not None:
-    add_plots(report, out, results, shape, r.max_response_len)
+  return out
+
+
+def _print_comparison(out: dict, april: dict, base: dict, r, shape: str) -> None:
+  """The two sides' table, the speedup against its ideals, and each side's time split."""
   print(
       f"{'':>10} {'tokens/s':>10} {'trained tok/s':>14} {'occupancy':>10} "
       f"{'s/step':>8} {'off-policy':>10} {'staleness':>9}"
@@ -269,8 +272,8 @@ def run(
       f"N'={out['N_prime']}, slots={r.num_slots}, max_len={r.max_response_len}]"
   )
   print(
-      f"of the occupancy ideal ({occupancy_ideal:.2f}x): {out['of_occupancy_ideal']:.0%}; "
-      f"of the host-free ideal ({host_free_ideal:.2f}x, decoding alone): "
+      f"of the occupancy ideal ({out['occupancy_ideal']:.2f}x): {out['of_occupancy_ideal']:.0%}; "
+      f"of the host-free ideal ({out['host_free_ideal']:.2f}x, decoding alone): "
       f"{out['of_host_free_ideal']:.0%}; time in decoding: APRIL {april['decode_frac']:.0%}, "
       f"baseline {base['decode_frac']:.0%}; prefills per step: APRIL "
       f"{april['prefills_per_step']:.1f}, baseline {base['prefills_per_step']:.1f}"
@@ -283,6 +286,28 @@ def run(
         f"{s['preemptions_per_step']:.1f}; KV to and from the host "
         f"{s['kv_host_mb_per_step']:.1f} MB per step"
     )
+
+
+def run(
+    config, shape: str = "deepmath", steps: int = 8, ratio: float = 2.0, seed: int = 0, report=None
+) -> dict:
+  """APRIL at N'/N = ratio against the synchronous baseline, `steps` steps each on the
+  same workload: prints the comparison and returns its numbers."""
+  cfg, params = common.bench_model(config, seed)
+  sides = {
+      "april": make_side(cfg, params, config, shape, True, ratio, seed),
+      "baseline": make_side(cfg, params, config, shape, False, 1.0, seed),
+  }
+  clocks = {name: EngineClock(sched.engine) for name, sched in sides.items()}
+  results = _run_steps(sides, params, steps)
+  versions = list(range(steps))
+  april, base = summarize(results["april"], versions), summarize(results["baseline"], versions)
+  for name, side in (("april", april), ("baseline", base)):
+    _add_engine_split(side, results[name], clocks[name].seconds, sides[name].engine, steps)
+  out = _comparison(config, shape, steps, ratio, april, base)
+  if report is not None:
+    add_plots(report, out, results, shape, config.rollout.max_response_len)
+  _print_comparison(out, april, base, config.rollout, shape)
   return out
 
 

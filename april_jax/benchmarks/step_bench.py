@@ -6,7 +6,7 @@ of the config's shape, the config's engine, long-tailed lengths forced through p
 budgets with no stop token), then do what trainer.train_step does after a rollout:
 
   rollout     sched.step, split into decode (the engine's `step` calls), prefill
-              (`add_groups` and `add_partials`: new prompts and resumed partials) and the
+              (the engine's admission of new prompts and of resumed partials) and the
               rest (the step-end snapshot, admission, rewards, the scheduler's bookkeeping)
   batch       shaped rewards, the config's advantage estimator, build_batch
   learner     learner.update on that batch (it reads its metrics back: the device is done)
@@ -70,6 +70,7 @@ from april_jax.envs.episodes import observation_mask
 from april_jax.models import hf_io
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import layout as layout_lib
 from april_jax.rl import update as update_lib
 
 PROMPT_LEN = scheduler_bench.PROMPT_LEN
@@ -92,19 +93,21 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 class EngineCounts:
   """The work an engine's calls do, counted by standing in for them (as EngineClock
   does): the KV positions its decode steps read, the lengths of what it prefilled. Reads
-  the engine's host copy of slot lengths and owners, and wraps its one prefill call."""
+  the engine's slot registry (its host copy of slot lengths and owners), and wraps its
+  one prefill call."""
 
   def __init__(self, engine):
     self.kv_positions, self.prefill_lengths = 0, []
     step, prefill = engine.step, engine._prefill  # pylint: disable=protected-access
 
     def counted_step(*args, **kwargs):
-      live = np.array([r is not None for r in engine._owner])  # pylint: disable=protected-access
-      before = engine._lengths.copy()  # pylint: disable=protected-access
+      live = np.zeros(engine.config.num_slots, bool)
+      live[[slot for slot, _ in engine.slots.owned()]] = True
+      before = engine.slots.lengths.copy()
       try:
         return step(*args, **kwargs)
       finally:
-        after = engine._lengths  # pylint: disable=protected-access
+        after = engine.slots.lengths
         grown, start = np.maximum(after - before, 0)[live], before[live]
         self.kv_positions += int((grown * start + grown * (grown - 1) // 2).sum())
 
@@ -175,7 +178,7 @@ def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: s
     sched = scheduler_bench.make_side(cfg, params, config, shape, partial, r, seed)
     clock = scheduler_bench.EngineClock(sched.engine)
     sides[name] = Side(name, sched, clock, EngineCounts(sched.engine))
-  t = update_lib.train_section(config)
+  t = layout_lib.train_section(config)
   learner = update_lib.Learner(
       cfg,
       params,
@@ -189,7 +192,7 @@ def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: s
   del params  # the engines decode with the learner's copy from here on
   decode = learner.decode_params()
   for side in sides.values():
-    side.sched.engine.params = decode
+    side.sched.engine.set_policy(decode, 0)
   r = config.rollout
   log("learner (compiling every length bucket)")
   learner.warm_up(
@@ -225,17 +228,18 @@ def _save(bench: Bench) -> str:
 
 
 def _cast(bench: Bench) -> None:
+  """The learner's new params (one more update than bench.version) to both engines."""
   decode = bench.learner.decode_params()
   jax.block_until_ready(decode)
   for side in bench.sides.values():
-    side.sched.engine.params = decode
+    side.sched.engine.set_policy(decode, bench.version + 1)
 
 
 def _side_step(bench: Bench, side: Side) -> dict[str, Any]:
   """One RL step of one side: each phase's seconds, and the work done (for the floors)."""
   clock0 = dict(side.clock.seconds)
   marks = [time.perf_counter()]
-  result = side.sched.step(side.step, version=bench.version)
+  result = side.sched.step(side.step)
   marks.append(time.perf_counter())
   batch = _batch(bench, result)
   marks.append(time.perf_counter())
@@ -252,7 +256,7 @@ def _side_step(bench: Bench, side: Side) -> dict[str, Any]:
   seconds = dict(zip(("rollout", "batch", "learner", "cast", "checkpoint"), np.diff(marks)))
   clocked = {k: v - clock0[k] for k, v in side.clock.seconds.items()}
   seconds["decode"] = clocked["step"]
-  seconds["prefill"] = clocked["add_groups"] + clocked["add_partials"]
+  seconds["prefill"] = clocked["_start_fresh"] + clocked["_continue_partials"]
   seconds["rollout_other"] = seconds["rollout"] - seconds["decode"] - seconds["prefill"]
   seconds["step"] = marks[-1] - marks[0]
   return {"seconds": seconds, **_work(bench, side, result, batch, checkpoint_bytes)}
@@ -263,12 +267,12 @@ def _work(bench: Bench, side: Side, result, batch, checkpoint_bytes: int) -> dic
   kv_positions, prefilled = side.counts.take()
   mask = batch["mask"]
   t = bench.learner.train
-  plan = update_lib.plan(mask, t, bench.learner.min_rows)
+  plan = layout_lib.plan(mask, t, bench.learner.min_rows)
   padded = [n for mb in plan for p in mb for n in p.run_lengths()]
   flops = lambda lengths: floors.learner_flops(
       bench.cfg, lengths, bench.logprob_passes, t.ppo_epochs, bench.config.model.remat
   )
-  layout = update_lib.layout_stats(mask, t, bench.learner.min_rows)
+  layout = layout_lib.layout_stats(mask, t, bench.learner.min_rows)
   return {
       "new_tokens": result.stats["new_tokens"],
       "preemptions": result.stats.get("preemptions", 0),

@@ -40,7 +40,7 @@ def _decode_seconds(engine, prompts, new_tokens: int) -> float:
   """Seconds to decode `new_tokens` greedy tokens in every slot (after admission)."""
   keys = sampler.sample_keys(0, len(prompts))
   for i, p in enumerate(prompts):
-    engine.add_group(
+    engine.admit(
         [sampler.SampleRecord(prompt=p, max_new_tokens=new_tokens, rng=keys[i], temperature=0.0)]
     )
   jax.block_until_ready(engine.state)

@@ -20,7 +20,8 @@ from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages, losses
-from april_jax.sampler.engine_config import DECODE_ATTENTION, RESUME_MODES
+from april_jax.rollout.settings import problems as settings_problems
+from april_jax.sampler import engine_config
 
 DTYPES = ("float32", "bfloat16")
 
@@ -29,63 +30,26 @@ class ConfigError(InputError, ValueError):
   """A config that cannot run; the message names every field at fault."""
 
 
-def _checks_pages(c, err: Callable[[str], None]) -> None:
-  """The KV page pool: pages that suit the length buckets, a pool that holds a sequence."""
-  r = c.rollout
-  page = int(r.page_size)
-  if page >= 1 and page & (page - 1):
-    err(
-        f"rollout.page_size must be a power of two (length buckets are powers of two: each "
-        f"must be a whole number of pages or fit in one), got {page}"
-    )
-  elif page >= 1 and r.kv_pages is not None:
-    max_len = c.data.max_prompt_len + r.max_response_len
-    need = -(-(max_len - 1) // page)
-    if r.kv_pages < need:
-      err(
-          f"rollout.kv_pages={r.kv_pages} cannot hold one sequence of max_len={max_len} "
-          f"(data.max_prompt_len + rollout.max_response_len): it needs {need} pages of "
-          f"rollout.page_size={page}"
-      )
+def _checks_engine(c, err: Callable[[str], None]) -> None:
+  """The sampler engine's rules (sampler/engine_config.py) and the scheduler's
+  (RolloutSettings), each once, there, named by the run config's fields."""
+  fields = engine_config.run_config_fields(c)
+  for problem in engine_config.problems(fields, engine_config.RUN_CONFIG_NAMES):
+    err(problem)
+  for problem in settings_problems(dict(c.rollout), "rollout."):
+    err(problem)
 
 
 def _checks_rollout(c, err: Callable[[str], None]) -> None:
   r = c.rollout
-  for name in (
-      "batch_size",
-      "n_samples_per_prompt",
-      "over_sampling_batch_size",
-      "num_slots",
-      "sync_every",
-      "max_response_len",
-      "reward_workers",
-      "page_size",
-      "decode_block",
-      "refill_batch",
-      "prefill_width",
-  ):
+  for name in ("batch_size", "n_samples_per_prompt", "max_response_len", "reward_workers"):
     if int(r[name]) < 1:
       err(f"rollout.{name} must be >= 1, got {r[name]}")
-  _checks_pages(c, err)
+  _checks_engine(c, err)
   if r.max_dropped_groups < 0:
     err(f"rollout.max_dropped_groups must be >= 0, got {r.max_dropped_groups}")
   if r.max_failed_steps < 0:
     err(f"rollout.max_failed_steps must be >= 0 (0: never stop), got {r.max_failed_steps}")
-  if r.over_sampling_batch_size < r.batch_size:
-    err(
-        f"rollout.over_sampling_batch_size ({r.over_sampling_batch_size}) must be >= "
-        f"rollout.batch_size ({r.batch_size})"
-    )
-  elif not r.partial_rollout and r.over_sampling_batch_size != r.batch_size:
-    err(
-        f"rollout.partial_rollout=False is the synchronous baseline, which admits exactly "
-        f"the groups it trains: set rollout.over_sampling_batch_size="
-        f"{r.batch_size} (= rollout.batch_size), not {r.over_sampling_batch_size}"
-    )
-  if r.resume_mode not in RESUME_MODES:
-    err(f"rollout.resume_mode must be one of {RESUME_MODES}, got {r.resume_mode!r}")
-  if r.decode_attention not in DECODE_ATTENTION:
-    err(f"rollout.decode_attention must be one of {DECODE_ATTENTION}, got {r.decode_attention!r}")
   if r.max_staleness is not None and r.max_staleness < 0:
     err(
         f"rollout.max_staleness must be >= 0 policy versions (unset: no limit), got "

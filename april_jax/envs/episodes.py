@@ -1,16 +1,12 @@
 """Multi-turn episodes on the slot engine: what happens when a slot ends a turn.
 
 A sample with an environment is an episode. Its response holds every turn of the model
-and every observation, in order; `meta` keeps the rest as JSON, so it survives cuts,
-preemptions and checkpoints:
-
-  meta["env"]          the environment's state
-  meta["turns"]        model turns ended so far
-  meta["obs"]          [[start, end], ...]: the observations' token spans in the response;
-                       they are given, not drawn: logprob 0, outside the loss (rl/batch.py)
-  meta["env_reward"]   the last reward the environment gave, if any
-  meta["env_error"]    why the environment ended the episode early (it raised or ran past
-                       its time limit): the sample's reward is the fallback
+and every observation, in order; its `episode` (records.Episode) keeps the rest as JSON,
+so it survives cuts, preemptions and checkpoints: the environment's state, the turns
+ended so far, the observations' token spans in the response (given, not drawn: logprob
+0, outside the loss, rl/batch.py), the last reward the environment gave, and why the
+environment ended the episode early, if it did (it raised or ran past its time limit:
+the sample's reward is then the fallback).
 
 The engine holds a slot that draws a stop token (EngineConfig.hold_stopped). The
 scheduler hands the samples a decode call stopped to `turn`: the environment reads the turn's text and either
@@ -36,6 +32,7 @@ import numpy as np
 from april_jax import errors
 from april_jax import workers
 from april_jax.envs.base import Env, EnvStep
+from april_jax.envs.episode_state import Episode
 
 SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
 
@@ -93,7 +90,7 @@ class EpisodeRunner:
     """Opens each sample's episode from its row (once: a resumed sample keeps it). An
     environment that cannot reset leaves a plain sample, ended at its first turn,
     counted."""
-    fresh = [(r, row) for r, row in zip(records, rows) if "env" not in r.meta]
+    fresh = [(r, row) for r, row in zip(records, rows) if r.episode is None]
     outcomes = self._agree(
         self._map(self._reset, [row for _, row in fresh]) if self._leader else None
     )
@@ -121,48 +118,52 @@ class EpisodeRunner:
 
   # ------------------------------------------------- outcomes (process 0 computes them)
   def _reset(self, row: dict) -> dict:
-    meta = {"env": None, "turns": 0, "obs": []}
+    episode = Episode()
     try:
-      meta["env"] = _json_state(self._call(self.env.reset, row))
-      return {"meta": meta}
+      episode.state = _json_state(self._call(self.env.reset, row))
+      return {"episode": episode.to_json()}
     except TimeoutError:
       return _failed(
-          meta, "timeouts", f"reset ran past env.timeout_s={self.settings.timeout_s:g} s"
+          episode, "timeouts", f"reset ran past env.timeout_s={self.settings.timeout_s:g} s"
       )
     except Exception as e:  # pylint: disable=broad-except
-      return _failed(meta, "errors", f"reset: {_why(e)}")
+      return _failed(episode, "errors", f"reset: {_why(e)}")
 
   def _step(self, record: SampleRecord) -> dict:
-    """What the turn leads to, as JSON: the sample's new meta fields, the observation's
+    """What the turn leads to, as JSON: the sample's new episode, the observation's
     tokens (None: the episode is over) and the counts to add."""
-    s, old = self.settings, record.meta
-    spans = list(old.get("obs", []))
-    meta = {"turns": old.get("turns", 0) + 1, "obs": spans}
+    s = self.settings
+    episode = dataclasses.replace(
+        record.episode,
+        turns=record.episode.turns + 1,
+        observations=[list(span) for span in record.episode.observations],
+    )
+    spans = episode.observations
     counts = {"env/turns": 1}
-    if "env_error" in old:  # its environment failed to reset
-      return {"meta": meta, "counts": counts}
+    if episode.error is not None:  # its environment failed to reset
+      return {"episode": episode.to_json(), "counts": counts}
     start = spans[-1][1] if spans else 0
     text = self._decode(record.response[start:].tolist())
     try:
-      out = self._call(self.env.step, old.get("env"), text)
+      out = self._call(self.env.step, episode.state, text)
       if not isinstance(out, EnvStep):
         raise TypeError(f"step returned a {type(out).__name__}, not an EnvStep")
-      meta["env"] = _json_state(out.state)
+      episode.state = _json_state(out.state)
       if out.reward is not None:
-        meta["env_reward"] = float(out.reward)
+        episode.reward = float(out.reward)
       if out.done or out.observation is None:
-        return {"meta": meta, "counts": counts | {"env/episodes_done": 1}}
+        return {"episode": episode.to_json(), "counts": counts | {"env/episodes_done": 1}}
       text = str(out.observation)
       # Cut the text first: tokenizing a huge observation would stall decoding, outside the
       # environment's time limit. Past this many characters it cannot fit the tokens anyway.
       room = s.max_observation_tokens * MAX_CHARS_PER_TOKEN
       observation, cut = self._encode(text[:room]), len(text) > room
     except TimeoutError:
-      return _failed(meta, "timeouts", f"step ran past env.timeout_s={s.timeout_s:g} s", counts)
+      return _failed(episode, "timeouts", f"step ran past env.timeout_s={s.timeout_s:g} s", counts)
     except Exception as e:  # pylint: disable=broad-except
-      return _failed(meta, "errors", f"step: {_why(e)}", counts)
-    if meta["turns"] >= s.max_turns:
-      return {"meta": meta, "counts": counts | {"env/turn_limit": 1}}
+      return _failed(episode, "errors", f"step: {_why(e)}", counts)
+    if episode.turns >= s.max_turns:
+      return {"episode": episode.to_json(), "counts": counts | {"env/turn_limit": 1}}
     if cut or len(observation) > s.max_observation_tokens:  # the observation, not its frame
       observation = observation[: s.max_observation_tokens]
       counts["env/observations_cut"] = 1
@@ -170,13 +171,13 @@ class EpisodeRunner:
     prefix, suffix = self._around
     tokens = self._encode(close + prefix) + observation + self._encode(suffix)
     if record.budget_left < len(tokens) + 1:
-      return {"meta": meta, "counts": counts | {"env/out_of_budget": 1}}
+      return {"episode": episode.to_json(), "counts": counts | {"env/out_of_budget": 1}}
     spans.append([len(record.response), len(record.response) + len(tokens)])
     counts["env/observation_tokens"] = len(tokens)
-    return {"meta": meta, "tokens": [int(t) for t in tokens], "counts": counts}
+    return {"episode": episode.to_json(), "tokens": [int(t) for t in tokens], "counts": counts}
 
   def _apply(self, record: SampleRecord, outcome: dict) -> np.ndarray | None:
-    record.meta.update(outcome["meta"])
+    record.episode = Episode.from_json(outcome["episode"])
     self.counts.update(outcome.get("counts", {}))
     tokens = outcome.get("tokens")
     return None if tokens is None else np.asarray(tokens, np.int32)
@@ -236,10 +237,11 @@ def _why(error: Exception) -> str:
   return errors.describe(error)
 
 
-def _failed(meta: dict, kind: str, why: str, counts: dict | None = None) -> dict:
+def _failed(episode: Episode, kind: str, why: str, counts: dict | None = None) -> dict:
   """The outcome of an environment that raised or ran past its time limit: the episode
   ends, and its reward will be the fallback."""
-  return {"meta": {**meta, "env_error": why}, "counts": (counts or {}) | {f"env/{kind}": 1}}
+  failed = dataclasses.replace(episode, error=why)
+  return {"episode": failed.to_json(), "counts": (counts or {}) | {f"env/{kind}": 1}}
 
 
 def _json_state(state: Any) -> Any:
@@ -255,6 +257,6 @@ def _json_state(state: Any) -> Any:
 def observation_mask(record: SampleRecord) -> np.ndarray:
   """1.0 for each response token the model drew, 0.0 for each observation token."""
   mask = np.ones(len(record.response), np.float32)
-  for start, end in record.meta.get("obs", ()):
+  for start, end in record.episode.observations if record.episode else ():
     mask[start:end] = 0.0
   return mask

@@ -10,11 +10,9 @@ The work is cut by the live tokens, not by slot. plan_work cuts the step's live 
 blocks separately; program (w, k) of a grid over runs and KV heads walks run w's blocks
 of its slot through the page table, loads each block of head k straight from the pool,
 no further than the slot's length, scores it against the slot's G queries and keeps an
-online softmax (max, sum, weighted values). The runs then merge per slot (split-K flash
-decoding), and the slot's new key opens the softmax, as on the XLA path. The merge runs
-in XLA by default (one-hot products: several small programs a layer), or, with
-merge="kernel", as a second Pallas program per slot and KV head that folds its slot's
-runs in order (one launch; a candidate until a GPU times it, roofline mode).
+online softmax (max, sum, weighted values). The runs then merge per slot in XLA
+(split-K flash decoding: one-hot products over the runs), and the slot's new key opens
+the softmax, as on the XLA path.
 Nothing is copied, nothing past a slot's length is read, and no program walks more than
 R blocks: a long slot is spread over as many programs as its length asks, so a
 long-tailed mix of lengths costs what a uniform mix of the same live tokens costs (runs
@@ -46,9 +44,6 @@ MIN_ROWS = 16  # a GPU matrix product takes at least 16 rows: the G queries are 
 PROGRAMS = 1024  # runs x KV heads a step's live blocks are cut into, at least: SMs x ~8
 INTERPRETED_RUNS = 16  # as few on a CPU, where each program is a trip of a loop
 BLOCK = 64  # positions scored per loop step: a block of K and V, not a page, in fast memory
-# How the engine's decode merges each slot's runs (paged_decode_attention's `merge`): the
-# XLA merge; the merge program is a candidate the roofline benchmark times against it.
-ENGINE_MERGE = "xla"
 
 
 def query_rows(group: int) -> int:
@@ -251,47 +246,6 @@ def cached_partials(
   return m_all, jnp.where(bad_S, jnp.nan, l_all), jnp.where(bad_S[..., None], jnp.nan, o_all)
 
 
-def _merge_kernel(end_ref, m_ref, l_ref, o_ref, q_ref, k_new_ref, v_new_ref, out_ref):
-  """Program (s, k): slot s's attention for KV head k. Its own new key opens an online
-  softmax (m = its score, l = 1, o = its value), its runs fold in, in order, and the
-  output is o / l. Only slot s's runs are read, so a NaN in one slot's KV stays there."""
-  s, k = pl.program_id(0), pl.program_id(1)
-  H = q_ref.shape[-1]
-  q = q_ref[...].astype(jnp.float32)  # [rows, H]
-  own = jnp.sum(q * k_new_ref[...].astype(jnp.float32)[None, :], axis=1) * H**-0.5  # [rows]
-  rows = own.shape[0]
-  init = (own, jnp.ones((rows,), jnp.float32))
-  init += (jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], (rows, H)),)
-
-  def fold(w, carry):
-    m, l, o = carry
-    m_w, l_w, o_w = m_ref[w, k, :], l_ref[w, k, :], o_ref[w, k, :, :]
-    m_new = jnp.maximum(m, m_w)
-    mine, theirs = jnp.exp(m - m_new), jnp.exp(m_w - m_new)
-    return m_new, l * mine + l_w * theirs, o * mine[:, None] + o_w * theirs[:, None]
-
-  first = jnp.where(s > 0, end_ref[jnp.maximum(s - 1, 0)], 0)
-  _, l, o = jax.lax.fori_loop(first, end_ref[s], fold, init)
-  out_ref[...] = (o / l[:, None]).astype(out_ref.dtype)
-
-
-def _merged(end_S, m, l, o, q, k_new, v_new, interpret: bool) -> jax.Array:
-  """_merge_kernel over a grid of slots and KV heads: [S, K, rows, H] in q's dtype."""
-  S, K, rows, H = q.shape
-  anywhere = pl.BlockSpec(memory_space=pl.ANY)
-  per_slot = lambda *tail: pl.BlockSpec((None, None) + tail, lambda s, k: (s, k) + (0,) * len(tail))
-  return pl.pallas_call(
-      _merge_kernel,
-      out_shape=jax.ShapeDtypeStruct((S, K, rows, H), q.dtype),
-      grid=(S, K),
-      in_specs=[anywhere] * 4 + [per_slot(rows, H), per_slot(H), per_slot(H)],
-      out_specs=per_slot(rows, H),
-      interpret=interpret,
-      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
-      name="paged_decode_attention_merge",
-  )(end_S, m, l, o, q, k_new, v_new)
-
-
 def suits(page_size: int, head_dim: int) -> bool:
   """Whether a GPU can run the kernel at these shapes: Triton tiles powers of two, and
   its matrix products take at least 16 a side (a page's block, the head; the query rows
@@ -348,24 +302,14 @@ def paged_decode_attention(
     view=lambda x: x,
     interpret: bool | None = None,
     runs: int | None = None,
-    merge: str = "xla",
 ) -> jax.Array:
   """paged_attention.paged_decode_attention through the kernel: each slot's query over
   its first past_S[s] pooled positions and its own new key. [S, K, G, H] in the pool's
-  value dtype. runs: as cached_partials. merge: how each slot's runs and its new key
-  combine: "xla" (cached_partials' one-hot products, then the new key), or "kernel" (a
-  second Pallas program per slot and KV head that folds its runs in order: one launch
-  where XLA's merge takes several)."""
-  if merge not in ("xla", "kernel"):
-    raise ValueError(f"merge must be 'xla' or 'kernel', not {merge!r}")
+  value dtype. runs: as cached_partials (whose one-hot products merge each slot's runs),
+  then the new key."""
   H = q_SxKxGxH.shape[-1]
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   cached = (q_SxKxGxH, pool_k_LxPxKxTxH, pool_v_LxPxKxTxH, layer, past_S, table_SxJ, view)
-  if merge == "kernel":
-    interpret = _interpret(interpret)
-    m, l, o, plan, q = _run_partials(*cached, interpret, runs)
-    k_new, v_new = k_new_SxKxH.astype(dtype), v_new_SxKxH.astype(dtype)
-    return _merged(plan.end_S, m, l, o, q, k_new, v_new, interpret)[:, :, : q_SxKxGxH.shape[2]]
   m_c, l_c, o_c = cached_partials(*cached, interpret, runs)
   q = q_SxKxGxH.astype(dtype)
   m0 = jnp.einsum("skgh,skh->skg", q, k_new_SxKxH.astype(dtype), preferred_element_type=jnp.float32)

@@ -303,6 +303,46 @@ def effective_mask(cfg: LossConfig, mask_BxT: jax.Array, stale_BxT=None) -> jax.
   return mask_BxT.astype(jnp.float32)
 
 
+def _aggregator(cfg: LossConfig, mask_BxT, total_tokens, total_seqs, segments_BxT):
+  """`aggregate` on this batch's mask, totals and segments: agg(x_BxT, mode) with mode
+  cfg.aggregation unless given."""
+  return lambda x_BxT, mode=cfg.aggregation: aggregate(
+      x_BxT,
+      mask_BxT,
+      mode,
+      total_tokens=total_tokens,
+      total_seqs=total_seqs,
+      norm_len=cfg.norm_len,
+      segments_BxT=segments_BxT,
+  )
+
+
+def _weighted_policy_term(
+    cfg: LossConfig, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, is_weight_BxT, segments_BxT
+):
+  """cfg.policy_loss's per-token term (given segments_BxT only for packed rows), the loss
+  times the importance weight (no gradient; None: 1): (loss_BxT, clipped_BxT, ratio_BxT)."""
+  packed = {} if segments_BxT is None else {"segments_BxT": segments_BxT}
+  term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, **packed
+  )
+  if is_weight_BxT is not None:
+    term_BxT = term_BxT * jax.lax.stop_gradient(jnp.asarray(is_weight_BxT, jnp.float32))
+  return term_BxT, clipped_BxT, ratio_BxT
+
+
+def _add_kl(cfg: LossConfig, loss, logp_BxT, ref_logp_BxT, mask_BxT, agg):
+  """(loss, with kl_coef x the aggregated KL to the reference added when kl_coef > 0; that
+  KL, 0 without ref_logp_BxT)."""
+  kl = jnp.zeros((), jnp.float32)
+  if ref_logp_BxT is not None:
+    ref_logp_BxT = jax.lax.stop_gradient(jnp.asarray(ref_logp_BxT, jnp.float32))
+    kl = agg(kl_penalty(logp_BxT, ref_logp_BxT, cfg.kl_type, mask_BxT))
+    if cfg.kl_coef > 0:
+      loss = loss + cfg.kl_coef * kl
+  return loss, kl
+
+
 def policy_loss(
     cfg: LossConfig,
     logp_BxT: jax.Array,
@@ -333,31 +373,14 @@ def policy_loss(
   logp_BxT = jnp.asarray(logp_BxT, jnp.float32)
   old_logp_BxT = jax.lax.stop_gradient(jnp.asarray(old_logp_BxT, jnp.float32))
   advantages_B = jax.lax.stop_gradient(jnp.asarray(advantages_B, jnp.float32))
-  agg = lambda x_BxT, mode=cfg.aggregation: aggregate(
-      x_BxT,
-      mask_BxT,
-      mode,
-      total_tokens=total_tokens,
-      total_seqs=total_seqs,
-      norm_len=cfg.norm_len,
-      segments_BxT=segments_BxT,
-  )
+  agg = _aggregator(cfg, mask_BxT, total_tokens, total_seqs, segments_BxT)
   token_mean = lambda x_BxT: agg(jnp.asarray(x_BxT, jnp.float32), "token_mean")
 
-  packed = {} if segments_BxT is None else {"segments_BxT": segments_BxT}
-  term_BxT, clipped_BxT, ratio_BxT = get_policy_loss(cfg.policy_loss)(
-      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, **packed
+  term_BxT, clipped_BxT, ratio_BxT = _weighted_policy_term(
+      cfg, logp_BxT, old_logp_BxT, advantages_B, mask_BxT, is_weight_BxT, segments_BxT
   )
-  if is_weight_BxT is not None:
-    term_BxT = term_BxT * jax.lax.stop_gradient(jnp.asarray(is_weight_BxT, jnp.float32))
   loss = pg_loss = agg(term_BxT)
-
-  kl = jnp.zeros((), jnp.float32)
-  if ref_logp_BxT is not None:
-    ref_logp_BxT = jax.lax.stop_gradient(jnp.asarray(ref_logp_BxT, jnp.float32))
-    kl = agg(kl_penalty(logp_BxT, ref_logp_BxT, cfg.kl_type, mask_BxT))
-    if cfg.kl_coef > 0:
-      loss = loss + cfg.kl_coef * kl
+  loss, kl = _add_kl(cfg, loss, logp_BxT, ref_logp_BxT, mask_BxT, agg)
 
   metrics = {
       "pg_loss": pg_loss,

@@ -6,7 +6,9 @@ samples, and surplus complete groups. The scheduler drains it before fresh promp
 
 `to_state()` turns it into flat numpy arrays plus one JSON string (ragged fields are
 concatenated with offsets), which a checkpoint stores as is; `from_state()` rebuilds it
-exactly, KV included.
+exactly, KV included. A buffer saved by an earlier version, whose samples kept their
+fields in an untyped `meta` dict, is read into the named fields
+(SampleRecord.fields_from_json).
 """
 
 from __future__ import annotations
@@ -61,19 +63,7 @@ class PartialBuffer:
             "rewards": g.rewards,
             "reward_info": g.reward_info,
             "row": g.row,
-            "samples": [
-                {
-                    "max_new_tokens": s.max_new_tokens,
-                    "temperature": s.temperature,
-                    "top_k": s.top_k,
-                    "top_p": s.top_p,
-                    "finish_reason": s.finish_reason,
-                    "has_kv": s.has_kv,
-                    "kv_version": s.kv_version,
-                    "meta": s.meta,
-                }
-                for s in g.samples
-            ],
+            "samples": [s.to_json() for s in g.samples],
         }
         for g in groups
     ]
@@ -110,16 +100,11 @@ class PartialBuffer:
         sl = slice(ro[sample_i], ro[sample_i + 1])
         record = SampleRecord(
             prompt=prompt,
-            max_new_tokens=sm["max_new_tokens"],
             rng=state["rngs"][sample_i],
-            temperature=sm["temperature"],
-            top_k=sm["top_k"],
-            top_p=sm["top_p"],
             response=state["responses"][sl],
             logprobs=state["logprobs"][sl],
             versions=state["versions"][sl],
-            finish_reason=sm["finish_reason"],
-            meta=sm["meta"],
+            **SampleRecord.fields_from_json(sm),
         )
         if sm["has_kv"]:
           kv = slice(ko[kv_i], ko[kv_i + 1])

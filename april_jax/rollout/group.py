@@ -20,8 +20,6 @@ import numpy as np
 
 from april_jax.sampler import SampleRecord, sample_keys
 
-RESTART_DROPS = ("cuts", "env", "turns", "obs", "env_reward", "env_error", "shard")
-
 
 @dataclasses.dataclass
 class Group:
@@ -57,10 +55,9 @@ class Group:
     """Discards a sample's tokens so it starts again from the prompt, with a fresh key
     derived from its old one (a restart does not regrow the same response)."""
     old = self.samples[index]
-    # A new, uncut sample; an episode starts over (envs/episodes.py).
-    meta = {k: v for k, v in old.meta.items() if k not in RESTART_DROPS}
-    meta["restarts"] = meta.get("restarts", 0) + 1
-    rng = sample_keys([int(x) for x in old.rng] + [meta["restarts"]], 1)[0]
+    # A new, uncut sample, on no shard yet; an episode starts over (envs/episodes.py).
+    restarts = old.restarts + 1
+    rng = sample_keys([int(x) for x in old.rng] + [restarts], 1)[0]
     self.samples[index] = SampleRecord(
         prompt=old.prompt,
         max_new_tokens=old.max_new_tokens,
@@ -68,7 +65,9 @@ class Group:
         temperature=old.temperature,
         top_k=old.top_k,
         top_p=old.top_p,
-        meta=meta,
+        group_id=old.group_id,
+        index=old.index,
+        restarts=restarts,
     )
     self.rewards = None
     self.reward_info = {}

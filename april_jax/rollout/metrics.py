@@ -48,7 +48,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       else np.zeros((0,), np.int32)
   )
   drawn_total = float(sum(d.sum() for d in drawn))
-  continued = sum(d.sum() for s, d in zip(samples, drawn) if s.meta.get("cuts", 0) > 0)
+  continued = sum(d.sum() for s, d in zip(samples, drawn) if s.cuts > 0)
   staleness = np.array(
       [version - int(s.versions.min()) if len(s.versions) else 0 for s in samples], np.float64
   )

@@ -68,9 +68,9 @@ def _per_sample(job: _Job) -> list[tuple[float, dict, str, str | None]]:
 
 def _episode_fields(sample) -> dict:
   """What a reward that takes the whole sample learns of its episode, if it is one."""
-  if "env" not in sample.meta:
+  if sample.episode is None:
     return {}
-  return {"turns": sample.meta.get("turns", 0), "env_reward": sample.meta.get("env_reward")}
+  return {"turns": sample.episode.turns, "env_reward": sample.episode.reward}
 
 
 def _reward_server(reward_fn) -> Callable[[tuple], Any]:
@@ -159,7 +159,7 @@ class RewardRunner:
     if self._agree is not None:
       self._unagreed.append(group)
     for job in jobs:
-      if job.index >= 0 and "env_error" in group.samples[job.index].meta:
+      if job.index >= 0 and group.samples[job.index].env_error is not None:
         job.result, job.status = self.fallback, "env_error"  # counted by the episodes
         continue
       self._start(job)
@@ -246,7 +246,7 @@ class RewardRunner:
         # (reward, extras, status, why it failed) per sample
         results = [r for job in jobs for r in _per_sample(job)]
         results = [  # an episode whose environment failed gets the fallback, whatever the form
-            (self.fallback, {}, "env_error", None) if "env_error" in s.meta else r
+            (self.fallback, {}, "env_error", None) if s.env_error is not None else r
             for r, s in zip(results, group.samples)
         ]
         group.rewards = [value for value, _, _, _ in results]

@@ -7,7 +7,8 @@
              groups per step (buffered ones included), plus one per group the DAPO
              filter rejects, so rejections do not shrink the batch (at most
              max_dropped_groups a step; past it the filter keeps what comes).
-  2. Decode  engine.step(): up to sync_every tokens per live slot, on device.
+  2. Decode  engine.step(): up to sync_every tokens per live slot, on device. The
+             scheduler drives the engine through its contract only (sampler/contract.py).
   3. Harvest a group whose n samples are all finished is accepted in completion order
              and scored at once on the reward threads, which overlap with decoding. With
              dynamic_sampling the filter needs the rewards: the scheduler waits for the
@@ -40,7 +41,7 @@ With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slo
 ends a turn is held; right after the decode call that ended it, the environment answers
 and the observation goes into the same slot, or the episode ends and the sample is
 finished. A cut snapshots an episode like any sample, mid-turn or with an observation
-not yet fed, its environment state in the sample's meta; it resumes in either mode.
+not yet fed, its environment state in the sample's episode; it resumes in either mode.
 """
 
 from __future__ import annotations
@@ -57,30 +58,9 @@ from april_jax.envs.episodes import EpisodeRunner
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
-from april_jax.sampler import PromptError, SampleRecord, SlotEngine, sample_keys
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSettings:
-  batch_size: int  # N: groups trained per step
-  n_samples_per_prompt: int  # n
-  over_sampling_batch_size: int  # N' >= N: groups admitted per step
-  partial_rollout: bool = True
-  resume_mode: str = "kv"  # kv | recompute
-  max_staleness: int | None = None  # versions; None: unlimited
-  max_response_len: int = 256
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-  # Drops per step; past it the filter keeps what comes, so a step always ends (a data
-  # set the policy always fails or always solves would otherwise never fill a batch).
-  max_dropped_groups: int = 64
-
-  @classmethod
-  def from_config(cls, rollout) -> "RolloutSettings":
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(rollout).items() if k in names})
+from april_jax.rollout.settings import RolloutSettings
+from april_jax.sampler import PromptError, SampleRecord, sample_keys
+from april_jax.sampler.contract import Engine
 
 
 @dataclasses.dataclass
@@ -92,26 +72,17 @@ class RolloutResult:
 
 
 class AprilScheduler:
-  """Drives a SlotEngine through RL steps; owns the partial buffer."""
+  """Drives an engine (sampler/contract.py) through RL steps; owns the partial buffer."""
 
   def __init__(
       self,
-      engine: SlotEngine,
+      engine: Engine,
       settings: RolloutSettings,
       prompt_source: Callable[[], PromptItem | None],
       rewards: RewardRunner,
       seed: int = 0,
       episodes: EpisodeRunner | None = None,
   ):
-    if settings.over_sampling_batch_size < settings.batch_size:
-      raise ValueError("over_sampling_batch_size must be >= batch_size")
-    if not settings.partial_rollout and settings.over_sampling_batch_size != settings.batch_size:
-      # A baseline that over-samples either trains surplus groups a step late (off-policy)
-      # or throws finished work away; it admits exactly what it trains instead.
-      raise ValueError(
-          "the synchronous baseline (partial_rollout=False) needs "
-          "over_sampling_batch_size == batch_size"
-      )
     if engine.config.hold_stopped != (episodes is not None):
       raise ValueError("an environment's episodes need an engine with hold_stopped, and only they")
     self.engine, self.settings, self.rewards = engine, settings, rewards
@@ -123,9 +94,10 @@ class AprilScheduler:
     self.totals = collections.Counter()  # over the run: admitted, trained, rejected, ...
 
   # ---------------------------------------------------------------- checkpoints
-  def state(self) -> tuple[dict[str, np.ndarray], dict]:
-    """What a checkpoint keeps: the partial buffer as numpy arrays, KV included (kept
-    KV is copied out of the pool first), and the rest (group ids, run totals) as JSON."""
+  def checkpoint(self) -> tuple[dict[str, np.ndarray], dict]:
+    """Copies every kept KV out of the pool (the pages become plain free pages), then
+    returns what a checkpoint keeps: the partial buffer as numpy arrays, KV included,
+    and the rest (group ids, run totals) as JSON."""
     self.engine.copy_out_kept()
     return self.buffer.to_state(), {
         "next_group_id": self.next_group_id,
@@ -133,7 +105,7 @@ class AprilScheduler:
     }
 
   def restore(self, arrays: dict[str, np.ndarray], host: dict) -> None:
-    """Back to a `state()`: the buffer exactly, KV included."""
+    """Back to a `checkpoint()`: the buffer exactly, KV included."""
     self.buffer = PartialBuffer.from_state(arrays)
     self.next_group_id = host["next_group_id"]
     self.totals = collections.Counter(host["totals"])
@@ -154,7 +126,8 @@ class AprilScheduler:
             temperature=s.temperature,
             top_k=s.top_k,
             top_p=s.top_p,
-            meta={"group": group_id, "index": i},
+            group_id=group_id,
+            index=i,
         )
         for i in range(n)
     ]
@@ -207,18 +180,18 @@ class AprilScheduler:
   def step(
       self,
       step: int,
-      version: int,
       cut_now: Callable[[], bool] | None = None,
       give_up: Callable[[], bool] | None = None,
   ) -> RolloutResult:
-    """Generates until the stop rule holds; returns the training batch and stats.
+    """Generates until the stop rule holds, with the engine's policy (set_policy: its
+    version is the step's, for staleness); returns the training batch and stats.
 
     `cut_now()`, asked before each decode call (the same number of times on every
     process of a run), ends the step early: every unfinished sample goes to the buffer as
     at a step's end, the groups completed stay there whole (unscored ones are scored
     again when next admitted), and the result has no batch (`cut`). `give_up()`, asked at
     any time while waiting for rewards (so on one process only), cuts the step too."""
-    st = self._begin(step, version)
+    st = self._begin(step)
     st.give_up = give_up
     while True:
       if cut_now is not None and cut_now():
@@ -240,16 +213,15 @@ class AprilScheduler:
       st.cut = True
     return self._cut(st) if st.cut else self._end(st)
 
-  def _begin(self, step: int, version: int) -> "_Step":
-    self.engine.version = version
-    r = self.rewards
+  def _begin(self, step: int) -> "_Step":
+    r, counters = self.rewards, self.engine.counters
     return _Step(
         step=step,
-        version=version,
+        version=self.engine.version,
         budget=self.settings.over_sampling_batch_size,
         start=time.perf_counter(),
-        tokens0=self.engine.tokens_generated,
-        steps0=self.engine.decode_steps,
+        tokens0=counters.tokens_generated,
+        steps0=counters.decode_steps,
         rewards0=(r.errors, r.timeouts, r.seconds),
         env0=collections.Counter(self.episodes.counts if self.episodes else ()),
     )
@@ -339,20 +311,14 @@ class AprilScheduler:
     order += [r for _, rs in waiting for r in rs if not r.started]
     room = engine.room_for(order)
     st.blocked = room < len(order)
-    starting = {id(r) for r in order[:room]}
-    partial = [r for r in order[:room] if r.started]
-    if partial:
-      engine.add_partials(partial, mode=self.settings.resume_mode)
-      st.stats["partial_samples"] += len(partial)
-    fresh = []
-    for group, rs in waiting:
-      rs = [r for r in rs if not r.started and id(r) in starting]
-      if rs:
-        fresh.append(rs)
-        if self.episodes is not None:
+    starting = set(order[:room])
+    st.stats["partial_samples"] += sum(r.started for r in starting)
+    if self.episodes is not None:
+      for group, rs in waiting:
+        rs = [r for r in rs if not r.started and r in starting]
+        if rs:
           self.episodes.start(rs, [{**group.row, "answer": group.answer}] * len(rs))
-    if fresh:
-      engine.add_groups(fresh)
+    engine.admit(order[:room], mode=self.settings.resume_mode)
     return room > 0
 
   def _admit_for_free_slots(self, st: "_Step") -> bool:
@@ -385,7 +351,7 @@ class AprilScheduler:
       finished = self.episodes.resolve(engine, finished)
     done: dict[int, Group] = {}
     for record in finished:
-      group = self.buffer.get(record.meta["group"])
+      group = self.buffer.get(record.group_id)
       if group.complete:
         done[group.group_id] = group
     preempted = engine.take_preempted()
@@ -409,17 +375,16 @@ class AprilScheduler:
     """Every unfinished slot back to its group; a started one was cut at this step's
     end, to be continued (the paper's off-policy measure counts it). In mode kv its KV
     stays in the pool until its pages are needed (engine.snapshot with keep)."""
-    book = self.engine.book
-    st.stats["kv_pages_used_frac"] = book.used() / max(book.usable * book.shards, 1)
+    st.stats["kv_pages_used_frac"] = self.engine.pages_used_fraction()
     kv = self.settings.resume_mode == "kv"
     for record in self.engine.snapshot(with_kv=kv, keep=kv):
       if record.started:
-        record.meta["cuts"] = record.meta.get("cuts", 0) + 1
+        record.cuts += 1
 
   def _end(self, st: "_Step") -> RolloutResult:
     """Takes the batch out of the buffer (overdue groups first, oldest first; then the
     rest in completion order); the step's stats."""
-    engine, r = self.engine, self.rewards
+    counters, r = self.engine.counters, self.rewards
     st.accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in st.overdue else (1, 0))
     N = self.settings.batch_size
     batch, surplus = st.accepted[:N], st.accepted[N:]
@@ -428,9 +393,9 @@ class AprilScheduler:
     self.totals["trained"] += len(batch)
     st.stats.update(
         rollout_s=time.perf_counter() - st.start,
-        new_tokens=engine.tokens_generated - st.tokens0,
-        decode_steps=engine.decode_steps - st.steps0,
-        num_slots=engine.config.num_slots,
+        new_tokens=counters.tokens_generated - st.tokens0,
+        decode_steps=counters.decode_steps - st.steps0,
+        num_slots=self.engine.config.num_slots,
         buffer_groups=len(self.buffer),
         buffer_bytes=self.buffer.host_bytes(),
         surplus_groups=len(surplus),
@@ -450,7 +415,7 @@ class AprilScheduler:
     self.rewards.drop_unscored()
     st.stats.update(
         rollout_s=time.perf_counter() - st.start,
-        new_tokens=self.engine.tokens_generated - st.tokens0,
+        new_tokens=self.engine.counters.tokens_generated - st.tokens0,
         buffer_groups=len(self.buffer),
     )
     return RolloutResult(groups=[], rejected=st.rejected, stats=dict(st.stats), cut=True)

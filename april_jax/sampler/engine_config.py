@@ -1,10 +1,13 @@
 """The slot engine's static settings (`EngineConfig`), checked on construction.
 
-    config = EngineConfig(num_slots=64, max_len=4096, page_size=256, num_pages=2048)
+    config = EngineConfig(num_slots=64, max_len=4096, page_size=256, kv_pages=2048)
     config = EngineConfig.from_run_config(run_config)   # rollout.*, data, model.kv_dtype
 
 Slots, the KV page pool, the decode window between host round trips, the widths of the
-insert, snapshot and prefill calls, and how a slot preempted for pages keeps its work.
+insert, snapshot and prefill calls, and how a sample out of its slot keeps its work. A
+field named as a run config's field (configs/base.py) means the same and is built from
+it (`from_run_config`); the checks here are the engine's rules, and configs/validate.py
+reports them for a run's config. The pool's size is `usable_pages`.
 """
 
 from __future__ import annotations
@@ -35,72 +38,45 @@ class EngineConfig:
   # same attention.
   decode_attention: str = "auto"
   page_size: int = 16  # positions per KV page (a power of two)
-  num_pages: int | None = None  # usable pool pages; None: max_len for every slot
-  preempt_mode: str = "kv"  # how a slot preempted for pages keeps its work: kv | recompute
+  kv_pages: int | None = None  # usable pool pages; None: max_len for every slot
+  # How a sample out of its slot keeps its work (a preempted one, and admit's default):
+  # its KV ("kv") or its tokens, recomputed by a prefill ("recompute").
+  resume_mode: str = "kv"
   refill_batch: int = 1  # with refill on, decoding returns once this many slots finish
-  prefill_width: int = 4  # prompts of one length bucket prefilled per call (add_groups)
+  prefill_width: int = 4  # prompts of one length bucket prefilled per call (admit)
   prompt_len: int | None = None  # the longest prompt (batched prefills up to its bucket)
   # A slot that draws a stop token is held with its KV; the caller extends or releases it
   # before the next step (multi-turn episodes: envs/episodes.py).
   hold_stopped: bool = False
 
   def __post_init__(self):
-    for name in (
-        "num_slots",
-        "max_len",
-        "sync_every",
-        "min_bucket",
-        "insert_width",
-        "snapshot_width",
-        "decode_block",
-        "page_size",
-        "refill_batch",
-        "prefill_width",
-    ):
-      if getattr(self, name) < 1:
-        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if self.page_size & (self.page_size - 1):
-      raise ValueError(
-          f"EngineConfig.page_size must be a power of two (so every length bucket is a "
-          f"whole number of pages or fits in one), got {self.page_size}"
-      )
-    if self.prompt_len is not None and not 1 <= self.prompt_len <= self.max_len:
-      raise ValueError(
-          f"EngineConfig.prompt_len must be in [1, max_len={self.max_len}], got {self.prompt_len}"
-      )
-    if self.decode_attention not in DECODE_ATTENTION:
-      raise ValueError(
-          f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
-          f"got {self.decode_attention!r}"
-      )
-    if self.preempt_mode not in RESUME_MODES:
-      raise ValueError(f"EngineConfig.preempt_mode must be one of {RESUME_MODES}")
-    if self.num_pages is not None and self.num_pages < self.pages_per_sequence:
-      raise ValueError(
-          f"EngineConfig.num_pages={self.num_pages} cannot hold one sequence of "
-          f"max_len={self.max_len}: it needs {self.pages_per_sequence} pages of "
-          f"page_size={self.page_size}"
-      )
+    found = problems(dataclasses.asdict(self))
+    if found:
+      raise ValueError("; ".join(found))
 
   @classmethod
   def from_run_config(cls, c, stop_ids=()) -> "EngineConfig":
     """The engine of a run's config (rollout.*, data.max_prompt_len, model.kv_dtype)."""
-    r = c.rollout
-    return cls(
-        num_slots=r.num_slots,
-        max_len=c.data.max_prompt_len + r.max_response_len,
-        sync_every=r.sync_every,
-        stop_ids=tuple(int(i) for i in stop_ids),
-        kv_dtype=c.model.kv_dtype,
-        decode_block=r.decode_block,
-        decode_attention=r.decode_attention,
-        page_size=r.page_size,
-        num_pages=r.kv_pages,
-        preempt_mode=r.resume_mode,
-        refill_batch=r.refill_batch,
-        prefill_width=r.prefill_width,
-        prompt_len=c.data.max_prompt_len,
-        hold_stopped=bool(c.get("env") and c.env.name),
+    return cls(**run_config_fields(c, stop_ids))
+
+  @property
+  def usable_pages(self) -> int:
+    """Pages in the pool (its scratch pages apart): kv_pages, or max_len for every slot."""
+    if self.kv_pages is not None:
+      return self.kv_pages
+    return self.num_slots * pages.pages_for(self.max_len, self.page_size)
+
+  def device_settings(self) -> "DeviceSettings":
+    """What the device programs depend on (slot_ops.device_fns compiles per value)."""
+    return DeviceSettings(
+        num_slots=self.num_slots,
+        max_len=self.max_len,
+        sync_every=self.sync_every,
+        kv_dtype=self.kv_dtype,
+        decode_block=self.decode_block,
+        page_size=self.page_size,
+        usable_pages=self.usable_pages,
+        decode_attention=self.decode_attention,
     )
 
   @property
@@ -115,3 +91,83 @@ class EngineConfig:
     longest = buckets.bucket(self.prompt_len or self.max_len, self.min_bucket, self.max_len)
     width = self.prefill_width
     return width if bucket <= longest and width * bucket <= self.max_len else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSettings:
+  """The engine settings its device programs are compiled for (EngineConfig's)."""
+
+  num_slots: int
+  max_len: int
+  sync_every: int
+  kv_dtype: str
+  decode_block: int
+  page_size: int
+  usable_pages: int
+  decode_attention: str
+
+
+# EngineConfig fields that a run's config sets under the same name in `rollout`.
+_ROLLOUT_FIELDS = ("num_slots", "sync_every", "decode_block", "decode_attention", "page_size")
+_ROLLOUT_FIELDS += ("kv_pages", "resume_mode", "refill_batch", "prefill_width")
+
+
+def run_config_fields(c, stop_ids=()) -> dict:
+  """EngineConfig's fields from a run's config: the same names, but for max_len (prompt
+  + response), prompt_len (data.max_prompt_len), kv_dtype (model.kv_dtype), stop_ids
+  (the tokenizer's) and hold_stopped (with an environment)."""
+  r = c.rollout
+  return dict(
+      {name: r[name] for name in _ROLLOUT_FIELDS},
+      max_len=c.data.max_prompt_len + r.max_response_len,
+      prompt_len=c.data.max_prompt_len,
+      kv_dtype=c.model.kv_dtype,
+      stop_ids=tuple(int(i) for i in stop_ids),
+      hold_stopped=bool(c.get("env") and c.env.name),
+  )
+
+
+# Where a run's config sets each engine field (configs/base.py), for its messages.
+RUN_CONFIG_NAMES = {name: f"rollout.{name}" for name in _ROLLOUT_FIELDS}
+RUN_CONFIG_NAMES.update(
+    max_len="data.max_prompt_len + rollout.max_response_len",
+    prompt_len="data.max_prompt_len",
+    kv_dtype="model.kv_dtype",
+)
+
+_AT_LEAST_ONE = ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width")
+_AT_LEAST_ONE += ("snapshot_width", "decode_block", "page_size", "refill_batch", "prefill_width")
+
+
+def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:
+  """What is wrong with these EngineConfig fields (missing ones take their defaults),
+  each naming its field: `names[field]`, or EngineConfig.field."""
+  f = {x.name: x.default for x in dataclasses.fields(EngineConfig)} | fields
+  name = lambda field: (names or {}).get(field, f"EngineConfig.{field}")
+  out = [f"{name(k)} must be >= 1, got {f[k]}" for k in _AT_LEAST_ONE if f[k] < 1]
+  page = f["page_size"]
+  if page >= 1 and page & (page - 1):
+    out.append(
+        f"{name('page_size')} must be a power of two (length buckets are powers of two: "
+        f"each must be a whole number of pages or fit in one), got {page}"
+    )
+  elif page >= 1 and f["max_len"] >= 1 and f["kv_pages"] is not None:
+    need = pages.pages_for(f["max_len"] - 1, page)
+    if f["kv_pages"] < need:
+      out.append(
+          f"{name('kv_pages')}={f['kv_pages']} cannot hold one sequence of "
+          f"max_len={f['max_len']} ({name('max_len')}): it needs {need} pages of "
+          f"{name('page_size')}={page}"
+      )
+  if f["prompt_len"] is not None and not 1 <= f["prompt_len"] <= f["max_len"]:
+    out.append(
+        f"{name('prompt_len')} must be in [1, max_len={f['max_len']}], got {f['prompt_len']}"
+    )
+  if f["decode_attention"] not in DECODE_ATTENTION:
+    out.append(
+        f"{name('decode_attention')} must be one of {DECODE_ATTENTION}, "
+        f"got {f['decode_attention']!r}"
+    )
+  if f["resume_mode"] not in RESUME_MODES:
+    out.append(f"{name('resume_mode')} must be one of {RESUME_MODES}, got {f['resume_mode']!r}")
+  return out

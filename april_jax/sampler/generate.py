@@ -8,6 +8,7 @@ it would alone (greedy, same params), up to the float rounding of a shared prefi
 from __future__ import annotations
 
 import collections
+import dataclasses
 from itertools import islice
 from typing import Sequence
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from april_jax import sharding
 from april_jax.models import qwen3
+from april_jax.sampler.contract import Engine
 from april_jax.sampler.engine import EngineConfig, SlotEngine
 from april_jax.sampler.records import PromptError, SampleRecord
 
@@ -39,66 +41,41 @@ def generate(
     *,
     max_new_tokens: int = 64,
     num_slots: int = 8,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     eos_ids: Sequence[int] = (),
-    seed: int = 0,
-    sync_every: int = 16,
     max_len: int | None = None,
     mesh=None,
     rules=sharding.DECODE_RULES,
-    return_records: bool = False,
-    on_invalid: str = "raise",
-    kv_dtype: str = "float32",
-    page_size: int = 16,
-    num_pages: int | None = None,
-    decode_attention: str = "auto",
+    **options,
 ):
   """Generates a response for every prompt; returns them in prompt order.
 
   Each response is a list of token ids, ending with the stop token when one of
-  `eos_ids` was produced. With return_records=True, returns the SampleRecords instead
-  (behavior logprobs, versions, finish reasons). A prompt that is empty or leaves no
-  room for max_new_tokens in a slot of `max_len` tokens raises PromptError naming it;
-  with on_invalid="skip" it is rejected instead: an empty response, finish_reason
-  "rejected" and the reason in meta["error"].
-
-  The slots' KV lives in a pool of `num_pages` pages of `page_size` positions (default:
-  room for every slot at max_len); with fewer, slots are preempted when it runs out and
-  continued later, so the responses are the same. decode_attention: how a decode step
-  reads the pool, "auto", "xla" or "pallas" (EngineConfig).
+  `eos_ids` was produced. `options` are generate_on's (temperature, top_p, top_k, seed,
+  return_records, on_invalid) and the engine's (EngineConfig: sync_every, kv_dtype,
+  page_size, kv_pages, decode_attention, ...). A slot holds `max_len` tokens (default:
+  the longest prompt and max_new_tokens, rounded up to 16). The slots' KV lives in a
+  pool of `kv_pages` pages of `page_size` positions (default: room for every slot at
+  max_len); with fewer, slots are preempted when it runs out and continued later, so
+  the responses are the same.
   """
   if not prompts:
     return []
   longest = max(len(p) for p in prompts)
   max_len = max_len or _round_up(longest + max_new_tokens, 16)
+  engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
   config = EngineConfig(
       num_slots=num_slots,
       max_len=max_len,
-      sync_every=sync_every,
       stop_ids=tuple(int(e) for e in eos_ids),
-      kv_dtype=kv_dtype,
-      page_size=page_size,
-      num_pages=num_pages,
-      decode_attention=decode_attention,
+      **{k: v for k, v in options.items() if k in engine_names},
   )
   engine = SlotEngine(cfg, params, config, mesh=mesh, rules=rules)
-  return generate_on(
-      engine,
-      prompts,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p,
-      top_k=top_k,
-      seed=seed,
-      return_records=return_records,
-      on_invalid=on_invalid,
-  )
+  rest = {k: v for k, v in options.items() if k not in engine_names}
+  return generate_on(engine, prompts, max_new_tokens=max_new_tokens, **rest)
 
 
 def generate_on(
-    engine: SlotEngine,
+    engine: Engine,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int = 64,
@@ -111,8 +88,12 @@ def generate_on(
     episodes=None,
     rows: Sequence[dict] | None = None,
 ):
-  """`generate` on an existing, empty engine (its params, slots and stop tokens): the
+  """`generate` on an existing, empty engine (its policy, slots and stop tokens): the
   trainer evaluates on the run's own engine instead of allocating a second KV cache.
+  With return_records, the SampleRecords (behaviour logprobs, versions, finish reasons)
+  instead of the responses' tokens. A prompt that is empty or leaves no room for
+  max_new_tokens in a slot raises PromptError naming it; with on_invalid="skip" it is
+  rejected instead (status REJECTED, an empty response, the reason in `error`).
   On an engine that holds stopped slots (hold_stopped), each prompt is an episode of
   `episodes` (an envs.EpisodeRunner; rows[i] the row its environment resets from); with
   none, a stopped slot simply finishes."""
@@ -121,47 +102,46 @@ def generate_on(
   if engine.num_live:
     raise RuntimeError("generate_on needs an empty engine")
   keys = sample_keys(seed, len(prompts))
-  queue = collections.deque()
-  results: list[SampleRecord | None] = [None] * len(prompts)
-  for i, prompt in enumerate(prompts):
-    record = SampleRecord(
-        prompt=np.asarray(prompt, np.int32),
-        max_new_tokens=max_new_tokens,
-        rng=keys[i],
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        meta={"index": i},
-    )
+  sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+  records = [
+      SampleRecord(prompt=np.asarray(p, np.int32), rng=keys[i], index=i, **sampling)
+      for i, p in enumerate(prompts)
+  ]
+  queue = collections.deque(_checked(engine, records, on_invalid))
+  if episodes is not None:
+    episodes.start(list(queue), [dict(rows[r.index]) if rows else {} for r in queue])
+  _drive(engine, queue, episodes)
+  if return_records:
+    return records
+  return [r.response.tolist() for r in records]
+
+
+def _checked(engine: Engine, records: list[SampleRecord], on_invalid: str):
+  """The records the engine can run; the others raise PromptError naming their prompt,
+  or (on_invalid="skip") are rejected."""
+  for record in records:
     try:
       engine.check(record)
     except PromptError as e:
       if on_invalid == "raise":
-        raise PromptError(f"prompt {i}: {e}") from None
-      record.finish_reason, record.meta["error"] = "rejected", str(e)
-      results[i] = record
+        raise PromptError(f"prompt {record.index}: {e}") from None
+      record.reject(str(e))
       continue
-    queue.append(record)
-  if episodes is not None:
-    episodes.start(list(queue), [dict(rows[r.meta["index"]]) if rows else {} for r in queue])
+    yield record
 
+
+def _drive(engine: Engine, queue: collections.deque, episodes) -> None:
+  """Runs the queue's samples to the end on the engine: as many start as slots and
+  pages allow, in order (fresh prompts prefilled together, preempted samples continued
+  first), then a decode call; held turns go to `episodes`, or finish."""
   while queue or engine.num_live:
-    # As many as slots and pages allow, in order; the fresh ones' prompts are prefilled
-    # together (add_groups), the preempted ones continued.
-    starting = [
-        queue.popleft() for _ in range(engine.room_for(list(islice(queue, engine.num_free))))
-    ]
-    for record in (r for r in starting if r.started):  # preempted for pages
-      engine.add(record, engine.config.preempt_mode)
-    engine.add_groups([[r] for r in starting if not r.started])
+    engine.admit(
+        [queue.popleft() for _ in range(engine.room_for(list(islice(queue, engine.num_free))))]
+    )
     finished = engine.step(refill=bool(queue))
     if episodes is not None:  # held turns answered: episodes go on or end
       finished = episodes.resolve(engine, finished)
     for record in finished:
       if engine.holds(record):  # held at a stop with no episodes to answer it
         engine.release(record)
-      results[record.meta["index"]] = record
     queue.extendleft(reversed(engine.take_preempted()))
-  if return_records:
-    return results
-  return [r.response.tolist() for r in results]

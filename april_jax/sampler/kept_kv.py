@@ -11,25 +11,27 @@ back in place (take_back), and the engine rewrites only its slot's rows: no copy
 way. The attention sums never depend on which physical pages a slot holds, so either
 path continues a sample bit for bit alike.
 
-    kept = KeptKV(book, bucket, snapshot_width, read_kv)
+    kept = KeptKV(book, bucket, snapshot_width)
     kept.keep(slot, record, used)       # at a snapshot, before the slot is released
-    kept.copy_out_ahead(need, spare)    # before a batch of grows: their copies together
-    used = kept.take_back(slot, record, window)   # the sample back in place
-    kept.let_go([record], copy=True)    # it continues elsewhere: from a host copy
+    kept.copy_out_ahead(need, read, spare)   # before a batch of grows: copies together
+    used = kept.take_back(slot, record, window, read)   # the sample back in place
+    kept.let_go([record], read)         # it continues elsewhere: from a host copy
     kept.discard(record)                # it starts over: pages freed, nothing copied
-    kept.copy_out_all()                 # before a checkpoint
+    kept.copy_out_all(read)             # before a checkpoint
+
+`read` is the engine's read of pool KV (ReadKV), given with each call that may copy
+KV out: this object holds no reference back to the engine. The kv manager
+(kv_manager.py) is its only caller.
 """
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from typing import Callable
 
 import numpy as np
 
 from april_jax.sampler import pages
-from april_jax.sampler.records import SampleRecord
+from april_jax.sampler.records import SampleRecord, Status
 
 # read_kv(slots [W] (-1: none), kv_len, table [S, J]) -> host (k, v), each
 # [L, W, kv_len, K, H]: the KV of the table's rows `slots`.
@@ -37,83 +39,87 @@ ReadKV = Callable[[np.ndarray, int, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 class KeptKV:
-  """The records whose KV is kept in the pool, by id, with the KV positions each used."""
+  """The records whose KV is kept in the pool, with the KV positions each used. The
+  book's keys for kept pages are the records themselves."""
 
-  def __init__(
-      self, book: pages.PageBook, bucket: Callable[[int], int], snapshot_width: int, read_kv: ReadKV
-  ):
+  def __init__(self, book: pages.PageBook, bucket: Callable[[int], int], snapshot_width: int):
     self.book, self._bucket, self._width = book, bucket, snapshot_width
-    # A bound method (the engine's) is held weakly, so its object must outlive this one:
-    # the engine holds this object, and a cycle would keep its device state alive after
-    # the engine is dropped, until a collection (so `bucket` is no engine method either).
-    self._read_kv = weakref.WeakMethod(read_kv) if inspect.ismethod(read_kv) else lambda: read_kv
-    self._records: dict[int, tuple[SampleRecord, int]] = {}
+    self._used: dict[SampleRecord, int] = {}
     self.bytes_to_host = 0  # KV copied out of kept pages
 
   def __contains__(self, record: SampleRecord) -> bool:
-    return id(record) in self._records
+    return record in self._used
 
   def __len__(self) -> int:
-    return len(self._records)
+    return len(self._used)
 
   def keep(self, slot: int, record: SampleRecord, used: int) -> None:
     """The slot's pages stay as they are for the record (its first `used` positions)."""
-    self._records[id(record)] = (record, used)
-    self.book.keep(slot, id(record))
+    self._used[record] = used
+    self.book.keep(slot, record)
+    record.engine_status = Status.KEPT
 
   def pages_of(self, record: SampleRecord) -> int:
     """Pages kept for the record (0 if none)."""
-    return len(self.book.kept[id(record)][1]) if record in self else 0
+    return len(self.book.kept[record][1]) if record in self else 0
 
   def on_shard(self, record: SampleRecord, shard: int) -> bool:
     """Whether the record's kept pages are on `shard`."""
-    return self.book.kept[id(record)][0] == shard
+    return self.book.kept[record][0] == shard
 
-  def take_back(self, slot: int, record: SampleRecord, window: int) -> int:
+  def take_back(self, slot: int, record: SampleRecord, window: int, read: ReadKV) -> int:
     """The record's pages to the empty slot, grown to `window` positions; returns the KV
     positions it used. The slot must be on the pages' shard, with room for the window."""
-    if not self.book.adopt(slot, id(record), window, self.copy_out):
+    if not self.book.adopt(slot, record, window, self.reclaim(read)):
       raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
-    return self._records.pop(id(record))[1]
+    record.engine_status = None
+    return self._used.pop(record)
 
-  def copy_out_ahead(self, grows, spare: set[int] = frozenset()) -> None:
+  def reclaim(self, read: ReadKV) -> Callable[[list[SampleRecord]], None]:
+    """The book's `reclaim` for a grow: copies out the records whose pages it takes."""
+    return lambda records: self.copy_out(records, read)
+
+  def copy_out_ahead(self, grows, read: ReadKV, spare=frozenset()) -> None:
     """Copies out together the kept KV in the pages the coming grows will take (grows:
-    (shard, pages it adds; none if <= 0) each), but for the ids in `spare` (records
-    about to take their own pages back), so the grows do not copy one record at a time.
+    (shard, pages it adds; none if <= 0) each), but for the records in `spare` (about
+    to take their own pages back), so the grows do not copy one record at a time.
     Whatever a grow still reaches it copies out itself (copy_out is the book's reclaim)."""
     need: dict[int, int] = {}  # shard -> pages
     for shard, n in grows:
       need[shard] = need.get(shard, 0) + max(n, 0)
     keys = [k for shard, n in need.items() for k in self.book.kept_within(shard, n)]
-    self._let_go([k for k in keys if k not in spare], copy=True)
+    self._let_go([k for k in keys if k not in spare], read)
 
-  def let_go(self, records: list[SampleRecord], copy: bool) -> None:
-    """The records' pages become plain free pages, their KV copied out first if `copy`."""
-    self._let_go([id(r) for r in records if r in self], copy)
+  def let_go(self, records: list[SampleRecord], read: ReadKV | None) -> None:
+    """The records' pages become plain free pages, their KV copied out first (with
+    `read`; None: not copied)."""
+    self._let_go([r for r in records if r in self], read)
 
   def discard(self, record: SampleRecord) -> None:
     """Lets the record's pages go without copying its KV (it starts over)."""
-    self.let_go([record], copy=False)
+    self.let_go([record], None)
 
-  def copy_out_all(self) -> None:
+  def copy_out_all(self, read: ReadKV) -> None:
     """Every kept record's KV to the host, its pages then plain free pages."""
-    self._let_go(list(self._records), copy=True)
+    self._let_go(list(self._used), read)
 
-  def _let_go(self, keys: list[int], copy: bool) -> None:
-    if copy:
-      self.copy_out(keys)
+  def _let_go(self, keys: list[SampleRecord], read: ReadKV | None) -> None:
+    if read is not None:
+      self.copy_out(keys, read)
     for key in keys:
-      self._records.pop(key, None)
+      self._used.pop(key, None)
+      if key.engine_status is Status.KEPT:
+        key.engine_status = None
     self.book.forget(*keys)
 
-  def copy_out(self, keys: list[int]) -> None:
+  def copy_out(self, keys: list[SampleRecord], read: ReadKV) -> None:
     """Kept records' KV to the host, from their pages (before they are handed out):
     records of one length bucket share read calls, snapshot_width per call, each read
     through a row of its pages' shard in a table of the call's own."""
     W, per_shard = self._width, self.book.slots_per_shard
     by_bucket: dict[int, list[int]] = {}
     for key in keys:
-      by_bucket.setdefault(self._bucket(max(self._records[key][1], 1)), []).append(key)
+      by_bucket.setdefault(self._bucket(max(self._used[key], 1)), []).append(key)
     for kv_len, pending in by_bucket.items():
       while pending:
         table, slots, chunk = self.book.table.copy(), np.full(W, -1, np.int32), []
@@ -129,8 +135,9 @@ class KeptKV:
           slots[len(chunk)] = row
           chunk.append(key)
           pending.remove(key)
-        k, v = self._read_kv()(slots, kv_len, table)
-        for j, key in enumerate(chunk):
-          record, used = self._records.pop(key)
+        k, v = read(slots, kv_len, table)
+        for j, record in enumerate(chunk):
+          used = self._used.pop(record)
+          record.engine_status = None
           record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
           self.bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes

@@ -45,8 +45,8 @@ class PageBook:
     # Lowest ids first: pages handed out in order, so tests and runs are reproducible.
     self._free = [list(range(self.usable - 1, -1, -1)) for _ in range(shards)]
     self.dirty = True  # the device table is stale
-    self.kept: dict[int, tuple[int, list[int]]] = {}  # key -> (shard, its pages in order)
-    self._kept_page: list[dict[int, int]] = [{} for _ in range(shards)]  # page -> key
+    self.kept: dict = {}  # key (hashable) -> (shard, its pages in order)
+    self._kept_page: list[dict] = [{} for _ in range(shards)]  # page -> key
 
   def shard_of(self, slot: int) -> int:
     return slot // self.slots_per_shard
@@ -77,7 +77,7 @@ class PageBook:
     keys = self.kept_within(shard, need)
     if keys:
       if reclaim is None:
-        raise RuntimeError(f"slot {slot} needs pages kept for keys {keys}: no reclaim given")
+        raise RuntimeError(f"slot {slot} needs pages kept for {len(keys)} keys: no reclaim given")
       reclaim(keys)
       self.forget(*keys)
     for j in range(have, have + need):
@@ -99,13 +99,13 @@ class PageBook:
     """The slot's first pages covering `tokens` positions (local ids)."""
     return self.table[slot, : pages_for(tokens, self.page_size)]
 
-  def kept_within(self, shard: int, n: int) -> list[int]:
+  def kept_within(self, shard: int, n: int) -> list:
     """Keys with kept pages among the next n pages the shard hands out, in that order
     (kept pages are the front of the free list: taken only once the rest are)."""
     kept = [self._kept_page[shard].get(p) for p in self._free[shard][-n:]] if n > 0 else []
     return list(dict.fromkeys(k for k in kept if k is not None))
 
-  def keep(self, slot: int, key: int) -> None:
+  def keep(self, slot: int, key) -> None:
     """The slot's pages leave it, free for the accounting, their contents kept for `key`
     until they are reclaimed (grow), adopted or forgotten."""
     if key in self.kept:
@@ -120,7 +120,7 @@ class PageBook:
     self.held[slot] = 0
     self.dirty = True
 
-  def forget(self, *keys: int) -> None:
+  def forget(self, *keys) -> None:
     """The keys' kept pages become plain free pages (at the back of the free list, in
     the keys' order), each shard's list remade once."""
     self._unkeep(keys)
@@ -139,7 +139,7 @@ class PageBook:
       free = self._free[shard]
       free[:] = [p for p in free if p not in taken[shard]] + pages
 
-  def adopt(self, slot: int, key: int, tokens: int, reclaim=None) -> bool:
+  def adopt(self, slot: int, key, tokens: int, reclaim=None) -> bool:
     """Gives an empty slot the pages kept for `key` (at most the pages for `tokens`
     positions; any more become plain free pages), then grows it to `tokens`. False if
     the slot is on another shard or its shard lacks the pages (nothing changes)."""

@@ -8,25 +8,53 @@ its KV cache for the used length only (positions 0 .. prompt+response-2: the las
 token is pending), with `kv_version`, the oldest version among those KV entries. A
 sample cut while tokens it was given (an environment's observation) were still being
 fed has KV for fewer positions; the rest are fed when it resumes (rows.kv_positions).
+
+Where a sample stands is its `status` (Status): waiting (never started), live (in a
+slot, decoding), held (in a slot, stopped at the end of a turn, waiting for its
+environment), kept (out of any slot, its KV kept in the pool's pages), partial (out of
+any slot, its KV on the host or none), finished (a stop token or its budget), rejected
+(it cannot run: `error` says why). The engine marks the three states it owns (live,
+held, kept); the rest follow from the record's own fields.
+
+The fields a caller keeps with a sample are named (group_id, index, cuts, restarts,
+home_shard, error, episode) and serialise to JSON (`to_json` / `from_json`), so a
+checkpoint holds them as they are; `from_json` also reads the untyped `meta` dict that
+checkpoints of earlier versions hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import numpy as np
+
+from april_jax.envs.episode_state import Episode
 
 
 class PromptError(ValueError):
   """A request the sampler cannot run (empty prompt, prompt too long for a slot, ...)."""
 
 
+class Status(str, enum.Enum):
+  WAITING = "waiting"  # never started, in no slot
+  LIVE = "live"  # in a slot, decoding
+  HELD = "held"  # in a slot, stopped at the end of a turn (EngineConfig.hold_stopped)
+  KEPT = "kept"  # in no slot, its KV kept in the pool's pages (snapshot with keep)
+  PARTIAL = "partial"  # started, in no slot; its KV on the host (mode kv) or none
+  FINISHED = "finished"  # a stop token or its budget: finish_reason says which
+  REJECTED = "rejected"  # it cannot run: `error` says why
+
+
+ENGINE_STATUSES = (Status.LIVE, Status.HELD, Status.KEPT)  # set by the engine only
+
+
 def _empty(dtype) -> np.ndarray:
   return np.zeros((0,), dtype)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a sample is an entity: equal only to itself, hashable
 class SampleRecord:
   prompt: np.ndarray  # int32 [P]
   max_new_tokens: int  # the response budget, shared by all segments
@@ -41,7 +69,16 @@ class SampleRecord:
   kv_v: np.ndarray | None = None
   kv_version: int | None = None  # the oldest policy version in kv_k / kv_v
   finish_reason: str | None = None  # "stop", "length", or None while unfinished
-  meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # the caller's ids
+  # The caller's fields (JSON in checkpoints):
+  group_id: int | None = None  # the prompt group it belongs to (rollout/group.py)
+  index: int = 0  # its place in its group, or in the caller's list of prompts
+  cuts: int = 0  # times a step's end cut it unfinished
+  restarts: int = 0  # times it started over from its prompt (staleness)
+  home_shard: int | None = None  # the slot shard it was snapshotted from (several shards)
+  error: str | None = None  # why it was rejected
+  episode: Episode | None = None  # with an environment: its episode
+  # LIVE, HELD or KEPT while an engine has it (the engine sets it); else None.
+  engine_status: Status | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
     self.prompt = np.asarray(self.prompt, np.int32).reshape(-1)
@@ -53,8 +90,19 @@ class SampleRecord:
       raise ValueError("response, logprobs and versions must have one entry per token")
 
   @property
+  def status(self) -> Status:
+    if self.error is not None:
+      return Status.REJECTED
+    if self.finish_reason is not None:
+      return Status.FINISHED
+    if self.engine_status is not None:
+      return self.engine_status
+    return Status.PARTIAL if self.started else Status.WAITING
+
+  @property
   def finished(self) -> bool:
-    return self.finish_reason is not None
+    """Nothing more to draw: finished, or rejected."""
+    return self.status in (Status.FINISHED, Status.REJECTED)
 
   @property
   def started(self) -> bool:
@@ -73,10 +121,78 @@ class SampleRecord:
   def has_kv(self) -> bool:
     return self.kv_k is not None
 
+  @property
+  def env_error(self) -> str | None:
+    """Why its environment ended its episode early (None: it did not, or no episode)."""
+    return None if self.episode is None else self.episode.error
+
   def drop_kv(self) -> None:
     self.kv_k = self.kv_v = self.kv_version = None
+
+  def reject(self, why: str) -> None:
+    """The sample cannot run: it is done, with an empty response and the reason."""
+    self.error = str(why)
 
   def host_bytes(self) -> int:
     arrays = [self.prompt, self.rng, self.response, self.logprobs, self.versions]
     arrays += [a for a in (self.kv_k, self.kv_v) if a is not None]
     return sum(a.nbytes for a in arrays)
+
+  def to_json(self) -> dict:
+    """Every field but the arrays (prompt, rng, response, logprobs, versions, KV), as
+    JSON; `has_kv` says whether KV goes with it."""
+    return {
+        "max_new_tokens": self.max_new_tokens,
+        "temperature": self.temperature,
+        "top_k": self.top_k,
+        "top_p": self.top_p,
+        "finish_reason": self.finish_reason,
+        "has_kv": self.has_kv,
+        "kv_version": self.kv_version,
+        **{name: getattr(self, name) for name in _CALLER_FIELDS},
+        "episode": None if self.episode is None else self.episode.to_json(),
+    }
+
+  @staticmethod
+  def fields_from_json(d: dict) -> dict[str, Any]:
+    """The keyword arguments of a record saved by `to_json` (arrays apart), or by
+    earlier versions, which kept the caller's fields in one untyped `meta` dict."""
+    out = {k: d[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+    out["finish_reason"] = d.get("finish_reason")
+    fields = _from_meta(d["meta"]) if "meta" in d else d
+    out.update({name: fields[name] for name in _CALLER_FIELDS if name in fields})
+    episode = fields.get("episode")
+    out["episode"] = Episode.from_json(episode) if isinstance(episode, dict) else episode
+    if out["finish_reason"] == "rejected":  # earlier versions marked a rejection so
+      out["finish_reason"], out["error"] = None, out.get("error") or "rejected"
+    return out
+
+
+_CALLER_FIELDS = ("group_id", "index", "cuts", "restarts", "home_shard", "error")
+
+
+def _from_meta(meta: dict) -> dict[str, Any]:
+  """The named fields of an earlier version's `meta` dict."""
+  unknown = set(meta) - set(_META_NAMES) - {"env", "turns", "obs", "env_reward", "env_error"}
+  if unknown:
+    raise ValueError(f"a saved sample has fields this version does not know: {sorted(unknown)}")
+  out = {name: meta[old] for old, name in _META_NAMES.items() if old in meta}
+  if "env" in meta or "env_error" in meta:
+    out["episode"] = Episode(
+        state=meta.get("env"),
+        turns=meta.get("turns", 0),
+        observations=[list(span) for span in meta.get("obs", [])],
+        reward=meta.get("env_reward"),
+        error=meta.get("env_error"),
+    )
+  return out
+
+
+_META_NAMES = {
+    "group": "group_id",
+    "index": "index",
+    "cuts": "cuts",
+    "restarts": "restarts",
+    "shard": "home_shard",
+    "error": "error",
+}

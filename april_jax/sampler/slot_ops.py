@@ -41,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
 from april_jax.models import paged_attention, paged_attention_kernel, qwen3
+from april_jax.sampler.engine_config import DeviceSettings
 from april_jax.sampler.sampling import sample_tokens
-from april_jax.sampler.rows import PackedRows, unpack
+from april_jax.sampler.rows import READOUT, PackedRows, unpack
 from april_jax.sampler.state import SlotState, init_state, state_logical_axes
 
 
@@ -145,11 +146,7 @@ def _paged_attend(
   decode_attention = paged_attention_kernel.choose(decode_attention, page_size, state.kv.k.shape[4])
   if decode_attention == "pallas":
     fn = layout.local(
-        functools.partial(
-            paged_attention_kernel.paged_decode_attention,
-            view=qwen3.kv_view,
-            merge=paged_attention_kernel.ENGINE_MERGE,
-        ),
+        functools.partial(paged_attention_kernel.paged_decode_attention, view=qwen3.kv_view),
         (P(s, h, None, None), P(s, h, None), P(s, h, None), cache_spec, cache_spec, P(), P(s))
         + (P(s, None),),
         P(s, h, None, None),
@@ -278,36 +275,12 @@ def decode(
   every live slot the pages it can fill within the call (engine.step).
   """
   state = state.replace(page_table=table_SxJ)
-  S, M = state.tokens.shape
-  rows = jnp.arange(S)
+  one = functools.partial(_decode_one, layout, cfg, chunk_pages, decode_attention, params)
 
   def step(carry):
-    state, i, kept, finished_n = carry
-    live = ~state.done
-    pos = jnp.maximum(state.length - 1, 0)
-    last = state.tokens[rows, pos]
-    past = jnp.where(live, pos, 0)
-    attend = _paged_attend(layout, state, past, chunk_pages, decode_attention)
-    write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
-    logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.length)
-    new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
-    at = jnp.minimum(state.length, M - 1)
-    drawn = live & (state.length >= state.forced_end)  # else: the given token stays
-    put = lambda a, v: a.at[rows, at].set(jnp.where(drawn, v, a[rows, at]))
-    tokens = put(state.tokens, new_tok)
-    length = state.length + live
-    stopped = drawn & jnp.isin(tokens[rows, at], stop_ids_E)
-    finished = live & (stopped | (length >= state.limit))
-    state = state.replace(
-        tokens=tokens,
-        logprobs=put(state.logprobs, new_lp),
-        versions=put(state.versions, jnp.minimum(version, state.kv_version)),
-        kv=kv,
-        length=length,
-        done=state.done | finished,
-    )
-    return state, i + 1, kept + jnp.sum(drawn), finished_n + jnp.sum(finished)
+    state, i, drawn_n, finished_n = carry
+    state, drawn, finished = one(state, version, stop_ids_E)
+    return state, i + 1, drawn_n + jnp.sum(drawn), finished_n + jnp.sum(finished)
 
   def keep_going(carry):
     state, i, _, finished_n = carry
@@ -315,19 +288,48 @@ def decode(
     return (i < sync_every) & ~enough & jnp.any(~state.done)
 
   zero = jnp.zeros((), jnp.int32)
-  state, steps, kept, _ = jax.lax.while_loop(keep_going, step, (state, zero, zero, zero))
-  return state, steps, kept
+  state, steps, drawn_n, _ = jax.lax.while_loop(keep_going, step, (state, zero, zero, zero))
+  return state, steps, drawn_n
+
+
+def _decode_one(layout, cfg, chunk_pages, decode_attention, params, state, version, stop_ids_E):
+  """One decode step of every live slot: (state, drawn [S], finished [S]). A slot below
+  its forced_end keeps its given token (drawn False there)."""
+  S, M = state.tokens.shape
+  rows = jnp.arange(S)
+  live = ~state.done
+  pos = jnp.maximum(state.length - 1, 0)
+  last = state.tokens[rows, pos]
+  past = jnp.where(live, pos, 0)
+  attend = _paged_attend(layout, state, past, chunk_pages, decode_attention)
+  write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
+  logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
+  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.length)
+  new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
+  at = jnp.minimum(state.length, M - 1)
+  drawn = live & (state.length >= state.forced_end)  # else: the given token stays
+  put = lambda a, v: a.at[rows, at].set(jnp.where(drawn, v, a[rows, at]))
+  tokens = put(state.tokens, new_tok)
+  length = state.length + live
+  stopped = drawn & jnp.isin(tokens[rows, at], stop_ids_E)
+  finished = live & (stopped | (length >= state.limit))
+  state = state.replace(
+      tokens=tokens,
+      logprobs=put(state.logprobs, new_lp),
+      versions=put(state.versions, jnp.minimum(version, state.kv_version)),
+      kv=kv,
+      length=length,
+      done=state.done | finished,
+  )
+  return state, drawn, finished
 
 
 def extract_rows(state: SlotState, slots_W: jax.Array):
   """Rows of W slots at once (entries < 0 are padding): tokens, logprobs, versions
-  [W, M] and int32 [W, 4] (length, prompt_len, kv_version, forced_end). One transfer
+  [W, M] and int32 [W, 4], the columns rows.READOUT names. One transfer
   for many samples."""
   idx = jnp.maximum(slots_W, 0)
-  meta = jnp.stack(
-      [state.length[idx], state.prompt_len[idx], state.kv_version[idx], state.forced_end[idx]],
-      axis=-1,
-  )
+  meta = jnp.stack([getattr(state, name)[idx] for name in READOUT], axis=-1)
   return state.tokens[idx], state.logprobs[idx], state.versions[idx], meta
 
 
@@ -407,36 +409,26 @@ def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
 
 @functools.lru_cache(maxsize=32)
 def device_fns(
-    cfg: qwen3.Qwen3Config,
-    num_slots: int,
-    max_len: int,
-    sync_every: int,
-    kv_dtype: str = "float32",
-    mesh=None,
-    rules=sharding.DECODE_RULES,
-    decode_block: int = 1024,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    decode_attention: str = "auto",
+    cfg: qwen3.Qwen3Config, settings: DeviceSettings, mesh=None, rules=sharding.DECODE_RULES
 ) -> DeviceFns:
-  """Builds (once, then cached) the jitted functions for these static settings.
+  """Builds (once, then cached) the jitted functions for these static settings
+  (EngineConfig.device_settings).
 
   `rules` place the slot state and the activations (the sampler's: DECODE_RULES). The
-  pool has `num_pages` usable pages (default: max_len for every slot), split over the
-  slot axes' shards, plus one scratch page per shard. Attention reads decode_block //
-  page_size pages per chunk, or a shard's whole pool when that is fewer: a chunk
-  wider than the pool would gather padding."""
+  pool has `usable_pages` pages, split over the slot axes' shards, plus one scratch page
+  per shard. Attention reads decode_block // page_size pages per chunk, or a shard's
+  whole pool when that is fewer: a chunk wider than the pool would gather padding."""
+  s = settings
+  num_slots, max_len, page_size = s.num_slots, s.max_len, s.page_size
   shards = 1
   if mesh is not None:
     spec = sharding.logical_to_spec(("batch",), (num_slots,), mesh, rules)[0]
     axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
     shards = math.prod(mesh.shape[a] for a in axes)
-  if num_pages is None:
-    num_pages = num_slots * -(-max_len // page_size)
-  per_shard = -(-num_pages // shards) + 1
-  chunk_pages = chunk_pages_for(decode_block, page_size, per_shard - 1)
+  per_shard = -(-s.usable_pages // shards) + 1
+  chunk_pages = chunk_pages_for(s.decode_block, page_size, per_shard - 1)
   init = lambda: init_state(
-      cfg, num_slots, max_len, jnp.dtype(kv_dtype), page_size, shards * per_shard
+      cfg, num_slots, max_len, jnp.dtype(s.kv_dtype), page_size, shards * per_shard
   )
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
   if mesh is None:
@@ -464,7 +456,9 @@ def device_fns(
       prefill_kv=jax.jit(traced(functools.partial(prefill_kv, cfg)), **pin_kv),
       insert=jax.jit(functools.partial(insert, layout), donate_argnums=0, **pin),
       decode=jax.jit(
-          traced(functools.partial(decode, layout, cfg, sync_every, chunk_pages, decode_attention)),
+          traced(
+              functools.partial(decode, layout, cfg, s.sync_every, chunk_pages, s.decode_attention)
+          ),
           donate_argnums=1,
           **pin_first,
       ),
