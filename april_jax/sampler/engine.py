@@ -263,6 +263,9 @@ class SlotEngine:
       by_bucket.setdefault(self.bucket(max(kv_positions(r), 1)), []).append((slot, r))
     W = self.config.snapshot_width
     for kv_len, group in by_bucket.items():
+      if len(group) == 1:  # one sample: its own KV alone, as a prefill's insert takes it
+        self._insert_one_host_kv(*group[0], kv_len)
+        continue
       for i in range(0, len(group), W):
         chunk = [r for _, r in group[i : i + W]]
         lengths = [kv_positions(r) + 1 for r in chunk]
@@ -272,6 +275,14 @@ class SlotEngine:
         self._insert(kv, W, slots, chunk, versions, lengths, list(range(len(chunk))))
     for slot, r in items:
       self._own(slot, r, kv_positions(r) + 1)
+
+  def _insert_one_host_kv(self, slot: int, r: SampleRecord, kv_len: int) -> None:
+    """One sample's host KV [L, 1, kv_len, K, H] into its slot (insert_width per call, as
+    a prefill's KV goes in: no rows of padding cross to the device)."""
+    pad = ((0, 0), (0, kv_len - kv_positions(r)), (0, 0), (0, 0))
+    kv = qwen3.KVCache(np.pad(r.kv_k, pad)[:, None], np.pad(r.kv_v, pad)[:, None])
+    self._counters.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
+    self._insert_shared(self._on_device(kv), kv_version_of(r), [(slot, r, 0)], kv_positions(r) + 1)
 
   def _resume_in_place(self, items: list[tuple[int, SampleRecord, int]]) -> None:
     """Kept samples back into the slots that took their pages back (slot, record, KV
