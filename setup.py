@@ -21,14 +21,15 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # pytest-xdist: the suite runs in two workers. CPU-only torch (the 2.13.0 CPU build)
-    # and transformers, for parity tests. The formatter the tests check the tree with
-    # (pinned: its output is part of the check).
+    # pytest-xdist: the suite runs in two workers. CPU-only torch (the 2.13.0 CPU build),
+    # transformers and peft, for parity tests (LoRA adapters load with peft). The
+    # formatter the tests check the tree with (pinned: its output is part of the check).
     "test": [
         "pytest>=8",
         "pytest-xdist>=3.5",
         "torch==2.13.0",
         "transformers>=4.51",
+        "peft>=0.13",
         "pyink==26.5.1",
     ],
     # NVIDIA GPUs: jax's CUDA 12 wheels. AMD GPUs: see README.md (ROCm wheels).

@@ -41,7 +41,7 @@ class LoraSpec:
     return self.alpha / self.rank
 
 
-def _shape(cfg: qwen3.Qwen3Config, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def weight_dims(cfg: qwen3.Qwen3Config, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """The target weight's input and output dims (its layer dim apart)."""
   shape = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))["layers"][target].shape
   n = INPUT_DIMS[target]
@@ -56,7 +56,7 @@ def problems(cfg: qwen3.Qwen3Config, spec: LoraSpec, prefix: str = "") -> list[s
   if not spec.targets:
     return [f"{prefix}targets is empty: choose from {list(TARGETS)}"]
   narrowest = min(
-      min(math.prod(i), math.prod(o)) for i, o in map(lambda t: _shape(cfg, t), spec.targets)
+      min(math.prod(i), math.prod(o)) for i, o in map(lambda t: weight_dims(cfg, t), spec.targets)
   )
   if not 1 <= spec.rank <= narrowest:
     return [
@@ -75,7 +75,7 @@ def init(cfg: qwen3.Qwen3Config, spec: LoraSpec, key: jax.Array) -> dict:
     raise ValueError("; ".join(found))
   L, out = cfg.num_layers, {}
   for target, k in zip(spec.targets, jax.random.split(key, len(spec.targets))):
-    ins, outs = _shape(cfg, target)
+    ins, outs = weight_dims(cfg, target)
     bound = 1.0 / math.sqrt(math.prod(ins))
     a = jax.random.uniform(k, (L, *ins, spec.rank), jnp.float32, -bound, bound)
     out[target] = {"a": a, "b": jnp.zeros((L, spec.rank, *outs), jnp.float32)}
@@ -114,6 +114,6 @@ def num_params(cfg: qwen3.Qwen3Config, spec: LoraSpec) -> int:
   """Trainable numbers in the adapters."""
   total = 0
   for target in spec.targets:
-    ins, outs = _shape(cfg, target)
+    ins, outs = weight_dims(cfg, target)
     total += cfg.num_layers * spec.rank * (math.prod(ins) + math.prod(outs))
   return total
