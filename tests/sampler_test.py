@@ -468,6 +468,24 @@ def test_an_exhausted_pool_preempts_and_loses_nothing(sampler_params, mode):
   assert all(len(r.response) == 48 or r.finish_reason == "stop" for r in tight)
 
 
+def test_generate_with_a_pool_that_preempts_fresh_and_started_slots_equals_a_full_pool(
+    sampler_params,
+):
+  """Six slots, 18 prompts, 12 pages of 8: a slot preempted before its first token comes
+  back beside started ones (a fresh sample again), and every response is the one a pool
+  with room for all draws."""
+  rng = np.random.default_rng(17)
+  prompts = [p.tolist() for p in random_prompts(17, rng.integers(2, 12, 18))]
+  kw = dict(max_new_tokens=int(rng.integers(20, 50)), num_slots=6, max_len=64, sync_every=8)
+  kw.update(page_size=8, temperature=0.7, seed=17, return_records=True)
+  tight = sampler.generate(CFG, sampler_params, prompts, kv_pages=12, **kw)
+  full = sampler.generate(CFG, sampler_params, prompts, **kw)
+  for a, b in zip(tight, full):
+    np.testing.assert_array_equal(a.response, b.response)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  assert sum(len(r.response) for r in tight) == 378
+
+
 def test_an_exhausted_pool_counts_preemptions_and_frees_every_page(sampler_params):
   config = EngineConfig(num_slots=4, max_len=64, sync_every=8, page_size=8, kv_pages=10)
   engine = SlotEngine(CFG, sampler_params, config)
