@@ -12,8 +12,8 @@ A driver may
                                 trainer, after each update; evaluation reads it as is).
   check(record)                 PromptError if the sample can never run in a slot.
   room_for(records) -> n        how many of `records`, in order, could start now.
-  admit(records, mode=None)     start the first room_for(records) of them: partial
-                                samples (started) first, then fresh ones; a fresh
+  admit(records, mode=None)     start the first room_for(records) of them (partial
+                                samples, started, go in before fresh ones); a fresh
                                 sample's prompt is prefilled once for all who share it,
                                 a partial continues from its KV (mode "kv", in place if
                                 its KV is kept in the pool) or is recomputed (mode

@@ -188,8 +188,9 @@ class SlotEngine:
 
   # ------------------------------------------------------------------------ admit
   def admit(self, records: list[SampleRecord], mode: str | None = None) -> list[int]:
-    """Starts the records in free slots, in order (as many as room_for counts: more is
-    an error): partial samples first, then fresh ones. Returns their slots.
+    """Starts the records in free slots (as many as room_for counts: more is an error):
+    the partial samples first, then the fresh ones. Returns their slots, in the
+    records' order.
 
     A fresh sample's prompt is prefilled once for every sample that shares it (across
     calls too, while it is in the last prefill call: prefill_cache.py), in calls of up
@@ -202,15 +203,13 @@ class SlotEngine:
     mode = self.config.resume_mode if mode is None else mode
     if mode not in RESUME_MODES:
       raise ValueError(f"resume mode must be one of {RESUME_MODES}, got {mode!r}")
-    started = [r.started for r in records]
-    if started != sorted(started, reverse=True):
-      raise ValueError("admit takes partial samples first, then fresh ones")
     for r in records:
       self.check(r)
     partial = [r for r in records if r.started]
     fresh = [r for r in records if not r.started]
-    slots = self._continue_partials(partial, mode) if partial else []
-    return slots + (self._start_fresh(fresh) if fresh else [])
+    slot_of = dict(zip(partial, self._continue_partials(partial, mode) if partial else []))
+    slot_of.update(zip(fresh, self._start_fresh(fresh) if fresh else []))
+    return [slot_of[r] for r in records]
 
   def _take_slots(self, records: list[SampleRecord], resume_kv: bool):
     """Free slots for the records, each with pages for its KV and one decode call; with

@@ -135,11 +135,9 @@ def _drive(engine: Engine, queue: collections.deque, episodes) -> None:
   pages allow, in order (fresh prompts prefilled together, preempted samples continued
   first), then a decode call; held turns go to `episodes`, or finish."""
   while queue or engine.num_live:
-    room = engine.room_for(list(islice(queue, engine.num_free)))
-    starting = [queue.popleft() for _ in range(room)]
-    # Preempted samples come back first, but one preempted before its first token is
-    # fresh again: the started ones go in first, as admit takes them.
-    engine.admit(sorted(starting, key=lambda r: not r.started))
+    engine.admit(
+        [queue.popleft() for _ in range(engine.room_for(list(islice(queue, engine.num_free))))]
+    )
     finished = engine.step(refill=bool(queue))
     if episodes is not None:  # held turns answered: episodes go on or end
       finished = episodes.resolve(engine, finished)

@@ -47,9 +47,6 @@ class Status(str, enum.Enum):
   REJECTED = "rejected"  # it cannot run: `error` says why
 
 
-ENGINE_STATUSES = (Status.LIVE, Status.HELD, Status.KEPT)  # set by the engine only
-
-
 def _empty(dtype) -> np.ndarray:
   return np.zeros((0,), dtype)
 
