@@ -1,7 +1,14 @@
 """Exports a run's policy as a Hugging Face Qwen3 folder that transformers loads.
 
   python -m april_jax.export --workdir=runs/qwen3_8b --out=exports/qwen3_8b \\
-      [--step=N] [--dtype=bfloat16] [--overwrite]
+      [--step=N] [--dtype=bfloat16] [--overwrite] [--format=merged|peft]
+
+A LoRA run (train.lora) exports either way: `merged` (the default) writes the base with
+the adapters merged in, a plain model folder; `peft` writes the adapters alone as a PEFT
+folder (adapter_config.json + adapter_model.safetensors) that
+`peft.PeftModel.from_pretrained(base, folder)` loads onto the base model. The base is
+read from the run's model.path, or from the copy a run of a random or warm-started base
+keeps in its workdir (april_jax/lora_base.py).
 
 Reads the params alone of checkpoint `step` (the state after N updates; default: the
 latest; the optimizer state is not read), and the run's config and model shape from the
@@ -43,9 +50,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from april_jax import lora_base
 from april_jax.checkpoint import Checkpointer
 from april_jax.errors import InputError
-from april_jax.models import hf_io, qwen3
+from april_jax.models import hf_io, lora, peft_io, qwen3
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -64,6 +72,7 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 def _written_by_export(folder: str, name: str) -> bool:
   """Whether `name` in `folder` is a file an export writes (what --overwrite may replace)."""
   own = (hf_io.CONFIG_NAME, hf_io.INDEX_NAME, hf_io.SINGLE_NAME, *TOKENIZER_FILES)
+  own += (peft_io.CONFIG_NAME, peft_io.WEIGHTS_NAME)
   path = os.path.join(folder, name)
   return (name in own or _SHARD_NAME.fullmatch(name) is not None) and (
       os.path.isfile(path) and not os.path.islink(path)
@@ -154,25 +163,26 @@ def _tidy_interrupted(target: str) -> None:
 _CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV)
 
 
-def _write_folder(target: str, cfg, params, tokenizer_dir: str | None) -> None:
-  """Writes the export into a new folder beside `target`, then renames it into place (a
-  previous `target` is moved aside first and removed last). A place that cannot be written
-  is an InputError naming it, with nothing left behind."""
+def _write_folder(target: str, write, tokenizer_dir: str | None) -> None:
+  """Writes the export (write(folder) writes the weights) into a new folder beside
+  `target`, then renames it into place (a previous `target` is moved aside first and
+  removed last). A place that cannot be written is an InputError naming it, with nothing
+  left behind."""
   try:
-    _write_and_rename(target, cfg, params, tokenizer_dir)
+    _write_and_rename(target, write, tokenizer_dir)
   except OSError as e:
     if e.errno not in _CANNOT_WRITE:
       raise
     raise InputError(f"--out {target}: cannot write there: {e.strerror or e}") from None
 
 
-def _write_and_rename(target: str, cfg, params, tokenizer_dir: str | None) -> None:
+def _write_and_rename(target: str, write, tokenizer_dir: str | None) -> None:
   parent = os.path.dirname(target)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.export-", dir=parent)
   old = None
   try:
-    hf_io.save_pretrained(staging, cfg, params)
+    write(staging)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
       if os.path.isfile(os.path.join(tokenizer_dir, name)):
         shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(staging, name))
@@ -197,9 +207,15 @@ def _umask() -> int:
 
 
 def export(
-    workdir: str, out: str, step: int | None = None, dtype: str = "float32", overwrite: bool = False
+    workdir: str,
+    out: str,
+    step: int | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    format: str = "merged",  # pylint: disable=redefined-builtin
 ) -> int:
-  """Writes checkpoint `step` of `workdir` (latest if None) to `out`; returns the step."""
+  """Writes checkpoint `step` of `workdir` (latest if None) to `out`; returns the step.
+  format: merged (a model folder) or peft (a LoRA run's adapters alone)."""
   checkpointer = _open_checkpoints(workdir)
   try:
     step = _pick_step(checkpointer, step)
@@ -212,15 +228,22 @@ def export(
     # The model as trained, from the checkpoint; from model.path's folder for checkpoints
     # saved before they held it (that folder must then still be there).
     cfg = qwen3.Qwen3Config(**host["model"]) if host.get("model") else hf_io.model_config(config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
-    abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes
-    )
-    params = checkpointer.restore_params(step, abstract)
+    spec = _lora_spec(host, format)
+    if spec is None:
+      shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
+    else:
+      shapes = jax.eval_shape(lambda: lora.init(cfg, spec, jax.random.key(0)))
+    params = checkpointer.restore_params(step, _on_one_device(shapes))
   finally:
     checkpointer.close()
-  params = jax.tree.map(lambda x: x.astype(dtype), params)
+  if format == "peft":
+    write = lambda folder: peft_io.save_peft(folder, spec, params, config.model.path)
+  else:
+    if spec is not None:  # the adapters merged into their base, in float32
+      base = hf_io.load_pretrained(lora_base.source(workdir, config), "float32")[1]
+      params = lora.merge(base, params, spec)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    write = lambda folder: hf_io.save_pretrained(folder, cfg, params)
   tokenizer_dir = config.model.tokenizer_path or config.model.path
   if tokenizer_dir and not os.path.isdir(tokenizer_dir):
     print(
@@ -228,8 +251,27 @@ def export(
         "export has no tokenizer files (copy them in from the model the run started from)",
         file=sys.stderr,
     )
-  _write_folder(target, cfg, params, tokenizer_dir)
+  _write_folder(target, write, tokenizer_dir)
   return step
+
+
+def _lora_spec(host: dict, format: str) -> lora.LoraSpec | None:  # pylint: disable=redefined-builtin
+  """The adapters' spec of a LoRA run's checkpoint (None for a full fine-tune's; then
+  --format=peft is an InputError)."""
+  saved = (host.get("learner") or {}).get("lora")
+  if saved is None:
+    if format == "peft":
+      raise InputError(
+          "--format=peft writes LoRA adapters; this run trained every weight (no train.lora): "
+          "export it as a model folder (--format=merged)"
+      )
+    return None
+  return lora.LoraSpec(int(saved["rank"]), float(saved["alpha"]), tuple(saved["targets"]))
+
+
+def _on_one_device(shapes):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
 
 
 def main(argv):
@@ -238,7 +280,7 @@ def main(argv):
   if not f["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # Orbax's notes on a read-only manager are not news
   try:
-    step = export(f.workdir, f.out, None if f.step < 0 else f.step, f.dtype, f.overwrite)
+    step = export(f.workdir, f.out, None if f.step < 0 else f.step, f.dtype, f.overwrite, f.format)
   except InputError as e:
     print(f"april_jax.export: {e}", file=sys.stderr)
     sys.exit(2)
@@ -253,5 +295,12 @@ if __name__ == "__main__":
       "overwrite", False, "Replace an earlier export at --out (never a model or a run)."
   )
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' dtype.")
+  flags.DEFINE_enum(
+      "format",
+      "merged",
+      ["merged", "peft"],
+      "merged: a model folder (a LoRA run's adapters merged into its base); peft: a LoRA "
+      "run's adapters alone, as a PEFT folder.",
+  )
   flags.mark_flags_as_required(["workdir", "out"])
   app.run(main)

@@ -28,6 +28,7 @@ import numpy as np
 
 from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
+from april_jax import lora_base
 from april_jax import plan as plan_lib
 from april_jax import resume
 from april_jax import run_report
@@ -40,12 +41,14 @@ from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, paged_attention_kernel, qwen3
+from april_jax.models import lora as lora_lib
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
 from april_jax.rl import sft
+from april_jax.rl import step as step_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
@@ -69,6 +72,7 @@ class Trainer:
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
     self.model_cfg = hf_io.model_config(c)
+    self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
     self._check_memory()  # before any weight is allocated
     params = self._load_params()
     self.task = make_task(c, self.tokenizer)
@@ -77,8 +81,7 @@ class Trainer:
     self.checkpointer = Checkpointer(workdir)
     self._check_same_checkpoints()
     resuming = self.checkpointer.latest_step() is not None
-    if c.train.sft_steps > 0 and not resuming:
-      params = self._warm_start(params)
+    params = self._starting_params(params, resuming)
     t = layout.train_section(c)  # packed rows' budget resolved to the run's max_len
     self.learner = Learner(
         self.model_cfg,
@@ -91,7 +94,12 @@ class Trainer:
         remat=c.model.remat,
         compute_dtype=c.model.dtype,
         decode_rules=self.decode_rules,
+        lora=self.lora,
+        adapters=lora_base.start_adapters(c.train.lora_path, self.lora, self.model_cfg),
+        seed=c.seed,
     )
+    if self.lora is not None:
+      params = self.learner.frozen  # the frozen base, held once (the critic may share it)
     self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
     del params  # the learner's masters are the params now
     self._build_rollout()
@@ -115,25 +123,46 @@ class Trainer:
 
   # ------------------------------------------------------------------- set-up helpers
   def _load_params(self):
-    """The model's params (float32 masters, whatever the compute dtype: see rl/update.py)
-    from model.path or a seeded random init; sets the tokenizer that goes with them."""
+    """The model's params (float32 masters, whatever the compute dtype: see rl/update.py;
+    with LoRA the frozen base, in the compute dtype) from model.path or a seeded random
+    init; sets the tokenizer that goes with them."""
     c = self.config
+    # LoRA's base is frozen in the compute dtype, unless a warm start trains it first.
+    dtype = "float32" if self.lora is None or c.train.sft_steps > 0 else c.model.dtype
     if c.model.path:  # the tokenizer first: its files fail in a second, the weights in minutes
       self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
-      _, params = hf_io.load_pretrained(c.model.path, "float32", self.mesh, self.rules)
+      _, params = hf_io.load_pretrained(c.model.path, dtype, self.mesh, self.rules)
       return params
     self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
     key = jax.random.key(c.seed)
-    return qwen3.init_params_sharded(
+    # Drawn in float32 and cast, so a LoRA run's base is the full run's start, rounded.
+    params = qwen3.init_params_sharded(
         self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
     )
+    return params if dtype == "float32" else step_lib.cast(params, dtype)
+
+  def _starting_params(self, params, resuming: bool):
+    """The params the learner starts from: warm-started when asked (not on resume). A
+    LoRA run's base that no file holds is saved beside the checkpoints (lora_base.py),
+    and read back from there on resume."""
+    c = self.config
+    if self.lora is not None and resuming and lora_base.saved(self.workdir):
+      dtype = c.model.dtype
+      return hf_io.load_pretrained(lora_base.saved(self.workdir), dtype, self.mesh, self.rules)[1]
+    if c.train.sft_steps > 0 and not resuming:
+      params = self._warm_start(params)
+    if self.lora is not None and not resuming and lora_base.must_save(c):
+      lora_base.save(self.workdir, self.model_cfg, params)
+    return params
 
   def _make_critic(self, policy_params) -> critic_lib.Critic:
-    """PPO's critic, from train.critic_path or the policy's own weights."""
+    """PPO's critic, from train.critic_path or the policy's own weights (with LoRA:
+    adapters over the policy's frozen base, shared, or over the critic folder's)."""
     c, t = self.config, layout.train_section(self.config)
     params = policy_params
     if t.critic_path:
-      params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules)
+      dtype = "float32" if self.lora is None else c.model.dtype
+      params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules, dtype)
     return critic_lib.Critic(
         self.model_cfg,
         params,
@@ -143,6 +172,8 @@ class Trainer:
         rules=self.rules,
         remat=c.model.remat,
         compute_dtype=c.model.dtype,
+        lora=self.lora,
+        seed=c.seed + 1,
     )
 
   def _state(self) -> tuple[dict, dict]:

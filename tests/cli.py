@@ -4,8 +4,10 @@ the jsonl files a run writes."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,29 @@ def run(*flags: str, timeout: float = 600, **options: Any) -> subprocess.Complet
       proc.communicate()
       raise
   return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_beside_a_killed_one(
+    flags: list[str], config: str, straight, killed, checkpoint: int, timeout: float = 600
+) -> None:
+  """Runs `flags` to its end in workdir `straight` and, alongside (two cores: each
+  compiles mostly on one), in `killed` until its checkpoint `checkpoint` is written,
+  then SIGKILLs that one. Asserts the uninterrupted run succeeded."""
+  uninterrupted = launch(*flags, config=config, workdir=straight)
+  try:
+    proc = launch(*flags, config=config, workdir=killed)
+    ckpt = Path(killed) / "checkpoints" / str(checkpoint)
+    deadline = time.monotonic() + timeout
+    while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    assert ckpt.is_dir(), f"no checkpoint {checkpoint} within {timeout} s"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _, err = uninterrupted.communicate(timeout=timeout)
+  finally:
+    uninterrupted.kill()  # a no-op once it has ended
+  assert uninterrupted.returncode == 0, err[-3000:]
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -14,7 +14,7 @@ LAYERS = [
     {"run_report"},
     {"workdir_lock"},
     {"rewards", "envs", "models"},
-    {"data", "sampler"},
+    {"data", "sampler", "lora_base"},
     {"rollout", "task"},
     {"evaluation"},  # scores through the rollout's reward runner
     {"rl"},

@@ -155,24 +155,8 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_pa
       "--config.train.critic_lr=1e-3",
       "--config.rollout.dynamic_sampling=False",
   ]
-  # The uninterrupted run alongside the one that is killed (two cores: each compiles
-  # mostly on one). Both write their own workdir.
   straight, killed = tmp_path / "straight", tmp_path / "killed"
-  uninterrupted = cli.launch(*steps, config="tiny.py", workdir=straight)
-  try:
-    proc = cli.launch(*steps, config="tiny.py", workdir=killed)
-    ckpt = killed / "checkpoints" / "4"
-    deadline = time.monotonic() + 600
-    while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-      time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    assert ckpt.is_dir(), "no checkpoint 4 within 600 s"
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    _, err = uninterrupted.communicate(timeout=600)
-  finally:
-    uninterrupted.kill()  # a no-op once it has ended
-  assert uninterrupted.returncode == 0, err[-3000:]
+  cli.run_beside_a_killed_one(steps, "tiny.py", straight, killed, checkpoint=4)
   proc = cli.launch(*steps, config="tiny.py", workdir=killed)
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err[-3000:]

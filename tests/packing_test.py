@@ -149,7 +149,9 @@ def _gradients(learner: Learner, batch: dict[str, np.ndarray]):
   totals = (np.float32(trained.sum()), np.float32((trained.sum(-1) > 0).sum()))
   grads = learner.programs.zeros(learner.params)
   for p in layout.plan(batch["mask"], learner.train)[0]:
-    grads = learner.programs.grads(learner.params, learner.piece(batch, p), totals, grads)[0]
+    grads = learner.programs.grads(
+        learner.params, learner.frozen, learner.piece(batch, p), totals, grads
+    )[0]
   return grads
 
 

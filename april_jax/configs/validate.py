@@ -14,6 +14,7 @@ import ml_collections
 
 from april_jax import sharding
 from april_jax.configs import base
+from april_jax.configs import validate_lora
 from april_jax.envs import base as env_base
 from april_jax.errors import InputError
 from april_jax.models import attention
@@ -317,6 +318,7 @@ CHECKS: list[Callable] = [
     _checks_env,
     _checks_distributed,
     _checks_train,
+    validate_lora.checks,
 ]
 
 

@@ -147,6 +147,14 @@ def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
 RUN_CHOICES = ("attention", "attention_chunk")  # how the run computes, not the model
 
 
+# What a second model (a critic, a LoRA base) must share with the policy to stand in for
+# its backbone: everything but the output head (tied or not) and the run's attention choice.
+SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+    "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+)  # fmt: skip
+
+
 def architecture(cfg: qwen3.Qwen3Config) -> dict[str, Any]:
   """The model's own fields (shapes, rope, norm), as JSON: what a checkpoint was trained as."""
   return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CHOICES}

@@ -11,18 +11,22 @@ PEFT's default (Kaiming-uniform with a = sqrt(5)) does.
     adapters = init(cfg, spec, key)            # {"layers": {"q": {"a", "b"}, ...}}
     params = merge(base, adapters, spec)       # the adapted params, in the base's dtype
 
-`merge` computes the update in float32 and adds it to W in W's dtype; it is
-differentiable in the adapters, so a loss of the merged params trains them alone.
+`merge` computes the update in float32 and adds it to W in W's dtype, a layer at a time;
+it is differentiable in the adapters. The learner applies adapters unmerged instead
+(qwen3.hidden_states(adapters=)); the sampler decodes merged params.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from april_jax import distributed, sharding
 from april_jax.models import qwen3
 
 # Each target: how many of its dims (after the layer dim) are inputs; the rest are outputs.
@@ -39,6 +43,18 @@ class LoraSpec:
   @property
   def scale(self) -> float:
     return self.alpha / self.rank
+
+  @classmethod
+  def from_config(cls, section) -> "LoraSpec | None":
+    """From the config's train.lora section (targets comma-separated); None at rank 0."""
+    if int(section.rank) == 0:
+      return None
+    targets = tuple(t.strip() for t in str(section.targets).split(",") if t.strip())
+    return cls(int(section.rank), float(section.alpha), targets)
+
+  def describe(self) -> dict:
+    """The spec as JSON (a checkpoint's record of what it trained)."""
+    return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
 
 
 def weight_dims(cfg: qwen3.Qwen3Config, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -92,22 +108,56 @@ def logical_axes(cfg: qwen3.Qwen3Config, spec: LoraSpec) -> dict:
   return {"layers": out}
 
 
+def shardings(cfg: qwen3.Qwen3Config, spec: LoraSpec, mesh, rules) -> dict:
+  """NamedShardings of the adapters under `rules` (each factor like its weight's side)."""
+  shapes = jax.eval_shape(lambda: init(cfg, spec, jax.random.key(0)))
+  return sharding.named_shardings(logical_axes(cfg, spec), shapes, mesh, rules)
+
+
 def delta(adapter: dict, spec: LoraSpec) -> jax.Array:
   """(alpha / rank) * A @ B per layer, in the weight's layout, float32."""
-  a, b = adapter["a"], adapter["b"]
-  L, r = a.shape[0], a.shape[-1]
-  ins, outs = a.shape[1:-1], b.shape[2:]
-  flat = jnp.matmul(a.reshape(L, -1, r), b.reshape(L, r, -1), precision=jax.lax.Precision.HIGHEST)
-  return spec.scale * flat.reshape(L, *ins, *outs)
+  return jax.lax.map(lambda ab: _layer_delta(*ab, spec.scale), (adapter["a"], adapter["b"]))
+
+
+def _layer_delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """One layer's scale * A @ B, float32 [*in, *out]."""
+  r = a.shape[-1]
+  flat = jnp.matmul(
+      a.reshape(-1, r).astype(jnp.float32),
+      b.reshape(r, -1).astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST,
+  )
+  return scale * flat.reshape(*a.shape[:-1], *b.shape[1:])
 
 
 def merge(params: dict, adapters: dict, spec: LoraSpec) -> dict:
-  """The adapted params: each target W + delta, in W's dtype; everything else as is."""
+  """The adapted params: each target W + delta, in W's dtype; everything else as is.
+  One layer at a time: a float32 copy of one layer's weight is the largest temporary."""
   layers = dict(params["layers"])
   for target, adapter in adapters["layers"].items():
-    w = layers[target]
-    layers[target] = (w.astype(jnp.float32) + delta(adapter, spec)).astype(w.dtype)
+    merge_layer = lambda x: (
+        x[0].astype(jnp.float32) + _layer_delta(x[1], x[2], spec.scale)
+    ).astype(x[0].dtype)
+    layers[target] = jax.lax.map(merge_layer, (layers[target], adapter["a"], adapter["b"]))
   return {**params, "layers": layers}
+
+
+def fingerprint(params: dict, samples: int = 64) -> str:
+  """A fingerprint of weights: every leaf's path, shape, dtype and `samples` of its
+  values at fixed positions, hashed. Exact (no sums, so no dependence on how the
+  weights are sharded) and cheap; two different checkpoints of a model differ in
+  nearly every weight, so in the samples."""
+  digest = hashlib.sha256()
+  pick = jax.jit(lambda x: jnp.take(x.reshape(-1), _positions(x.size, samples)))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    values = np.asarray(distributed.to_host(pick(leaf))).astype(np.float32)
+    digest.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
+    digest.update(values.tobytes())
+  return digest.hexdigest()[:16]
+
+
+def _positions(size: int, samples: int) -> np.ndarray:
+  return np.unique(np.linspace(0, size - 1, min(size, samples)).astype(np.int64))
 
 
 def num_params(cfg: qwen3.Qwen3Config, spec: LoraSpec) -> int:

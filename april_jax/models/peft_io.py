@@ -72,7 +72,7 @@ def save_peft(path, spec: lora.LoraSpec, adapters: dict, base_model: str = "") -
   (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _spec(config: dict, where: str) -> lora.LoraSpec:
+def spec_of(config: dict, where: str) -> lora.LoraSpec:
   """The LoraSpec of a PEFT adapter_config.json, or AdapterError naming what it lacks."""
   if config.get("peft_type") != "LORA":
     raise AdapterError(f"{where}: peft_type is {config.get('peft_type')!r}, not 'LORA'")
@@ -86,6 +86,8 @@ def _spec(config: dict, where: str) -> lora.LoraSpec:
     if config.get(field):
       raise AdapterError(f"{where}: {field}=true is not supported")
   targets = tuple(t for t in lora.TARGETS if MODULES[t].split(".")[1] in modules)
+  if "r" not in config or "lora_alpha" not in config:
+    raise AdapterError(f"{where}: no 'r' or 'lora_alpha'")
   return lora.LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets)
 
 
@@ -97,7 +99,7 @@ def load_peft(path, cfg: qwen3.Qwen3Config) -> tuple[lora.LoraSpec, dict]:
     config = json.loads((path / CONFIG_NAME).read_text())
   except (OSError, ValueError) as e:
     raise AdapterError(f"{where} cannot be read: {type(e).__name__}: {e}") from None
-  spec = _spec(config, where)
+  spec = spec_of(config, where)
   found = lora.problems(cfg, spec, "the adapter's ")
   if found:
     raise AdapterError(f"{where}: " + "; ".join(found))

@@ -223,11 +223,34 @@ def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> 
   return x_BxTxNxH * cos + rotated * sin
 
 
+def _low_rank(eq: str, x, a, b, scale: float):
+  """scale * (x @ a) @ b for the projection einsum `eq` (x, W -> y): a [*in, r] holds W's
+  contracted dims, b [r, *out] the rest. Never forms a weight-sized array."""
+  operands, out = eq.split("->")
+  xs, ws = operands.split(",")
+  contracted = "".join(c for c in ws if c in xs)
+  kept = "".join(c for c in ws if c not in xs)
+  rows = "".join(c for c in xs if c not in ws)
+  xa = jnp.einsum(f"{xs},{contracted}r->{rows}r", x, a)
+  return scale * jnp.einsum(f"{rows}r,r{kept}->{out}", xa, b)
+
+
+def _project(eq: str, x, lp: Params, name: str):
+  """x through the layer's projection `name`, plus its LoRA update when the layer
+  carries adapters (lp["lora"], see models/lora.py): W x + scale * B A x, unmerged."""
+  y = jnp.einsum(eq, x, lp[name])
+  lora = lp.get("lora")
+  if lora is None or name not in lora["adapters"]:
+    return y
+  ab = lora["adapters"][name]
+  return y + _low_rank(eq, x, ab["a"], ab["b"], lora["scale"]).astype(y.dtype)
+
+
 def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
   h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,dnh->btnh", h, lp["q"])
-  k = jnp.einsum("btd,dkh->btkh", h, lp["k"])
-  v = jnp.einsum("btd,dkh->btkh", h, lp["v"])
+  q = _project("btd,dnh->btnh", h, lp, "q")
+  k = _project("btd,dkh->btkh", h, lp, "k")
+  v = _project("btd,dkh->btkh", h, lp, "v")
   q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
   k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_BxT, cfg.rope_theta)
   heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
@@ -239,13 +262,13 @@ def _qkv(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT):
 
 
 def _attn_out_and_mlp(cfg: Qwen3Config, lp: Params, x_BxTxD, attn_BxTxNxH):
-  x = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn_BxTxNxH, lp["o"])
+  x = x_BxTxD + _project("btnh,nhd->btd", attn_BxTxNxH, lp, "o")
   x = sharding.constrain(x, _X)
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, lp["gate"])
-  up = jnp.einsum("btd,df->btf", h, lp["up"])
+  gate = _project("btd,df->btf", h, lp, "gate")
+  up = _project("btd,df->btf", h, lp, "up")
   hidden_BxTxF = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-  return sharding.constrain(x + jnp.einsum("btf,fd->btd", hidden_BxTxF, lp["down"]), _X)
+  return sharding.constrain(x + _project("btf,fd->btd", hidden_BxTxF, lp, "down"), _X)
 
 
 def _causal_layer(cfg: Qwen3Config, lp: Params, x_BxTxD, positions_BxT, segments_BxT=None):
@@ -293,6 +316,22 @@ def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
   return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
 
+def _layers(params: Params, adapters) -> tuple:
+  """What the layer scan runs over: the stacked layers and their adapters (or None)."""
+  return params["layers"], (None if adapters is None else adapters["layers"])
+
+
+def _with_adapters(cfg: Qwen3Config, layer, dtype, scale: float) -> Params:
+  """One layer's weights in the compute dtype, carrying its adapters (if any) as lp["lora"]."""
+  lp, adapters = layer
+  lp = _in_dtype(cfg, lp, dtype, "layers")
+  if adapters is None:
+    return lp
+  in_dtype = lp["attn_norm"].dtype
+  adapters = jax.tree.map(lambda a: a.astype(in_dtype), adapters)
+  return {**lp, "lora": {"adapters": adapters, "scale": scale}}
+
+
 # ------------------------------------------------------------------------- the four uses
 
 
@@ -306,12 +345,15 @@ def hidden_states(
     compute_dtype=None,
     positions_BxT=None,
     segments_BxT=None,
+    adapters=None,
+    adapter_scale: float = 1.0,
 ):
   """Final-normed hidden states [B, T, D] (and per-layer k, v [L, B, T, K, H]).
 
   With compute_dtype, float32 (master) params are cast one layer at a time inside the
   scan: no whole-model copy in the compute dtype exists, and gradients flow back to
   the float32 params. Positions default to 0..T-1; segments (packed rows) to none.
+  adapters: LoRA factors (models/lora.py) applied unmerged, scaled by adapter_scale.
   """
   B, T = tokens_BxT.shape
   if positions_BxT is None:
@@ -319,14 +361,14 @@ def hidden_states(
   params = compute_view(cfg, params, compute_dtype)
   x = sharding.constrain(params["embed"][tokens_BxT], _X)
 
-  def body(x, lp):
-    lp = _in_dtype(cfg, lp, compute_dtype, "layers")
+  def body(x, layer):
+    lp = _with_adapters(cfg, layer, compute_dtype, adapter_scale)
     x, kv = _causal_layer(cfg, lp, x, positions_BxT, segments_BxT)
     return x, (kv if return_kv else None)
 
   if remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  x, kv = jax.lax.scan(body, x, params["layers"])
+  x, kv = jax.lax.scan(body, x, _layers(params, adapters))
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return (h, KVCache(*kv)) if return_kv else h
 
@@ -362,6 +404,8 @@ def decode_step(
     block: int = 1024,
     write=None,
     attend=None,
+    adapters=None,
+    adapter_scale: float = 1.0,
 ) -> tuple[jax.Array, KVCache]:
   """One token per row at its own position; returns logits [B, V] and the updated cache.
 
@@ -374,14 +418,16 @@ def decode_step(
 
   `attend(q_BxKxGxH, k_new_BxKxH, v_new_BxKxH, layer, past_B)` replaces the attention
   over a dense cache (the sampler passes ragged attention over its page pool; `cache`
-  is then the pool, which only `attend` and `write` read).
+  is then the pool, which only `attend` and `write` read). adapters: LoRA factors applied
+  unmerged (see hidden_states); the sampler decodes merged params instead.
   """
   x = sharding.constrain(params["embed"][tokens_B][:, None, :], _X)  # [B, 1, D]
   pos_Bx1 = positions_B[:, None]
   past_B = positions_B if live_B is None else jnp.where(live_B, positions_B, 0)
 
   def body(x, layer):
-    lp, index = layer
+    weights, index = layer
+    lp = _with_adapters(cfg, weights, None, adapter_scale)
     q, k, v = _qkv(cfg, lp, x, pos_Bx1)
     B, _, N, H = q.shape
     q_BxKxGxH = q.reshape(B, cfg.num_kv_heads, N // cfg.num_kv_heads, H)
@@ -396,7 +442,9 @@ def decode_step(
     return _attn_out_and_mlp(cfg, lp, x, attn), (k[:, 0], v[:, 0])
 
   L = cache.k.shape[0]
-  x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(body, x, (params["layers"], jnp.arange(L)))
+  x, (k_new_LxBxKxH, v_new_LxBxKxH) = jax.lax.scan(
+      body, x, (_layers(params, adapters), jnp.arange(L))
+  )
   cache = (write or write_positions)(cache, k_new_LxBxKxH, v_new_LxBxKxH, positions_B)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, params, h)[:, 0], cache
@@ -431,13 +479,16 @@ def token_logprobs(
     compute_dtype=None,
     positions_BxT=None,
     segments_BxT=None,
+    adapters=None,
+    adapter_scale: float = 1.0,
 ):
   """log p(targets[:, t] | tokens[:, :t+1]) and the entropy at t, both float32 [B, T].
 
   Logits exist for `chunk_size` positions at a time (forward and backward: each
   chunk is rematerialized), never as [B, T, V]. Logits are divided by
-  `temperature`, as the sampler's behavior logprobs are. compute_dtype, positions and
-  segments (packed rows, where t sees only its own segment): see hidden_states.
+  `temperature`, as the sampler's behavior logprobs are. compute_dtype, positions,
+  segments (packed rows, where t sees only its own segment) and LoRA adapters: see
+  hidden_states.
   """
   h = hidden_states(
       cfg,
@@ -447,6 +498,8 @@ def token_logprobs(
       compute_dtype=compute_dtype,
       positions_BxT=positions_BxT,
       segments_BxT=segments_BxT,
+      adapters=adapters,
+      adapter_scale=adapter_scale,
   )
   params = compute_view(cfg, params, compute_dtype)
   B, T, D = h.shape

@@ -49,17 +49,12 @@ from april_jax import sharding
 from april_jax.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
+from april_jax.models import lora as lora_lib
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import step
 from april_jax.rl import update as update_lib
 
 HEAD = "value_head"
-# What a critic folder must share with the policy (its head, tied or not, is dropped; the
-# attention kernel is the run's choice).
-SHAPE_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
-)  # fmt: skip
 
 
 def critic_params(policy_params, cfg: qwen3.Qwen3Config):
@@ -70,18 +65,20 @@ def critic_params(policy_params, cfg: qwen3.Qwen3Config):
   return params
 
 
-def load_backbone(path: str, cfg: qwen3.Qwen3Config, mesh=None, rules=sharding.TRAIN_RULES):
+def load_backbone(
+    path: str, cfg: qwen3.Qwen3Config, mesh=None, rules=sharding.TRAIN_RULES, dtype="float32"
+):
   """The params of a Hugging Face Qwen3 folder (train.critic_path) to start a critic from;
   an InputError unless it has the policy's architecture and vocabulary (its output head,
   tied or not, is dropped)."""
   found = hf_io.load_config(path)
-  shape = lambda c: [getattr(c, f) for f in SHAPE_FIELDS]
+  shape = lambda c: [getattr(c, f) for f in hf_io.SHAPE_FIELDS]
   if shape(found) != shape(cfg):
     raise InputError(
         f"train.critic_path {path!r} holds a model of another shape than the policy's "
         f"({found} against {cfg}): the critic shares the policy's architecture and vocabulary"
     )
-  return hf_io.load_pretrained(path, "float32", mesh, rules)[1]
+  return hf_io.load_pretrained(path, dtype, mesh, rules)[1]
 
 
 def logical_axes(cfg: qwen3.Qwen3Config):
@@ -104,9 +101,12 @@ def values(
     remat=False,
     positions_BxT=None,
     segments_BxT=None,
+    lora=None,
 ):
   """V [B, T], float32 (see the module docstring for what V[t] values); packed rows with
-  their positions and segments (rl/layout.py)."""
+  their positions and segments (rl/layout.py). lora: (spec, trained) where params is a
+  frozen base and trained holds the adapters and the head."""
+  head = params[HEAD] if lora is None else lora[1][HEAD]
   h = qwen3.hidden_states(
       cfg,
       params,
@@ -115,8 +115,9 @@ def values(
       compute_dtype=compute_dtype,
       positions_BxT=positions_BxT,
       segments_BxT=segments_BxT,
+      adapters=None if lora is None else lora[1]["adapters"],
+      adapter_scale=1.0 if lora is None else lora[0].scale,
   )
-  head = params[HEAD]
   return jnp.einsum(
       "btd,d->bt", h, head["w"].astype(h.dtype), preferred_element_type=jnp.float32
   ) + head["b"].astype(jnp.float32)
@@ -173,24 +174,28 @@ class _Static:
   value_clip: float
   remat: bool
   compute_dtype: str
+  lora: lora_lib.LoraSpec | None = None
 
 
-def _values(static: _Static, params, micro: dict[str, Any], remat: bool = False):
-  """V [b, T] of one microbatch (packed rows: with their positions and segments)."""
+def _values(static: _Static, params, frozen, micro: dict[str, Any], remat: bool = False):
+  """V [b, T] of one microbatch (packed rows: with their positions and segments). With
+  LoRA, params are the adapters and the head over the frozen base."""
+  lora = None if static.lora is None else (static.lora, params)
   return values(
       static.model,
-      params,
+      params if lora is None else frozen,
       micro["tokens"],
       compute_dtype=static.compute_dtype,
       remat=remat,
       positions_BxT=micro.get("positions"),
       segments_BxT=micro.get("segments"),
+      lora=lora,
   )
 
 
-def _micro_loss(static: _Static, params, micro: dict[str, Any], totals):
+def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
   """One microbatch's value loss and metrics; totals: the minibatch's (total_tokens,)."""
-  v = _values(static, params, micro, static.remat)
+  v = _values(static, params, frozen, micro, static.remat)
   (total_tokens,) = totals
   return value_loss(
       v, micro["old_values"], micro["returns"], micro["mask"], static.value_clip, total_tokens
@@ -208,7 +213,12 @@ def build_programs(
     static: _Static, optimizer, schedule, params_shape, mesh=None, rules=sharding.TRAIN_RULES
 ) -> step.Programs:
   """The critic's programs: the training step's (rl/step.py), `forward` giving V."""
-  param_sh = None if mesh is None else param_shardings(static.model, mesh, rules)
+  if mesh is None:
+    param_sh = None
+  elif static.lora is None:
+    param_sh = param_shardings(static.model, mesh, rules)
+  else:
+    param_sh = lora_param_shardings(static.model, static.lora, mesh, rules)
   return step.build_programs(
       functools.partial(_values, static),
       functools.partial(_micro_loss, static),
@@ -221,8 +231,22 @@ def build_programs(
   )
 
 
-def make_static(model_cfg, train, remat: bool, compute_dtype: str) -> _Static:
-  return _Static(model_cfg, float(train.value_clip), bool(remat), str(compute_dtype))
+def make_static(model_cfg, train, remat: bool, compute_dtype: str, lora=None) -> _Static:
+  return _Static(model_cfg, float(train.value_clip), bool(remat), str(compute_dtype), lora)
+
+
+def lora_params(cfg: qwen3.Qwen3Config, spec: lora_lib.LoraSpec, key) -> dict:
+  """A LoRA critic's trained params: fresh adapters (B = 0) and a zero float32 head."""
+  head = {"w": jnp.zeros((cfg.hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  return {"adapters": lora_lib.init(cfg, spec, key), HEAD: head}
+
+
+def lora_param_shardings(cfg: qwen3.Qwen3Config, spec: lora_lib.LoraSpec, mesh, rules):
+  head = {"w": ("norm",), "b": ()}
+  head_sh = sharding.named_shardings(
+      head, jax.eval_shape(lambda: lora_params(cfg, spec, jax.random.key(0)))[HEAD], mesh, rules
+  )
+  return {"adapters": lora_lib.shardings(cfg, spec, mesh, rules), HEAD: head_sh}
 
 
 CRITIC_KEYS = ("tokens", "mask", "old_values", "returns")
@@ -231,7 +255,9 @@ CRITIC_KEYS = ("tokens", "mask", "old_values", "returns")
 class Critic(step.TrainedModel):
   """Holds the critic's float32 masters and optimizer state; turns a step's rewards into
   per-token advantages (`advantages`) and regresses its values on the returns (`update`).
-  Made from a policy's params (or a critic folder's): their backbone, a new zero head."""
+  Made from a policy's params (or a critic folder's): their backbone, a new zero head.
+  With `lora`, `params` is a frozen base in the compute dtype (the policy's own, shared,
+  or a critic folder's) and the critic trains adapters over it and its head."""
 
   def __init__(
       self,
@@ -243,15 +269,35 @@ class Critic(step.TrainedModel):
       rules=sharding.TRAIN_RULES,
       remat: bool = False,
       compute_dtype: str = "float32",
+      lora: lora_lib.LoraSpec | None = None,
+      seed: int = 0,
   ):
-    self.static = make_static(model_cfg, train, remat, compute_dtype)
+    self.static = make_static(model_cfg, train, remat, compute_dtype, lora)
+    self.lora = lora
     self.optimizer, self.schedule = step.make_optimizer(critic_train(train), total_updates)
-    from_policy = lambda p: critic_params(step.cast(p, jnp.float32), model_cfg)
-    shapes = jax.eval_shape(from_policy, params)
+    if lora is None:
+      make = lambda p: critic_params(step.cast(p, jnp.float32), model_cfg)
+      frozen, source = None, params
+    else:
+      make = lambda key: lora_params(model_cfg, lora, key)
+      frozen, source = params, jax.random.key(seed)
+    shapes = jax.eval_shape(make, source)
     p = build_programs(self.static, self.optimizer, self.schedule, shapes, mesh, rules)
     # The head is made inside the program, in its sharding (on every host of a run).
     pin = {} if mesh is None else {"out_shardings": p.param_sh}
-    super().__init__(p, jax.jit(from_policy, **pin)(params), train, mesh, rules)
+    super().__init__(p, jax.jit(make, **pin)(source), train, mesh, rules, frozen=frozen)
+    self.base_fingerprint = None if lora is None else lora_lib.fingerprint(frozen)
+
+  def state(self) -> tuple[dict[str, Any], dict]:
+    arrays, host = super().state()
+    if self.lora is not None:
+      host["lora"] = dict(self.lora.describe(), base_fingerprint=self.base_fingerprint)
+    return arrays, host
+
+  def restore(self, arrays: dict[str, Any], host: dict) -> None:
+    if self.lora is not None:
+      update_lib.check_same_base(host.get("lora"), self.lora, self.base_fingerprint)
+    super().restore(arrays, host)
 
   def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
     """V [B, T] under the current critic (0 past a microbatch's cut, and packed, past

@@ -1,6 +1,7 @@
 """The training step the learner (rl/update.py) and PPO's critic (rl/critic.py) share.
 
-Each trains float32 master params on a loss of its own; the rest is this module's:
+Each trains float32 master params on a loss of its own, beside frozen weights it only
+reads (a LoRA run's base model; None in a full fine-tune); the rest is this module's:
 
   optimizer  clipped AdamW that skips (and counts) an update whose gradient is not
              finite, its learning-rate schedule, its state sharded like the params.
@@ -83,7 +84,7 @@ def cast(params, dtype):
 
 
 def accumulate_grads(micro_loss, params, mb: dict[str, Any], grads):
-  """grads plus the gradients of micro_loss(params, micro) -> (loss, metrics) over the
+  """grads plus the gradients in params of micro_loss(params, micro) -> (loss, metrics) over the
   microbatches [M, ...] of mb (lax.scan); the summed loss and metrics. Each microbatch's
   metrics are its share of the minibatch's: they add up."""
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -122,9 +123,9 @@ class Programs:
   param_sh: Any
   opt_sh: Any
   init_opt: Any  # masters -> optimizer state, sharded like them
-  forward: Any  # (params, microbatches) -> the model's outputs, [M, b, T] each
+  forward: Any  # (params, frozen, microbatches) -> the model's outputs, [M, b, T] each
   zeros: Any  # params -> a zero gradient sum, sharded like them
-  grads: Any  # (params, microbatches, totals, grads) -> (grads + theirs, loss, metrics)
+  grads: Any  # (params, frozen, microbatches, totals, grads) -> (grads + theirs, loss, metrics)
   add: Any  # losses and metrics of several calls
   apply: Any  # (params, opt_state, grads, loss, metrics, attempted) -> the update
 
@@ -139,9 +140,10 @@ def build_programs(
     mesh=None,
     rules=sharding.TRAIN_RULES,
 ) -> Programs:
-  """The programs of a model whose forward(params, micro) gives one microbatch's outputs
-  [b, T] and whose micro_loss(params, micro, totals) gives one microbatch's (loss,
-  metrics), with `totals` the whole minibatch's (a tuple of scalars, as the loss needs).
+  """The programs of a model whose forward(params, frozen, micro) gives one microbatch's
+  outputs [b, T] and whose micro_loss(params, frozen, micro, totals) gives one
+  microbatch's (loss, metrics), with `totals` the whole minibatch's (a tuple of scalars,
+  as the loss needs). Gradients are taken in params alone; frozen weights are read.
   params_shape: the masters' shapes; param_sh: their shardings (None off a mesh)."""
   if mesh is None:
     opt_sh = None
@@ -151,11 +153,11 @@ def build_programs(
     pin = lambda sh: {"out_shardings": sh}
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
 
-  def forward_all(params, mb):
-    return jax.lax.map(lambda micro: forward(params, micro), mb)
+  def forward_all(params, frozen, mb):
+    return jax.lax.map(lambda micro: forward(params, frozen, micro), mb)
 
-  def grads(params, mb, totals, grads):
-    loss = lambda p, micro: micro_loss(p, micro, totals)
+  def grads(params, frozen, mb, totals, grads):
+    loss = lambda p, micro: micro_loss(p, frozen, micro, totals)
     return accumulate_grads(loss, params, mb, grads)
 
   def apply(params, opt_state, grads, loss, metrics, attempted):
@@ -167,7 +169,7 @@ def build_programs(
       init_opt=jax.jit(optimizer.init, **pin(opt_sh)),
       forward=jax.jit(traced(forward_all)),
       zeros=jax.jit(zeros_like, **pin(param_sh)),
-      grads=jax.jit(traced(grads), donate_argnums=3, **pin((param_sh, None, None))),
+      grads=jax.jit(traced(grads), donate_argnums=4, **pin((param_sh, None, None))),
       add=jax.jit(add),
       apply=jax.jit(apply, donate_argnums=(0, 1), **pin((param_sh, opt_sh, None))),
   )
@@ -196,13 +198,16 @@ def piece(batch: dict[str, np.ndarray], p: layout.Piece, mesh, rules) -> dict:
 
 class TrainedModel:
   """Float32 master params, their optimizer state and the count of optimizer updates
-  tried (the skipped ones are counted in the optimizer state), trained by `programs`:
-  the learner and the critic are each one. Rows of a call split over min_rows devices."""
+  tried (the skipped ones are counted in the optimizer state), trained by `programs`
+  beside `frozen` weights they only read (None if none): the learner and the critic are
+  each one. Rows of a call split over min_rows devices."""
 
-  def __init__(self, programs: Programs, params, train, mesh=None, rules=sharding.TRAIN_RULES):
+  def __init__(
+      self, programs: Programs, params, train, mesh=None, rules=sharding.TRAIN_RULES, frozen=None
+  ):
     self.programs, self.train, self.mesh, self.rules = programs, train, mesh, rules
     self.min_rows = sharding.shards("batch", mesh, rules)
-    self.params = params
+    self.params, self.frozen = params, frozen
     self.opt_state = programs.init_opt(params)
     self.attempted = 0
 
@@ -229,7 +234,7 @@ class TrainedModel:
     into [B, T] float32: 0 where no piece computes a token."""
     outs = []
     for p in pieces:
-      out = self.programs.forward(params, self.piece(inputs, p))
+      out = self.programs.forward(params, self.frozen, self.piece(inputs, p))
       outs.append(out if pick is None else pick(out))
     gathered = np.zeros(inputs["tokens"].shape, np.float32)
     for p, x in zip(pieces, to_host(outs)):
@@ -242,7 +247,9 @@ class TrainedModel:
     p = self.programs
     grads, acc = p.zeros(self.params), None
     for piece_ in pieces:
-      grads, loss, metrics = p.grads(self.params, self.piece(batch, piece_), totals, grads)
+      grads, loss, metrics = p.grads(
+          self.params, self.frozen, self.piece(batch, piece_), totals, grads
+      )
       acc = (loss, metrics) if acc is None else p.add(acc, (loss, metrics))
     self.params, self.opt_state, m = p.apply(
         self.params, self.opt_state, grads, *acc, np.int32(self.attempted)

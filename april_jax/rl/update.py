@@ -25,6 +25,13 @@ FSDP x tensor (sharding.TRAIN_RULES); the forward and backward run in the comput
 An update of 1e-6 on a weight of 0.02 is not lost, as it would be in bfloat16.
 The sampler decodes with `decode_params()`: the masters cast to the compute dtype in the
 sampler's layout (sharding.DECODE_RULES), made once per update.
+With LoRA (train.lora.rank > 0, models/lora.py) the trained params are the adapters
+(float32 masters and moments, sharded like the weights they adapt) and the base model
+is frozen in the compute dtype, held once: the learner's passes apply the adapters
+unmerged (no weight-sized array per layer, no gradient of a base weight), the
+reference policy is the base itself (no copy), and `decode_params()` merges the adapters
+into a decode copy once per update, so the sampler's step costs what it costs without
+LoRA.
 Params and optimizer state are donated and come back in the shardings they went in;
 optimizer state is created in the params' shardings (never whole on one device).
 """
@@ -42,6 +49,8 @@ import optax
 
 from april_jax import sharding
 from april_jax.distributed import to_host
+from april_jax.errors import InputError
+from april_jax.models import lora as lora_lib
 from april_jax.models import qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
@@ -59,15 +68,18 @@ class _Static:
   temperature: float
   remat: bool
   compute_dtype: str = "float32"
+  lora: lora_lib.LoraSpec | None = None
 
 
-def _token_logprobs(static: _Static, params, micro: dict[str, Any], remat: bool = False):
+def _token_logprobs(static: _Static, params, frozen, micro: dict[str, Any], remat: bool = False):
   """Logprobs and entropy [b, T] of one microbatch's targets (packed rows: with their
   positions and segments). Cast layer by layer inside the model, so a gradient flows
-  back to the float32 masters."""
+  back to the float32 masters. With LoRA, params are the adapters (None: the base
+  model alone, the reference policy) over the frozen base."""
+  model, adapters = (params, None) if static.lora is None else (frozen, params)
   return qwen3.token_logprobs(
       static.model,
-      params,
+      model,
       micro["tokens"],
       micro["targets"],
       compute_dtype=static.compute_dtype,
@@ -76,14 +88,16 @@ def _token_logprobs(static: _Static, params, micro: dict[str, Any], remat: bool 
       remat=remat,
       positions_BxT=micro.get("positions"),
       segments_BxT=micro.get("segments"),
+      adapters=adapters,
+      adapter_scale=1.0 if static.lora is None else static.lora.scale,
   )
 
 
-def _micro_loss(static: _Static, params, micro: dict[str, Any], totals):
+def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
   """One microbatch's policy loss and metrics; totals: the whole minibatch's
   (total_tokens, total_seqs) (losses.batch_totals), so sums over microbatches, and over
   several calls, equal one big batch's values."""
-  logp, entropy = _token_logprobs(static, params, micro, static.remat)
+  logp, entropy = _token_logprobs(static, params, frozen, micro, static.remat)
   total_tokens, total_seqs = totals
   return losses.policy_loss(
       static.loss,
@@ -122,14 +136,16 @@ def _totals(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.nda
 @dataclasses.dataclass(frozen=True)
 class Programs(step.Programs):
   """The learner's jitted programs: the training step's (rl/step.py; `forward` gives the
-  logprobs and entropy of microbatches' targets), and the casts of its masters. Built
+  logprobs and entropy of microbatches' targets), and the casts of its weights. Built
   from shapes alone, so they can be compiled at real shapes with no weights
   (april_jax/compile_check.py)."""
 
   decode_sh: Any
+  frozen_sh: Any  # the frozen base's shardings (LoRA; None without a mesh or LoRA)
   to_masters: Any  # params -> float32 masters in the learner's layout
   to_reference: Any  # masters -> reference params in the compute dtype
-  decode_params: Any  # masters -> compute-dtype copy in the sampler's layout
+  to_frozen: Any  # base params -> the frozen base: compute dtype, the learner's layout
+  decode_params: Any  # (masters, frozen) -> compute-dtype params in the sampler's layout
 
 
 def build_programs(
@@ -142,18 +158,25 @@ def build_programs(
     *,
     schedule: optax.Schedule,
 ) -> Programs:
+  """params_shape: the trained params' shapes (the model's, or with LoRA the adapters')."""
   if mesh is None:
-    param_sh = decode_sh = None
+    model_sh = decode_sh = param_sh = None
     pin = lambda sh: {}
   else:
-    param_sh = qwen3.param_shardings(static.model, mesh, rules)
+    model_sh = qwen3.param_shardings(static.model, mesh, rules)
     decode_sh = qwen3.param_shardings(static.model, mesh, decode_rules)
+    param_sh = (
+        model_sh
+        if static.lora is None
+        else lora_lib.shardings(static.model, static.lora, mesh, rules)
+    )
     pin = lambda sh: {"out_shardings": sh}
   to_compute = functools.partial(step.cast, dtype=static.compute_dtype)
 
-  def to_decode(p):  # cast where the masters lie, then move the 16-bit copy
-    p = to_compute(p)
-    return p if param_sh is None else jax.lax.with_sharding_constraint(p, param_sh)
+  def to_decode(params, frozen):  # cast (merge) where the weights lie, then move the copy
+    model = params if static.lora is None else lora_lib.merge(frozen, params, static.lora)
+    model = to_compute(model)
+    return model if model_sh is None else jax.lax.with_sharding_constraint(model, model_sh)
 
   shared = step.build_programs(
       functools.partial(_token_logprobs, static),
@@ -168,14 +191,21 @@ def build_programs(
   return Programs(
       **vars(shared),
       decode_sh=decode_sh,
+      frozen_sh=None if static.lora is None else model_sh,
       to_masters=jax.jit(lambda p: step.cast(p, jnp.float32), **pin(param_sh)),
-      to_reference=jax.jit(to_compute, **pin(param_sh)),
+      to_reference=jax.jit(to_compute, **pin(model_sh)),
+      to_frozen=jax.jit(to_compute, **pin(model_sh)),
       decode_params=jax.jit(to_decode, **pin(decode_sh)),
   )
 
 
 def make_static(
-    model_cfg: qwen3.Qwen3Config, train, temperature: float, remat: bool, compute_dtype: str
+    model_cfg: qwen3.Qwen3Config,
+    train,
+    temperature: float,
+    remat: bool,
+    compute_dtype: str,
+    lora: lora_lib.LoraSpec | None = None,
 ) -> _Static:
   return _Static(
       model_cfg,
@@ -184,6 +214,7 @@ def make_static(
       float(temperature) if temperature > 0 else 1.0,
       bool(remat),
       str(compute_dtype),
+      lora,
   )
 
 
@@ -239,9 +270,57 @@ def _dummy_batch(B: int, T: int, with_ref: bool, token_advantages: bool) -> dict
   return dict(batch, ref_logp=mask) if with_ref else batch
 
 
+def lora_train(train):
+  """The train section the adapters' optimizer reads: the policy's, at train.lora.lr."""
+  t = train.copy_and_resolve_references()
+  t.lr = float(train.lora.lr)
+  return t
+
+
+def _in_dtype(params, dtype) -> bool:
+  return all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(params))
+
+
+def _adapters(cfg, spec: lora_lib.LoraSpec, adapters, seed: int, shardings):
+  """The adapters' float32 masters, placed (in `shardings`, None off a mesh): the given
+  ones (as read from a PEFT folder) or a fresh init (B = 0) from `seed`."""
+  if adapters is None:
+    init = lambda key: lora_lib.init(cfg, spec, key)
+    pin = {} if shardings is None else {"out_shardings": shardings}
+    return jax.jit(init, **pin)(jax.random.key(seed))
+  adapters = jax.tree.map(lambda x: np.asarray(x, np.float32), adapters)
+  return (
+      jax.tree.map(jnp.asarray, adapters)
+      if shardings is None
+      else jax.device_put(adapters, shardings)
+  )
+
+
+def check_same_base(saved: dict | None, spec: lora_lib.LoraSpec, fingerprint: str) -> None:
+  """An InputError unless a checkpoint's LoRA record (Learner.state) is this run's: the
+  same adapters over the same base weights."""
+  if saved is None:
+    raise InputError(
+        "the checkpoint holds a full fine-tune's params, and this run trains LoRA adapters "
+        "(train.lora.rank > 0): resume it with train.lora.rank=0, or start a new workdir"
+    )
+  if saved["base_fingerprint"] != fingerprint:
+    raise InputError(
+        f"the checkpoint's LoRA adapters were trained over other base weights (fingerprint "
+        f"{saved['base_fingerprint']}, this run's model.path gives {fingerprint}): resume "
+        "with the base model the run started from"
+    )
+  wanted = spec.describe()
+  differ = [f"{k} {saved[k]!r} (now {wanted[k]!r})" for k in wanted if saved[k] != wanted[k]]
+  if differ:
+    raise InputError(f"the checkpoint's LoRA adapters differ from train.lora: {', '.join(differ)}")
+
+
 class Learner(step.TrainedModel):
   """Holds float32 master params, optimizer state and the (optional) reference params
-  (in the compute dtype); updates them."""
+  (in the compute dtype); updates them. With `lora`, the trained params are adapters
+  (given, as from a PEFT folder, or initialised from `seed`) and `params` is the frozen
+  base model, kept in the compute dtype."""
 
   def __init__(
       self,
@@ -255,35 +334,58 @@ class Learner(step.TrainedModel):
       remat: bool = False,
       compute_dtype: str = "float32",
       decode_rules=sharding.DECODE_RULES,
+      lora: lora_lib.LoraSpec | None = None,
+      adapters=None,
+      seed: int = 0,
   ):
-    self.static = make_static(model_cfg, train, temperature, remat, compute_dtype)
-    self.loss_cfg = self.static.loss
-    self.optimizer, self.schedule = step.make_optimizer(train, total_updates)
-    shapes = jax.eval_shape(lambda p: step.cast(p, jnp.float32), params)
+    self.static = make_static(model_cfg, train, temperature, remat, compute_dtype, lora)
+    self.loss_cfg, self.lora = self.static.loss, lora
+    self.optimizer, self.schedule = step.make_optimizer(
+        train if lora is None else lora_train(train), total_updates
+    )
+    if lora is None:
+      shapes = jax.eval_shape(lambda p: step.cast(p, jnp.float32), params)
+    else:
+      shapes = jax.eval_shape(lambda: lora_lib.init(model_cfg, lora, jax.random.key(0)))
     p = build_programs(
         self.static, self.optimizer, shapes, mesh, rules, decode_rules, schedule=self.schedule
     )
-    super().__init__(p, p.to_masters(params), train, mesh, rules)
-    # No reference params are held unless a KL term needs them.
-    self.ref_params = p.to_reference(self.params) if needs_reference(train) else None
+    if lora is None:
+      super().__init__(p, p.to_masters(params), train, mesh, rules)
+    else:
+      base = params if _in_dtype(params, compute_dtype) else p.to_frozen(params)
+      masters = _adapters(model_cfg, lora, adapters, seed, p.param_sh)
+      super().__init__(p, masters, train, mesh, rules, frozen=base)
+      self.base_fingerprint = lora_lib.fingerprint(base)
+    self.has_reference = needs_reference(train)
+    # No reference params are held unless a KL term needs them; with LoRA the frozen
+    # base is the reference (the trained params None).
+    self.ref_params = p.to_reference(self.params) if self.has_reference and lora is None else None
     self.token_advantages = token_advantages(train)
 
   def state(self) -> tuple[dict[str, Any], dict]:
     """What a checkpoint keeps: the device arrays (masters, optimizer state with its
-    skip count, reference params if held) and the host counter (JSON)."""
+    skip count, reference params if held) and the host counter (JSON); with LoRA the
+    adapters, their optimizer and the spec and fingerprint of the base (never the base)."""
     arrays, host = super().state()
     if self.ref_params is not None:
       arrays["ref_params"] = self.ref_params
+    if self.lora is not None:
+      host["lora"] = dict(self.lora.describe(), base_fingerprint=self.base_fingerprint)
     return arrays, host
 
   def restore(self, arrays: dict[str, Any], host: dict) -> None:
-    """Back to a `state()` (arrays restored in the shardings of this learner's own)."""
+    """Back to a `state()` (arrays restored in the shardings of this learner's own). A
+    LoRA checkpoint of another base model is refused, naming what differs."""
+    if self.lora is not None:
+      check_same_base(host.get("lora"), self.lora, self.base_fingerprint)
     super().restore(arrays, host)
     self.ref_params = arrays.get("ref_params")
 
   def decode_params(self):
-    """The current params for the sampler: compute dtype, the sampler's layout."""
-    return self.programs.decode_params(self.params)
+    """The current params for the sampler: compute dtype, the sampler's layout (with
+    LoRA the adapters merged into a copy of the base)."""
+    return self.programs.decode_params(self.params, self.frozen)
 
   def warm_up(self, batch_size: int, lengths) -> int:
     """Compiles, ahead of time, every program an update at these padded lengths calls.
@@ -297,8 +399,9 @@ class Learner(step.TrainedModel):
     on_mesh, p = self.mesh is not None, self.programs
     compile_ = lambda fn, *args: _abstract(fn.lower(*args).compile().out_info, on_mesh)
     params, opt_state = _abstract((self.params, self.opt_state), on_mesh)
+    frozen = _abstract(self.frozen, on_mesh)
     logprob_params = [params] + (
-        [_abstract(self.ref_params, on_mesh)] if self.ref_params is not None else []
+        [_abstract(self.ref_params, on_mesh)] if self.has_reference else []
     )
     grads0, seen = compile_(p.zeros, params), set()
     totals = (np.float32(1), np.float32(1))
@@ -306,15 +409,17 @@ class Learner(step.TrainedModel):
     if budget is not None:  # packed rows: one budget, its few row lengths
       lengths = [max(budget, max(lengths))]
     for T in lengths:
-      batch = _dummy_batch(batch_size, T, self.ref_params is not None, self.token_advantages)
+      batch = _dummy_batch(batch_size, T, self.has_reference, self.token_advantages)
       inputs = {k: batch[k] for k in FORWARD_KEYS}
       for pieces in layout.every_shape_plan(batch["mask"], self.train, self.min_rows):
         acc = None
         for piece in pieces:
           seen.add((piece.packed, piece.gather(batch["mask"]).shape))
           for params_ in logprob_params:
-            compile_(p.forward, params_, self.piece(inputs, piece))
-          grads, loss, metrics = compile_(p.grads, params, self.piece(batch, piece), totals, grads0)
+            compile_(p.forward, params_, frozen, self.piece(inputs, piece))
+          grads, loss, metrics = compile_(
+              p.grads, params, frozen, self.piece(batch, piece), totals, grads0
+          )
           out = (loss, metrics)  # as TrainedModel.minibatch sums them
           acc = out if acc is None else compile_(p.add, acc, out)
         if acc is not None:
@@ -353,7 +458,7 @@ class Learner(step.TrainedModel):
       batch = dict(batch, is_weight=weights.weight_BxT, mask=batch["mask"] * weights.keep_BxT)
     batch = dict(batch, old_logp=old_logp)
     batch.setdefault("is_weight", np.ones_like(batch["mask"]))
-    if self.ref_params is not None:
+    if self.has_reference:
       batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
     if t.reward_kl_coef > 0:  # REINFORCE++ with the KL in the reward: per token
       drawn = original_mask > 0

@@ -1,0 +1,175 @@
+"""A LoRA run from the command line (train.lora): killed after a checkpoint and resumed it
+equals the uninterrupted run (PPO, so the critic's adapters resume too, over a
+warm-started base the run keeps beside its checkpoints); its export loads both ways users
+load it (a merged model folder, a PEFT folder that peft puts onto the base, with the same
+logits); a bad LoRA setting is one line naming the field."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from april_jax import lora_base
+from april_jax.configs import validate
+from april_jax.models import hf_io, lora, peft_io, qwen3
+from conftest import load_config
+import cli
+
+STEPS = [
+    "--config.num_steps=4",
+    "--config.checkpoint_every=2",
+    "--config.eval_every=0",
+    "--config.train.sft_steps=20",
+    "--config.rollout.n_samples_per_prompt=4",
+    "--config.train.advantage=gae",
+    "--config.train.critic_lr=1e-3",
+    "--config.rollout.dynamic_sampling=False",
+    "--config.train.lora.rank=4",
+    "--config.train.lora.lr=3e-3",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The uninterrupted run's workdir and the killed-and-resumed one's (and its output)."""
+  root = tmp_path_factory.mktemp("lora")
+  straight, killed = root / "straight", root / "killed"
+  cli.run_beside_a_killed_one(STEPS, "tiny.py", straight, killed, checkpoint=2)
+  resumed = cli.run(*STEPS, config="tiny.py", workdir=killed)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  return straight, killed, resumed.stdout
+
+
+def test_a_killed_lora_run_resumes_like_the_uninterrupted_run(runs):
+  straight, killed, out = runs
+  assert "resumed from step 2" in out
+  a, b = cli.read_jsonl(straight / "metrics.jsonl"), cli.read_jsonl(killed / "metrics.jsonl")
+  assert [m["step"] for m in b] == [1, 2, 3, 4]
+  assert all(m["critic/value_loss"] > 0 and m["train/updates"] == m["step"] for m in b)
+  for ma, mb in zip(a, b):
+    for key, value in ma.items():
+      if not cli.timing(key):
+        assert mb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ma["step"], key)
+  host = json.loads((killed / "checkpoints" / "4" / "host" / "metadata").read_text())
+  saved = host["learner"]["lora"]
+  assert saved["rank"] == 4 and saved["targets"] == list(lora.TARGETS)
+  assert host["learner"]["critic"]["lora"]["base_fingerprint"] == saved["base_fingerprint"]
+  assert lora_base.saved(str(killed))  # the warm-started base, kept for resume and export
+
+
+def _export(workdir, out, *flags):
+  proc = cli.run(f"--workdir={workdir}", f"--out={out}", *flags, module="april_jax.export")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  straight, _, _ = runs
+  _export(straight, tmp_path / "merged")
+  _export(straight, tmp_path / "adapter", "--format=peft")
+  spec, adapters = peft_io.load_peft(tmp_path / "adapter", hf_io.load_config(tmp_path / "merged"))
+  assert spec.rank == 4 and np.abs(adapters["layers"]["q"]["b"]).max() > 0  # trained
+  tokens = torch.tensor([[5, 17, 33, 2, 60, 61, 9]])
+  load = lambda folder: transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  with torch.no_grad():
+    merged = load(tmp_path / "merged").eval()(tokens).logits.numpy()
+    base = load(lora_base.saved(str(straight)))
+    with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    over_base = with_adapter(tokens).logits.numpy()
+    plain = base.eval()
+  np.testing.assert_allclose(over_base, merged, atol=2e-4)
+  with torch.no_grad(), with_adapter.disable_adapter():
+    unadapted = with_adapter(tokens).logits.numpy()
+  assert np.abs(unadapted - merged).max() > 1e-3  # the adapters matter
+  del plain
+
+
+def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path):
+  # A full fine-tune's checkpoint (the export tests' fixture shape, in a few lines).
+  from april_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  from april_jax.configs import base, resume_check  # pylint: disable=g-import-not-at-top
+
+  cfg = qwen3.Qwen3Config(
+      vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+      num_kv_heads=1, head_dim=16,
+  )  # fmt: skip
+  checkpointer = Checkpointer(str(tmp_path / "w"))
+  host = {"step": 1, "config": resume_check.as_json(base.get_config()), "learner": {}}
+  host["model"] = hf_io.architecture(cfg)
+  params = qwen3.init_params(cfg, jax.random.key(0))
+  checkpointer.save(1, {"params": params}, {"ids": np.arange(3)}, host)
+  checkpointer.close()
+  proc = cli.run(
+      f"--workdir={tmp_path / 'w'}", f"--out={tmp_path / 'o'}", "--format=peft",
+      module="april_jax.export",
+  )  # fmt: skip
+  assert proc.returncode == 2
+  assert "--format=peft writes LoRA adapters; this run trained every weight" in proc.stderr
+
+
+def _problems(config) -> str:
+  with pytest.raises(validate.ConfigError) as raised:
+    validate.validate(config)
+  return str(raised.value)
+
+
+def _tiny(**lora_fields):
+  c = load_config("tiny")
+  c.train.lora.update(lora_fields)
+  return c
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        (dict(rank=-1), "train.lora.rank must be >= 0"),
+        (dict(rank=33), "train.lora.rank must be in [1, 32]"),  # k, v: 2 heads of 16
+        (dict(rank=4, targets="q,attn"), "train.lora.targets has unknown modules ['attn']"),
+        (dict(rank=4, lr=0.0), "train.lora.lr must be > 0"),
+    ],
+)
+def test_a_bad_lora_setting_names_its_field(fields, expected):
+  assert expected in _problems(_tiny(**fields))
+
+
+def test_a_lora_path_or_critic_of_another_base_is_named(tmp_path):
+  small = qwen3.Qwen3Config(
+      vocab_size=136, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+      num_kv_heads=1, head_dim=16,
+  )  # fmt: skip
+  hf_io.save_pretrained(tmp_path / "other", small, qwen3.init_params(small, jax.random.key(0)))
+  spec = lora.LoraSpec(4, 8.0, ("q", "v"))
+  peft_io.save_peft(tmp_path / "adapter", spec, lora.init(small, spec, jax.random.key(1)))
+  c = _tiny(rank=4, alpha=8.0, targets="q,v")
+  c.train.lora_path = str(tmp_path / "adapter")
+  c.train.advantage, c.rollout.dynamic_sampling = "gae", False
+  c.train.critic_path = str(tmp_path / "other")
+  found = _problems(c)
+  assert "train.lora_path's adapter: " not in found  # rank 4 fits this base too
+  assert "train.critic_path" in found and "hidden_size 32 (the policy's 64)" in found
+  c.train.critic_path = ""
+  c.train.lora.rank = 8
+  assert "holds adapters of another shape: rank 4 (train.lora.rank is 8)" in _problems(c)
+  c.train.lora.rank = 0
+  assert "train.lora_path is set but train.lora.rank is 0" in _problems(c)
+
+
+def test_a_lora_path_of_another_width_stops_the_run_in_one_line(tmp_path):
+  small = qwen3.Qwen3Config(
+      vocab_size=136, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+      num_kv_heads=1, head_dim=16,
+  )  # fmt: skip
+  spec = lora.LoraSpec(4, 32.0)
+  peft_io.save_peft(tmp_path / "adapter", spec, lora.init(small, spec, jax.random.key(1)))
+  proc = cli.run(
+      "--config.train.lora.rank=4", f"--config.train.lora_path={tmp_path / 'adapter'}",
+      config="tiny.py", workdir=tmp_path / "w", timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("april_jax")]
+  assert len(lines) == 1, lines
+  assert f"train.lora_path '{tmp_path / 'adapter'}' does not fit the base model: " in lines[0]
+  assert "q_proj.lora_A.weight has shape (4, 32); this base model needs (4, 64)" in lines[0]
