@@ -4,15 +4,17 @@
   python -m april_jax.bench --mode=step --config=configs/gpu_bench.py:qwen3_1_7b
   bash launch/bench_gpu.sh                      # every mode, each part at most 5 minutes
 
-Variants: qwen3_0_6b (default), qwen3_1_7b, qwen3_4b. Only the model shape, the rollout
-shape and the precision are set; the scheduler, resume and step modes draw their own
-prompts and lengths.
+Variants: qwen3_0_6b (default), qwen3_1_7b, qwen3_4b, and qwen3_8b_lora (LoRA over the
+frozen 8B shape, for the step mode on one 80 GB GPU). Only the model shape, the rollout
+shape, the precision and (LoRA) the adapters are set; the scheduler, resume and step
+modes draw their own prompts and lengths.
 """
 
 from april_jax.configs import base
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b")}
+SHAPES["qwen3_8b_lora"] = QWEN3_SHAPES["qwen3_8b"]
 
 
 def get_config(arg=None):
@@ -48,4 +50,18 @@ def get_config(arg=None):
     # pool brings it to 72.8 GB.
     c.rollout.kv_pages = 448
     c.train.num_microbatches = 32
+  if shape == "qwen3_8b_lora":
+    _lora_8b(c)
   return c
+
+
+def _lora_8b(c):
+  """The 8B shape with rank-32 adapters on every projection, sized for the step mode on
+  one 80 GB GPU: the frozen base and the merged decode copy (16.4 GB each), the adapters
+  with their moments (1.5 GB), two engines' pools of 384 pages (14.2 GB each: the steady
+  state of APRIL at 1,024-token responses), and microbatches of 2 rows."""
+  c.train.lora.rank = 32
+  c.train.lora.alpha = 64.0
+  c.train.lora.lr = 2e-5
+  c.rollout.kv_pages = 384
+  c.train.num_microbatches = 64

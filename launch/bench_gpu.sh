@@ -6,6 +6,9 @@
 #               the decode params, checkpoint, each phase's seconds beside its floor from
 #               the copy bandwidth, matmul rate and disk rate measured in the same run;
 #               the learner's MFU and padded/real tokens (8 minutes at most: LIMIT_step)
+#   step_lora   the step part at the Qwen3-8B shape with LoRA adapters (rank 32, every
+#               projection) over the frozen base, on the one GPU (STEP_LORA_CONFIG;
+#               STEP_LORA_FLAGS adds flags); the learner's floor counts no base gradients
 #   roofline    one chunk of paged decode attention compiled and timed at the 8B config's
 #               per-device shapes (seconds): does this backend copy the gathered pages,
 #               and what does that cost against the same pages read in place; and one
@@ -35,6 +38,8 @@
 #       CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 bash launch/bench_gpu.sh   # CPU smoke run
 #   PARTS=step STEP_CONFIG=configs/tiny.py STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 \
 #       bash launch/bench_gpu.sh                                       # the step part, on a CPU
+#   PARTS=step_lora STEP_LORA_CONFIG=configs/tiny.py STEP_LORA_FLAGS=--config.train.lora.rank=4 \
+#       STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 bash launch/bench_gpu.sh   # LoRA's, on a CPU
 #
 # The step part: STEP_STEPS timed steps a side (default 3) at STEP_MAX_RESPONSE_LEN
 # (default 1,024: the 1.7B config's pools, two engines and the learner fit an 80 GB GPU),
@@ -60,7 +65,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-step scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
+PARTS=${PARTS:-step step_lora scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -73,6 +78,8 @@ STEP_CONFIG=${STEP_CONFIG:-configs/gpu_bench.py:qwen3_1_7b}
 STEP_STEPS=${STEP_STEPS:-3}
 STEP_MAX_RESPONSE_LEN=${STEP_MAX_RESPONSE_LEN:-1024}
 LIMIT_step=${LIMIT_step:-480}  # the step part compiles the learner too
+STEP_LORA_CONFIG=${STEP_LORA_CONFIG:-configs/gpu_bench.py:qwen3_8b_lora}
+LIMIT_step_lora=${LIMIT_step_lora:-480}
 
 run() {  # part name, then flags; the log's last line is the JSON result (if it finished)
   local name=$1; shift
@@ -89,6 +96,10 @@ for part in $PARTS; do
     # shellcheck disable=SC2086  # STEP_FLAGS: several flags, split on spaces
     step) run step --mode=step --config="$STEP_CONFIG" --dist=dapo_math --steps="$STEP_STEPS" \
         --max_response_len="$STEP_MAX_RESPONSE_LEN" ${STEP_FLAGS:-} ;;
+    # The same at the 8B shape with LoRA (train.lora) on the one GPU.
+    # shellcheck disable=SC2086
+    step_lora) run step_lora --mode=step --config="$STEP_LORA_CONFIG" --dist=dapo_math \
+        --steps="$STEP_STEPS" --max_response_len="$STEP_MAX_RESPONSE_LEN" ${STEP_LORA_FLAGS:-} ;;
     # Compiles one chunk of paged decode attention at the 8B config's per-device shapes on
     # this backend: whether the gathered pages are copied into scratch (seconds, no weights).
     roofline) run roofline --mode=roofline --config="${ROOFLINE_CONFIG:-configs/qwen3_8b.py}" \
@@ -112,16 +123,16 @@ for part in $PARTS; do
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
-    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step roofline sampler" \
+    *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step step_lora roofline sampler" \
          "sampler_kernel tail tail_kernel scheduler resume sampler_4b)" >&2
        exit 2 ;;
   esac
 done
 
-python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" "$STEP_CONFIG" <<'PY'
+python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" "$STEP_CONFIG" "$STEP_LORA_CONFIG" <<'PY'
 import json, sys
 out, model, sampler_models, parts = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
-step_config = sys.argv[5]
+step_config, step_lora_config = sys.argv[5], sys.argv[6]
 def load(name):
   try:
     return json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
@@ -131,9 +142,11 @@ def load(name):
 r = {name: res for name in parts.split() if (res := load(name)) is not None}
 kinds = [v["machine"]["device_kind"] for v in r.values() if "machine" in v]
 print(f"\non {kinds[0] if kinds else r.get('roofline', {}).get('backend', '?')}")
-if "step" in r:
-  st = r["step"]
-  print(f"{step_config}, whole RL steps ({st['steps']} a side, max_len {st['max_response_len']}): "
+for part, step_cfg in (("step", step_config), ("step_lora", step_lora_config)):
+  if part not in r:
+    continue
+  st = r[part]
+  print(f"{step_cfg}, whole RL steps ({st['steps']} a side, max_len {st['max_response_len']}): "
         f"APRIL {st['april_phases']['step']:.2f} s vs baseline {st['baseline_phases']['step']:.2f} "
         f"s a step ({st['step_speedup']:.2f}x; rollout tokens/s {st['rollout_speedup']:.2f}x)")
   print(f"  {'phase':<14}{'APRIL s':>9}{'of floor':>9}{'baseline s':>11}{'of floor':>9}")

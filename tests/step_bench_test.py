@@ -69,6 +69,9 @@ def test_learner_flops_count_the_passes_over_the_body_attention_and_head():
   assert got == (forward + head) + (4 * forward + 3 * head)
   got = floors.learner_flops(cfg, lengths, logprob_passes=0, epochs=2, remat=False)
   assert got == 2 * (3 * forward + 3 * head)
+  # LoRA's frozen base: no weight gradients, so a gradient pass is 2 forwards.
+  got = floors.learner_flops(cfg, lengths, 1, 1, remat=True, frozen_base=True)
+  assert got == (forward + head) + (3 * forward + 2 * head)
   assert floors.kv_bytes_per_position(cfg, "bfloat16") == 2 * 2 * 1 * 4 * 2
 
 
@@ -79,14 +82,19 @@ def test_gpu_bench_qwen3_1_7b_is_the_released_shape():
   assert 1.38e9 < floors.body_params(cfg) < 1.42e9
   for variant in ("qwen3_0_6b", "qwen3_4b"):  # the others are unchanged
     assert load_config("gpu_bench", variant).model.init.num_layers in (28, 36)
+  lora_8b = load_config("gpu_bench", "qwen3_8b_lora")
+  assert 8.1e9 < qwen3.Qwen3Config.from_init(lora_8b.model.init).num_params() < 8.3e9
+  assert lora_8b.train.lora.rank == 32 and lora_8b.model.dtype == "bfloat16"
 
 
 def test_step_mode_from_the_command_line_ends_with_its_json_line():
+  # With LoRA (the step_lora part of launch/bench_gpu.sh); the whole fine-tune runs above.
   proc = cli.run(
       "--mode=step",
       "--steps=1",
       "--max_response_len=32",
       "--out_dir=",
+      "--config.train.lora.rank=4",
       config="tiny.py",
       module="april_jax.bench",
       devices=None,
@@ -95,5 +103,7 @@ def test_step_mode_from_the_command_line_ends_with_its_json_line():
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["mode"] == "step" and result["max_response_len"] == 32
+  assert result["lora"]["rank"] == 4 and result["compiles_while_timed"] == 0
   table = proc.stdout.splitlines()[:-1]
   assert any(line.startswith("checkpoint ") for line in table)  # the phase table printed
+

@@ -20,7 +20,7 @@ Work:
                                         writes KV)
   The learner's passes: each logprob pass (the old policy, the reference) is one forward;
   each PPO epoch's gradients are 3 forwards (forward + backward), plus one more forward of
-  the body and attention when layers are rematerialised.
+  the body and attention when layers are rematerialised; 2 with LoRA's frozen base.
   KV bytes a position holds: 2 (keys and values) x layers x KV heads x head_dim x bytes.
 """
 
@@ -110,13 +110,21 @@ def body_flops(cfg: qwen3.Qwen3Config, lengths) -> float:
 
 
 def learner_flops(
-    cfg: qwen3.Qwen3Config, lengths, logprob_passes: int, epochs: int, remat: bool
+    cfg: qwen3.Qwen3Config,
+    lengths,
+    logprob_passes: int,
+    epochs: int,
+    remat: bool,
+    frozen_base: bool = False,
 ) -> float:
   """FLOPs of one update over sequences of `lengths` tokens: `logprob_passes` forwards,
-  then `epochs` gradient passes (3 forwards; the body once more when rematerialised)."""
+  then `epochs` gradient passes (3 forwards; the body once more when rematerialised).
+  With a frozen base (LoRA) a gradient pass is 2 forwards: no weight gradients, only the
+  activations' (the adapters' own FLOPs, rank / width of the body's, are left out)."""
   body = body_flops(cfg, lengths)
   head = head_flops(cfg, float(np.sum(lengths)))
-  return logprob_passes * (body + head) + epochs * ((3 + int(remat)) * body + 3 * head)
+  passes = 2 if frozen_base else 3
+  return logprob_passes * (body + head) + epochs * ((passes + int(remat)) * body + passes * head)
 
 
 def kv_bytes_per_position(cfg: qwen3.Qwen3Config, kv_dtype: str) -> int:

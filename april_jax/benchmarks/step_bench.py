@@ -44,6 +44,7 @@ Floors (the arithmetic is in floors.py), per side and step:
   prefill     (its seconds include putting resumed partials' KV back into the pool, which
               its floor does not count)
   cast        float32 masters read + the compute-dtype copy written / copy bandwidth
+              (LoRA: the adapters and the frozen base read, the merged copy written)
   checkpoint  bytes on disk / disk write rate (the rate of a file written with fsync; a
               save that lands in the page cache unsynced can beat this floor)
 Before any of it, packed_check compares the learner's packed attention on this device with
@@ -67,7 +68,7 @@ import orbax.checkpoint as ocp
 
 from april_jax.benchmarks import common, floors, packed_check, scheduler_bench
 from april_jax.envs.episodes import observation_mask
-from april_jax.models import hf_io
+from april_jax.models import hf_io, lora
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout as layout_lib
@@ -188,6 +189,8 @@ def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: s
       mesh=None,
       remat=config.model.remat,
       compute_dtype=config.model.dtype,
+      lora=lora.LoraSpec.from_config(config.train.lora),  # its base: params, not copied
+      seed=seed,
   )
   del params  # the engines decode with the learner's copy from here on
   decode = learner.decode_params()
@@ -270,7 +273,12 @@ def _work(bench: Bench, side: Side, result, batch, checkpoint_bytes: int) -> dic
   plan = layout_lib.plan(mask, t, bench.learner.min_rows)
   padded = [n for mb in plan for p in mb for n in p.run_lengths()]
   flops = lambda lengths: floors.learner_flops(
-      bench.cfg, lengths, bench.logprob_passes, t.ppo_epochs, bench.config.model.remat
+      bench.cfg,
+      lengths,
+      bench.logprob_passes,
+      t.ppo_epochs,
+      bench.config.model.remat,
+      frozen_base=bench.learner.lora is not None,
   )
   layout = layout_lib.layout_stats(mask, t, bench.learner.min_rows)
   return {
@@ -323,12 +331,13 @@ def _floors(bench: Bench, records: list[dict], ceilings: dict[str, float]) -> di
   decode_bytes = floors.tree_bytes(engine.params)
   kv_bytes = floors.kv_bytes_per_position(bench.cfg, engine.config.kv_dtype)
   copy, matmul = ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"]
+  trained = floors.tree_bytes(bench.learner.params)
   out = {
       "decode": (decode_bytes * work("decode_steps") + kv_bytes * work("kv_positions")) / copy,
       "prefill": work("prefill_flops") / matmul,
       "batch": work("batch_bytes") / ceilings["host_copy_bytes_per_s"],
       "learner": work("learner_flops") / matmul,
-      "cast": (floors.tree_bytes(bench.learner.params) + decode_bytes) / copy,
+      "cast": (trained + floors.tree_bytes(bench.learner.frozen) + decode_bytes) / copy,
       "checkpoint": work("checkpoint_bytes") / ceilings["disk_bytes_per_s"],
   }
   out["rollout"] = out["decode"] + out["prefill"]
@@ -413,6 +422,7 @@ def _result(bench: Bench, sides: dict, ceilings: dict, shape: str, steps: int, r
       "model_params": bench.cfg.num_params(),
       "compute_dtype": bench.config.model.dtype,
       "remat": bool(bench.config.model.remat),
+      "lora": None if bench.learner.lora is None else bench.learner.lora.describe(),
       "ceilings": {
           "copy_gbps": ceilings["copy_bytes_per_s"] / 1e9,
           "matmul_tflops": ceilings["matmul_flops_per_s"] / 1e12,
