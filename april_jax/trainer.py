@@ -95,7 +95,9 @@ class Trainer:
         compute_dtype=c.model.dtype,
         decode_rules=self.decode_rules,
         lora=self.lora,
-        adapters=lora_base.start_adapters(c.train.lora_path, self.lora, self.model_cfg),
+        adapters=None
+        if resuming
+        else lora_base.start_adapters(t.lora_path, self.lora, self.model_cfg),
         seed=c.seed,
     )
     if self.lora is not None:

@@ -11,13 +11,17 @@ clip-higher and dynamic sampling for 120 steps (about 2.5 minutes on 2 CPU cores
 greedy pass@1 before and after RL: docs/first_run.md.
 Responses run up to 64 tokens; answer lengths follow a log-normal with a long tail (see
 rewards/longtail_task.py).
+
+Variant `lora` (`--config=configs/tiny.py:lora`): the same run training rank-8 LoRA
+adapters (alpha 32, every projection, lr 3e-3) over the warm-started model, frozen.
 """
 
 from april_jax.configs import base
 
 
 def get_config(arg=None):
-  base.no_variants(arg, "configs/tiny.py")
+  if arg not in (None, "", "lora"):
+    raise ValueError(f"configs/tiny.py variant {arg!r}: its one variant is 'lora'")
   c = base.get_config()
   c.seed = 0
   c.num_steps = 120
@@ -56,4 +60,9 @@ def get_config(arg=None):
 
   c.eval.num_prompts = 64
   c.eval.k = 2
+  if arg == "lora":
+    # A tiny model's adapters move far per step: 5x the full fine-tune's lr (6e-4).
+    c.train.lora.rank = 8
+    c.train.lora.alpha = 32.0
+    c.train.lora.lr = 3e-3
   return c

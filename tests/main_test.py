@@ -64,7 +64,7 @@ def test_wrong_config_exits_with_a_clear_message_before_compiling(tmp_path):
         (["--config.rollout.nope=1"], "names a field the config does not have: \"'nope'\""),
         (["--bogus=1"], "Unknown command line flag 'bogus'"),
         (["--config.rollout.batch_size=abc"], "--config.rollout.batch_size=abc: invalid literal"),
-        (["--config=configs/tiny.py:nope"], "configs/tiny.py has no variants (got 'nope')"),
+        (["--config=configs/tiny.py:nope"], "configs/tiny.py variant 'nope': its one variant is"),
         (
             ["--config=configs/tiny_lookup.py:tis+nope"],
             "configs/tiny_lookup.py has no variants (got 'tis+nope')",

@@ -248,14 +248,13 @@ def _train() -> ml_collections.ConfigDict:
   t.sft_steps = 0  # supervised warm-start steps (built-in task)
   t.sft_lr = 1e-3  # the warm start's learning rate
   t.sft_batch_size = 32  # the warm start's demonstrations per step
-  # LoRA (models/lora.py): rank 0 trains every weight. Above 0, adapters of this rank on
-  # the target projections (comma-separated: q,k,v,o,gate,up,down) are trained, in float32
-  # with their own AdamW at lora.lr, and the base model stays frozen in model.dtype.
   t.lora = ml_collections.ConfigDict()
+  # LoRA (models/lora.py): adapters of this rank are trained (float32, AdamW) and the base
+  # model stays frozen in model.dtype; 0 = no LoRA, every weight trains
   t.lora.rank = 0
   t.lora.alpha = 32.0  # the update is (alpha / rank) B A
-  t.lora.targets = "q,k,v,o,gate,up,down"
-  t.lora.lr = 1e-5
+  t.lora.targets = "q,k,v,o,gate,up,down"  # the adapted projections, comma-separated
+  t.lora.lr = 1e-5  # the adapters' AdamW learning rate (train.lr is the full fine-tune's)
   t.lora_path = ""  # a PEFT LoRA folder to start the adapters from (matching train.lora)
   return t
 

@@ -29,6 +29,7 @@ RESUMABLE = (
     "mesh.device_memory_gb",
     "model.path",
     "model.tokenizer_path",
+    "train.lora_path",  # read at the start only: a resume takes the checkpoint's adapters
     "train.warm_up",
     "rollout.reward_url",  # where the reward server lies and how to reach it
     "rollout.reward_url_timeout_s",
