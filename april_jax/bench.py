@@ -11,9 +11,12 @@ stdout line, one JSON object with every number.
   step       whole RL steps, APRIL vs baseline: rollout, batch, learner, cast, checkpoint,
              each phase's seconds beside its floor on this machine
   layout     the learner's padded tokens per real token, packed rows vs a row per sample
+  lora_decode  a LoRA policy's decode step, adapters merged into a decode copy vs applied
+             unmerged: compiled at the 8B shape (FLOPs, bytes, memory), timed small here
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
   python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
+  python -m april_jax.bench --mode=lora_decode --repeats=9
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -33,6 +36,7 @@ from april_jax.benchmarks import (
     common,
     e2e_bench,
     layout_bench,
+    lora_decode,
     resume_bench,
     roofline,
     sampler_bench,
@@ -41,11 +45,12 @@ from april_jax.benchmarks import (
 )
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
+from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 _MODE = flags.DEFINE_enum(
     "mode",
     "sampler",
-    ["sampler", "scheduler", "resume", "e2e", "roofline", "step", "layout"],
+    ["sampler", "scheduler", "resume", "e2e", "roofline", "step", "layout", "lora_decode"],
     "What to measure.",
 )
 _SEEDS = flags.DEFINE_list(
@@ -106,7 +111,13 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
 )
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (best is reported).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed repetitions (best is reported; lora_decode: the median)."
+)
+_LORA_SHAPE = flags.DEFINE_enum(
+    "lora_shape", "qwen3_8b", sorted(QWEN3_SHAPES), "lora_decode: the compiled side's model."
+)
+_LORA_ROWS = flags.DEFINE_integer("lora_rows", 64, "lora_decode: rows decoded together.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and prompts.")
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "bench_out", "Markdown report and PNG plots go " "here ('' = none)."
@@ -137,32 +148,41 @@ flags.register_validator(
 )
 
 
+def _sampler(report) -> dict:
+  """Mode sampler, with its flags."""
+  if _NEW_TOKENS.value <= sampler_bench.SYNC_EVERY:
+    raise app.UsageError(
+        f"--new_tokens={_NEW_TOKENS.value} must exceed {sampler_bench.SYNC_EVERY}, the "
+        "decode steps of the engine's first (untimed) call, to time a steady-state step"
+    )
+  return sampler_bench.run(
+      models=_MODELS.value,
+      batch=_BATCH.value,
+      prompt_len=_PROMPT_LEN.value,
+      new_tokens=_NEW_TOKENS.value,
+      repeats=_REPEATS.value,
+      seed=_SEED.value,
+      report=report,
+      hf=_HF.value,
+      dtype=_DTYPE.value,
+      hbm_gbps=_HBM.value or common.hbm_gbps(),
+      tail_model=_TAIL_MODEL.value or None,
+      tail_rounds=_TAIL_ROUNDS.value,
+      copy_gbps=common.copy_gbps() if _COPY.value else 0.0,
+      decode_attention=_DECODE_ATTENTION.value,
+  )
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # tables on stdout; libraries stay quiet
   report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
-    if _NEW_TOKENS.value <= sampler_bench.SYNC_EVERY:
-      raise app.UsageError(
-          f"--new_tokens={_NEW_TOKENS.value} must exceed {sampler_bench.SYNC_EVERY}, the "
-          "decode steps of the engine's first (untimed) call, to time a steady-state step"
-      )
-    result = sampler_bench.run(
-        models=_MODELS.value,
-        batch=_BATCH.value,
-        prompt_len=_PROMPT_LEN.value,
-        new_tokens=_NEW_TOKENS.value,
-        repeats=_REPEATS.value,
-        seed=_SEED.value,
-        report=report,
-        hf=_HF.value,
-        dtype=_DTYPE.value,
-        hbm_gbps=_HBM.value or common.hbm_gbps(),
-        tail_model=_TAIL_MODEL.value or None,
-        tail_rounds=_TAIL_ROUNDS.value,
-        copy_gbps=common.copy_gbps() if _COPY.value else 0.0,
-        decode_attention=_DECODE_ATTENTION.value,
+    result = _sampler(report)
+  elif _MODE.value == "lora_decode":
+    result = lora_decode.run(
+        _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report
     )
   else:
     if _CONFIG.value is None:

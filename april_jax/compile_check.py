@@ -10,11 +10,16 @@ and aliased (donated) bytes. The HLO names its collectives and their result size
 
 A run keeps some state on the devices for its whole life (the resident set: float32
 masters, AdamW moments, the sampler's decode copy of the params, the slot state with
-its KV cache, reference params when a KL term needs them). A program's peak is the
-resident set plus what the program adds: its non-resident arguments, its outputs that
-are not written in place, and its temporaries. The run fits when the largest peak fits
-the device. CPU compiles blockwise attention where NVIDIA GPUs run cuDNN's flash kernel,
-which needs less, so the CPU numbers bound what a GPU holds.
+its KV cache, reference params when a KL term needs them). With LoRA (train.lora.rank >
+0) the masters and moments are the adapters' and the base is held once, frozen in the
+compute dtype in the learner's layout: the learner's programs take it beside the
+adapters, the decode copy is the adapters merged into it, and the reference policy (a
+KL term) is the base itself, its logprobs computed with no adapters. A program's peak is
+the resident set plus what the program adds: its non-resident arguments, its outputs
+that are not written in place, and its temporaries. The run fits when the largest peak
+fits the device. CPU compiles blockwise attention where NVIDIA GPUs run cuDNN's flash
+kernel, which needs less, and computes 16-bit floats in float32 a layer at a time
+(`GPU_LIKE`), so the CPU numbers bound what a GPU holds.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import buckets, sharding
+from april_jax.models import lora as lora_lib
 from april_jax.models import qwen3
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
@@ -56,6 +62,13 @@ _DTYPE_BYTES = {
     "u64": 8,
     "f64": 8,
 }
+# XLA's CPU compiler computes 16-bit floats in float32 and hoists the upcasts of
+# loop-invariant weights out of the layer loop: a float32 copy of every 16-bit weight
+# (twice the decode copy, or a LoRA run's frozen base) in every program that reads them. A
+# GPU computes in bfloat16 and makes no such copy, so a program with 16-bit float inputs
+# is compiled without that hoisting (a layer's upcast, inside the loop, remains); one of
+# float32 weights (a full fine-tune's learner) as XLA compiles it.
+GPU_LIKE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
@@ -190,7 +203,9 @@ def compile_program(
     name: str, fn, args: tuple, resident: tuple[bool, ...], static_args: tuple = ()
 ) -> Program:
   """Lowers and compiles fn(*static_args, *args); `resident` marks the resident args."""
-  compiled = fn.lower(*static_args, *args).compile()
+  dtypes = [jnp.dtype(x.dtype) for x in jax.tree.leaves(args) if hasattr(x, "dtype")]
+  sixteen = any(jnp.issubdtype(d, jnp.floating) and d.itemsize == 2 for d in dtypes)
+  compiled = fn.lower(*static_args, *args).compile(GPU_LIKE if sixteen else None)
   memory = compiled.memory_analysis()
   return Program(
       name=name,
@@ -291,27 +306,63 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))
 
 
+def lora_spec(config) -> lora_lib.LoraSpec | None:
+  """The run's LoRA spec (train.lora), or None when every weight trains."""
+  return lora_lib.LoraSpec.from_config(config.train.lora)
+
+
+def base_name(config, critic: bool = False) -> str:
+  """The resident item of a LoRA run's frozen base (the policy's, or the critic's own)."""
+  return f"{'critic ' if critic else ''}base params (frozen, {config.model.dtype})"
+
+
+def _frozen_base(config, cfg: qwen3.Qwen3Config, shardings):
+  """A frozen base in the compute dtype, abstract, in `shardings` (the learner's layout)."""
+  dtype = jnp.dtype(config.model.dtype)
+  return _abstract(
+      jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype)), shardings
+  )
+
+
 def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
-  """The learner's programs, and its resident arrays as sharded shapes: masters, optimizer
-  state, decode params and (with KL) reference params."""
+  """The learner's programs, its trained params and frozen base (None without LoRA), and
+  its resident arrays as sharded shapes: masters and optimizer state (with LoRA: the
+  frozen base, the adapters and their optimizer state), decode params and (with KL,
+  without LoRA) reference params."""
   r, t, m = config.rollout, config.train, config.model
   rules = tuple(tuple(x) for x in config.mesh.rules)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
-  static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype)
-  optimizer, schedule = step_lib.make_optimizer(t, max(config.num_steps, 1) * t.num_minibatches)
-  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
+  spec = lora_spec(config)
+  static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype, lora=spec)
+  optimizer, schedule = step_lib.make_optimizer(
+      t if spec is None else update_lib.lora_train(t), max(config.num_steps, 1) * t.num_minibatches
+  )
+  if spec is None:
+    shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))
+  else:
+    shapes = jax.eval_shape(lambda: lora_lib.init(cfg, spec, jax.random.key(0)))
   progs = update_lib.build_programs(
       static, optimizer, shapes, mesh, rules, decode_rules, schedule=schedule
   )
-  arrays = {
-      "master params (float32)": _abstract(shapes, progs.param_sh),
-      "optimizer state (float32)": _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh),
-      "decode params": _abstract(jax.eval_shape(progs.decode_params, shapes), progs.decode_sh),
-  }
-  if update_lib.needs_reference(t):
-    reference = jax.eval_shape(progs.to_reference, shapes)
-    arrays["reference params"] = _abstract(reference, progs.param_sh)
-  return progs, arrays
+  params = _abstract(shapes, progs.param_sh)
+  opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
+  if spec is None:
+    frozen = None
+    arrays = {"master params (float32)": params, "optimizer state (float32)": opt_state}
+  else:
+    frozen = _frozen_base(config, cfg, progs.frozen_sh)
+    arrays = {
+        base_name(config): frozen,
+        "LoRA adapters (float32)": params,
+        "adapter optimizer state (float32)": opt_state,
+    }
+  decode = jax.eval_shape(progs.decode_params, params, frozen)
+  arrays["decode params"] = _abstract(decode, progs.decode_sh)
+  if update_lib.needs_reference(t) and spec is None:  # with LoRA the base is the reference
+    arrays["reference params"] = _abstract(
+        jax.eval_shape(progs.to_reference, shapes), progs.param_sh
+    )
+  return progs, arrays, params, frozen
 
 
 def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
@@ -351,25 +402,28 @@ def _forward_inputs(mb: dict, keys) -> dict:
 
 
 def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
-  progs, arrays = _learner_arrays(config, cfg, mesh)
-  masters, opt_state = arrays["master params (float32)"], arrays["optimizer state (float32)"]
-  reference = arrays.get("reference params")
-  mb = _longest_microbatch(config, mesh, with_ref=reference is not None)
+  progs, arrays, params, frozen = _learner_arrays(config, cfg, mesh)
+  lora = frozen is not None
+  opt_state = arrays["adapter optimizer state (float32)" if lora else "optimizer state (float32)"]
+  with_ref = update_lib.needs_reference(config.train)
+  mb = _longest_microbatch(config, mesh, with_ref=with_ref)
   inputs = _forward_inputs(mb, update_lib.FORWARD_KEYS)
+  decode_name = "decode_params (merge)" if lora else "decode_params (cast)"
   programs = [
-      compile_program("decode_params (cast)", progs.decode_params, (masters,), (True,)),
-      compile_program("old logprobs", progs.forward, (masters, inputs), (True, False)),
+      compile_program(decode_name, progs.decode_params, (params, frozen), (True, True)),
+      compile_program("old logprobs", progs.forward, (params, frozen, inputs), (True, True, False)),
   ]
-  if reference is not None:
-    args = (reference, inputs)
-    programs.append(compile_program("reference logprobs", progs.forward, args, (True, False)))
+  if with_ref:  # with LoRA: the base alone (params None), no copy held
+    reference = None if lora else arrays["reference params"]
+    args = (reference, frozen, inputs)
+    programs.append(compile_program("reference logprobs", progs.forward, args, (True, True, False)))
   scalar = _replicated(mesh, (), jnp.float32)
-  args = (masters, mb, (scalar, scalar), masters)  # the gradient sum: sharded like the masters
-  programs.append(compile_program("gradients", progs.grads, args, (True,) + (False,) * 3))
+  args = (params, frozen, mb, (scalar, scalar), params)  # the gradient sum: like the params
+  programs.append(compile_program("gradients", progs.grads, args, (True, True) + (False,) * 3))
   _, loss, metrics = jax.eval_shape(progs.grads, *args)
   rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
   acc = (rep_like(loss), jax.tree.map(rep_like, metrics))
-  args = (masters, opt_state, masters, *acc, _replicated(mesh, (), jnp.int32))
+  args = (params, opt_state, params, *acc, _replicated(mesh, (), jnp.int32))
   resident = (True, True) + (False,) * 4
   programs.append(compile_program("optimizer update", progs.apply, args, resident))
   if config.train.advantage in advantages.CRITIC_ADVANTAGES:
@@ -377,35 +431,50 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   return programs, {k: device_bytes(v) for k, v in arrays.items()}, arrays["decode params"]
 
 
+def _critic_params(config, cfg: qwen3.Qwen3Config, mesh, rules, arrays: dict):
+  """The critic's trained params' shapes and its frozen base (None without LoRA: with
+  LoRA the policy's, from `arrays`, or with train.critic_path its own, added to them)."""
+  spec = lora_spec(config)
+  if spec is None:
+    shapes = jax.eval_shape(
+        lambda: critic_lib.critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg)
+    )
+    return shapes, None
+  shapes = jax.eval_shape(lambda: critic_lib.lora_params(cfg, spec, jax.random.key(0)))
+  if not config.train.critic_path:
+    return shapes, arrays[base_name(config)]  # shared: no bytes of its own
+  frozen = _frozen_base(config, cfg, qwen3.param_shardings(cfg, mesh, rules))
+  arrays[base_name(config, critic=True)] = frozen
+  return shapes, frozen
+
+
 def _critic_programs(config, cfg: qwen3.Qwen3Config, mesh, mb: dict, arrays: dict) -> list:
   """PPO's critic: its values, gradients and update at the longest microbatch; adds its
-  params and optimizer state to `arrays` (the resident set)."""
+  params and optimizer state (with LoRA its adapters and head, and a base of its own
+  when train.critic_path gives one) to `arrays` (the resident set)."""
   t, m = config.train, config.model
   rules = tuple(tuple(x) for x in config.mesh.rules)
-  static = critic_lib.make_static(cfg, t, m.remat, m.dtype)
+  static = critic_lib.make_static(cfg, t, m.remat, m.dtype, lora_spec(config))
   optimizer, schedule = step_lib.make_optimizer(
       critic_lib.critic_train(t), max(config.num_steps, 1) * t.num_minibatches * t.ppo_epochs
   )
-  shapes = jax.eval_shape(
-      lambda: critic_lib.critic_params(qwen3.init_params(cfg, jax.random.key(0)), cfg)
-  )
+  shapes, frozen = _critic_params(config, cfg, mesh, rules, arrays)
   progs = critic_lib.build_programs(static, optimizer, schedule, shapes, mesh, rules)
-  params = arrays["critic params (float32)"] = _abstract(shapes, progs.param_sh)
+  name = "critic params (float32)" if frozen is None else "critic adapters and head (float32)"
+  params = arrays[name] = _abstract(shapes, progs.param_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
   arrays["critic optimizer state (float32)"] = opt_state
   inputs = _forward_inputs(mb, ("tokens",))
   cmb = dict(inputs, mask=mb["mask"], old_values=mb["mask"], returns=mb["mask"])
   totals = (_replicated(mesh, (), jnp.float32),)
+  args = (params, frozen, cmb, totals, params)
   programs = [
-      compile_program("critic values", progs.forward, (params, inputs), (True, False)),
       compile_program(
-          "critic gradients",
-          progs.grads,
-          (params, cmb, totals, params),
-          (True, False, False, False),
+          "critic values", progs.forward, (params, frozen, inputs), (True, True, False)
       ),
+      compile_program("critic gradients", progs.grads, args, (True, True) + (False,) * 3),
   ]
-  _, loss, metrics = jax.eval_shape(progs.grads, params, cmb, totals, params)
+  _, loss, metrics = jax.eval_shape(progs.grads, *args)
   rep_like = lambda x: _replicated(mesh, x.shape, x.dtype)
   args = (params, opt_state, params, rep_like(loss), jax.tree.map(rep_like, metrics))
   args += (_replicated(mesh, (), jnp.int32),)

@@ -7,12 +7,15 @@
 The arithmetic plan (instant; `main` runs it before allocating anything) follows the
 compiled programs' structure (april_jax/compile_check.py): a resident set held for the
 whole run, exact from the shardings (float32 masters and AdamW moments under the
-learner's rules, the 16-bit decode copy and the slot state under the sampler's), plus,
-per program, what it adds while it runs (its inputs that are not resident, outputs not
-written in place, the largest temporaries). The peak over programs must fit a device. The
+learner's rules, or with LoRA the frozen base in the compute dtype and the float32
+adapters and their moments; the 16-bit decode copy and the slot state under the
+sampler's), plus, per program, what it adds while it runs (its inputs that are not
+resident, outputs not written in place, the largest temporaries; with LoRA gradients
+and updates of the adapters' size). The peak over programs must fit a device. The
 temporaries are estimates; a test keeps each program's peak within 15% of what XLA
-compiles for the Qwen3-8B and 4B configs. `native_16bit=False` adds what a backend
-without 16-bit float arithmetic (XLA's CPU) holds: 16-bit weights upcast to float32
+compiles for the Qwen3-8B, 4B and 8B LoRA configs (compiled as a GPU runs 16-bit
+programs: compile_check.GPU_LIKE). `native_16bit=False` adds what a backend without
+16-bit float arithmetic (XLA's CPU, running) holds: 16-bit weights upcast to float32
 inside a program. On the host: the partial buffer's KV per snapshot, worst case (every
 slot parked at full length in mode kv).
 """
@@ -28,6 +31,7 @@ import types
 
 from april_jax import buckets, cli, compile_check, sharding
 from april_jax.models import hf_io, qwen3
+from april_jax.models import lora as lora_lib
 from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout
@@ -122,6 +126,30 @@ def critic_bytes(cfg: qwen3.Qwen3Config, mesh, rules, itemsize: int) -> float:
   return _tree_bytes(critic.logical_axes(cfg), shapes, mesh, rules, itemsize)
 
 
+def lora_bytes(cfg: qwen3.Qwen3Config, spec: lora_lib.LoraSpec, mesh, rules) -> float:
+  """Bytes one device holds of float32 LoRA adapters, each factor sharded like the side
+  of the weight it touches (models/lora.py)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  shapes = jax.eval_shape(lambda: lora_lib.init(cfg, spec, jax.random.key(0)))
+  return _tree_bytes(lora_lib.logical_axes(cfg, spec), shapes, mesh, rules, 4)
+
+
+def _lora_critic_bytes(x) -> float:
+  """A LoRA critic's trained params on one device: its adapters and its float32 head."""
+  head = x.cfg.hidden_size / _split(x.cfg.hidden_size, "norm", x.mesh, x.rules) + 1
+  return lora_bytes(x.cfg, x.lora, x.mesh, x.rules) + 4 * head
+
+
+def largest_target_bytes(cfg: qwen3.Qwen3Config, targets, mesh, rules, itemsize: int) -> float:
+  """Bytes one device holds of the largest of these layer-stacked projections."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0)))["layers"]
+  axes = qwen3.param_logical_axes(cfg)["layers"]
+  return max(_tree_bytes({t: axes[t]}, {t: shapes[t]}, mesh, rules, itemsize) for t in targets)
+
+
 def _tree_bytes(axes, shapes, mesh, rules, itemsize: int) -> float:
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -155,6 +183,7 @@ def make_plan(
       decode_rules=tuple(tuple(r) for r in config.mesh.decode_rules),
       cb=dtype_bytes(config.model.dtype),
       max_len=config.data.max_prompt_len + config.rollout.max_response_len,
+      lora=lora_lib.LoraSpec.from_config(config.train.lora),
   )
   resident = _resident(x)
   programs = dict(_sampler_programs(x, native_16bit), **_learner_programs(x))
@@ -192,26 +221,55 @@ def prompt_kv_bytes(config, cfg: qwen3.Qwen3Config, kv_heads: float) -> float:
 def _resident(x) -> dict[str, float]:
   """What stays on each device for the whole run."""
   cfg, r, m = x.cfg, x.config.rollout, x.config.model
-  masters = params_bytes(cfg, x.mesh, x.rules, 4)
   slots = r.num_slots / _split(r.num_slots, "batch", x.mesh, x.decode_rules)
   kv_heads = cfg.num_kv_heads / _split(cfg.num_kv_heads, "kv_heads", x.mesh, x.decode_rules)
   _, per_shard = pool_pages(x.config, x.mesh, x.decode_rules)
   pool = 2 * cfg.num_layers * per_shard * kv_heads * r.page_size * cfg.head_dim
   rows = slots * x.max_len * 12 + slots * -(-x.max_len // r.page_size) * 4  # + page table
-  resident = {
-      "master params (float32)": masters,
-      "optimizer state (float32)": 2 * masters,
-      "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
-      "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
-      "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
-  }
-  if x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0:
-    resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)
+  resident = _trained(x)
+  resident.update(
+      {
+          "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
+          "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
+          "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
+      }
+  )
+  if x.lora is None and (x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0):
+    resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)  # LoRA: the base
   if _has_critic(x.config):
-    critic = critic_bytes(cfg, x.mesh, x.rules, 4)
-    resident["critic params (float32)"] = critic
-    resident["critic optimizer state (float32)"] = 2 * critic
+    resident.update(_critic_resident(x))
   return resident
+
+
+def _trained(x) -> dict[str, float]:
+  """The learner's weights: float32 masters and AdamW moments, or with LoRA the frozen
+  base in the compute dtype, the float32 adapters and their moments."""
+  if x.lora is None:
+    masters = params_bytes(x.cfg, x.mesh, x.rules, 4)
+    return {"master params (float32)": masters, "optimizer state (float32)": 2 * masters}
+  adapters = lora_bytes(x.cfg, x.lora, x.mesh, x.rules)
+  return {
+      f"base params (frozen, {x.config.model.dtype})": params_bytes(x.cfg, x.mesh, x.rules, x.cb),
+      "LoRA adapters (float32)": adapters,
+      "adapter optimizer state (float32)": 2 * adapters,
+  }
+
+
+def _critic_resident(x) -> dict[str, float]:
+  """PPO's critic: float32 params and moments; with LoRA its adapters, head and moments,
+  over the policy's base (shared) or train.critic_path's (its own, compute dtype)."""
+  if x.lora is None:
+    critic = critic_bytes(x.cfg, x.mesh, x.rules, 4)
+    return {"critic params (float32)": critic, "critic optimizer state (float32)": 2 * critic}
+  critic = _lora_critic_bytes(x)
+  out = {
+      "critic adapters and head (float32)": critic,
+      "critic optimizer state (float32)": 2 * critic,
+  }
+  if x.config.train.critic_path:
+    base = params_bytes(x.cfg, x.mesh, x.rules, x.cb)
+    out[f"critic base params (frozen, {x.config.model.dtype})"] = base
+  return out
 
 
 def _has_critic(config) -> bool:
@@ -243,16 +301,24 @@ def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
   # Prompts that start together: prefill_rows of them at the longest prompt bucket, as
   # many tokens as one max_len sequence at most (EngineConfig.prefill_rows).
   together = prompt_kv_bytes(x.config, cfg, kv_heads)
-  return {
+  programs = {
       "prefill": seq_kv + prefill_act + upcast,
       "prefill (prompts together)": together + prefill_act * together / seq_kv + upcast,
       "insert": seq_kv,
       "insert (prompts together)": together,
-      "insert_rows (restore)": 3 * snapshot_width * seq_kv,
+      "insert_rows (restore)": 2 * snapshot_width * seq_kv,  # the rows in, and their copy
       "decode": 3 * logits + attention + upcast,
       "extract_kv (snapshot)": 1.5 * snapshot_width * seq_kv,
-      "decode_params (cast)": decode_params + (masters if x.num_devices > 1 else 0.0),
   }
+  if x.lora is None:  # cast where the masters lie, then moved to the decode layout
+    programs["decode_params (cast)"] = decode_params + (masters if x.num_devices > 1 else 0.0)
+  else:  # merged a layer at a time into a new copy, one target's stack its scratch
+    base = params_bytes(cfg, x.mesh, x.rules, x.cb)
+    scratch = largest_target_bytes(cfg, x.lora.targets, x.mesh, x.rules, x.cb)
+    programs["decode_params (merge)"] = (
+        decode_params + scratch + (base if x.num_devices > 1 else 0.0)
+    )
+  return programs
 
 
 def _learner_programs(x) -> dict[str, float]:
@@ -276,13 +342,17 @@ def _learner_programs(x) -> dict[str, float]:
   logits_chunk = 3 * rows * min(t.logprob_chunk, T) * split(cfg.vocab_size, "vocab") * 4
   saved = (L if m.remat else 3 * L) * rows * T * D * x.cb
   full_layer = masters / L * min(x.num_devices, 8)  # one layer's gathered weights, float32
+  # With LoRA the gradients, their sum and the update are the adapters' size.
+  trained = masters if x.lora is None else lora_bytes(cfg, x.lora, x.mesh, x.rules)
   programs = {
       "old logprobs": layer_act + logits_chunk + full_layer / 2,
-      "gradients": masters + masters + saved + 2 * layer_act + logits_chunk + full_layer,
-      "optimizer update": masters + 1.8 * masters,
+      "gradients": trained + trained + saved + 2 * layer_act + logits_chunk + full_layer,
+      "optimizer update": trained + 1.8 * trained,
   }
+  if x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0:
+    programs["reference logprobs"] = programs["old logprobs"]
   if _has_critic(x.config):  # the same backbone without the vocabulary's logits
-    critic = critic_bytes(cfg, x.mesh, x.rules, 4)
+    critic = critic_bytes(cfg, x.mesh, x.rules, 4) if x.lora is None else _lora_critic_bytes(x)
     programs["critic values"] = layer_act + full_layer / 2
     programs["critic gradients"] = critic + critic + saved + 2 * layer_act + full_layer
     programs["critic update"] = critic + 1.8 * critic
@@ -315,7 +385,25 @@ def _with_pages(config, pages: int):
 
 def what_fits(config, cfg, num_devices: int, capacity: float, native_16bit=True) -> str:
   """One sentence naming the KV pool that fits, or saying that none does."""
-  pages = pages_that_fit(config, cfg, num_devices, capacity, native_16bit)
+  return _pool_sentence(config, pages_that_fit(config, cfg, num_devices, capacity, native_16bit))
+
+
+def compiled_pages_that_fit(config, cfg: qwen3.Qwen3Config, mesh, excess: float):
+  """The KV pool (rollout.kv_pages) `excess` bytes per device smaller than the config's,
+  in whole pages: what the compiled programs fit with, since the pool is resident and no
+  program's own bytes depend on its size. None if not even one sequence's pages remain."""
+  r = config.rollout
+  decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
+  kv_heads = cfg.num_kv_heads / _split(cfg.num_kv_heads, "kv_heads", mesh, decode_rules)
+  page = 2 * cfg.num_layers * kv_heads * r.page_size * cfg.head_dim
+  page *= dtype_bytes(config.model.kv_dtype)
+  usable, _ = pool_pages(config, mesh, decode_rules)
+  pages = usable - math.ceil(excess / page) * _split(r.num_slots, "batch", mesh, decode_rules)
+  low = -(-(config.data.max_prompt_len + r.max_response_len) // r.page_size)
+  return pages if pages >= low else None
+
+
+def _pool_sentence(config, pages: int | None) -> str:
   r = config.rollout
   if pages is None:
     return (
@@ -371,8 +459,9 @@ def main(argv):
     mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
     report = compile_check.check(f.config, cfg, mesh, capacity)
     print(report.table())
-    if not report.fits:  # the arithmetic plan names the pool that fits
-      print(what_fits(f.config, cfg, devices, capacity, native_16bit=False))
+    if not report.fits:  # the compiled peak, less the pages it exceeds by
+      excess = report.peak_bytes - capacity
+      print(_pool_sentence(f.config, compiled_pages_that_fit(f.config, cfg, mesh, excess)))
     print(json.dumps(report.to_json(), sort_keys=True))
     fits = report.fits
   else:

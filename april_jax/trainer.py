@@ -83,23 +83,7 @@ class Trainer:
     resuming = self.checkpointer.latest_step() is not None
     params = self._starting_params(params, resuming)
     t = layout.train_section(c)  # packed rows' budget resolved to the run's max_len
-    self.learner = Learner(
-        self.model_cfg,
-        params,
-        t,
-        c.rollout.temperature,
-        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
-        mesh=self.mesh,
-        rules=self.rules,
-        remat=c.model.remat,
-        compute_dtype=c.model.dtype,
-        decode_rules=self.decode_rules,
-        lora=self.lora,
-        adapters=None
-        if resuming
-        else lora_base.start_adapters(t.lora_path, self.lora, self.model_cfg),
-        seed=c.seed,
-    )
+    self.learner = self._make_learner(params, t, resuming)
     if self.lora is not None:
       params = self.learner.frozen  # the frozen base, held once (the critic may share it)
     self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
@@ -142,6 +126,28 @@ class Trainer:
         self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
     )
     return params if dtype == "float32" else step_lib.cast(params, dtype)
+
+  def _make_learner(self, params, t, resuming: bool) -> Learner:
+    """The learner (with LoRA: adapters from train.lora_path or fresh, over params frozen)."""
+    c = self.config
+    adapters = (
+        None if resuming else lora_base.start_adapters(t.lora_path, self.lora, self.model_cfg)
+    )
+    return Learner(
+        self.model_cfg,
+        params,
+        t,
+        c.rollout.temperature,
+        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
+        mesh=self.mesh,
+        rules=self.rules,
+        remat=c.model.remat,
+        compute_dtype=c.model.dtype,
+        decode_rules=self.decode_rules,
+        lora=self.lora,
+        adapters=adapters,
+        seed=c.seed,
+    )
 
   def _starting_params(self, params, resuming: bool):
     """The params the learner starts from: warm-started when asked (not on resume). A

@@ -12,12 +12,15 @@ from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 
 def get_config(arg=None):
   """Variants, joined by '+': `gpu` (default) one 141 GB GPU or `node` 8 x 80 GB GPUs;
-  and any of configs/qwen3_8b.py's (`node+baseline`, `tis+overlong`, ...)."""
+  and any of configs/qwen3_8b.py's (`node+baseline`, `tis+overlong`, ...). `lora` is
+  LoRA on one 80 GB GPU (`lora`, `lora+ppo`), not with `node`."""
   names = list(filter(None, (arg or "").split("+")))
   shapes = [n for n in names if n in ("gpu", "node")]
   if len(shapes) > 1:
     raise ValueError(f"configs/qwen3_4b.py variants {shapes}: 'gpu' or 'node', not both")
-  variant = shapes[0] if shapes else "gpu"
+  if "lora" in names and "node" in shapes:
+    raise ValueError("configs/qwen3_4b.py variant 'lora' runs on one GPU: not with 'node'")
+  variant = "lora" if "lora" in names else shapes[0] if shapes else "gpu"
   module = base.sibling(__file__, "qwen3_8b.py")
   c = module.apply_variants(
       module.get_config(), "+".join(n for n in names if n not in shapes), path="configs/qwen3_4b.py"
@@ -32,6 +35,15 @@ def get_config(arg=None):
     c.rollout.num_slots = 24
     c.rollout.kv_pages = 408
     c.train.num_microbatches = 256
+  elif variant == "lora":
+    # One 80 GB GPU (configs/qwen3_8b.py's `lora`): the frozen bfloat16 base (8.0 GB), its
+    # merged decode copy (8.0 GB), the adapters and their AdamW (0.8 GB) and the gradients
+    # program's 29.5 GB (compiled) leave 864 KV pages of 256 positions (32.6 GB: 12
+    # sequences at max_len, about 70 at a mean of 3.1k) for 64 slots; 848 beside PPO's
+    # critic (python -m april_jax.plan --config=configs/qwen3_4b.py:lora --compile
+    # --devices=1 --device_memory_gb=80).
+    c.rollout.num_slots = 64
+    c.rollout.kv_pages = 848 if c.train.advantage == "gae" else 864
   else:
     # A smaller model than 8B leaves room for more KV: 8,704 pages per device (41 GB: 128
     # sequences at max_len), 512 slots.

@@ -10,7 +10,7 @@ import pytest
 
 from april_jax import compile_check, plan, sharding
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
-from april_jax.models import hf_io, qwen3
+from april_jax.models import hf_io, lora, qwen3
 from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler import EngineConfig
@@ -23,14 +23,15 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devic
 _REPORTS = {}
 
 
-def _compiled(name, devices, gb):
-  """The compile check of configs/<name>.py (compiled once per test session)."""
-  if name not in _REPORTS:
-    config = load_config(name)
+def _compiled(name, devices, gb, variant=None):
+  """The compile check of configs/<name>.py[:variant] (compiled once per test session)."""
+  key = (name, variant)
+  if key not in _REPORTS:
+    config = load_config(name, variant)
     cfg = hf_io.model_config(config)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:devices])
-    _REPORTS[name] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
-  return _REPORTS[name]
+    _REPORTS[key] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
+  return _REPORTS[key]
 
 
 def test_shipped_shapes_are_the_released_qwen3_configs():
@@ -229,15 +230,97 @@ def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
 
 
 @needs_8
-@pytest.mark.parametrize("name,devices,gb", [("qwen3_8b", 8, 80), ("qwen3_4b", 1, 141)])
-def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, devices, gb):
-  config, cfg, report = _compiled(name, devices, gb)
-  arithmetic = plan.make_plan(config, cfg, devices, gb * 1e9, native_16bit=False)
+@pytest.mark.parametrize(
+    "name,variant,devices,gb",
+    [("qwen3_8b", None, 8, 80), ("qwen3_4b", None, 1, 141), ("qwen3_8b", "lora", 1, 80)],
+)
+def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, variant, devices, gb):
+  config, cfg, report = _compiled(name, devices, gb, variant)
+  # The check compiles 16-bit programs as a GPU runs them (compile_check.GPU_LIKE).
+  arithmetic = plan.make_plan(config, cfg, devices, gb * 1e9, native_16bit=True)
+  assert set(arithmetic.resident) == set(report.resident)
+  assert sorted(p.name for p in report.programs) == sorted(arithmetic.programs)
   assert arithmetic.resident_total == pytest.approx(report.resident_bytes, rel=1e-6)
   for program in report.programs:
     compiled, estimated = report.peak(program), arithmetic.peak(program.name)
     assert abs(estimated - compiled) <= 0.15 * compiled, (program.name, estimated, compiled)
   assert report.fits and arithmetic.fits
+
+
+def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments():
+  config = load_config("qwen3_8b", "lora")
+  config.train.kl_coef = 0.001  # the reference policy is the base: no copy
+  cfg = hf_io.model_config(config)
+  p = plan.make_plan(config, cfg, num_devices=1, device_bytes=80e9)
+  spec = lora.LoraSpec.from_config(config.train.lora)
+  assert (spec.rank, spec.alpha, len(spec.targets)) == (32, 32.0, 7)
+  adapters = lora.num_params(cfg, spec) * 4
+  assert p.resident == {
+      "base params (frozen, bfloat16)": cfg.num_params() * 2,
+      "LoRA adapters (float32)": adapters,
+      "adapter optimizer state (float32)": 2 * adapters,
+      "decode params": cfg.num_params() * 2,
+      "slot state (KV cache)": p.resident["slot state (KV cache)"],
+      "the last prefill's KV (kept)": p.resident["the last prefill's KV (kept)"],
+  }
+  assert 0.34e9 < adapters < 0.36e9  # 87M numbers: rank 32 on the 7 projections of 36 layers
+  # The learner's gradients and update are the adapters' size; the merge makes a new copy.
+  assert p.programs["optimizer update"] == pytest.approx(2.8 * adapters)
+  assert p.programs["reference logprobs"] == p.programs["old logprobs"]
+  assert p.programs["decode_params (merge)"] > cfg.num_params() * 2
+  assert "decode_params (cast)" not in p.programs and p.fits
+
+
+def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
+  config = load_config("qwen3_8b", "lora+ppo")
+  cfg = hf_io.model_config(config)
+  head = (cfg.hidden_size + 1) * 4
+  adapters = lora.num_params(cfg, lora.LoraSpec.from_config(config.train.lora)) * 4
+  shared = plan.make_plan(config, cfg, 1, 80e9)
+  assert shared.resident["critic adapters and head (float32)"] == adapters + head
+  assert shared.resident["critic optimizer state (float32)"] == 2 * (adapters + head)
+  assert "critic params (float32)" not in shared.resident
+  assert config.rollout.kv_pages == 336 and shared.fits  # the critic takes 24 pages
+  config.train.critic_path = "/critic"  # its own frozen base, in 16 bits
+  own = plan.make_plan(config, cfg, 1, 80e9)
+  assert own.resident["critic base params (frozen, bfloat16)"] == cfg.num_params() * 2
+  assert not own.fits  # the pool sized for a shared base does not leave room for it
+
+
+@pytest.mark.parametrize("variants", ["lora", "lora+ppo", "ppo+lora", "lora+tis+overlong"])
+def test_the_lora_variants_are_one_80gb_gpu_with_64_slots(variants):
+  for name, pages in (("qwen3_8b", 360), ("qwen3_4b", 864)):
+    c = load_config(name, variants)
+    critic = "ppo" in variants
+    assert tuple(c.mesh.shape) == (1, 1, 1) and c.rollout.num_slots >= 64 and c.model.remat
+    assert c.rollout.max_response_len == 16384 and c.train.lora.rank == 32
+    assert c.rollout.kv_pages == pages - (16 if name == "qwen3_4b" else 24) * critic
+    assert plan.make_plan(c, hf_io.model_config(c), 1, 80e9).fits
+  with pytest.raises(ValueError, match="'lora' runs on one GPU"):
+    load_config("qwen3_4b", "node+lora")
+
+
+def test_lora_programs_compile_with_the_base_as_the_reference_and_the_critics():
+  """Every LoRA program at a tiny shape, a KL term and PPO's critic included: the
+  reference logprobs read the frozen base alone, and the critic shares it."""
+  config = load_config("tiny")
+  config.train.lora.rank, config.train.kl_coef, config.train.advantage = 4, 0.01, "gae"
+  config.model.dtype = "bfloat16"
+  cfg = hf_io.model_config(config)
+  mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:1])
+  report = compile_check.check(config, cfg, mesh)
+  arithmetic = plan.make_plan(config, cfg, 1, native_16bit=True)
+  assert set(report.resident) == set(arithmetic.resident)
+  for name, value in arithmetic.resident.items():  # the weights: exact (+ Adam's counters)
+    if "params" in name or "adapters" in name or "optimizer" in name:
+      assert report.resident[name] == pytest.approx(value, rel=1e-6, abs=1024), name
+  programs = {p.name: p for p in report.programs}
+  assert sorted(programs) == sorted(arithmetic.programs)
+  base = report.resident["base params (frozen, bfloat16)"]
+  assert programs["reference logprobs"].resident_argument_bytes == base
+  assert programs["critic values"].resident_argument_bytes == (
+      base + report.resident["critic adapters and head (float32)"]
+  )
 
 
 def test_hlo_collectives_are_parsed_with_their_bytes():
