@@ -311,6 +311,11 @@ def lora_spec(config) -> lora_lib.LoraSpec | None:
   return lora_lib.LoraSpec.from_config(config.train.lora)
 
 
+def unmerged(config) -> bool:
+  """Whether a LoRA run's sampler decodes the frozen base with the adapters beside it."""
+  return lora_spec(config) is not None and config.train.lora.decode == "unmerged"
+
+
 def base_name(config, critic: bool = False) -> str:
   """The resident item of a LoRA run's frozen base (the policy's, or the critic's own)."""
   return f"{'critic ' if critic else ''}base params (frozen, {config.model.dtype})"
@@ -356,8 +361,12 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
         "LoRA adapters (float32)": params,
         "adapter optimizer state (float32)": opt_state,
     }
-  decode = jax.eval_shape(progs.decode_params, params, frozen)
-  arrays["decode params"] = _abstract(decode, progs.decode_sh)
+  if unmerged(config):  # the sampler reads the frozen base: only the adapters are its own
+    decode = jax.eval_shape(progs.decode_adapters, params)
+    arrays["decode params"] = _abstract(decode, progs.param_sh)
+  else:
+    decode = jax.eval_shape(progs.decode_params, params, frozen)
+    arrays["decode params"] = _abstract(decode, progs.decode_sh)
   if update_lib.needs_reference(t) and spec is None:  # with LoRA the base is the reference
     arrays["reference params"] = _abstract(
         jax.eval_shape(progs.to_reference, shapes), progs.param_sh
@@ -408,9 +417,13 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   with_ref = update_lib.needs_reference(config.train)
   mb = _longest_microbatch(config, mesh, with_ref=with_ref)
   inputs = _forward_inputs(mb, update_lib.FORWARD_KEYS)
-  decode_name = "decode_params (merge)" if lora else "decode_params (cast)"
+  if unmerged(config):
+    decode = compile_program("decode_adapters (cast)", progs.decode_adapters, (params,), (True,))
+  else:
+    decode_name = "decode_params (merge)" if lora else "decode_params (cast)"
+    decode = compile_program(decode_name, progs.decode_params, (params, frozen), (True, True))
   programs = [
-      compile_program(decode_name, progs.decode_params, (params, frozen), (True, True)),
+      decode,
       compile_program("old logprobs", progs.forward, (params, frozen, inputs), (True, True, False)),
   ]
   if with_ref:  # with LoRA: the base alone (params None), no copy held
@@ -428,7 +441,10 @@ def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   programs.append(compile_program("optimizer update", progs.apply, args, resident))
   if config.train.advantage in advantages.CRITIC_ADVANTAGES:
     programs += _critic_programs(config, cfg, mesh, mb, arrays)
-  return programs, {k: device_bytes(v) for k, v in arrays.items()}, arrays["decode params"]
+  decode_params = arrays["decode params"]
+  if unmerged(config):  # what the sampler's programs take: the base, the adapters beside it
+    decode_params = lora_lib.decode_view(frozen, decode_params)
+  return programs, {k: device_bytes(v) for k, v in arrays.items()}, decode_params
 
 
 def _critic_params(config, cfg: qwen3.Qwen3Config, mesh, rules, arrays: dict):

@@ -5,10 +5,12 @@
 
 A LoRA run (train.lora) exports either way: `merged` (the default) writes the base with
 the adapters merged in, a plain model folder; `peft` writes the adapters alone as a PEFT
-folder (adapter_config.json + adapter_model.safetensors) that
-`peft.PeftModel.from_pretrained(base, folder)` loads onto the base model. The base is
-read from the run's model.path, or from the copy a run of a random or warm-started base
-keeps in its workdir (april_jax/lora_base.py).
+folder (adapter_config.json + adapter_model.safetensors, float32 whatever --dtype) that
+`peft.PeftModel.from_pretrained(base, folder)` loads onto the base model, which its
+base_model_name_or_path names. The base is read from the run's model.path, or from the
+copy a run of a random or warm-started base keeps in its workdir
+(april_jax/lora_base.py), and must be the one the adapters were trained over (its
+fingerprint in the checkpoint): unlike a full fine-tune's export, a merged one needs it.
 
 Reads the params alone of checkpoint `step` (the state after N updates; default: the
 latest; the optimizer state is not read), and the run's config and model shape from the
@@ -82,15 +84,16 @@ def _written_by_export(folder: str, name: str) -> bool:
 def _check_out(out: str, workdir: str, config, overwrite: bool) -> str:
   """`out`, resolved (symlinks too), once it is safe to write; else an InputError."""
   target = os.path.realpath(out)
-  for field in ("path", "tokenizer_path"):
-    source = config.model.get(field)
+  sources = {f"model.{f}": config.model.get(f) for f in ("path", "tokenizer_path")}
+  sources.update({f"train.{f}": config.train.get(f) for f in ("lora_path", "critic_path")})
+  for field, source in sources.items():
     if not source:
       continue
     source = os.path.realpath(source)
     if os.path.commonpath([target, source]) in (target, source):
       raise InputError(
           f"--out={out} is {'' if target == source else 'inside or above '}the folder the "
-          f"run loaded its model from (model.{field}={config.model.get(field)}); export "
+          f"run loaded its model from ({field}={sources[field]}); export "
           "never writes there, even with --overwrite: choose a new folder"
       )
   run = os.path.realpath(workdir)
@@ -237,11 +240,11 @@ def export(
   finally:
     checkpointer.close()
   if format == "peft":
-    write = lambda folder: peft_io.save_peft(folder, spec, params, config.model.path)
+    base_model = lora_base.source(workdir, config)
+    write = lambda folder: peft_io.save_peft(folder, spec, params, base_model)
   else:
-    if spec is not None:  # the adapters merged into their base, in float32
-      base = hf_io.load_pretrained(lora_base.source(workdir, config), "float32")[1]
-      params = lora.merge(base, params, spec)
+    if spec is not None:
+      params = _merged(workdir, config, host["learner"]["lora"], spec, params, dtype)
     params = jax.tree.map(lambda x: x.astype(dtype), params)
     write = lambda folder: hf_io.save_pretrained(folder, cfg, params)
   tokenizer_dir = config.model.tokenizer_path or config.model.path
@@ -253,6 +256,27 @@ def export(
     )
   _write_folder(target, write, tokenizer_dir)
   return step
+
+
+def _merged(workdir: str, config, saved: dict, spec: lora.LoraSpec, adapters, dtype: str):
+  """The adapters merged into the base they were trained over (read as the run froze it,
+  in model.dtype, and checked against the checkpoint's fingerprint), in `dtype`; the base
+  is donated, so the merge holds one copy of it and the output."""
+  folder = lora_base.source(workdir, config)
+  base = hf_io.load_pretrained(folder, config.model.dtype)[1]
+  found = lora.fingerprint(base)
+  if found != saved["base_fingerprint"]:
+    raise InputError(
+        f"the base model in {folder} is not the one the adapters were trained over "
+        f"(fingerprint {found}, the checkpoint's {saved['base_fingerprint']})"
+    )
+
+  def merge(base, adapters):  # in float32 when float32 is asked for, else in the base's
+    if jnp.dtype(dtype) == jnp.float32:
+      base = jax.tree.map(lambda x: x.astype(jnp.float32), base)
+    return jax.tree.map(lambda x: x.astype(dtype), lora.merge(base, adapters, spec))
+
+  return jax.jit(merge, donate_argnums=0)(base, adapters)
 
 
 def _lora_spec(host: dict, format: str) -> lora.LoraSpec | None:  # pylint: disable=redefined-builtin
@@ -300,7 +324,7 @@ if __name__ == "__main__":
       "merged",
       ["merged", "peft"],
       "merged: a model folder (a LoRA run's adapters merged into its base); peft: a LoRA "
-      "run's adapters alone, as a PEFT folder.",
+      "run's adapters alone, as a PEFT folder (float32, whatever --dtype).",
   )
   flags.mark_flags_as_required(["workdir", "out"])
   app.run(main)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 import shutil
 
+import jax
+from jax.experimental import multihost_utils
+
 from april_jax.errors import InputError
 from april_jax.models import hf_io, lora, peft_io
 
@@ -33,16 +36,38 @@ def must_save(config) -> bool:
 
 
 def save(workdir: str, cfg, params) -> str:
-  """Writes the base (every process calls it; process 0 writes) to <workdir>/lora_base,
-  through a staging folder, so a kill mid-write leaves no half base behind."""
+  """Writes the base (every process calls it: the tensors are gathered collectively;
+  process 0 writes) to <workdir>/lora_base through a staging folder, so a kill mid-write
+  leaves no half base behind. Process 0 alone clears and renames; all wait for it."""
   path = os.path.join(workdir, FOLDER)
   staging = path + ".writing"
-  shutil.rmtree(staging, ignore_errors=True)
+  primary = jax.process_index() == 0
+  if primary:
+    shutil.rmtree(staging, ignore_errors=True)
   hf_io.save_pretrained(staging, cfg, params)
-  if os.path.isdir(staging):  # process 0's
+  if primary:
     shutil.rmtree(path, ignore_errors=True)
     os.rename(staging, path)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("lora_base saved")
   return path
+
+
+def keep(workdir: str, config, cfg, params) -> None:
+  """At a fresh start: saves the base as the run freezes it (in model.dtype) when no file
+  holds it, else removes any base an earlier start of this workdir saved."""
+  if must_save(config):
+    dtype = jax.numpy.dtype(config.model.dtype)
+    save(workdir, cfg, jax.tree.map(lambda x: x.astype(dtype), params))
+  else:
+    forget(workdir)
+
+
+def forget(workdir: str) -> None:
+  """Removes a base an earlier start of this workdir saved (process 0): a fresh start
+  over model.path must not resume or export over it."""
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.join(workdir, FOLDER), ignore_errors=True)
 
 
 def source(workdir: str, config) -> str:
@@ -50,9 +75,11 @@ def source(workdir: str, config) -> str:
   found = saved(workdir)
   if found:
     return found
-  if not config.model.path:
-    raise FileNotFoundError(
-        f"the LoRA run in {workdir} started from a random init and its {FOLDER} folder is gone"
+  if must_save(config) or not os.path.isdir(config.model.path):
+    raise InputError(
+        f"the base model of the LoRA run in {workdir} is gone: "
+        + (f"its {FOLDER} folder" if must_save(config) else f"model.path {config.model.path}")
+        + " holds it, and the adapters merge onto it"
     )
   return config.model.path
 
@@ -62,6 +89,8 @@ def start_adapters(path: str, spec: lora.LoraSpec | None, cfg):
   or no path: a fresh init); an InputError naming the field if they do not fit."""
   if spec is None or not path:
     return None
+  if not os.path.isdir(path):
+    raise InputError(f"train.lora_path {path!r}: no such folder (a PEFT adapter to start from)")
   try:
     found, adapters = peft_io.load_peft(path, cfg)
   except peft_io.AdapterError as e:

@@ -229,7 +229,7 @@ def _resident(x) -> dict[str, float]:
   resident = _trained(x)
   resident.update(
       {
-          "decode params": params_bytes(cfg, x.mesh, x.decode_rules, x.cb),
+          "decode params": _decode_bytes(x),
           "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
           "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
       }
@@ -239,6 +239,19 @@ def _resident(x) -> dict[str, float]:
   if _has_critic(x.config):
     resident.update(_critic_resident(x))
   return resident
+
+
+def _unmerged(x) -> bool:
+  """Whether the sampler decodes a LoRA run's base itself, adapters beside it."""
+  return x.lora is not None and x.config.train.lora.decode == "unmerged"
+
+
+def _decode_bytes(x) -> float:
+  """The sampler's params beyond the learner's: a decode copy in the compute dtype, or
+  (LoRA decoded unmerged) only the adapters in it, beside the frozen base it reads."""
+  if _unmerged(x):
+    return lora_bytes(x.cfg, x.lora, x.mesh, x.rules) * x.cb / 4
+  return params_bytes(x.cfg, x.mesh, x.decode_rules, x.cb)
 
 
 def _trained(x) -> dict[str, float]:
@@ -312,6 +325,8 @@ def _sampler_programs(x, native_16bit: bool) -> dict[str, float]:
   }
   if x.lora is None:  # cast where the masters lie, then moved to the decode layout
     programs["decode_params (cast)"] = decode_params + (masters if x.num_devices > 1 else 0.0)
+  elif _unmerged(x):  # the adapters cast and scaled: the base is not touched
+    programs["decode_adapters (cast)"] = _decode_bytes(x)
   else:  # merged a layer at a time into a new copy, one target's stack its scratch
     base = params_bytes(cfg, x.mesh, x.rules, x.cb)
     scratch = largest_target_bytes(cfg, x.lora.targets, x.mesh, x.rules, x.cb)

@@ -147,6 +147,7 @@ class Trainer:
         lora=self.lora,
         adapters=adapters,
         seed=c.seed,
+        lora_decode=t.lora.decode,
     )
 
   def _starting_params(self, params, resuming: bool):
@@ -154,13 +155,12 @@ class Trainer:
     LoRA run's base that no file holds is saved beside the checkpoints (lora_base.py),
     and read back from there on resume."""
     c = self.config
-    if self.lora is not None and resuming and lora_base.saved(self.workdir):
-      dtype = c.model.dtype
-      return hf_io.load_pretrained(lora_base.saved(self.workdir), dtype, self.mesh, self.rules)[1]
+    if self.lora is not None and resuming and (saved := lora_base.saved(self.workdir)):
+      return hf_io.load_pretrained(saved, c.model.dtype, self.mesh, self.rules)[1]
     if c.train.sft_steps > 0 and not resuming:
       params = self._warm_start(params)
-    if self.lora is not None and not resuming and lora_base.must_save(c):
-      lora_base.save(self.workdir, self.model_cfg, params)
+    if self.lora is not None and not resuming:
+      lora_base.keep(self.workdir, c, self.model_cfg, params)
     return params
 
   def _make_critic(self, policy_params) -> critic_lib.Critic:

@@ -56,12 +56,15 @@ def get_config(arg=None):
 
 
 def _lora_8b(c):
-  """The 8B shape with rank-32 adapters on every projection, sized for the step mode on
-  one 80 GB GPU: the frozen base and the merged decode copy (16.4 GB each), the adapters
-  with their moments (1.5 GB), two engines' pools of 384 pages (14.2 GB each: the steady
-  state of APRIL at 1,024-token responses), and microbatches of 2 rows."""
+  """The 8B shape with configs/qwen3_8b.py:lora's adapters (rank 32, alpha 32, every
+  projection, decoded unmerged), sized for the step mode on one 80 GB GPU: the frozen
+  base (16.4 GB, which both engines read), the adapters with their moments (1.0 GB), two
+  engines' pools of 384 pages (14.5 GB each: the steady state of APRIL at 1,024-token
+  responses), and microbatches of 2 rows. `--config.train.lora.decode=merged` times the
+  merged decode copy instead (16.4 GB more, a third copy while it is remade)."""
   c.train.lora.rank = 32
-  c.train.lora.alpha = 64.0
-  c.train.lora.lr = 2e-5
+  c.train.lora.alpha = 32.0
+  c.train.lora.lr = 1e-5
+  c.train.lora.decode = "unmerged"
   c.rollout.kv_pages = 384
   c.train.num_microbatches = 64

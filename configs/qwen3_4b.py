@@ -36,14 +36,14 @@ def get_config(arg=None):
     c.rollout.kv_pages = 408
     c.train.num_microbatches = 256
   elif variant == "lora":
-    # One 80 GB GPU (configs/qwen3_8b.py's `lora`): the frozen bfloat16 base (8.0 GB), its
-    # merged decode copy (8.0 GB), the adapters and their AdamW (0.8 GB) and the gradients
-    # program's 29.5 GB (compiled) leave 864 KV pages of 256 positions (32.6 GB: 12
-    # sequences at max_len, about 70 at a mean of 3.1k) for 64 slots; 848 beside PPO's
-    # critic (python -m april_jax.plan --config=configs/qwen3_4b.py:lora --compile
-    # --devices=1 --device_memory_gb=80).
+    # One 80 GB GPU (configs/qwen3_8b.py's `lora`, decoding unmerged): the frozen bfloat16
+    # base (8.0 GB), the adapters and their AdamW (0.8 GB) and the gradients program's
+    # 29.5 GB (compiled) leave 1,080 KV pages of 256 positions (40.8 GB: 15 sequences at
+    # max_len, about 89 at a mean of 3.1k) for 64 slots; 1,056 beside PPO's critic
+    # (python -m april_jax.plan --config=configs/qwen3_4b.py:lora --compile --devices=1
+    # --device_memory_gb=80).
     c.rollout.num_slots = 64
-    c.rollout.kv_pages = 848 if c.train.advantage == "gae" else 864
+    c.rollout.kv_pages = 1056 if c.train.advantage == "gae" else 1080
   else:
     # A smaller model than 8B leaves room for more KV: 8,704 pages per device (41 GB: 128
     # sequences at max_len), 512 slots.

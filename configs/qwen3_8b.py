@@ -20,8 +20,8 @@ Variants, joined by '+' (`--config=configs/qwen3_8b.py:baseline`, `...:tis+overl
   overlong   DAPO's overlong shaping over the last 1,024 tokens of the budget
   stale4     the staleness limit: no trained token more than 4 versions old
   ppo        PPO with a learned critic (GAE) instead of GRPO's group advantages
-  lora       LoRA (rank 32 on every projection, the base frozen) on ONE 80 GB GPU: 64
-             slots sharing 360 KV pages (`lora+ppo`: 336)
+  lora       LoRA (rank 32 on every projection, the base frozen, decoded unmerged) on
+             ONE 80 GB GPU: 64 slots sharing 784 KV pages (`lora+ppo`: 768)
 configs/qwen3_4b.py takes the same variants with the 4B model.
 """
 
@@ -73,6 +73,13 @@ def _lora(c):
   c.train.lora.alpha = 32.0
   c.train.lora.targets = "q,k,v,o,gate,up,down"
   c.train.lora.lr = 1e-5
+  # The sampler reads the frozen base and applies the adapters in each decode step: no
+  # second copy of the base, so 2.2x the KV pool of a merged decode copy (784 pages
+  # against 360) for +1% of a decode step's FLOPs and +2.6% of its bytes (compiled at
+  # this shape; 1.07x the merged step's time on a CPU): python -m april_jax.bench
+  # --mode=lora_decode, BENCHMARKS.md. train.lora.decode=merged with kv_pages=360 is the
+  # other way.
+  c.train.lora.decode = "unmerged"
   c.mesh.shape = (1, 1, 1)
   c.train.num_microbatches = 256  # one packed row of 17,408 tokens per gradient call
   c.rollout.num_slots = 64
@@ -80,14 +87,13 @@ def _lora(c):
 
 
 def _lora_pool(c):
-  # The KV pool beside the LoRA learner on one 80 GB device: the base (16.4 GB), its merged
-  # decode copy (16.4 GB), the adapters and their AdamW (1.0 GB), and the gradients
-  # program's 31.6 GB (one row of 17,408 tokens, compiled) leave 360 pages of 256
-  # positions (13.6 GB: 5 sequences at max_len, about 30 at a DAPO-like mean of 3.1k)
-  # for 64 slots; PPO's critic (its adapters, head and AdamW, 1.0 GB) leaves 336
-  # (python -m april_jax.plan --config=configs/qwen3_8b.py:lora --compile --devices=1
-  # --device_memory_gb=80).
-  c.rollout.kv_pages = 336 if c.train.advantage == "gae" else 360
+  # The KV pool beside the LoRA learner on one 80 GB device: the frozen base (16.4 GB),
+  # the adapters and their AdamW (1.0 GB), and the gradients program's 31.3 GB (one row
+  # of 17,408 tokens, compiled) leave 784 pages of 256 positions (29.6 GB: 11 sequences at
+  # max_len, about 64 at a DAPO-like mean of 3.1k) for 64 slots; PPO's critic (its
+  # adapters, head and AdamW, 1.0 GB) leaves 768 (python -m april_jax.plan
+  # --config=configs/qwen3_8b.py:lora --compile --devices=1 --device_memory_gb=80: 79.7 GB).
+  c.rollout.kv_pages = 768 if c.train.advantage == "gae" else 784
 
 
 VARIANTS = {

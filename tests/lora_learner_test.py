@@ -98,12 +98,17 @@ def _greedy_unmerged(learner, prompt, steps):
   return tokens[len(prompt) :]
 
 
-def test_merged_decoding_draws_the_unmerged_models_greedy_tokens(params):
-  learner = _lora_learner(params)
+@pytest.mark.parametrize("decode", ["merged", "unmerged"])
+def test_the_samplers_params_draw_the_learners_greedy_tokens(params, decode):
+  learner = Learner(CFG, params, _train(), TEMPERATURE, 4, lora=SPEC, seed=1, lora_decode=decode)
   learner.update(_batch(2))
   learner.update(_batch(3))
+  decode_params = learner.decode_params()
+  if decode == "unmerged":  # the base itself, not a copy, with the adapters beside it
+    assert decode_params["layers"]["q"] is learner.frozen["layers"]["q"]
+    assert set(decode_params["adapters"]["layers"]) == set(SPEC.targets)
   prompts = [[5, 9, 11, 7], [20, 4, 33], [8, 8, 8, 8, 8, 40]]
-  drawn = generate(CFG, learner.decode_params(), prompts, max_new_tokens=12, num_slots=2)
+  drawn = generate(CFG, decode_params, prompts, max_new_tokens=12, num_slots=2)
   expected = [_greedy_unmerged(learner, p, 12) for p in prompts]
   assert drawn == expected
 
@@ -138,7 +143,9 @@ def test_a_lora_critic_shares_the_base_and_trains_its_adapters_and_head(params):
   learner = _lora_learner(params)
   train = _train(advantage="gae", critic_lr=1e-2)
   critic = critic_lib.Critic(CFG, learner.frozen, train, 4, lora=SPEC, seed=2)
-  assert critic.frozen is learner.frozen  # held once
+  # Held once: the critic reads the learner's arrays (all but the output head, unread).
+  assert set(critic.frozen) == set(learner.frozen) - {"lm_head"}
+  assert all(critic.frozen[k] is learner.frozen[k] for k in critic.frozen)
   batch = _batch(5)
   critic.advantages(batch, np.linspace(0.0, 1.0, batch["mask"].shape[0]))
   assert np.abs(critic.values(batch)).max() == 0  # a zero head: values start at 0

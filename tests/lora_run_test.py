@@ -5,6 +5,7 @@ load it (a merged model folder, a PEFT folder that peft puts onto the base, with
 logits); a bad LoRA setting is one line naming the field."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ STEPS = [
     "--config.rollout.dynamic_sampling=False",
     "--config.train.lora.rank=4",
     "--config.train.lora.lr=3e-3",
+    "--config.train.lora.decode=unmerged",  # the sampler reads the frozen base itself
 ]
 
 
@@ -72,6 +74,8 @@ def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, 
   _export(straight, tmp_path / "adapter", "--format=peft")
   spec, adapters = peft_io.load_peft(tmp_path / "adapter", hf_io.load_config(tmp_path / "merged"))
   assert spec.rank == 4 and np.abs(adapters["layers"]["q"]["b"]).max() > 0  # trained
+  written = json.loads((tmp_path / "adapter" / peft_io.CONFIG_NAME).read_text())
+  assert written["base_model_name_or_path"] == lora_base.saved(str(straight))  # warm-started
   tokens = torch.tensor([[5, 17, 33, 2, 60, 61, 9]])
   load = lambda folder: transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
   with torch.no_grad():
@@ -85,6 +89,30 @@ def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, 
     unadapted = with_adapter(tokens).logits.numpy()
   assert np.abs(unadapted - merged).max() > 1e-3  # the adapters matter
   del plain
+
+
+def test_a_merged_export_over_another_base_is_refused_naming_it(runs, tmp_path):
+  straight, _, _ = runs
+  moved = tmp_path / "run"
+  shutil.copytree(straight, moved, ignore=shutil.ignore_patterns("xla_cache"))
+  other = lora_base.saved(str(moved))
+  cfg = hf_io.load_config(other)
+  hf_io.save_pretrained(other, cfg, qwen3.init_params(cfg, jax.random.key(7)))
+  proc = cli.run(f"--workdir={moved}", f"--out={tmp_path / 'o'}", module="april_jax.export")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert f"the base model in {other} is not the one the adapters were trained over" in (proc.stderr)
+  assert not (tmp_path / "o").exists()
+
+
+def test_a_fresh_start_over_model_path_forgets_an_earlier_saved_base(tmp_path):
+  c = _tiny(rank=4)
+  c.train.sft_steps = 0
+  base = qwen3.init_params(hf_io.model_config(c), jax.random.key(0))
+  lora_base.keep(str(tmp_path), c, hf_io.model_config(c), base)  # a random init: saved
+  assert lora_base.saved(str(tmp_path))
+  c.model.path = str(tmp_path / "model")  # a later start of the workdir, over a folder
+  lora_base.keep(str(tmp_path), c, hf_io.model_config(_tiny(rank=4)), base)
+  assert lora_base.saved(str(tmp_path)) is None
 
 
 def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path):
@@ -129,6 +157,8 @@ def _tiny(**lora_fields):
         (dict(rank=33), "train.lora.rank must be in [1, 32]"),  # k, v: 2 heads of 16
         (dict(rank=4, targets="q,attn"), "train.lora.targets has unknown modules ['attn']"),
         (dict(rank=4, lr=0.0), "train.lora.lr must be > 0"),
+        (dict(rank=4, targets="q,v,q"), "train.lora.targets lists ['q'] more than once"),
+        (dict(rank=4, decode="fused"), "train.lora.decode must be one of ('merged', 'unmerged')"),
     ],
 )
 def test_a_bad_lora_setting_names_its_field(fields, expected):
@@ -153,8 +183,19 @@ def test_a_lora_path_or_critic_of_another_base_is_named(tmp_path):
   c.train.critic_path = ""
   c.train.lora.rank = 8
   assert "holds adapters of another shape: rank 4 (train.lora.rank is 8)" in _problems(c)
+  c.train.lora.rank, c.train.lora.targets = 4, "v,q"  # any order: PEFT's own on reading
+  assert lora.LoraSpec.from_config(c.train.lora).targets == ("q", "v")
+  assert "train.lora_path" not in _problems_or_none(c)
   c.train.lora.rank = 0
   assert "train.lora_path is set but train.lora.rank is 0" in _problems(c)
+
+
+def _problems_or_none(config) -> str:
+  try:
+    validate.validate(config)
+  except validate.ConfigError as e:
+    return str(e)
+  return ""
 
 
 def test_a_lora_path_of_another_width_stops_the_run_in_one_line(tmp_path):

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from april_jax import compile_check, plan, sharding
+from april_jax.configs import validate
 from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, lora, qwen3
 from april_jax.rl import step as step_lib
@@ -247,19 +248,25 @@ def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, va
   assert report.fits and arithmetic.fits
 
 
-def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments():
+@pytest.mark.parametrize("decode", ["unmerged", "merged"])
+def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments(decode):
   config = load_config("qwen3_8b", "lora")
   config.train.kl_coef = 0.001  # the reference policy is the base: no copy
+  config.train.lora.decode = decode
+  if decode == "merged":
+    config.rollout.kv_pages = 360  # the decode copy takes 16.4 GB of the pool
   cfg = hf_io.model_config(config)
   p = plan.make_plan(config, cfg, num_devices=1, device_bytes=80e9)
   spec = lora.LoraSpec.from_config(config.train.lora)
   assert (spec.rank, spec.alpha, len(spec.targets)) == (32, 32.0, 7)
   adapters = lora.num_params(cfg, spec) * 4
+  # Unmerged, the sampler holds the adapters in 16 bits beside the base it reads.
+  decode_bytes = adapters / 2 if decode == "unmerged" else cfg.num_params() * 2
   assert p.resident == {
       "base params (frozen, bfloat16)": cfg.num_params() * 2,
       "LoRA adapters (float32)": adapters,
       "adapter optimizer state (float32)": 2 * adapters,
-      "decode params": cfg.num_params() * 2,
+      "decode params": decode_bytes,
       "slot state (KV cache)": p.resident["slot state (KV cache)"],
       "the last prefill's KV (kept)": p.resident["the last prefill's KV (kept)"],
   }
@@ -267,8 +274,21 @@ def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments():
   # The learner's gradients and update are the adapters' size; the merge makes a new copy.
   assert p.programs["optimizer update"] == pytest.approx(2.8 * adapters)
   assert p.programs["reference logprobs"] == p.programs["old logprobs"]
-  assert p.programs["decode_params (merge)"] > cfg.num_params() * 2
+  if decode == "merged":
+    assert p.programs["decode_params (merge)"] > cfg.num_params() * 2
+  else:
+    assert p.programs["decode_adapters (cast)"] == adapters / 2
   assert "decode_params (cast)" not in p.programs and p.fits
+
+
+def test_unmerged_decoding_is_refused_on_several_devices():
+  config = load_config("qwen3_8b", "lora")
+  validate.validate_for_devices(config, 1)
+  config.mesh.shape, config.train.num_microbatches = (1, -1, 1), 32
+  with pytest.raises(validate.ConfigError, match="train.lora.decode='unmerged' decodes"):
+    validate.validate_for_devices(config, 8)
+  config.train.lora.decode = "merged"
+  validate.validate_for_devices(config, 8)
 
 
 def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
@@ -280,7 +300,7 @@ def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
   assert shared.resident["critic adapters and head (float32)"] == adapters + head
   assert shared.resident["critic optimizer state (float32)"] == 2 * (adapters + head)
   assert "critic params (float32)" not in shared.resident
-  assert config.rollout.kv_pages == 336 and shared.fits  # the critic takes 24 pages
+  assert config.rollout.kv_pages == 768 and shared.fits  # the critic takes 16 pages
   config.train.critic_path = "/critic"  # its own frozen base, in 16 bits
   own = plan.make_plan(config, cfg, 1, 80e9)
   assert own.resident["critic base params (frozen, bfloat16)"] == cfg.num_params() * 2
@@ -289,12 +309,13 @@ def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
 
 @pytest.mark.parametrize("variants", ["lora", "lora+ppo", "ppo+lora", "lora+tis+overlong"])
 def test_the_lora_variants_are_one_80gb_gpu_with_64_slots(variants):
-  for name, pages in (("qwen3_8b", 360), ("qwen3_4b", 864)):
+  for name, pages in (("qwen3_8b", 784), ("qwen3_4b", 1080)):
     c = load_config(name, variants)
     critic = "ppo" in variants
     assert tuple(c.mesh.shape) == (1, 1, 1) and c.rollout.num_slots >= 64 and c.model.remat
     assert c.rollout.max_response_len == 16384 and c.train.lora.rank == 32
-    assert c.rollout.kv_pages == pages - (16 if name == "qwen3_4b" else 24) * critic
+    assert c.train.lora.decode == "unmerged"
+    assert c.rollout.kv_pages == pages - (24 if name == "qwen3_4b" else 16) * critic
     assert plan.make_plan(c, hf_io.model_config(c), 1, 80e9).fits
   with pytest.raises(ValueError, match="'lora' runs on one GPU"):
     load_config("qwen3_4b", "node+lora")

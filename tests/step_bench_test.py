@@ -106,4 +106,3 @@ def test_step_mode_from_the_command_line_ends_with_its_json_line():
   assert result["lora"]["rank"] == 4 and result["compiles_while_timed"] == 0
   table = proc.stdout.splitlines()[:-1]
   assert any(line.startswith("checkpoint ") for line in table)  # the phase table printed
-

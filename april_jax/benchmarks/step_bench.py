@@ -191,6 +191,7 @@ def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: s
       compute_dtype=config.model.dtype,
       lora=lora.LoraSpec.from_config(config.train.lora),  # its base: params, not copied
       seed=seed,
+      lora_decode=config.train.lora.decode,
   )
   del params  # the engines decode with the learner's copy from here on
   decode = learner.decode_params()

@@ -255,6 +255,10 @@ def _train() -> ml_collections.ConfigDict:
   t.lora.alpha = 32.0  # the update is (alpha / rank) B A
   t.lora.targets = "q,k,v,o,gate,up,down"  # the adapted projections, comma-separated
   t.lora.lr = 1e-5  # the adapters' AdamW learning rate (train.lr is the full fine-tune's)
+  # How the sampler decodes: merged (a copy of the base with the adapters merged in, made
+  # once per update) | unmerged (the base itself, the adapters applied in every decode
+  # step: no second copy of the base, room for more KV; one device only)
+  t.lora.decode = "merged"
   t.lora_path = ""  # a PEFT LoRA folder to start the adapters from (matching train.lora)
   return t
 

@@ -342,6 +342,9 @@ def validate_for_devices(config, num_devices: int) -> None:
     shards = batch_shards(config, num_devices)
   except ValueError as e:
     raise ConfigError(f"invalid config:\n  mesh.shape: {e}") from None
+  problems = validate_lora.device_problems(config, num_devices)
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
   r, t = config.rollout, config.train
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   if rows % shards:

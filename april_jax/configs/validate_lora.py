@@ -9,6 +9,8 @@ from typing import Callable
 
 from april_jax.models import hf_io, lora, peft_io
 
+DECODE_MODES = ("merged", "unmerged")
+
 
 def checks(c, err: Callable[[str], None]) -> None:
   t = c.train
@@ -22,6 +24,8 @@ def checks(c, err: Callable[[str], None]) -> None:
     return
   if t.lora.lr <= 0:
     err(f"train.lora.lr must be > 0, got {t.lora.lr}")
+  if t.lora.decode not in DECODE_MODES:
+    err(f"train.lora.decode must be one of {DECODE_MODES}, got {t.lora.decode!r}")
   try:
     cfg = hf_io.model_config(c)
   except (ValueError, OSError):
@@ -37,6 +41,8 @@ def checks(c, err: Callable[[str], None]) -> None:
 def _check_adapter(path: str, spec: lora.LoraSpec, cfg, err) -> None:
   """train.lora_path holds a PEFT LoRA folder for this base, of train.lora's spec."""
   config_file = Path(path) / peft_io.CONFIG_NAME
+  if not Path(path).exists():
+    return  # a resume reads the checkpoint's adapters (a fresh start names it missing)
   if not config_file.is_file():
     err(f"train.lora_path {path!r}: no PEFT adapter there (no {peft_io.CONFIG_NAME})")
     return
@@ -73,3 +79,15 @@ def _check_critic_base(path: str, cfg, err) -> None:
         f"train.critic_path {path!r} is another architecture than the policy's ({', '.join(differ)}): "
         "a LoRA critic trains adapters over a base of the policy's architecture"
     )
+
+
+def device_problems(c, num_devices: int) -> list[str]:
+  """What needs the device count: unmerged decoding reads the base in the learner's
+  layout, which on several devices would gather every weight in every decode step."""
+  if int(c.train.lora.rank) > 0 and c.train.lora.decode == "unmerged" and num_devices > 1:
+    return [
+        f"train.lora.decode='unmerged' decodes with the learner's copy of the base, sharded "
+        f"for training: on {num_devices} devices every decode step would gather the weights; "
+        "use it on one device, or train.lora.decode='merged'"
+    ]
+  return []

@@ -13,7 +13,8 @@ PEFT's default (Kaiming-uniform with a = sqrt(5)) does.
 
 `merge` computes the update in float32 and adds it to W in W's dtype, a layer at a time;
 it is differentiable in the adapters. The learner applies adapters unmerged instead
-(qwen3.hidden_states(adapters=)); the sampler decodes merged params.
+(qwen3.hidden_states(adapters=)); the sampler decodes merged params, or with
+train.lora.decode "unmerged" the base itself with the adapters beside it (`decode_view`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class LoraSpec:
 
   @classmethod
   def from_config(cls, section) -> "LoraSpec | None":
-    """From the config's train.lora section (targets comma-separated); None at rank 0."""
+    """From the config's train.lora section (targets comma-separated, in any order: kept
+    in TARGETS' order, as PEFT folders read back); None at rank 0."""
     if int(section.rank) == 0:
       return None
-    targets = tuple(t.strip() for t in str(section.targets).split(",") if t.strip())
-    return cls(int(section.rank), float(section.alpha), targets)
+    targets = [t.strip() for t in str(section.targets).split(",") if t.strip()]
+    order = lambda t: TARGETS.index(t) if t in TARGETS else len(TARGETS)
+    return cls(int(section.rank), float(section.alpha), tuple(sorted(targets, key=order)))
 
   def describe(self) -> dict:
     """The spec as JSON (a checkpoint's record of what it trained)."""
@@ -71,6 +74,9 @@ def problems(cfg: qwen3.Qwen3Config, spec: LoraSpec, prefix: str = "") -> list[s
     return [f"{prefix}targets has unknown modules {unknown}: choose from {list(TARGETS)}"]
   if not spec.targets:
     return [f"{prefix}targets is empty: choose from {list(TARGETS)}"]
+  twice = sorted({t for t in spec.targets if spec.targets.count(t) > 1})
+  if twice:
+    return [f"{prefix}targets lists {twice} more than once"]
   narrowest = min(
       min(math.prod(i), math.prod(o)) for i, o in map(lambda t: weight_dims(cfg, t), spec.targets)
   )
@@ -142,13 +148,33 @@ def merge(params: dict, adapters: dict, spec: LoraSpec) -> dict:
   return {**params, "layers": layers}
 
 
+def decode_adapters(adapters: dict, spec: LoraSpec, dtype) -> dict:
+  """The adapters as a sampler applies them unmerged: in `dtype`, the scale folded into B."""
+  return {
+      "layers": {
+          t: {"a": ab["a"].astype(dtype), "b": (spec.scale * ab["b"]).astype(dtype)}
+          for t, ab in adapters["layers"].items()
+      }
+  }
+
+
+def decode_view(base: dict, decoded: dict) -> dict:
+  """Params a sampler decodes with, the adapters unmerged: the base's own arrays (no copy)
+  and decode_adapters' output as params["adapters"] (qwen3 applies them in every step)."""
+  return {**base, "adapters": decoded}
+
+
 def fingerprint(params: dict, samples: int = 64) -> str:
   """A fingerprint of weights: every leaf's path, shape, dtype and `samples` of its
   values at fixed positions, hashed. Exact (no sums, so no dependence on how the
   weights are sharded) and cheap; two different checkpoints of a model differ in
   nearly every weight, so in the samples."""
   digest = hashlib.sha256()
-  pick = jax.jit(lambda x: jnp.take(x.reshape(-1), _positions(x.size, samples)))
+  # Indexed in place (a flat view of a sharded weight would gather it, and a flat index
+  # past 2^31 overflows).
+  pick = jax.jit(
+      lambda x: x[np.unravel_index(_positions(x.size, samples), x.shape)] if x.ndim else x
+  )
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     values = np.asarray(distributed.to_host(pick(leaf))).astype(np.float32)
     digest.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())

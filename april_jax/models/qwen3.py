@@ -9,7 +9,8 @@ One model, four uses:
 hidden_states and token_logprobs also take packed rows (rl/layout.py): `segments` [B, T]
 keep each sample's attention to itself, `positions` [B, T] restart at each sample.
 
-Params (layers are stacked on a leading axis L and run with `lax.scan`):
+Params (layers are stacked on a leading axis L and run with `lax.scan`; LoRA params
+for the sampler may add "adapters", applied unmerged: models/lora.py):
   embed         [V, D]
   layers        attn_norm [L, D]; q [L, D, N, H]; k, v [L, D, K, H]; o [L, N, H, D];
                 q_norm, k_norm [L, H]; mlp_norm [L, D]; gate, up [L, D, F]; down [L, F, D]
@@ -317,7 +318,11 @@ def logits_from_hidden(cfg: Qwen3Config, params: Params, h_BxTxD) -> jax.Array:
 
 
 def _layers(params: Params, adapters) -> tuple:
-  """What the layer scan runs over: the stacked layers and their adapters (or None)."""
+  """What the layer scan runs over: the stacked layers and their adapters (or None). A
+  sampler's unmerged LoRA params carry theirs, scaled, as params["adapters"]
+  (models/lora.py's decode_view)."""
+  if adapters is None:
+    adapters = params.get("adapters")
   return params["layers"], (None if adapters is None else adapters["layers"])
 
 

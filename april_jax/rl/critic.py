@@ -278,9 +278,10 @@ class Critic(step.TrainedModel):
     if lora is None:
       make = lambda p: critic_params(step.cast(p, jnp.float32), model_cfg)
       frozen, source = None, params
-    else:
+    else:  # the base's output head is not read: not held (the policy's is its own)
       make = lambda key: lora_params(model_cfg, lora, key)
-      frozen, source = params, jax.random.key(seed)
+      frozen = {k: v for k, v in params.items() if k != "lm_head"}
+      source = jax.random.key(seed)
     shapes = jax.eval_shape(make, source)
     p = build_programs(self.static, self.optimizer, self.schedule, shapes, mesh, rules)
     # The head is made inside the program, in its sharding (on every host of a run).

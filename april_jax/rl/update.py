@@ -31,7 +31,8 @@ is frozen in the compute dtype, held once: the learner's passes apply the adapte
 unmerged (no weight-sized array per layer, no gradient of a base weight), the
 reference policy is the base itself (no copy), and `decode_params()` merges the adapters
 into a decode copy once per update, so the sampler's step costs what it costs without
-LoRA.
+LoRA; or, with train.lora.decode "unmerged" (one device), hands the sampler the base
+itself with the adapters beside it, applied in every step: no second copy of the base.
 Params and optimizer state are donated and come back in the shardings they went in;
 optimizer state is created in the params' shardings (never whole on one device).
 """
@@ -146,6 +147,7 @@ class Programs(step.Programs):
   to_reference: Any  # masters -> reference params in the compute dtype
   to_frozen: Any  # base params -> the frozen base: compute dtype, the learner's layout
   decode_params: Any  # (masters, frozen) -> compute-dtype params in the sampler's layout
+  decode_adapters: Any  # LoRA adapters -> as the sampler applies them unmerged (or None)
 
 
 def build_programs(
@@ -196,6 +198,12 @@ def build_programs(
       to_reference=jax.jit(to_compute, **pin(model_sh)),
       to_frozen=jax.jit(to_compute, **pin(model_sh)),
       decode_params=jax.jit(to_decode, **pin(decode_sh)),
+      decode_adapters=None
+      if static.lora is None
+      else jax.jit(
+          functools.partial(lora_lib.decode_adapters, spec=static.lora, dtype=static.compute_dtype),
+          **pin(param_sh),
+      ),
   )
 
 
@@ -307,8 +315,8 @@ def check_same_base(saved: dict | None, spec: lora_lib.LoraSpec, fingerprint: st
   if saved["base_fingerprint"] != fingerprint:
     raise InputError(
         f"the checkpoint's LoRA adapters were trained over other base weights (fingerprint "
-        f"{saved['base_fingerprint']}, this run's model.path gives {fingerprint}): resume "
-        "with the base model the run started from"
+        f"{saved['base_fingerprint']}, this run's base gives {fingerprint}): resume with the "
+        "base model the run started from (model.path, or the run's lora_base folder)"
     )
   wanted = spec.describe()
   differ = [f"{k} {saved[k]!r} (now {wanted[k]!r})" for k in wanted if saved[k] != wanted[k]]
@@ -337,9 +345,10 @@ class Learner(step.TrainedModel):
       lora: lora_lib.LoraSpec | None = None,
       adapters=None,
       seed: int = 0,
+      lora_decode: str = "merged",
   ):
     self.static = make_static(model_cfg, train, temperature, remat, compute_dtype, lora)
-    self.loss_cfg, self.lora = self.static.loss, lora
+    self.loss_cfg, self.lora, self.lora_decode = self.static.loss, lora, lora_decode
     self.optimizer, self.schedule = step.make_optimizer(
         train if lora is None else lora_train(train), total_updates
     )
@@ -383,8 +392,11 @@ class Learner(step.TrainedModel):
     self.ref_params = arrays.get("ref_params")
 
   def decode_params(self):
-    """The current params for the sampler: compute dtype, the sampler's layout (with
-    LoRA the adapters merged into a copy of the base)."""
+    """The current params for the sampler: compute dtype, the sampler's layout. With
+    LoRA, the adapters merged into a copy of the base; with lora_decode "unmerged", the
+    frozen base itself (no copy, the learner's layout) carrying the adapters."""
+    if self.lora is not None and self.lora_decode == "unmerged":
+      return lora_lib.decode_view(self.frozen, self.programs.decode_adapters(self.params))
     return self.programs.decode_params(self.params, self.frozen)
 
   def warm_up(self, batch_size: int, lengths) -> int:
