@@ -61,6 +61,7 @@ def launch(
     command.append(f"--config=configs/{config}")
   if workdir is not None:
     command.append(f"--workdir={workdir}")
+  variables["JAX_ENABLE_COMPILATION_CACHE"] = "true"  # conftest.py: the runs share it
   if devices is not None:
     variables["XLA_FLAGS"] = _DEVICES.format(devices) + ("" if optimised else _UNOPTIMISED)
   variables.update(env or {})
