@@ -368,9 +368,7 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
     decode = jax.eval_shape(progs.decode_params, params, frozen)
     arrays["decode params"] = _abstract(decode, progs.decode_sh)
   if update_lib.needs_reference(t) and spec is None:  # with LoRA the base is the reference
-    arrays["reference params"] = _abstract(
-        jax.eval_shape(progs.to_reference, shapes), progs.param_sh
-    )
+    arrays["reference params"] = _abstract(jax.eval_shape(progs.to_compute, shapes), progs.param_sh)
   return progs, arrays, params, frozen
 
 

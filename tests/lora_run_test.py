@@ -83,12 +83,10 @@ def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, 
     base = load(lora_base.saved(str(straight)))
     with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     over_base = with_adapter(tokens).logits.numpy()
-    plain = base.eval()
   np.testing.assert_allclose(over_base, merged, atol=2e-4)
   with torch.no_grad(), with_adapter.disable_adapter():
     unadapted = with_adapter(tokens).logits.numpy()
   assert np.abs(unadapted - merged).max() > 1e-3  # the adapters matter
-  del plain
 
 
 def test_a_merged_export_over_another_base_is_refused_naming_it(runs, tmp_path):

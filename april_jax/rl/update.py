@@ -144,8 +144,9 @@ class Programs(step.Programs):
   decode_sh: Any
   frozen_sh: Any  # the frozen base's shardings (LoRA; None without a mesh or LoRA)
   to_masters: Any  # params -> float32 masters in the learner's layout
-  to_reference: Any  # masters -> reference params in the compute dtype
-  to_frozen: Any  # base params -> the frozen base: compute dtype, the learner's layout
+  # params -> the compute dtype in the learner's layout: the reference params of a KL
+  # term, or LoRA's frozen base
+  to_compute: Any
   decode_params: Any  # (masters, frozen) -> compute-dtype params in the sampler's layout
   decode_adapters: Any  # LoRA adapters -> as the sampler applies them unmerged (or None)
 
@@ -195,8 +196,7 @@ def build_programs(
       decode_sh=decode_sh,
       frozen_sh=None if static.lora is None else model_sh,
       to_masters=jax.jit(lambda p: step.cast(p, jnp.float32), **pin(param_sh)),
-      to_reference=jax.jit(to_compute, **pin(model_sh)),
-      to_frozen=jax.jit(to_compute, **pin(model_sh)),
+      to_compute=jax.jit(to_compute, **pin(model_sh)),
       decode_params=jax.jit(to_decode, **pin(decode_sh)),
       decode_adapters=None
       if static.lora is None
@@ -362,14 +362,14 @@ class Learner(step.TrainedModel):
     if lora is None:
       super().__init__(p, p.to_masters(params), train, mesh, rules)
     else:
-      base = params if _in_dtype(params, compute_dtype) else p.to_frozen(params)
+      base = params if _in_dtype(params, compute_dtype) else p.to_compute(params)
       masters = _adapters(model_cfg, lora, adapters, seed, p.param_sh)
       super().__init__(p, masters, train, mesh, rules, frozen=base)
       self.base_fingerprint = lora_lib.fingerprint(base)
     self.has_reference = needs_reference(train)
     # No reference params are held unless a KL term needs them; with LoRA the frozen
     # base is the reference (the trained params None).
-    self.ref_params = p.to_reference(self.params) if self.has_reference and lora is None else None
+    self.ref_params = p.to_compute(self.params) if self.has_reference and lora is None else None
     self.token_advantages = token_advantages(train)
 
   def state(self) -> tuple[dict[str, Any], dict]:
