@@ -13,10 +13,14 @@ stdout line, one JSON object with every number.
   layout     the learner's padded tokens per real token, packed rows vs a row per sample
   lora_decode  a LoRA policy's decode step, adapters merged into a decode copy vs applied
              unmerged: compiled at the 8B shape (FLOPs, bytes, memory), timed small here
+  multiturn  3-turn episodes with a slow tool vs single-turn samples of the same tokens:
+             observations prefilled and calls off the decode path, beside feeding them
+             token by token with every call waited for
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
   python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
   python -m april_jax.bench --mode=lora_decode --repeats=9
+  python -m april_jax.bench --mode=multiturn
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -37,6 +41,7 @@ from april_jax.benchmarks import (
     e2e_bench,
     layout_bench,
     lora_decode,
+    multiturn_bench,
     resume_bench,
     roofline,
     sampler_bench,
@@ -50,7 +55,17 @@ from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
 _MODE = flags.DEFINE_enum(
     "mode",
     "sampler",
-    ["sampler", "scheduler", "resume", "e2e", "roofline", "step", "layout", "lora_decode"],
+    [
+        "sampler",
+        "scheduler",
+        "resume",
+        "e2e",
+        "roofline",
+        "step",
+        "layout",
+        "lora_decode",
+        "multiturn",
+    ],
     "What to measure.",
 )
 _SEEDS = flags.DEFINE_list(
@@ -180,6 +195,8 @@ def main(argv):
   report = Report(_OUT_DIR.value, _MODE.value) if _OUT_DIR.value else None
   if _MODE.value == "sampler":
     result = _sampler(report)
+  elif _MODE.value == "multiturn":
+    result = multiturn_bench.run(seed=_SEED.value, repeats=_REPEATS.value, report=report)
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

@@ -35,8 +35,8 @@ from april_jax import run_report
 from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
-from april_jax.envs import in_workers
-from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings, observation_mask
+from april_jax.envs import run_episodes
+from april_jax.envs.episodes import EpisodeRunner, observation_mask
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
@@ -228,36 +228,8 @@ class Trainer:
     )
 
   def _episodes(self) -> tuple[EpisodeRunner | None, tuple[int, ...]]:
-    """The environment's episode runner (env.name; None without one) and the token ids
-    that end a turn besides the end of a chat turn."""
-    e = self.config.env
-    if not e.name:
-      return None, ()
-    tok = self.tokenizer
-    turn_stop_ids = ()
-    if e.turn_stop:
-      ids = tok.encode(e.turn_stop)
-      if len(ids) != 1:
-        raise InputError(
-            f"env.turn_stop={e.turn_stop!r} is {len(ids)} tokens for this tokenizer; a turn "
-            "stop must be one token"
-        )
-      turn_stop_ids = tuple(ids)
-    try:
-      env = in_workers.load(e.name, e.timeout_s, e.workers)
-    except in_workers.EnvError as problem:
-      raise InputError(str(problem)) from None
-    runner = EpisodeRunner(
-        env,
-        tok.encode,
-        lambda ids: tok.decode(ids, skip_special_tokens=False),
-        EpisodeSettings.from_config(e),
-        end_of_turn_ids=tok.stop_ids,
-        # Every process runs the same episodes: process 0's environment answers for all.
-        agree=distributed.agree_json if jax.process_count() > 1 else None,
-        leader=jax.process_index() == 0,
-    )
-    return runner, turn_stop_ids
+    """The environment's episode runner (None without one) and its turn stop ids."""
+    return run_episodes.runner_for(self.config, self.tokenizer)
 
   def _start_afresh(self) -> None:
     """Drops the lines of an earlier attempt that never checkpointed (these steps run again,

@@ -175,7 +175,7 @@ def test_loss_mask_leaves_out_exactly_the_observation_tokens(uncut):
 class _Raises:
 
   def reset(self, row):
-    return None
+    return {}
 
   def step(self, state, turn):
     raise RuntimeError("the tool crashed")
@@ -523,23 +523,33 @@ def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_
     assert 0.0 <= line["rollout/reward_mean"] <= 1.0
 
 
-def test_a_held_slot_must_be_extended_or_released_before_the_next_step():
+def test_a_held_slot_stays_parked_with_its_pages_while_the_other_slots_decode():
   engine = _engine()
   record, other = _record(0), _record(1)
-  engine.admit([record])
+  engine.admit([record, other])
   with pytest.raises(ValueError, match="not held in a slot at a stop"):
     engine.extend(record, [5])  # still decoding
   stopped = []
   while not stopped:
     stopped = [r for r in engine.step() if r.status is Status.HELD]
-  with pytest.raises(RuntimeError, match="held at a stop"):
-    engine.step()
+  held = stopped[0]
+  going = other if held is record else record
+  slot = engine.slots.slot_of(held)
+  pages, length = engine.kv.table()[slot].copy(), int(engine.slots.lengths[slot])
+  if engine.holds(going) and going.status is Status.LIVE:
+    before = engine.counters.tokens_generated
+    engine.step()  # the other slot decodes; the held one does not move
+    assert engine.counters.tokens_generated > before
+  assert held.status is Status.HELD and engine.num_decoding == (
+      1 if engine.holds(going) and going.status is Status.LIVE else 0
+  )
+  np.testing.assert_array_equal(engine.kv.table()[slot], pages)
+  assert int(engine.slots.lengths[slot]) == length
   with pytest.raises(ValueError, match="no room"):
-    engine.extend(stopped[0], np.ones(stopped[0].budget_left, np.int32))
-  engine.release(stopped[0])
-  assert engine.num_live == 0 and engine.kv.book.used() == 0
+    engine.extend(held, np.ones(held.budget_left, np.int32))
+  engine.release(held)
   with pytest.raises(ValueError, match="not held"):
-    engine.release(other)
+    engine.release(held)
 
 
 def test_on_several_hosts_process_0_answers_and_every_process_applies_the_same_outcome():

@@ -171,7 +171,12 @@ def _env() -> ml_collections.ConfigDict:
   e.max_turns = 8  # model turns per episode
   e.max_observation_tokens = 256  # a longer observation is cut to this (counted)
   e.timeout_s = 10.0  # per call of the environment; past it the episode ends (counted)
-  e.workers = 4  # a user's environment's worker processes: calls made at once
+  e.workers = 4  # environment calls made at once (a user's environment: worker processes)
+  # Calls run while the other slots decode, each answered at the first decode boundary
+  # after it returns; False: every call is waited for right after the decode call that
+  # ended its turn (the engine idles on calls, but a run is reproducible whatever their
+  # timing).
+  e.overlap = True
   # An observation as the model sees it: the text that closes the model's turn, the
   # observation in the chat template's tool role, and the opening of the next turn.
   e.observation_template = "{observation}"

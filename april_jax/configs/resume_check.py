@@ -37,6 +37,7 @@ RESUMABLE = (
     "rollout.reward_workers",  # how many score at once, not what they score
     "rollout.max_failed_steps",
     "env.workers",
+    "env.overlap",  # when calls are waited for, not what they answer
 )
 
 

@@ -7,12 +7,15 @@ and resumes after a cut, a preemption or a restart of the run:
 
     class MyEnv:
       def reset(self, row: dict):                      # -> the episode's first state
-        return {"calls": 0}
+        return {"calls": 0}                            #    (or an EnvReset)
       def step(self, state, turn: str) -> EnvStep:     # after each turn of the model
         return EnvStep(observation="42", done=False, state={"calls": state["calls"] + 1})
 
-`row` is the dataset row (its columns as JSON values, and "answer"); the episode's first
-messages are the row's prompt, rendered by the chat template as for any sample. `turn` is
+`row` is the dataset row (its columns as JSON values, and "answer"). `reset` returns the
+first state, or an `EnvReset(state, messages)`: with messages (chat messages,
+[{"role": "system", "content": ...}, {"role": "user", ...}]) the episode opens with them,
+rendered by the chat template, instead of the row's prompt (a system prompt with a tool
+schema, the task rewritten); without, the row's prompt, as for any sample. `turn` is
 the text the model wrote since the last observation (its stop token decoded). An
 `EnvStep` gives the observation text (shown to the model in the observation template:
 the chat template's tool role), `done`, an optional reward (kept with the sample as
@@ -40,9 +43,15 @@ class EnvStep:
   reward: float | None = None  # optional; the last one given is the sample's env_reward
 
 
+@dataclasses.dataclass(frozen=True)
+class EnvReset:
+  state: Any = None  # the episode's first state (JSON)
+  messages: list[dict] | None = None  # the episode's first messages (None: the row's prompt)
+
+
 class Env(Protocol):
 
-  def reset(self, row: dict) -> Any:
+  def reset(self, row: dict) -> Any:  # the first state, or an EnvReset
     ...
 
   def step(self, state: Any, turn: str) -> EnvStep:

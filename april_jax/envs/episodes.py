@@ -9,13 +9,22 @@ environment ended the episode early, if it did (it raised or ran past its time l
 the sample's reward is then the fallback).
 
 The engine holds a slot that draws a stop token (EngineConfig.hold_stopped). The
-scheduler hands the samples a decode call stopped to `turn`: the environment reads the turn's text and either
-ends the episode (the slot is released, the sample finished) or answers; the answer's
-tokens, in the observation template, go into the same slot (`SlotEngine.extend`) and
-decoding goes on over the slot's own KV. Limits: max_turns (the episode ends after that
+scheduler hands the samples a decode call stopped to `park`: each stays parked in its
+slot, with its pages, while the environment's call for its turn runs on a thread pool
+(env.workers calls at once; a user's environment in as many worker processes, which end
+a call past env.timeout_s), and the other slots go on decoding. `answer` applies the
+calls that have returned: the environment read the turn's text and either ended the
+episode (the slot is released, the sample finished) or answered; the answer's tokens,
+in the observation template, go into the same slot (`SlotEngine.extend`: one chunked
+prefill writes them into its pages). A sample cut out of its slot while its call runs
+(a step's end, a preemption) waits on the host for it: the answer joins its response
+there, and it resumes when it is in. Limits: max_turns (the episode ends after that
 many turns), max_observation_tokens (a longer observation is cut to it before it is put
 in its template, counted) and the sample's token budget (an observation that leaves no
 room ends the episode, counted).
+
+`reset` may give the episode's first messages (envs/base.py EnvReset): the chat
+template renders them (`render`) as the sample's prompt.
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
+import time
+import types
 from typing import Any, Callable
 
 import numpy as np
 
 from april_jax import errors
 from april_jax import workers
-from april_jax.envs.base import Env, EnvStep
+from april_jax.envs.base import Env, EnvReset, EnvStep
 from april_jax.envs.episode_state import Episode
 
 SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
@@ -47,6 +58,10 @@ class EpisodeSettings:
   max_turns: int = 8
   max_observation_tokens: int = 256
   timeout_s: float = 10.0  # per environment call
+  workers: int = 4  # environment calls made at once
+  # Calls run while the other slots decode; False: each is waited for right after the
+  # decode call that ended its turn (reproducible whatever the calls' timing).
+  overlap: bool = True
   # The text around an observation: it closes the model's turn and opens the next one.
   observation_template: str = "{observation}"
   # Put before the template when the turn ended on a stop token that is not the end of
@@ -75,6 +90,7 @@ class EpisodeRunner:
       end_of_turn_ids: tuple[int, ...] = (),
       agree: Callable[[Any], Any] | None = None,
       leader: bool = True,
+      render: Callable[[list[dict]], list[int]] | None = None,
   ):
     self.env, self.settings = env, settings
     self._encode, self._decode = encode, decode
@@ -83,45 +99,117 @@ class EpisodeRunner:
     self._leader = leader
     prefix, _, suffix = settings.observation_template.partition("{observation}")
     self._around = (prefix, suffix)
+    self._render = render  # chat messages -> prompt tokens (reset's messages)
     self.counts = collections.Counter()  # over the run
-    self._threads = None  # calls to a user's environment, one per worker process
+    self._threads = None  # the environment's calls, settings.workers at once
+    # The turns whose calls run (process 0's futures; None elsewhere), in call order.
+    self.pending: dict[SampleRecord, concurrent.futures.Future | None] = {}
 
   def start(self, records: list[SampleRecord], rows: list[dict]) -> None:
-    """Opens each sample's episode from its row (once: a resumed sample keeps it). An
-    environment that cannot reset leaves a plain sample, ended at its first turn,
-    counted."""
+    """Opens each sample's episode from its row (once: a resumed sample keeps it); where
+    reset gave messages, their rendering becomes the sample's prompt. An environment
+    that cannot reset leaves a plain sample, ended at its first turn, counted."""
     fresh = [(r, row) for r, row in zip(records, rows) if r.episode is None]
     outcomes = self._agree(
         self._map(self._reset, [row for _, row in fresh]) if self._leader else None
     )
     for (record, _), outcome in zip(fresh, outcomes):
       self._apply(record, outcome)
+      if outcome.get("prompt") is not None:
+        record.prompt = np.asarray(outcome["prompt"], np.int32)
 
   def turn(self, records: list[SampleRecord]) -> list[np.ndarray | None]:
-    """The environment's answer to the turn each sample just ended: the observation's
-    tokens to give it, or None when its episode is over (one agreement for all)."""
+    """The environment's answer to the turn each sample just ended, waited for: the
+    observation's tokens to give it, or None when its episode is over (one agreement
+    for all)."""
     outcomes = self._agree(self._map(self._step, records) if self._leader else None)
     return [self._apply(r, outcome) for r, outcome in zip(records, outcomes)]
 
-  def resolve(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
-    """After a decode call: each sample `engine` holds at a stop gets the environment's
-    answer, and goes on in its slot (extended) or ends (released). Returns the samples
-    that are finished; all turns are answered before the caller looks at any of them (a
-    sibling still held would look finished)."""
-    held = [r for r in finished if engine.holds(r)]
-    for record, observation in zip(held, self.turn(held)):
-      if observation is not None:
-        engine.extend(record, observation)
-      else:
-        engine.release(record)
+  def park(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
+    """After a decode call: the samples `engine` holds at a stop stay parked in their
+    slots while their turns' calls run; returns the others (finished)."""
+    for record in finished:
+      if engine.holds(record) and record not in self.pending:
+        self.pending[record] = self._submit(record) if self._leader else None
     return [r for r in finished if not engine.holds(r)]
+
+  def awaits(self, record: SampleRecord) -> bool:
+    """Whether the sample waits for its environment's call (it cannot decode yet)."""
+    return record in self.pending
+
+  def answer(self, engine, wait: str = "none") -> list[SampleRecord]:
+    """Applies the calls that have returned, in call order (wait "one": after waiting
+    for at least one; "all": for every one; the time waited is counted as env/wait_s):
+    a sample in its slot goes on after its observation (extend) or ends (release); one
+    cut out of its slot meanwhile takes its observation on the host, to be fed when it
+    resumes, or ends there. Returns the samples that ended. Which calls have returned
+    is process 0's view, agreed by all."""
+    if not self.pending:
+      return []
+    records = list(self.pending)
+    ended = []
+    for i, outcome in self._agree(self._ready(wait) if self._leader else None):
+      record = records[i]
+      del self.pending[record]
+      tokens = self._apply(record, outcome)
+      if engine.holds(record) and tokens is not None:
+        engine.extend(record, tokens)
+      elif engine.holds(record):
+        engine.release(record)
+      elif tokens is not None:
+        _give(record, tokens, engine.version)
+      else:
+        record.finish_reason = "stop"
+      if record.finished:
+        ended.append(record)
+    return ended
+
+  def resolve(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
+    """park and answer every call at once (decoding waits for them): the samples that
+    are finished. All turns are answered before the caller looks at any of them (a
+    sibling still held would look finished)."""
+    self.park(engine, finished)
+    self.answer(engine, "all")
+    return [r for r in finished if not engine.holds(r)]
+
+  def _submit(self, record: SampleRecord) -> concurrent.futures.Future:
+    """The turn's call, started on the pool over a copy of what it reads (the record
+    may leave its slot meanwhile)."""
+    turn = types.SimpleNamespace(
+        episode=record.episode, response=record.response.copy(), budget_left=record.budget_left
+    )
+    return self._pool().submit(self._step, turn)
+
+  def _ready(self, wait: str) -> list[tuple[int, dict]]:
+    """(place in call order, outcome) of the calls that have returned."""
+    futures = list(self.pending.values())
+    if wait != "none":
+      began = time.perf_counter()
+      how = (
+          concurrent.futures.ALL_COMPLETED if wait == "all" else concurrent.futures.FIRST_COMPLETED
+      )
+      concurrent.futures.wait(futures, return_when=how)
+      self.counts["env/wait_s"] += time.perf_counter() - began
+    return [(i, f.result()) for i, f in enumerate(futures) if f.done()]
 
   # ------------------------------------------------- outcomes (process 0 computes them)
   def _reset(self, row: dict) -> dict:
     episode = Episode()
     try:
-      episode.state = _json_state(self._call(self.env.reset, row))
-      return {"episode": episode.to_json()}
+      out, prompt = self._call(self.env.reset, row), None
+      if isinstance(out, EnvReset):
+        if out.messages is not None:
+          prompt = self._prompt(out.messages)
+        elif out.state is None:
+          raise TypeError("reset returned an EnvReset with neither state nor messages")
+        out = out.state
+      elif out is None:
+        raise TypeError(
+            "reset returned None: it must give the episode's first state (JSON) or an "
+            "EnvReset(state, messages)"
+        )
+      episode.state = _json_state(out)
+      return {"episode": episode.to_json(), "prompt": prompt}
     except TimeoutError:
       return _failed(
           episode, "timeouts", f"reset ran past env.timeout_s={self.settings.timeout_s:g} s"
@@ -176,6 +264,23 @@ class EpisodeRunner:
     counts["env/observation_tokens"] = len(tokens)
     return {"episode": episode.to_json(), "tokens": [int(t) for t in tokens], "counts": counts}
 
+  def _prompt(self, messages) -> list[int]:
+    """reset's messages rendered by the chat template (TypeError when they are not chat
+    messages, or the run has no template)."""
+    ok = isinstance(messages, list) and messages
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not ok:
+      raise TypeError(
+          'reset\'s messages must be a non-empty list of {"role": str, "content": str}, got '
+          f"{str(messages)[:80]}"
+      )
+    if self._render is None:
+      raise TypeError("reset gave messages, but no chat template renders them here")
+    return [int(t) for t in self._render(messages)]
+
   def _apply(self, record: SampleRecord, outcome: dict) -> np.ndarray | None:
     record.episode = Episode.from_json(outcome["episode"])
     self.counts.update(outcome.get("counts", {}))
@@ -183,17 +288,23 @@ class EpisodeRunner:
     return None if tokens is None else np.asarray(tokens, np.int32)
 
   def _map(self, fn, items: list) -> list:
-    """[fn(item) for item in items]; with a user's environment in worker processes, its
-    calls run at once, one per worker (an outcome depends on its own sample alone)."""
-    num = getattr(self.env, "num", 1) if getattr(self.env, "in_workers", False) else 1
-    if num <= 1 or len(items) <= 1:
+    """[fn(item) for item in items], settings.workers calls at once (an outcome depends
+    on its own sample alone)."""
+    if self.settings.workers <= 1 or len(items) <= 1:
       return [fn(item) for item in items]
+    return list(self._pool().map(fn, items))
+
+  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
     if self._threads is None:
-      self._threads = concurrent.futures.ThreadPoolExecutor(num, thread_name_prefix="env")
-    return list(self._threads.map(fn, items))
+      self._threads = concurrent.futures.ThreadPoolExecutor(
+          self.settings.workers, thread_name_prefix="env"
+      )
+    return self._threads
 
   def close(self) -> None:
-    """Ends the environment's worker processes, if it has any."""
+    """Drops the calls still running and ends the environment's worker processes, if
+    it has any."""
+    self.pending.clear()
     if self._threads is not None:
       self._threads.shutdown(wait=False, cancel_futures=True)
     close = getattr(self.env, "close", None)
@@ -205,7 +316,7 @@ class EpisodeRunner:
     worker processes (envs/in_workers.py), which end a call past its limit themselves; the
     calls of one turn run at once, one per worker. A registered one runs on a daemon
     thread: one that never returns is left behind and does not hold the process at exit.
-    Decoding waits for the calls."""
+    It runs on the runner's pool, off the decode path."""
     if getattr(self.env, "in_workers", False):
       return fn(*args)
     box: dict[str, Any] = {}
@@ -228,6 +339,14 @@ class EpisodeRunner:
         raise RuntimeError(f"{type(error).__name__}({error}) raised by the environment")
       raise error
     return box["out"]
+
+
+def _give(record: SampleRecord, tokens: np.ndarray, version: int) -> None:
+  """A sample out of its slot takes given tokens (logprob 0, tagged `version`) at the
+  end of its response; they are fed when it resumes."""
+  record.response = np.concatenate([record.response, tokens])
+  record.logprobs = np.concatenate([record.logprobs, np.zeros(len(tokens), np.float32)])
+  record.versions = np.concatenate([record.versions, np.full(len(tokens), version, np.int32)])
 
 
 def _why(error: Exception) -> str:

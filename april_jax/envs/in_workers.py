@@ -10,7 +10,8 @@ registered environments (calculator, lookup) are the project's own bounded code 
 stay in the trainer.
 
 A `ProcessEnv` has the environment's own `reset` and `step`; what crosses the pipe is
-plain data (the row, the state, the turn's text, and back an EnvStep's fields).
+plain data (the row, the state, the turn's text, and back an EnvStep's or EnvReset's
+fields).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from april_jax import workers
 from april_jax.envs import base
-from april_jax.envs.base import Env, EnvError, EnvStep
+from april_jax.envs.base import Env, EnvError, EnvReset, EnvStep
 from april_jax.rewards import loading
 
 
@@ -37,7 +38,9 @@ def _env_server(spec: str):
       if not isinstance(out, EnvStep):
         raise TypeError(f"step returned a {type(out).__name__}, not an EnvStep")
       return (out.observation, out.done, out.state, out.reward)
-    return out
+    if method == "reset" and isinstance(out, EnvReset):
+      return ("EnvReset", out.state, out.messages)
+    return ("state", out)
 
   return serve
 
@@ -66,7 +69,8 @@ class ProcessEnv:
       raise TimeoutError(f"{method} ran past env.timeout_s={self.timeout_s:g} s") from None
 
   def reset(self, row: dict) -> Any:
-    return self._call("reset", row)
+    kind, *out = self._call("reset", row)
+    return EnvReset(*out) if kind == "EnvReset" else out[0]
 
   def step(self, state: Any, turn: str) -> EnvStep:
     observation, done, state, reward = self._call("step", state, turn)

@@ -185,3 +185,71 @@ def write_pages(pool, new_k_LxSxKxH, new_v_LxSxKxH, table_SxJ, positions_S, live
   # Indexing dims 1 and 3 with [S] arrays puts S first: updates are [S, L, K, H].
   put = lambda pool, new: pool.at[:, page_S, :, off_S, :].set(new.transpose(1, 0, 2, 3))
   return put(pool_k, new_k_LxSxKxH), put(pool_v, new_v_LxSxKxH)
+
+
+def _chunk_self(q_WxTxKxGxH, k_WxTxKxH, v_WxTxKxH, scale: float):
+  """The chunk's own keys, causally: the online softmax's start (o, m, l), each query
+  seeing at least itself."""
+  T = q_WxTxKxGxH.shape[1]
+  s = jnp.einsum("wtkgh,wukh->wkgtu", q_WxTxKxGxH, k_WxTxKxH, preferred_element_type=jnp.float32)
+  causal = (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None, None, None]
+  s = jnp.where(causal, s * scale, _NEG)
+  m = jnp.max(s, axis=-1)  # [W, K, G, T]
+  p = jnp.where(causal, jnp.exp(s - m[..., None]), 0.0)
+  o = jnp.einsum("wkgtu,wukh->wkgth", p, v_WxTxKxH.astype(jnp.float32))
+  return o, m, jnp.sum(p, axis=-1)
+
+
+def paged_chunk_attention(
+    q_WxTxKxGxH,
+    k_new_WxTxKxH,
+    v_new_WxTxKxH,
+    pool_k_LxPxKxTxH,
+    pool_v_LxPxKxTxH,
+    layer,
+    start_W,
+    table_WxJ,
+    block_pages: int,
+    view=lambda x: x,
+) -> jax.Array:
+  """Attention of W chunks of T queries each (a slot's given tokens, fed in one call):
+  chunk w's query t sits at position start_W[w] + t and attends to the slot's first
+  start_W[w] pooled positions (through its page table row table_WxJ[w]; a row of -1
+  reads nothing) and, causally, to its chunk's own keys 0..t. The pool is read in
+  blocks of `block_pages` pages, as many blocks as the longest start needs (a loop, so
+  no past length compiles a new program), merged by online softmax in float32, the
+  scores of decode attention's: operands in the pool's value dtype. [W, T, K, G, H] in
+  that dtype."""
+  W, T, K, G, H = q_WxTxKxGxH.shape
+  J, page = table_WxJ.shape[1], pool_k_LxPxKxTxH.shape[3]
+  dtype = view(pool_k_LxPxKxTxH[:0]).dtype
+  q = q_WxTxKxGxH.astype(dtype)
+  scale = H**-0.5
+  o, m, l = _chunk_self(q, k_new_WxTxKxH.astype(dtype), v_new_WxTxKxH, scale)
+  span = block_pages * page
+
+  def block(b, carry):
+    o, m, l = carry
+    j = b * block_pages + jnp.arange(block_pages)
+    ids = table_WxJ[:, jnp.clip(j, 0, J - 1)]  # [W, C]
+    ok = (ids >= 0) & (j < J)[None, :]
+    gather = lambda pool: view(pool[layer, jnp.maximum(ids, 0)]).transpose(0, 2, 1, 3, 4)
+    k_b = gather(pool_k_LxPxKxTxH).reshape(W, K, span, H)  # [W, K, C*page, H]
+    v_b = gather(pool_v_LxPxKxTxH).reshape(W, K, span, H)
+    pos = (j[:, None] * page + jnp.arange(page)[None, :]).reshape(-1)
+    valid = (pos[None, :] < start_W[:, None]) & jnp.repeat(ok, page, axis=1)  # [W, C*page]
+    valid = valid[:, None, None, None, :]
+    s = jnp.einsum("wtkgh,wkch->wkgtc", q, k_b, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid, s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1)
+    o = o * corr[..., None] + jnp.einsum(
+        "wkgtc,wkch->wkgth", p.astype(dtype), v_b, preferred_element_type=jnp.float32
+    )
+    return o, m_new, l
+
+  num_blocks = (jnp.max(start_W) + span - 1) // span
+  o, m, l = jax.lax.fori_loop(0, num_blocks, block, (o, m, l))
+  return (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(dtype)

@@ -455,6 +455,39 @@ def decode_step(
   return logits_from_hidden(cfg, params, h)[:, 0], cache
 
 
+def chunk_kv(
+    cfg: Qwen3Config,
+    params: Params,
+    tokens_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    attend,
+    adapters=None,
+    adapter_scale: float = 1.0,
+) -> KVCache:
+  """The KV [L, B, T, K, H] of a chunk of T tokens per row that continues a cached
+  sequence (a slot's given tokens, written into its pages in one call, not one decode
+  step a token): row b's tokens sit at positions_BxT[b]. `attend(q_BxTxKxGxH,
+  k_BxTxKxH, v_BxTxKxH, layer)` gives each query's attention over the row's cache and,
+  causally, over the chunk itself (the sampler's: paged_attention.paged_chunk_attention
+  over its pool). No logits: the chunk's last token stays pending, as a decode step
+  leaves it. adapters: as in decode_step."""
+  x = sharding.constrain(params["embed"][tokens_BxT], _X)
+
+  def body(x, layer):
+    weights, index = layer
+    lp = _with_adapters(cfg, weights, None, adapter_scale)
+    q, k, v = _qkv(cfg, lp, x, positions_BxT)
+    B, T, N, H = q.shape
+    attn = attend(q.reshape(B, T, cfg.num_kv_heads, N // cfg.num_kv_heads, H), k, v, index)
+    attn = attn.reshape(B, T, N, H).astype(x.dtype)
+    attn = sharding.constrain(attn, ("batch", "seq", "heads", "head_dim"))
+    return _attn_out_and_mlp(cfg, lp, x, attn), (k, v)
+
+  layers = (_layers(params, adapters), jnp.arange(cfg.num_layers))
+  _, (k, v) = jax.lax.scan(body, x, layers)
+  return KVCache(k, v)
+
+
 def write_positions(
     cache: KVCache, new_k_LxBxKxH: jax.Array, new_v_LxBxKxH: jax.Array, positions_B: jax.Array
 ) -> KVCache:

@@ -38,10 +38,16 @@ waits in the buffer, a restart like any other), so no prompt restarts forever; n
 trained token is staler than max_staleness, and the prompt itself is never lost.
 
 With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
-ends a turn is held; right after the decode call that ended it, the environment answers
-and the observation goes into the same slot, or the episode ends and the sample is
-finished. A cut snapshots an episode like any sample, mid-turn or with an observation
-not yet fed, its environment state in the sample's episode; it resumes in either mode.
+ends a turn is parked with its pages while the environment's call runs off the decode
+path (env.overlap) and the other slots decode; at each decode boundary the calls that
+have returned are applied: the observation goes into the same slot (one chunked
+prefill), or the episode ends and the sample is finished. Only when nothing can decode
+does the scheduler wait for a call (counted as env/wait_s). With env.overlap off every
+call is waited for right after the decode call that ended its turn (a run is then
+reproducible whatever the calls' timing). A cut snapshots an episode like any sample,
+mid-turn, with an observation not yet fed, or with its call still running: it waits on
+the host for the call, takes its observation there, and resumes in either mode; a
+checkpoint waits for every running call first, so nothing is lost or asked twice.
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ class AprilScheduler:
     returns what a checkpoint keeps: the partial buffer as numpy arrays, KV included,
     and the rest (group ids, run totals) as JSON."""
     self.engine.copy_out_kept()
+    if self.episodes is not None:  # calls still running: their answers join the buffer
+      self.episodes.answer(self.engine, "all")
     return self.buffer.to_state(), {
         "next_group_id": self.next_group_id,
         "totals": dict(self.totals),
@@ -148,6 +156,8 @@ class AprilScheduler:
       if item is None:
         return None
       group = self._new_group(item, step)
+      if self.episodes is not None:  # reset may give the group's prompt (its messages)
+        self._open_episodes(group, group.samples)
       try:
         for sample in group.samples:
           self.engine.check(sample)
@@ -157,6 +167,18 @@ class AprilScheduler:
         continue
       self.totals["admitted"] += 1
       return group
+
+  def _open_episodes(self, group: Group, records: list[SampleRecord]) -> None:
+    """Resets the records' episodes from the group's row. Where reset gave messages they
+    render the prompt, which a group's samples share: a fresh group takes its first
+    sample's, and a sample whose messages render another is an environment error."""
+    self.episodes.start(records, [{**group.row, "answer": group.answer}] * len(records))
+    if not any(r.started for r in group.samples) and records[0] is group.samples[0]:
+      group.prompt = records[0].prompt
+    for r in records:
+      if not np.array_equal(r.prompt, group.prompt):
+        r.prompt, r.episode.error = group.prompt, "reset's messages differ from its group's"
+        self.episodes.counts["env/errors"] += 1
 
   # -------------------------------------------------------------------- staleness
   def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
@@ -201,10 +223,11 @@ class AprilScheduler:
         break  # gave up waiting for rewards: a cut too
       if self._stop(st):
         break
+      self._answer(st, "none")  # environment calls that returned meanwhile
       self._fill(st)
       if self._stop(st):  # filling can judge awaiting groups and complete the batch
         break
-      if self.engine.num_live == 0:
+      if self.engine.num_live == 0 and not (self.episodes and self.episodes.pending):
         break  # nothing live and nothing admissible: the prompts ran out
       self._decode(st)
     self._snapshot(st)
@@ -295,6 +318,8 @@ class AprilScheduler:
     out = []
     for group in st.active:
       waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
+      if self.episodes is not None:  # a sample whose call runs waits for it first
+        waiting = [r for r in waiting if not self.episodes.awaits(r)]
       if waiting:
         out.append((group, waiting))
     return out
@@ -307,17 +332,16 @@ class AprilScheduler:
     left; True if any started."""
     engine = self.engine
     waiting = self._waiting(st)
+    if self.episodes is not None:  # restarted samples: a new episode
+      for group, rs in waiting:
+        rs = [r for r in rs if r.episode is None]
+        if rs:
+          self._open_episodes(group, rs)
     order = [r for _, rs in waiting for r in rs if r.started]
     order += [r for _, rs in waiting for r in rs if not r.started]
     room = engine.room_for(order)
     st.blocked = room < len(order)
-    starting = set(order[:room])
-    st.stats["partial_samples"] += sum(r.started for r in starting)
-    if self.episodes is not None:
-      for group, rs in waiting:
-        rs = [r for r in rs if not r.started and r in starting]
-        if rs:
-          self.episodes.start(rs, [{**group.row, "answer": group.answer}] * len(rs))
+    st.stats["partial_samples"] += sum(r.started for r in order[:room])
     engine.admit(order[:room], mode=self.settings.resume_mode)
     return room > 0
 
@@ -345,20 +369,38 @@ class AprilScheduler:
     as partials: the next fill continues them first.
     """
     engine = self.engine
+    if self.episodes is not None and engine.num_decoding == 0:
+      self._answer(st, "one")  # every slot waits for its environment: so does decoding
+      return
     refill = engine.num_free == 0 or st.blocked or self.settings.dynamic_sampling
     finished = engine.step(refill=refill)
-    if self.episodes is not None:  # held turns answered: episodes go on or end
-      finished = self.episodes.resolve(engine, finished)
-    done: dict[int, Group] = {}
-    for record in finished:
-      group = self.buffer.get(record.group_id)
-      if group.complete:
-        done[group.group_id] = group
+    if self.episodes is not None:  # held turns: their calls start; those back go on
+      finished = self.episodes.park(engine, finished)
+      wait = "none" if self.episodes.settings.overlap else "all"
+      finished += self.episodes.answer(engine, wait)
     preempted = engine.take_preempted()
     st.stats["preemptions"] += len(preempted)
     self.totals["preemptions"] += len(preempted)
+    self._finished(st, finished)
+
+  def _answer(self, st: "_Step", wait: str) -> None:
+    """The environment calls that have returned, applied (episodes.answer)."""
+    if self.episodes is not None and self.episodes.pending:
+      self._finished(st, self.episodes.answer(self.engine, wait))
+
+  def _finished(self, st: "_Step", finished: list[SampleRecord]) -> None:
+    """The groups of this step that the finished samples completed, in completion
+    order, once each (a group not admitted this step is judged when it is)."""
+    done: dict[int, Group] = {}
+    for record in finished:
+      if record.group_id not in self.buffer or record.group_id not in st.active_ids:
+        continue
+      group = self.buffer.get(record.group_id)
+      if group.samples[record.index] is record and group.complete:
+        done[group.group_id] = group
     for group in done.values():
-      self._completed(st, group)
+      if group.group_id not in st.decided and group not in st.awaiting:
+        self._completed(st, group)
 
   def _stop(self, st: "_Step") -> bool:
     """batch_size groups accepted and every overdue one decided; the baseline also
@@ -380,6 +422,8 @@ class AprilScheduler:
     for record in self.engine.snapshot(with_kv=kv, keep=kv):
       if record.started:
         record.cuts += 1
+      if self.episodes is not None and self.episodes.awaits(record):
+        self.episodes.counts["env/calls_cut"] += 1
 
   def _end(self, st: "_Step") -> RolloutResult:
     """Takes the batch out of the buffer (overdue groups first, oldest first; then the

@@ -26,8 +26,12 @@ A driver may
   take_preempted() -> records   the samples preempted since the last call, oldest first;
                                 the driver continues them like any partial sample.
   extend(record, tokens)        a sample held at a stop (hold_stopped) goes on after the
-  release(record)               given tokens, or ends; one or the other before the next
-                                step.
+  release(record)               given tokens, or ends. Until then it stays parked in its
+                                slot with its pages while the other slots decode (a
+                                snapshot takes it out like any unfinished sample). Given
+                                tokens are written into the slot's pages by one chunked
+                                prefill at the next step (feed_given "prefill"), or fed
+                                by its decode steps, one a step ("decode").
   snapshot(with_kv, keep)       every unfinished sample out of its slot, all slots free;
                                 with keep its KV stays in its pages until they are needed.
   discard(record)               a kept sample starts over: its pages go, its KV is not
@@ -70,6 +74,9 @@ class EngineCounters:
   preemptions: int = 0  # samples moved out of their slot for pages
   kv_bytes_to_host: int = 0  # KV copied out of the pool (snapshots, preemptions, kept)
   kv_bytes_to_device: int = 0  # host KV put back into the pool
+  feeds: int = 0  # chunked-prefill calls that wrote given tokens into slots' pages
+  tokens_fed: int = 0  # given tokens those calls wrote
+  feed_rows: int = 0  # rows those calls computed (1 for a slot alone, else insert_width)
 
 
 class Engine(Protocol):

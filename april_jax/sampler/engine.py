@@ -11,7 +11,8 @@ and the device state (SlotState) with the jitted calls that change it (slot_ops.
     engine.admit(records)               # fresh: one prefill per prompt; partial: its KV
     finished = engine.step()            # up to sync_every tokens per live slot
     engine.extend(record, tokens)       # with hold_stopped: a held slot goes on after
-                                        # tokens it is given (an environment's turn)
+                                        # tokens it is given (an environment's turn),
+                                        # written into its pages by one chunked prefill
     partials = engine.snapshot(keep=True)   # unfinished samples out, KV left in pages
     engine.set_policy(new_params, version + 1)
 
@@ -74,6 +75,7 @@ class SlotEngine:
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._buckets = buckets.all_buckets(config.min_bucket, config.max_len)
     self._preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
+    self._to_feed: set[int] = set()  # slots whose given tokens the next step prefills
     self._counters = EngineCounters()  # kept KV's copies to the host counted by kv.kept
 
   # ---------------------------------------------------------------------- policy
@@ -109,6 +111,11 @@ class SlotEngine:
   @property
   def num_free(self) -> int:
     return self.slots.num_free
+
+  @property
+  def num_decoding(self) -> int:
+    """Slots that decode at the next step: live, not held at a stop."""
+    return self.slots.num_live - len(self.slots.held())
 
   @property
   def num_live(self) -> int:
@@ -152,7 +159,7 @@ class SlotEngine:
   def warm_up(self) -> int:
     """Compiles every program a run can use: per length bucket, prefill and its insert
     (one prompt, and prefill_rows prompts where that is more), the insert of restored
-    KV and the KV extract; then decode. Runs on the engine's own state, as no-ops (no
+    KV, the KV extract and (hold_stopped) the feed of given tokens; then decode. Runs on the engine's own state, as no-ops (no
     memory for a second state), so the engine must be empty. Returns the number of
     buckets."""
     if self.num_live:
@@ -185,6 +192,10 @@ class SlotEngine:
     )
     zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype)
     self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), Wr, [], [], [], [], [])
+    if self.config.hold_stopped and self.config.feed_given == "prefill":
+      for rows in sorted({1, W}):
+        none, zero = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        self.state = self.fns.feed(self.params, self.state, none, zero, b, self.kv.table())
 
   # ------------------------------------------------------------------------ admit
   def admit(self, records: list[SampleRecord], mode: str | None = None) -> list[int]:
@@ -299,9 +310,12 @@ class SlotEngine:
         self._own(slot, record, length)
 
   def _own(self, slot: int, record: SampleRecord, length: int) -> None:
-    """The sample is live in its slot; its host KV copy is released."""
+    """The sample is live in its slot; its host KV copy is released. Tokens past
+    `length` are given: the next step feeds them (feed_given "prefill")."""
     record.drop_kv()
     self.slots.own(slot, record, length)
+    if length < record.length and self.config.feed_given == "prefill":
+      self._to_feed.add(slot)
 
   def _insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows) -> None:
     """One insert call of `width` slots (insert_width, or snapshot_width for restored
@@ -355,15 +369,12 @@ class SlotEngine:
     use a freed slot. First every live slot gets the pages it can fill in this call;
     where the pool runs out the youngest are preempted (take_preempted).
     """
-    held = self.slots.held()
-    if held:
-      raise RuntimeError(
-          f"{len(held)} slots are held at a stop: extend or release each before the next step"
-      )
     self._reserve()
-    if not self.num_live:
+    self._feed_given()
+    if not self.num_decoding:
       return []
-    leave_after = min(self.config.refill_batch, self.num_live) if refill else 0
+    leave_after = min(self.config.refill_batch, self.num_decoding) if refill else 0
+    decoding = {s for s, r in self.slots.owned() if r.engine_status is Status.LIVE}
     self.state, steps, drawn = self.fns.decode(
         self.params,
         self.state,
@@ -380,7 +391,7 @@ class SlotEngine:
     # In the order they finished (the step each finished at, then slot): with refill off
     # several finish within one window, and callers rely on completion order.
     finished = sorted(
-        ((slot, r) for slot, r in self.slots.owned() if done[slot]),
+        ((slot, r) for slot, r in self.slots.owned() if done[slot] and slot in decoding),
         key=lambda x: (grown[x[0]], x[0]),
     )
     self._read_back(finished, with_kv=False)
@@ -398,12 +409,13 @@ class SlotEngine:
     runs out, its youngest live slot is preempted (never dropped: see take_preempted);
     the oldest always fits, as the pool holds one max_len sequence per shard."""
     slots, kv = self.slots, self.kv
-    live = [s for s, _ in slots.owned()]
-    windows = {s: kv.window(int(slots.lengths[s]), int(slots.limits[s])) for s in live}
+    live = [s for s, r in slots.owned() if r.engine_status is Status.LIVE]
+    at = lambda s: slots.owner(s).length if s in self._to_feed else int(slots.lengths[s])
+    windows = {s: kv.window(at(s), int(slots.limits[s])) for s in live}
     kv.grow_ahead(windows, self._read_kv)  # kept pages the grows reach: one batch
     for slot in slots.by_age():
-      if slots.owner(slot) is None:
-        continue  # preempted for an older slot
+      if slot not in windows or slots.owner(slot) is None:
+        continue  # held at a stop (its pages stay), or preempted for an older slot
       while not kv.grow(slot, windows[slot], self._read_kv):
         shard = kv.shard_of(slot)
         victim = slots.youngest(s for s, _ in slots.owned() if kv.shard_of(s) == shard)
@@ -438,9 +450,10 @@ class SlotEngine:
   def extend(self, record: SampleRecord, tokens: np.ndarray) -> None:
     """Continues a sample that stopped and was held (hold_stopped) after `tokens`, which
     it is given rather than draws (an environment's observation): they join its
-    response with logprob 0 and the policy's version, and the next decode steps feed
-    them through the slot's own KV, in place, before it draws again. The sample must
-    have room for them and one more token."""
+    response with logprob 0 and the policy's version, and the next step writes them
+    into the slot's pages (feed_given: one chunked prefill, or its decode steps one a
+    token) before it draws again. The sample must have room for them and one more
+    token."""
     slot = self._held_slot(record)
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if record.budget_left < len(tokens) + 1:
@@ -461,6 +474,34 @@ class SlotEngine:
     rows = rows_from_records([record], W, self.config.max_len, [kv_version], [length])
     self.state = self.fns.write_rows(self.state, rows, slots)
     record.engine_status = Status.LIVE
+    if self.config.feed_given == "prefill":
+      self._to_feed.add(slot)
+
+  def _feed_given(self) -> None:
+    """The given tokens of the slots that have some (extended, or resumed with KV for
+    fewer positions than their tokens) into their pages, one chunked prefill per length
+    bucket and insert_width slots, one row for a slot alone (slot_ops.feed): each then stands at its record's
+    length, its last given token pending. The pages are the step's (_reserve)."""
+    items = [(s, self.slots.owner(s)) for s in sorted(self._to_feed)]
+    self._to_feed.clear()
+    by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
+    for slot, r in items:
+      count = r.length - int(self.slots.lengths[slot])
+      if count > 0:
+        by_bucket.setdefault(self.bucket(count), []).append((slot, r))
+    W = self.config.insert_width
+    for T, group in sorted(by_bucket.items()):
+      for i in range(0, len(group), W):
+        chunk = group[i : i + W]
+        rows = 1 if len(chunk) == 1 else W  # one slot alone: one row of work, not W
+        slots, ends = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        for j, (slot, r) in enumerate(chunk):
+          slots[j], ends[j] = slot, r.length
+          self._counters.tokens_fed += r.length - int(self.slots.lengths[slot])
+          self.slots.lengths[slot] = r.length
+        self.state = self.fns.feed(self.params, self.state, slots, ends, T, self.kv.table())
+        self._counters.feed_rows += rows
+        self._counters.feeds += 1
 
   def release(self, record: SampleRecord) -> None:
     """Ends a sample that stopped and was held (hold_stopped): finished, slot freed."""
@@ -498,6 +539,7 @@ class SlotEngine:
     self.kv.copy_out_all(self._read_kv)
 
   def _release(self, slot: int) -> None:
+    self._to_feed.discard(slot)
     self.slots.release(slot)
     self.kv.release(slot)
 

@@ -18,6 +18,7 @@ from april_jax import buckets
 from april_jax.sampler import pages
 
 RESUME_MODES = ("kv", "recompute")
+FEED_GIVEN = ("prefill", "decode")
 DECODE_ATTENTION = ("auto", "xla", "pallas")
 
 
@@ -48,6 +49,10 @@ class EngineConfig:
   # A slot that draws a stop token is held with its KV; the caller extends or releases it
   # before the next step (multi-turn episodes: envs/episodes.py).
   hold_stopped: bool = False
+  # How given tokens (an observation, a resumed sample's tokens past its KV) reach a
+  # slot's KV: one chunked prefill over its pages ("prefill"), or one decode step each
+  # ("decode": the slot's lane draws nothing meanwhile). They give the same tokens.
+  feed_given: str = "prefill"
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -168,6 +173,8 @@ def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:
         f"{name('decode_attention')} must be one of {DECODE_ATTENTION}, "
         f"got {f['decode_attention']!r}"
     )
+  if f["feed_given"] not in FEED_GIVEN:
+    out.append(f"{name('feed_given')} must be one of {FEED_GIVEN}, got {f['feed_given']!r}")
   if f["resume_mode"] not in RESUME_MODES:
     out.append(f"{name('resume_mode')} must be one of {RESUME_MODES}, got {f['resume_mode']!r}")
   return out

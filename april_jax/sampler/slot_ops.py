@@ -14,6 +14,11 @@
   write_rows(state, rows, slots[W])         -> state with W slots' rows rewritten and
                                                decoding again, their KV untouched (an
                                                observation appended in place)
+  feed(params, state, slots[W], ends[W], T, table)
+                                            -> state with W slots' given tokens (from
+                                               their length - 1 up to ends - 1) written
+                                               into their pages by one chunked prefill
+                                               over their KV: each then stands at ends
   mark_done(state, mask)                    -> state with those slots stopped
 
 Sequences' KV travel as [L, R, T, K, H] (R rows: prefill's output, the host buffer's
@@ -324,6 +329,103 @@ def _decode_one(layout, cfg, chunk_pages, decode_attention, params, state, versi
   return state, drawn, finished
 
 
+def feed(
+    layout: _CacheLayout,
+    cfg: qwen3.Qwen3Config,
+    block_pages: int,
+    params,
+    state: SlotState,
+    slots_W: jax.Array,
+    ends_W: jax.Array,
+    T: int,
+    table_SxJ: jax.Array,
+) -> SlotState:
+  """Feeds W slots' given tokens in one call (entries of slots_W < 0 are padding): slot
+  s's tokens from its pending one, at length - 1, up to ends - 2 go through the model
+  as one chunk per slot (T >= ends - length, bucketed by the caller), attending to its
+  pooled KV and causally to the chunk; their KV is written into its pages (which the
+  host has given it) and the slot stands at length ends, its last given token pending,
+  as that many decode steps would leave it."""
+  state = state.replace(page_table=table_SxJ)
+  S, M = state.tokens.shape
+  ok = slots_W >= 0
+  row = jnp.where(ok, slots_W, 0)
+  start = jnp.where(ok, state.length[row] - 1, 0)
+  count = jnp.where(ok, ends_W - 1 - start, 0)
+  positions = start[:, None] + jnp.arange(T)[None, :]  # [W, T]
+  tokens = jnp.take_along_axis(state.tokens[row], jnp.minimum(positions, M - 1), axis=1)
+  live = ok[:, None] & (jnp.arange(T)[None, :] < count[:, None])  # [W, T]
+  attend = _chunk_attend(layout, state, slots_W, start, block_pages)
+  k, v = qwen3.chunk_kv(cfg, params, tokens, positions, attend)
+  kv = _write_chunks(layout, state, k, v, slots_W, positions, live)
+  at = jnp.where(ok, slots_W, S)
+  return state.replace(kv=kv, length=state.length.at[at].set(ends_W, mode="drop"))
+
+
+def _own_rows(layout: _CacheLayout, table, slots_W):
+  """Each device's view of W global slots: their rows of its page table, -1 for a
+  slot another device holds (or padding), and which it holds."""
+  S_local = table.shape[0]
+  at = slots_W - layout.first_local_slot(S_local)
+  mine = (slots_W >= 0) & (at >= 0) & (at < S_local)
+  rows = table[jnp.clip(at, 0, S_local - 1)]
+  return jnp.where(mine[:, None], rows, -1), mine
+
+
+def _chunk_attend(layout: _CacheLayout, state: SlotState, slots_W, start_W, block_pages: int):
+  """chunk_kv's `attend`: paged_attention.paged_chunk_attention, per device over its
+  own slots' pages and its heads; the device holding a slot gives its rows, the others
+  zeros, summed over the slot axes."""
+  P = PartitionSpec
+  s, h = layout.slot_axes, layout.head_axes
+  cache_spec = P(None, s, h, None, None)
+
+  def local(q, k_new, v_new, pool_k, pool_v, layer, table, slots, start):
+    rows, mine = _own_rows(layout, table, slots)
+    out = paged_attention.paged_chunk_attention(
+        q, k_new, v_new, pool_k, pool_v, layer, start, rows, block_pages, qwen3.kv_view
+    )
+    if layout.mesh is None or s is None:
+      return out
+    return jax.lax.psum(jnp.where(mine[:, None, None, None, None], out, 0), s)
+
+  fn = layout.local(
+      local,
+      (P(None, None, h, None, None), P(None, None, h, None), P(None, None, h, None))
+      + (cache_spec, cache_spec, P(), P(s, None), P(), P()),
+      P(None, None, h, None, None),
+  )
+  return lambda q, k_new, v_new, layer: fn(
+      q, k_new, v_new, state.kv.k, state.kv.v, layer, state.page_table, slots_W, start_W
+  )
+
+
+def _write_chunks(layout: _CacheLayout, state: SlotState, k, v, slots_W, positions_WxT, live_WxT):
+  """The chunks' k, v [L, W, T, K, H] into their slots' pages at their positions, each
+  device into its own (paged_attention.write_pages, W x T entries in one scatter)."""
+
+  def local(ck, cv, nk, nv, table, slots, positions, live):
+    rows, mine = _own_rows(layout, table, slots)
+    L, W, T, K, H = nk.shape
+    flat = lambda x: qwen3.kv_store(x.reshape(L, W * T, K, H), ck.dtype)
+    rows = jnp.repeat(rows, T, axis=0)  # [W * T, J]
+    live = (live & mine[:, None]).reshape(-1)
+    return paged_attention.write_pages(
+        (ck, cv), flat(nk), flat(nv), rows, positions.reshape(-1), live, ck.shape[1] - 1
+    )
+
+  P = PartitionSpec
+  cache_spec = P(None, layout.slot_axes, layout.head_axes, None, None)
+  new_spec = P(None, None, None, layout.head_axes, None)
+  fn = layout.local(
+      local,
+      (cache_spec, cache_spec, new_spec, new_spec, P(layout.slot_axes, None), P(), P(), P()),
+      (cache_spec, cache_spec),
+  )
+  out = fn(state.kv.k, state.kv.v, k, v, state.page_table, slots_W, positions_WxT, live_WxT)
+  return qwen3.KVCache(*out)
+
+
 def extract_rows(state: SlotState, slots_W: jax.Array):
   """Rows of W slots at once (entries < 0 are padding): tokens, logprobs, versions
   [W, M] and int32 [W, 4], the columns rows.READOUT names. One transfer
@@ -390,6 +492,7 @@ class DeviceFns:
   extract_kv: Any
   write_rows: Any
   mark_done: Any
+  feed: Any
   shards: int = 1  # the slot axes' devices: slots and pages split this many ways
   pages_per_shard: int = 0  # pool pages of each shard, its scratch page included
   state_sharding: Any = None  # SlotState of NamedShardings (None without a mesh)
@@ -405,6 +508,22 @@ def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
   """Pages per chunk of decode attention: decode_block positions, or the pool's
   `pool_pages` usable pages when that is fewer (a wider chunk would gather padding)."""
   return max(1, min(decode_block // page_size, pool_pages))
+
+
+def _placement(init, mesh, rules):
+  """(cache layout, SlotState of shardings, sequences' KV sharding); no mesh: none."""
+  if mesh is None:
+    return _CacheLayout(), None, None
+  state_sh = sharding.named_shardings(state_logical_axes(), jax.eval_shape(init), mesh, rules)
+  # Pages split exactly as the slots do (shards divides the pool by construction).
+  slot_axes, head_axes = state_sh.length.spec[0], state_sh.kv.k.spec[2]
+  pool_sh = NamedSharding(mesh, PartitionSpec(None, slot_axes, head_axes, None, None))
+  state_sh = state_sh.replace(kv=qwen3.KVCache(pool_sh, pool_sh))
+  # Prefilled KV and KV restored from the host arrive in one sharding (KV heads as in
+  # the cache, replicated over slots), so `insert` compiles once per bucket and row
+  # count whichever path the sequences came by, and each device receives only its heads.
+  kv_sh = NamedSharding(mesh, PartitionSpec(None, None, None, head_axes, None))
+  return _CacheLayout(mesh, slot_axes, head_axes), state_sh, kv_sh
 
 
 @functools.lru_cache(maxsize=32)
@@ -431,19 +550,7 @@ def device_fns(
       cfg, num_slots, max_len, jnp.dtype(s.kv_dtype), page_size, shards * per_shard
   )
   traced = lambda fn: sharding.traced_under(fn, mesh, rules)
-  if mesh is None:
-    layout, state_sh, kv_sh = _CacheLayout(), None, None
-  else:
-    state_sh = sharding.named_shardings(state_logical_axes(), jax.eval_shape(init), mesh, rules)
-    # Pages split exactly as the slots do (shards divides the pool by construction).
-    slot_axes, head_axes = state_sh.length.spec[0], state_sh.kv.k.spec[2]
-    pool_sh = NamedSharding(mesh, PartitionSpec(None, slot_axes, head_axes, None, None))
-    state_sh = state_sh.replace(kv=qwen3.KVCache(pool_sh, pool_sh))
-    layout = _CacheLayout(mesh, slot_axes, head_axes)
-    # Prefilled KV and KV restored from the host arrive in one sharding (KV heads as in
-    # the cache, replicated over slots), so `insert` compiles once per bucket and row
-    # count whichever path the sequences came by, and each device receives only its heads.
-    kv_sh = NamedSharding(mesh, PartitionSpec(None, None, None, layout.head_axes, None))
+  layout, state_sh, kv_sh = _placement(init, mesh, rules)
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
@@ -466,4 +573,10 @@ def device_fns(
       extract_kv=jax.jit(functools.partial(extract_kv, layout), static_argnums=2),
       write_rows=jax.jit(write_rows, donate_argnums=0, **pin),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
+      feed=jax.jit(
+          traced(functools.partial(feed, layout, cfg, chunk_pages)),
+          donate_argnums=1,
+          static_argnums=4,
+          **pin,
+      ),
   )

@@ -1,0 +1,259 @@
+"""Mode `multiturn`: what multi-turn episodes cost beyond the tokens they draw.
+
+Three sides, each one APRIL scheduler step (rollout/scheduler.py) over the same prompts
+on the same engine settings, random weights:
+
+  single    single-turn samples, each with a budget of exactly the tokens its episode
+            drew, no environment: the floor
+  engine    3-turn episodes: each turn's observation (`obs_tokens` tokens) written into
+            the slot's pages by one chunked prefill (EngineConfig.feed_given "prefill"),
+            the tool's calls (`tool_s` seconds each) run while the other slots decode
+            (env.overlap)
+  before    the same episodes as the engine ran them before: observations fed one
+            decode step a token ("decode"), every call waited for on one thread right
+            after the decode call that ended its turn
+
+The model's output head is zero, so every token is drawn uniformly (each sample's draws
+depend on its key and position alone: the sides draw the same tokens), and a turn ends
+on any of vocab / turn_tokens stop tokens: turn lengths are geometric with mean
+`turn_tokens`, the same on every side. The goals: the engine side's rollout at most
+1.2x the single side's plus the observations' prefill time (measured here: the feed
+calls, timed alone), and the engine idle on tool calls (waiting for a call with nothing
+to decode) at most 5% of its rollout.
+
+  python -m april_jax.bench --mode=multiturn
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from april_jax.data import PromptItem
+from april_jax.envs import episodes
+from april_jax.envs.base import EnvStep
+from april_jax.models import qwen3
+from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
+from april_jax.sampler import EngineConfig, SlotEngine
+
+# A small model whose decode step takes a few ms on a CPU: 4 layers, hidden 256.
+MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4)
+MODEL.update(num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  episodes: int = 16
+  slots: int = 8
+  turns: int = 3
+  turn_tokens: int = 48  # mean drawn tokens per turn
+  obs_tokens: int = 200
+  tool_s: float = 0.1
+  prompt_len: int = 24
+
+
+class Tool:
+  """Answers each turn after `tool_s` seconds with `obs_tokens` tokens (never a stop
+  token), ends the episode at its last turn."""
+
+  def __init__(self, shape: Shape, num_stops: int, vocab_size: int):
+    self.shape, self.num_stops, self.vocab_size = shape, num_stops, vocab_size
+
+  def reset(self, row):
+    return {"turns": 0, "id": row["id"]}
+
+  def step(self, state, turn):
+    time.sleep(self.shape.tool_s)
+    state = {"turns": state["turns"] + 1, "id": state["id"]}
+    if state["turns"] == self.shape.turns:
+      return EnvStep(observation=None, done=True, state=state)
+    rng = np.random.default_rng([state["id"], state["turns"]])
+    obs = rng.integers(self.num_stops, self.vocab_size, self.shape.obs_tokens)
+    return EnvStep(observation=" ".join(map(str, obs)), done=False, state=state)
+
+
+def _model(seed: int, model: dict):
+  cfg = qwen3.Qwen3Config(**model)
+  params = qwen3.init_params(cfg, jax.random.key(seed), std=0.05)
+  params["lm_head"] = params["lm_head"] * 0  # uniform draws
+  return cfg, params
+
+
+def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int):
+  """One scheduler over `shape.episodes` prompts; side: single, engine or before."""
+  multi = side != "single"
+  max_new = max(budgets) if not multi else shape.turns * (8 * shape.turn_tokens + shape.obs_tokens)
+  config = EngineConfig(
+      num_slots=shape.slots,
+      max_len=shape.prompt_len + max_new,
+      sync_every=16,
+      stop_ids=tuple(range(num_stops)) if multi else (),
+      hold_stopped=multi,
+      feed_given="decode" if side == "before" else "prefill",
+      prompt_len=shape.prompt_len,
+      page_size=16,
+  )
+  engine = SlotEngine(cfg, params, config)
+  engine.warm_up()
+  items = iter(range(shape.episodes))
+
+  def source():
+    i = next(items, None)
+    if i is None:
+      return None
+    prompt = np.random.default_rng(i).integers(num_stops, cfg.vocab_size, shape.prompt_len)
+    budget = None if multi else [budgets[i]]
+    return PromptItem(prompt_id=i, tokens=prompt, answer="", budgets=budget, row={"id": i})
+
+  settings = RolloutSettings(
+      batch_size=shape.episodes,
+      n_samples_per_prompt=1,
+      over_sampling_batch_size=shape.episodes,
+      partial_rollout=False,
+      max_response_len=max_new,
+      temperature=1.0,
+  )
+  encode = lambda text: [int(t) for t in text.split()]
+  decode = lambda ids: " ".join(str(int(t)) for t in ids)
+  runner = None
+  if multi:
+    runner = episodes.EpisodeRunner(
+        Tool(shape, num_stops, cfg.vocab_size),
+        encode,
+        decode,
+        episodes.EpisodeSettings(
+            max_turns=shape.turns,
+            max_observation_tokens=shape.obs_tokens,
+            timeout_s=30.0,
+            workers=1 if side == "before" else shape.slots,
+            overlap=side != "before",
+        ),
+    )
+  rewards = RewardRunner(lambda text, answer: 0.0, decode=decode, timeout_s=30.0, processes=False)
+  return AprilScheduler(engine, settings, source, rewards, episodes=runner)
+
+
+def _rollout(scheduler) -> dict:
+  result = scheduler.step(0)
+  samples = [s for g in result.groups for s in g.samples]
+  drawn = [int(np.sum(s.logprobs != 0)) for s in samples]
+  counters = scheduler.engine.counters
+  out = dict(
+      rollout_s=result.stats["rollout_s"],
+      samples=len(samples),
+      drawn_tokens=sum(drawn),
+      decode_steps=counters.decode_steps,
+      feeds=counters.feeds,
+      feed_rows=counters.feed_rows,
+      tokens_fed=counters.tokens_fed,
+  )
+  if scheduler.episodes is not None:
+    counts = scheduler.episodes.counts
+    out.update(
+        env_wait_s=float(counts["env/wait_s"]),
+        turns=int(counts["env/turns"]),
+        observation_tokens=int(counts["env/observation_tokens"]),
+    )
+    scheduler.episodes.close()
+  out["drawn_by_id"] = {g.prompt_id: d for g, d in zip(result.groups, drawn)}
+  return out
+
+
+def _feed_seconds(engine: SlotEngine, shape: Shape, rows: int, repeats: int) -> float:
+  """One feed call of an observation's length on `rows` rows (1, or insert_width),
+  timed alone, the median of `repeats`: over slots whose KV is empty it reads no pages,
+  so this is the chunk's own work, what a feed call adds to decoding."""
+  slots = np.arange(rows, dtype=np.int32) % engine.config.num_slots
+  T, ends = engine.bucket(shape.obs_tokens), np.ones(rows, np.int32)
+  times = []
+  for _ in range(repeats + 1):
+    began = time.perf_counter()
+    engine.state = engine.fns.feed(engine.params, engine.state, slots, ends, T, engine.kv.table())
+    jax.block_until_ready(engine.state.length)
+    times.append(time.perf_counter() - began)
+  return statistics.median(times[1:])
+
+
+def _prefill_seconds(engine: SlotEngine, shape: Shape, side: dict, repeats: int) -> float:
+  """The engine side's feed calls, each timed alone: its calls of one row and of
+  insert_width rows (counted by feed_rows), at the observations' length bucket."""
+  W = engine.config.insert_width
+  wide = (side["feed_rows"] - side["feeds"]) // (W - 1)
+  one = side["feeds"] - wide
+  return one * _feed_seconds(engine, shape, 1, repeats) + wide * _feed_seconds(
+      engine, shape, W, repeats
+  )
+
+
+def run(
+    shape: Shape = Shape(), seed: int = 0, repeats: int = 5, report=None, model: dict = MODEL
+) -> dict:
+  cfg, params = _model(seed, model)
+  num_stops = max(1, cfg.vocab_size // shape.turn_tokens)
+  engine_side = _rollout(_scheduler(cfg, params, shape, None, "engine", num_stops))
+  drawn = engine_side.pop("drawn_by_id")
+  budgets = [max(1, drawn[i]) for i in range(shape.episodes)]
+  single = _rollout(_scheduler(cfg, params, shape, budgets, "single", num_stops))
+  single.pop("drawn_by_id")
+  before_side = _rollout(_scheduler(cfg, params, shape, None, "before", num_stops))
+  before_side.pop("drawn_by_id")
+  probe = _scheduler(cfg, params, shape, None, "engine", num_stops)
+  prefill_s = _prefill_seconds(probe.engine, shape, engine_side, repeats)
+  result = dict(
+      shape=dataclasses.asdict(shape),
+      model=model,
+      single=single,
+      engine=engine_side,
+      before=before_side,
+      prefill_s=prefill_s,
+      engine_vs_floor=engine_side["rollout_s"] / (single["rollout_s"] + prefill_s),
+      before_vs_floor=before_side["rollout_s"] / (single["rollout_s"] + prefill_s),
+      engine_idle_frac=engine_side["env_wait_s"] / engine_side["rollout_s"],
+      before_idle_frac=before_side["env_wait_s"] / before_side["rollout_s"],
+  )
+  _print(result)
+  if report is not None:
+    report.table(
+        "multi-turn rollout",
+        ["side", "rollout s", "drawn", "decode steps", "feeds", "waited on calls s"],
+        [
+            [name, f"{r['rollout_s']:.2f}", r["drawn_tokens"], r["decode_steps"], r["feeds"]]
+            + [f"{r.get('env_wait_s', 0.0):.2f}"]
+            for name, r in (("single", single), ("engine", engine_side), ("before", before_side))
+        ],
+    )
+  return result
+
+
+def _print(r: dict) -> None:
+  s = r["shape"]
+  print(
+      f"{s['episodes']} episodes of {s['turns']} turns (mean {s['turn_tokens']} drawn tokens "
+      f"a turn), {s['obs_tokens']}-token observations, a {s['tool_s'] * 1000:.0f} ms tool, "
+      f"{s['slots']} slots"
+  )
+  print(f"{'side':<8} {'rollout s':>10} {'drawn':>7} {'decode steps':>13} {'feeds':>6} {'idle':>7}")
+  for name in ("single", "engine", "before"):
+    x = r[name]
+    idle = x.get("env_wait_s", 0.0) / x["rollout_s"]
+    print(
+        f"{name:<8} {x['rollout_s']:>10.2f} {x['drawn_tokens']:>7} {x['decode_steps']:>13} "
+        f"{x['feeds']:>6} {idle:>7.1%}"
+    )
+  e = r["engine"]
+  print(
+      f"observations' prefill: {r['prefill_s']:.2f} s ({e['feeds']} feed calls, {e['feed_rows']} "
+      f"rows, {e['tokens_fed']} tokens), each call timed alone"
+  )
+  print(
+      f"engine / (single + prefill) = {r['engine_vs_floor']:.2f}x (goal <= 1.2x); before: "
+      f"{r['before_vs_floor']:.2f}x"
+  )
+  print(
+      f"idle on tool calls: engine {r['engine_idle_frac']:.1%} (goal <= 5%), before "
+      f"{r['before_idle_frac']:.1%}"
+  )

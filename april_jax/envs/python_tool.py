@@ -1,0 +1,346 @@
+"""A Python interpreter for tool calls on math problems (env.name = "python_tool").
+
+  run_python("print(sum(range(10)))")   -> "45\\n"
+  run_python("from fractions import Fraction\\nFraction(1, 3) + Fraction(1, 6)")
+                                        -> "Fraction(1, 2)\\n"  (a last expression's repr)
+  run_python("1 / 0")                   -> the traceback's last lines, ZeroDivisionError
+  run_python("while True: pass")        -> "error: ran past the 5 s time limit"
+
+The model's code never runs in this process. Each call starts a fresh interpreter
+(`python -I`, so no PYTHON* variables, no user site-packages, no current folder on
+sys.path) in a new session, in a fresh temporary folder (its working folder, HOME and
+TMPDIR), with a minimal environment and an empty stdin; the folder is removed afterwards.
+Past `Limits.timeout_s` of wall time the child's whole process group is killed. The child
+(python_sandbox.py) limits itself with setrlimit (address space, CPU seconds, file size,
+open files, no new processes, no core dumps) and installs an audit hook that refuses
+sockets, new processes, ctypes, signals to other processes, writes outside its folder and
+reads outside it but Python's own stdlib and site-packages (numpy, sympy, ... import).
+Where user namespaces work (`unshare -rn true`), the child also runs under `unshare -rn`:
+a network namespace of its own, with no interface up.
+
+What this does not isolate: it is not a container. The audit hook runs inside the child's
+interpreter, and CPython's documentation says audit hooks are not a sandbox: a bug in
+CPython or in a C extension the code can import (numpy, ...) can get past it. The child
+runs as the trainer's user and shares its machine: it can use its time limit's worth of
+CPU and its memory limit, see which paths exist (os.stat is not audited) and read the
+Python installation; RLIMIT_NPROC does not bind root. Without unshare, the only barrier to
+the network is the hook. For adversarial code, run the tool in a container or a VM.
+
+`PythonToolEnv` is the tool as a multi-turn environment, in Qwen3's tool-call format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from april_jax.envs.base import EnvReset, EnvStep, register
+
+RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
+# A wait for the killed child (already dead in practice) and for the unshare probe.
+KILL_WAIT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What one run may use."""
+
+  timeout_s: float = 5.0  # wall time; past it the child's process group is killed
+  cpu_s: int = 5  # RLIMIT_CPU, seconds
+  memory_mb: int = 1024  # RLIMIT_AS: the child's address space
+  max_output_chars: int = 4000  # stdout (and the error) shown, at most
+  max_file_mb: int = 16  # RLIMIT_FSIZE: each file the code writes, its stdout included
+
+
+@functools.cache
+def _runner_source() -> str:
+  return RUNNER_PATH.read_text(encoding="utf-8")
+
+
+@functools.cache
+def _network_isolation() -> tuple[str, ...]:
+  """`unshare -rn` where it works here (checked once), else nothing."""
+  unshare = shutil.which("unshare")
+  if unshare is None:
+    return ()
+  try:
+    probe = subprocess.run(
+        [unshare, "-rn", "true"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=KILL_WAIT_S,
+        check=False,
+    )
+  except (OSError, subprocess.SubprocessError):
+    return ()
+  return (unshare, "-rn") if probe.returncode == 0 else ()
+
+
+def _child_environment(work: Path) -> dict[str, str]:
+  """Only what Python and its math libraries need: no variable of the trainer's."""
+  env = {
+      "HOME": str(work),
+      "TMPDIR": str(work),
+      "PATH": "/usr/bin:/bin",
+      "LANG": "C.UTF-8",
+      # One thread each: no new processes are allowed, and threads count as processes.
+      "OPENBLAS_NUM_THREADS": "1",
+      "OMP_NUM_THREADS": "1",
+      "MKL_NUM_THREADS": "1",
+  }
+  if "LD_LIBRARY_PATH" in os.environ:  # a Python built against libraries found there
+    env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+  return env
+
+
+def _run_child(folder: Path, limits: Limits) -> int | None:
+  """Runs folder/code.py in folder/work, its stdout and stderr into folder's files. The
+  exit status (negative: the signal), or None when it ran past the time limit."""
+  work = folder / "work"
+  work.mkdir()
+  settings = {
+      "code_path": str(folder / "code.py"),
+      "work_dir": str(work),
+      "memory_mb": int(limits.memory_mb),
+      "cpu_s": int(limits.cpu_s),
+      "max_file_mb": int(limits.max_file_mb),
+  }
+  command = [*_network_isolation(), sys.executable, "-I", "-c", _runner_source()]
+  with open(folder / "stdout", "wb") as stdout, open(folder / "stderr", "wb") as stderr:
+    child = subprocess.Popen(  # pylint: disable=consider-using-with
+        [*command, json.dumps(settings)],
+        cwd=work,
+        env=_child_environment(work),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+    )
+  try:
+    return child.wait(timeout=limits.timeout_s)
+  except subprocess.TimeoutExpired:
+    try:
+      os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    child.wait(timeout=KILL_WAIT_S)
+    return None
+
+
+def _read_head(path: Path, max_chars: int) -> tuple[str, bool]:
+  """The file's first max_chars characters, and whether there was more."""
+  with open(path, "rb") as f:
+    head = f.read(4 * max_chars + 4)  # UTF-8: at most 4 bytes a character
+    more = bool(f.read(1))
+  text = head.decode("utf-8", "replace")
+  return text[:max_chars], more or len(text) > max_chars
+
+
+def _read_tail(path: Path, max_chars: int) -> str:
+  """The file's last max_chars characters ("..." first when there was more)."""
+  with open(path, "rb") as f:
+    f.seek(max(0, os.fstat(f.fileno()).st_size - 4 * max_chars))
+    text = f.read().decode("utf-8", "replace")
+  return text if len(text) <= max_chars else "..." + text[-(max_chars - 3) :]
+
+
+def _status_error(status: int | None, limits: Limits) -> str:
+  """One line for an end the child did not describe itself."""
+  if status is None:
+    return f"error: ran past the {limits.timeout_s:g} s time limit"
+  if status == -signal.SIGXCPU:
+    return f"error: ran past the {limits.cpu_s} s CPU time limit"
+  if status < 0:
+    try:
+      name = signal.Signals(-status).name
+    except ValueError:
+      name = f"signal {-status}"
+    why = " (past its CPU time limit, or by the system)" if name == "SIGKILL" else ""
+    return f"error: the process was killed by {name}{why}"
+  return f"error: the code exited with status {status}"
+
+
+def _outcome(folder: Path, status: int | None, limits: Limits) -> str:
+  """stdout, then the error (the child's own words, else one line of ours), cut to size."""
+  error = _read_tail(folder / "stderr", limits.max_output_chars // 2).strip()
+  if status is None or status < 0 or (status != 0 and not error):
+    error = _status_error(status, limits)
+  budget = max(0, limits.max_output_chars - len(error))
+  stdout, cut = _read_head(folder / "stdout", budget)
+  if cut:
+    stdout = stdout.rstrip("\n") + f"\n... [output cut at {budget} characters]\n"
+  if not error:
+    return stdout
+  return stdout + ("" if not stdout or stdout.endswith("\n") else "\n") + error
+
+
+def run_python(code: str, limits: Limits = Limits()) -> str:
+  """Runs `code` in a separate, limited Python process (see the module docstring). Returns
+  its stdout, followed by the error when it failed: the traceback's last lines, or one
+  line for a time-out, the memory limit or another end. Never raises for the code's sake."""
+  folder = Path(tempfile.mkdtemp(prefix="python_tool_"))
+  try:
+    (folder / "code.py").write_text(code, encoding="utf-8", errors="replace")
+    try:
+      status = _run_child(folder, limits)
+    except OSError as e:
+      return f"error: could not start Python: {e}"
+    return _outcome(folder, status, limits)
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# ----------------------------------------------------------------- the environment
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": (
+            "Runs Python 3 code in a fresh process and returns what it printed (a last "
+            "expression's value too, when nothing was printed) or its error. The standard "
+            "library is there (math, fractions, itertools, ...), and sympy and numpy where "
+            "installed. Each call starts from scratch. No network; a time limit of a few "
+            "seconds."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The code to run."}},
+            "required": ["code"],
+        },
+    },
+}
+
+INSTRUCTIONS = (
+    "Solve the math problem. You may run Python code to compute or to check a step. "
+    "Finish with the final answer as \\boxed{answer}."
+)
+
+
+def tools_system_prompt(instructions: str, tools: list[dict]) -> str:
+  """A system message as Qwen3's chat template writes one for `tools` (function tools):
+  the instructions, then the tools' JSON schemas in <tools></tools> and the call format."""
+  schemas = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+  return (
+      f"{instructions}\n\n# Tools\n\nYou may call one or more functions to assist with the "
+      "user query.\n\nYou are provided with function signatures within <tools></tools> XML "
+      f"tags:\n<tools>{schemas}\n</tools>\n\nFor each function call, return a json object "
+      "with function name and arguments within <tool_call></tool_call> XML tags:\n"
+      '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+  )
+
+
+SYSTEM_PROMPT = tools_system_prompt(INSTRUCTIONS, [TOOL])
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+
+class ToolCallError(ValueError):
+  """A tool call that names no code to run; the message says what a call looks like."""
+
+
+def _unfenced(code: str) -> str:
+  """The body of a markdown code block in `code`, else `code`."""
+  blocks = _FENCED.findall(code)
+  return blocks[-1] if blocks else code
+
+
+def _json_call_code(call: dict) -> str:
+  name = call.get("name", "python")
+  if name != "python":
+    raise ToolCallError(f"there is no tool {name!r}: the tool is 'python'")
+  args = call.get("arguments", call)
+  if isinstance(args, str):  # arguments written as a JSON string
+    try:
+      args = json.loads(args, strict=False)
+    except ValueError:
+      pass
+  if isinstance(args, dict) and isinstance(args.get("code"), str):
+    return args["code"]
+  raise ToolCallError('a call needs {"name": "python", "arguments": {"code": "..."}}')
+
+
+def tool_call_code(turn: str) -> str | None:
+  """The code of the turn's last `<tool_call>`: Qwen3's JSON form
+  {"name": "python", "arguments": {"code": "..."}} (raw newlines in the string accepted),
+  a markdown ```python block, or the bare code. None when the turn calls no tool;
+  ToolCallError for a JSON call without code."""
+  calls = _TOOL_CALL.findall(turn)
+  if not calls:
+    return None
+  body = calls[-1].strip()
+  try:
+    call = json.loads(body, strict=False)
+  except ValueError:
+    return _unfenced(body)
+  if isinstance(call, dict):
+    return _unfenced(_json_call_code(call))
+  return _unfenced(body)
+
+
+def _last_user_message(messages: Any) -> str | None:
+  if not isinstance(messages, list):
+    return None
+  for message in reversed(messages):
+    if isinstance(message, dict) and message.get("role") == "user":
+      content = message.get("content")
+      return content if isinstance(content, str) else None
+  return None
+
+
+def question_of(row: dict) -> str | None:
+  """The problem a dataset row asks: its "question" or "problem" column, DAPO's
+  extra_info.raw_problem, or its "prompt" (text, or the last user message of a chat)."""
+  extra = row.get("extra_info")
+  candidates = [
+      row.get("question"),
+      row.get("problem"),
+      extra.get("raw_problem") if isinstance(extra, dict) else None,
+      row.get("prompt") if isinstance(row.get("prompt"), str) else None,
+      _last_user_message(row.get("prompt")),
+  ]
+  for candidate in candidates:
+    if isinstance(candidate, str) and candidate.strip():
+      return candidate
+  return None
+
+
+@register("python_tool")
+class PythonToolEnv:
+  """Math with a Python interpreter: the episode opens with SYSTEM_PROMPT and the row's
+  problem; each turn that makes a tool call gets run_python's output as the observation;
+  a turn with no tool call is the final answer and ends the episode. State: the number of
+  calls made."""
+
+  # The output fits env.max_observation_tokens (512 in configs/math_python_tool.py) with
+  # its "[output cut]" note; 5 s stays below env.timeout_s (10 s).
+  limits = Limits(max_output_chars=1500)
+
+  def reset(self, row: dict) -> EnvReset | dict:
+    question = question_of(row)
+    if question is None:
+      return {"calls": 0}  # the row's own prompt
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return EnvReset(state={"calls": 0}, messages=messages)
+
+  def step(self, state: dict, turn: str) -> EnvStep:
+    try:
+      code = tool_call_code(turn)
+      if code is None:
+        return EnvStep(observation=None, done=True, state=state)
+      output = run_python(code, self.limits)
+      output = output if output.strip() else "(no output)"
+    except ToolCallError as e:
+      output = f"error: {e}"
+    return EnvStep(observation=output, done=False, state={"calls": state["calls"] + 1})

@@ -1,0 +1,306 @@
+"""The Python tool runs the model's code in a separate, limited process: its output or its
+traceback comes back, and what math code has no business doing (the network, new
+processes, files outside its folder, endless loops, all the memory) is refused or
+stopped, with a message the model can read. The environment turns Qwen3 tool calls into
+runs, and its config validates."""
+
+import json
+import os
+import re
+import resource
+import shutil
+import time
+
+import pytest
+
+from april_jax.configs import validate
+from april_jax.data import load_records
+from april_jax.envs import base, python_tool
+from april_jax.envs.base import EnvReset
+from april_jax.envs.python_tool import (
+    INSTRUCTIONS,
+    SYSTEM_PROMPT,
+    TOOL,
+    Limits,
+    PythonToolEnv,
+    ToolCallError,
+    run_python,
+    tool_call_code,
+)
+from conftest import MATH_DIR, MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, load_config
+
+SHORT = Limits(timeout_s=2.0, cpu_s=2)
+
+
+# ------------------------------------------------------------------ what comes back
+def test_stdout_comes_back():
+  assert run_python("print(6 * 7)\nprint('done')") == "42\ndone\n"
+
+
+@pytest.mark.parametrize(
+    "code,output",
+    [
+        ("from fractions import Fraction\nFraction(1, 3) + Fraction(1, 6)", "Fraction(1, 2)\n"),
+        ("x = 12\nx ** 2", "144\n"),
+        ("print('shown')\n1 + 1", "shown\n"),  # something printed: no repr added
+        ("x = [1, 2]\nx.append(3)", ""),  # a None value is not shown
+        ("import math\nmath.comb(10, 3)", "120\n"),
+    ],
+)
+def test_a_last_expression_is_shown_when_nothing_was_printed(code, output):
+  assert run_python(code) == output
+
+
+def test_an_exception_comes_back_as_the_traceback_of_the_model_s_code():
+  out = run_python("print('before')\nx = 10\ny = x / 0\nprint('after')")
+  assert out.startswith("before\nTraceback (most recent call last):\n")
+  assert 'File "<code>", line 3, in <module>\n    y = x / 0\n' in out
+  assert out.rstrip().endswith("ZeroDivisionError: division by zero")
+  assert "after" not in out
+  for runner_detail in ("<string>", "python_sandbox", "hook", "exec("):
+    assert runner_detail not in out
+
+
+def test_a_syntax_error_names_the_line():
+  out = run_python("x = 1\ny = (x +\n")
+  assert 'File "<code>", line 2' in out and "SyntaxError" in out
+  assert "Traceback" not in out  # no frame of the runner's
+
+
+@pytest.mark.parametrize(
+    "code,message",
+    [
+        ("import sys\nsys.exit(3)", "error: the code called sys.exit(3)"),
+        ("import os\nos._exit(4)", "error: the code exited with status 4"),
+    ],
+)
+def test_a_non_zero_exit_is_one_line(code, message):
+  assert run_python(code) == message
+
+
+def test_long_output_is_cut_and_says_so():
+  out = run_python("print('x' * 10000)", Limits(max_output_chars=100))
+  assert out == "x" * 100 + "\n... [output cut at 100 characters]\n"
+
+
+# ------------------------------------------------------------------ what is refused
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)",
+        "import socket\nsocket.socket()",
+        "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:1', timeout=1)",
+    ],
+)
+def test_the_network_is_refused(code):
+  out = run_python(code, SHORT)
+  assert re.search(r"socket\.\w+ is not allowed here", out), out
+
+
+def test_without_unshare_the_hook_alone_refuses_the_network(monkeypatch):
+  monkeypatch.setattr(python_tool, "_network_isolation", lambda: ())
+  out = run_python("import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)", SHORT)
+  assert "socket.getaddrinfo is not allowed here" in out
+
+
+def test_the_child_sees_python_s_libraries_but_not_the_trainer_s_package_or_environment(
+    monkeypatch,
+):
+  monkeypatch.setenv("TRAINER_SECRET", "hidden")
+  code = (
+      "import os, math, fractions, itertools, numpy, sympy\n"
+      "print(sorted(os.environ.get(k, '-') for k in ('TRAINER_SECRET', 'HOME')))\n"
+      "import april_jax"
+  )
+  out = run_python(code)
+  assert "hidden" not in out and "TRAINER_SECRET" not in out
+  # Not on its path, or (an editable install's finder) its files are refused.
+  last = out.rstrip().splitlines()[-1]
+  assert last == "ModuleNotFoundError: No module named 'april_jax'" or (
+      "april_jax" in last and "refused (outside the working folder)" in last
+  ), last
+
+
+def test_reading_a_file_outside_the_folder_is_refused():
+  out = run_python("print(open('/etc/passwd').read())", SHORT)
+  assert "PermissionError: open '/etc/passwd': refused (outside the working folder)" in out
+  assert "root:" not in out
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        "open({path!r}, 'w').write('escaped')",
+        "import pathlib\npathlib.Path({path!r}).write_text('escaped')",
+        "import os\nos.open({path!r}, os.O_WRONLY | os.O_CREAT)",
+        "open('inside', 'w').close()\nimport os\nos.rename('inside', {path!r})",
+    ],
+)
+def test_writing_a_file_outside_the_folder_is_refused_and_nothing_is_written(tmp_path, write):
+  outside = tmp_path / "outside.txt"
+  out = run_python(write.format(path=str(outside)), SHORT)
+  assert "PermissionError" in out and "refused (outside the working folder)" in out
+  assert not outside.exists()
+
+
+def test_files_inside_the_folder_can_be_written_and_read_and_the_folder_goes_away():
+  code = (
+      "import os\n"
+      "with open('notes.txt', 'w') as f:\n"
+      "  f.write('kept')\n"
+      "os.mkdir('sub')\n"
+      "open('sub/more.txt', 'w').write('!')\n"
+      "print(open('notes.txt').read() + open('sub/more.txt').read())\n"
+      "print(os.getcwd())\n"
+  )
+  text, folder = run_python(code).splitlines()
+  assert text == "kept!"
+  assert not os.path.exists(folder)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.system('touch {marker}')",
+        "import subprocess\nsubprocess.run(['touch', '{marker}'])",
+        "import os\nos.posix_spawn('/usr/bin/touch', ['touch', '{marker}'], {{}})",
+        "import os\nif os.fork() == 0:\n  open('{marker}', 'w')",
+    ],
+)
+def test_new_processes_are_refused(tmp_path, code):
+  marker = tmp_path / "ran"
+  out = run_python(code.format(marker=marker), SHORT)
+  assert "PermissionError" in out and "is not allowed here" in out
+  assert not marker.exists()
+
+
+def test_an_endless_loop_is_stopped_at_the_time_limit():
+  start = time.monotonic()
+  out = run_python("print('started')\nwhile True:\n  pass", Limits(timeout_s=1.0, cpu_s=10))
+  assert time.monotonic() - start < 4.0
+  assert out == "started\nerror: ran past the 1 s time limit"
+
+
+def test_the_cpu_time_limit_stops_a_busy_child_before_the_wall_time_limit():
+  start = time.monotonic()
+  out = run_python("while True:\n  pass", Limits(timeout_s=10.0, cpu_s=1))
+  assert time.monotonic() - start < 4.0
+  assert out == "error: ran past the 1 s CPU time limit"
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["x = bytearray(10**10)", "x = [0] * 10**10", "x = []\nwhile True: x.append(' ' * 10**6)"],
+)
+def test_a_memory_bomb_hits_the_memory_limit_and_this_process_stays_as_it_was(code):
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB
+  out = run_python(code, Limits(timeout_s=10.0, memory_mb=512))
+  assert out == "error: MemoryError: ran past the 512 MB memory limit"
+  assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
+  assert run_python("print('next')") == "next\n"
+
+
+# ------------------------------------------------------------------ the environment
+CALL = '<tool_call>\n{{"name": "python", "arguments": {{"code": {code}}}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "turn,code",
+    [
+        (CALL.format(code=json.dumps("print(2 ** 10)")), "print(2 ** 10)"),
+        (
+            '<tool_call>{"name": "python", "arguments": {"code": "a = 1\nprint(a)"}}',
+            "a = 1\nprint(a)",
+        ),
+        ("Let me compute.\n<tool_call>\n```python\nprint(1)\n```\n</tool_call>", "print(1)\n"),
+        ("<tool_call>print(3)</tool_call>", "print(3)"),
+        ('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x\\"}"}', "x"),
+        ("no call here, \\boxed{4}", None),
+    ],
+)
+def test_a_qwen3_tool_call_gives_its_code(turn, code):
+  assert tool_call_code(turn) == code
+
+
+@pytest.mark.parametrize(
+    "turn,message",
+    [
+        ('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "a call needs"),
+        ('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>', "no tool 'search'"),
+    ],
+)
+def test_a_call_without_code_is_refused_by_name(turn, message):
+  with pytest.raises(ToolCallError, match=message):
+    tool_call_code(turn)
+
+
+def test_the_env_answers_a_tool_call_with_its_output_and_a_turn_without_one_ends_it():
+  env = base.load("python_tool")
+  assert isinstance(env, PythonToolEnv)
+  code = "from sympy import factorint\nprint(factorint(360))"
+  turn = "I will factor it.\n" + CALL.format(code=json.dumps(code))
+  step = env.step({"calls": 0}, turn)
+  assert (step.observation, step.done, step.state) == ("{2: 3, 3: 2, 5: 1}\n", False, {"calls": 1})
+  step = env.step({"calls": 1}, CALL.format(code=json.dumps("x = 1")))
+  assert (step.observation, step.state) == ("(no output)", {"calls": 2})
+  step = env.step({"calls": 2}, CALL.format(code=json.dumps("1 / 0")))
+  assert "ZeroDivisionError" in step.observation and not step.done
+  step = env.step({"calls": 0}, '<tool_call>{"name": "python", "arguments": {}}</tool_call>')
+  assert step.observation.startswith("error: a call needs") and not step.done
+  final = env.step({"calls": 3}, "So the answer is \\boxed{360}.")
+  assert (final.observation, final.done, final.state) == (None, True, {"calls": 3})
+
+
+def test_reset_opens_with_the_tool_s_system_prompt_and_the_row_s_problem():
+  env = PythonToolEnv()
+  dapo_row = load_records(MATH_DIR / "dapo_format_aime24.parquet")[0][0]["row"]
+  rows = [
+      ({"problem": "What is 2 + 2?", "answer": "4"}, "What is 2 + 2?"),
+      ({"question": "Half of 48?", "answer": "24"}, "Half of 48?"),
+      (dapo_row, dapo_row["extra_info"]["raw_problem"]),
+      (
+          {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "3 * 3?"}]},
+          "3 * 3?",
+      ),
+  ]
+  for row, question in rows:
+    reset = env.reset(row)
+    assert reset == EnvReset(
+        state={"calls": 0},
+        messages=[
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ],
+    )
+  assert env.reset({"answer": "4"}) == {"calls": 0}  # no problem found: the row's prompt
+
+
+def test_the_system_prompt_is_the_tool_block_qwen3_s_template_writes():
+  from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+
+  tok = Tokenizer.from_pretrained(QWEN3_TOKENIZER_DIR)
+  question = {"role": "user", "content": "What is 2 + 2?"}
+  with_tools = tok.apply_chat_template(
+      [{"role": "system", "content": INSTRUCTIONS}, question], tools=[TOOL]
+  )
+  assert tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}, question]) == (
+      with_tools
+  )
+  assert "\\boxed{" in SYSTEM_PROMPT and '"name": "python"' in SYSTEM_PROMPT
+  assert len(tok.encode(load_config("math_python_tool").env.turn_stop)) == 1
+
+
+# ------------------------------------------------------------------ the config
+def test_the_math_python_tool_config_validates(tmp_path):
+  c = load_config("math_python_tool")
+  assert (c.env.name, c.rollout.reward, c.env.turn_stop) == ("python_tool", "math", "</tool_call>")
+  assert PythonToolEnv.limits.timeout_s < c.env.timeout_s
+  with pytest.raises(validate.ConfigError, match="data.source '' needs a pretrained model"):
+    validate.validate(c)  # the model and the data are the user's to give
+  model = tmp_path / "Qwen3-4B"
+  model.mkdir()
+  shutil.copy(MODEL_CONFIGS_DIR / "qwen3-4b.config.json", model / "config.json")
+  c.model.path = str(model)
+  c.data.source = str(MATH_DIR / "dapo_format_aime24.parquet")
+  c.eval.path = str(MATH_DIR / "math500.json")
+  validate.validate(c)
