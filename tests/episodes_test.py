@@ -315,7 +315,9 @@ def _scheduler(
       max_response_len=60,
       temperature=1.0,
   )
-  return AprilScheduler(engine, settings, source, runner, episodes=_runner())
+  # Every call answered right after the decode call that ended its turn: runs compared
+  # token for token cannot depend on when a call's thread returns (env.overlap).
+  return AprilScheduler(engine, settings, source, runner, episodes=_runner(overlap=False))
 
 
 def _trained(result):

@@ -101,7 +101,8 @@ class EpisodeRunner:
     self._around = (prefix, suffix)
     self._render = render  # chat messages -> prompt tokens (reset's messages)
     self.counts = collections.Counter()  # over the run
-    self._threads = None  # the environment's calls, settings.workers at once
+    self.wait_s = 0.0  # seconds waited for calls (answer with wait), over the run
+    self._threads = {}  # kind -> the threads of the environment's calls (_pool)
     # The turns whose calls run (process 0's futures; None elsewhere), in call order.
     self.pending: dict[SampleRecord, concurrent.futures.Future | None] = {}
 
@@ -139,10 +140,10 @@ class EpisodeRunner:
 
   def answer(self, engine, wait: str = "none") -> list[SampleRecord]:
     """Applies the calls that have returned, in call order (wait "one": after waiting
-    for at least one; "all": for every one; the time waited is counted as env/wait_s):
+    for at least one; "all": for every one; the time waited is counted in wait_s):
     a sample in its slot goes on after its observation (extend) or ends (release); one
-    cut out of its slot meanwhile takes its observation on the host, to be fed when it
-    resumes, or ends there. Returns the samples that ended. Which calls have returned
+    out of its slot meanwhile (cut, preempted or set aside) takes its observation on the
+    host, to be fed when it resumes, or ends there. Returns the samples that ended. Which calls have returned
     is process 0's view, agreed by all."""
     if not self.pending:
       return []
@@ -158,8 +159,11 @@ class EpisodeRunner:
         engine.release(record)
       elif tokens is not None:
         _give(record, tokens, engine.version)
-      else:
+      else:  # finished out of its slot: its KV, on the host or kept, has no further use
         record.finish_reason = "stop"
+        record.drop_kv()
+        if engine.keeps(record):
+          engine.discard(record)
       if record.finished:
         ended.append(record)
     return ended
@@ -189,7 +193,7 @@ class EpisodeRunner:
           concurrent.futures.ALL_COMPLETED if wait == "all" else concurrent.futures.FIRST_COMPLETED
       )
       concurrent.futures.wait(futures, return_when=how)
-      self.counts["env/wait_s"] += time.perf_counter() - began
+      self.wait_s += time.perf_counter() - began
     return [(i, f.result()) for i, f in enumerate(futures) if f.done()]
 
   # ------------------------------------------------- outcomes (process 0 computes them)
@@ -289,24 +293,25 @@ class EpisodeRunner:
 
   def _map(self, fn, items: list) -> list:
     """[fn(item) for item in items], settings.workers calls at once (an outcome depends
-    on its own sample alone)."""
+    on its own sample alone), on a pool of their own: never behind turns' calls."""
     if self.settings.workers <= 1 or len(items) <= 1:
       return [fn(item) for item in items]
-    return list(self._pool().map(fn, items))
+    return list(self._pool("waited").map(fn, items))
 
-  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-    if self._threads is None:
-      self._threads = concurrent.futures.ThreadPoolExecutor(
-          self.settings.workers, thread_name_prefix="env"
+  def _pool(self, kind: str = "turns") -> concurrent.futures.ThreadPoolExecutor:
+    """The threads of the turns' calls, or of the calls waited for at once ("waited")."""
+    if kind not in self._threads:
+      self._threads[kind] = concurrent.futures.ThreadPoolExecutor(
+          self.settings.workers, thread_name_prefix=f"env-{kind}"
       )
-    return self._threads
+    return self._threads[kind]
 
   def close(self) -> None:
     """Drops the calls still running and ends the environment's worker processes, if
     it has any."""
     self.pending.clear()
-    if self._threads is not None:
-      self._threads.shutdown(wait=False, cancel_futures=True)
+    for threads in self._threads.values():
+      threads.shutdown(wait=False, cancel_futures=True)
     close = getattr(self.env, "close", None)
     if getattr(self.env, "in_workers", False) and close is not None:
       close()

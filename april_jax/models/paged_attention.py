@@ -225,7 +225,8 @@ def paged_chunk_attention(
   dtype = view(pool_k_LxPxKxTxH[:0]).dtype
   q = q_WxTxKxGxH.astype(dtype)
   scale = H**-0.5
-  o, m, l = _chunk_self(q, k_new_WxTxKxH.astype(dtype), v_new_WxTxKxH, scale)
+  # The chunk's keys and values as the pool stores them: as a decode step reads them.
+  o, m, l = _chunk_self(q, k_new_WxTxKxH.astype(dtype), v_new_WxTxKxH.astype(dtype), scale)
   span = block_pages * page
 
   def block(b, carry):

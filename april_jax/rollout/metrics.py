@@ -91,6 +91,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/observation_token_frac": 1.0 - drawn_total / lengths.sum() if lengths.sum() else 0.0,
       "time/rollout_s": float(st.get("rollout_s", 0.0)),
       "time/reward_s": float(st.get("reward_s", 0.0)),
+      "time/env_wait_s": float(st.get("env_wait_s", 0.0)),
   }
 
 

@@ -39,10 +39,11 @@ trained token is staler than max_staleness, and the prompt itself is never lost.
 
 With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
 ends a turn is parked with its pages while the environment's call runs off the decode
-path (env.overlap) and the other slots decode; at each decode boundary the calls that
+path (env.overlap) and the other slots decode; when a sample waits for a slot, parked
+ones are set aside (their KV kept in their pages, taken back in place once answered); at each decode boundary the calls that
 have returned are applied: the observation goes into the same slot (one chunked
 prefill), or the episode ends and the sample is finished. Only when nothing can decode
-does the scheduler wait for a call (counted as env/wait_s). With env.overlap off every
+does the scheduler wait for a call (counted as env_wait_s). With env.overlap off every
 call is waited for right after the decode call that ended its turn (a run is then
 reproducible whatever the calls' timing). A cut snapshots an episode like any sample,
 mid-turn, with an observation not yet fed, or with its call still running: it waits on
@@ -173,12 +174,15 @@ class AprilScheduler:
     render the prompt, which a group's samples share: a fresh group takes its first
     sample's, and a sample whose messages render another is an environment error."""
     self.episodes.start(records, [{**group.row, "answer": group.answer}] * len(records))
-    if not any(r.started for r in group.samples) and records[0] is group.samples[0]:
-      group.prompt = records[0].prompt
-    for r in records:
+    opened = [r for r in records if r.episode.error is None]  # a failed reset has no say
+    if opened and all(r.episode is not None and not r.started for r in group.samples):
+      group.prompt = opened[0].prompt  # a fresh group: its first opened sample's
+    for r in opened:
       if not np.array_equal(r.prompt, group.prompt):
-        r.prompt, r.episode.error = group.prompt, "reset's messages differ from its group's"
+        r.episode.error = "reset's messages render another prompt than its group's"
         self.episodes.counts["env/errors"] += 1
+    for r in records:
+      r.prompt = group.prompt
 
   # -------------------------------------------------------------------- staleness
   def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
@@ -247,6 +251,7 @@ class AprilScheduler:
         steps0=counters.decode_steps,
         rewards0=(r.errors, r.timeouts, r.seconds),
         env0=collections.Counter(self.episodes.counts if self.episodes else ()),
+        env_wait0=self.episodes.wait_s if self.episodes else 0.0,
     )
 
   def _admit(self, st: "_Step") -> bool:
@@ -305,12 +310,26 @@ class AprilScheduler:
     the KV pages allow; while slots stay free, more groups are admitted, as many as
     the free slots can take, and started together (their prompts share prefill calls),
     until no slot is free, a waiting sample lacks pages, or the stop rule holds."""
+    self._set_aside_parked(st)
     while self.engine.num_free and not self._stop(st):
       started = self._start_waiting(st)
       if st.blocked:
         return  # a waiting sample lacks a slot or pages: admit nothing more for now
       if not started and not self._admit_for_free_slots(st):
         return
+
+  def _set_aside_parked(self, st: "_Step") -> None:
+    """With every slot taken and a sample waiting for one (or a group still to admit),
+    the slots parked on running environment calls are given up: their samples' KV stays
+    kept in their pages (resume mode kv), and they take them back in place once
+    answered. A tool call then idles no slot."""
+    if self.episodes is None or self.engine.num_free or self.settings.resume_mode != "kv":
+      return
+    if not self._waiting(st) and (len(st.active) >= st.budget or self._stop(st)):
+      return
+    for record in list(self.episodes.pending):
+      if self.engine.holds(record):
+        self.engine.set_aside(record)
 
   def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
     """Each admitted group's samples that wait for a slot (unfinished, not in one)."""
@@ -451,6 +470,7 @@ class AprilScheduler:
     )
     if self.episodes is not None:  # env/turns, env/errors, ... (envs/episodes.py)
       st.stats.update({k: v - st.env0[k] for k, v in self.episodes.counts.items()})
+      st.stats["env_wait_s"] = self.episodes.wait_s - st.env_wait0
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
   def _cut(self, st: "_Step") -> RolloutResult:
@@ -477,6 +497,7 @@ class _Step:
   steps0: int
   rewards0: tuple
   env0: collections.Counter
+  env_wait0: float
   active: list[Group] = dataclasses.field(default_factory=list)  # admitted
   active_ids: set[int] = dataclasses.field(default_factory=set)
   accepted: list[Group] = dataclasses.field(default_factory=list)  # completion order

@@ -32,13 +32,17 @@ A driver may
                                 tokens are written into the slot's pages by one chunked
                                 prefill at the next step (feed_given "prefill"), or fed
                                 by its decode steps, one a step ("decode").
+  set_aside(record)             a held sample leaves its slot to another, its KV kept in
+                                its pages (as snapshot with keep leaves it); admitted
+                                again, it takes them back in place.
   snapshot(with_kv, keep)       every unfinished sample out of its slot, all slots free;
                                 with keep its KV stays in its pages until they are needed.
   discard(record)               a kept sample starts over: its pages go, its KV is not
                                 copied.
   copy_out_kept()               every kept sample's KV to the host (before a checkpoint).
   warm_up()                     compile every program a run uses (on an empty engine).
-and ask, changing nothing: holds(record), keeps(record), num_live, num_free, config,
+and ask, changing nothing: holds(record), keeps(record), num_live, num_free,
+num_decoding (live slots not held at a stop), config,
 params, version, counters (EngineCounters) and pages_used_fraction().
 
 It promises
@@ -47,7 +51,8 @@ It promises
   - Every drawn token carries its behaviour logprob and a version tag: the oldest
     version its forward pass saw (min of the drawing version and its KV's version).
   - Nothing is lost or doubled: every admitted sample leaves once, through step
-    (finished), take_preempted or snapshot; a held one only through extend or release.
+    (finished), take_preempted or snapshot; a held one only through extend, release
+    or set_aside.
   - A partial continued from its KV, kept or from the host, decodes as it would have
     without the cut; a recomputed one as a fresh prefill of its tokens would.
   - Lengths are bucketed: after warm_up, no call compiles a new program.
@@ -76,7 +81,7 @@ class EngineCounters:
   kv_bytes_to_device: int = 0  # host KV put back into the pool
   feeds: int = 0  # chunked-prefill calls that wrote given tokens into slots' pages
   tokens_fed: int = 0  # given tokens those calls wrote
-  feed_rows: int = 0  # rows those calls computed (1 for a slot alone, else insert_width)
+  feed_rows: int = 0  # rows those calls computed (a power of two, at most insert_width)
 
 
 class Engine(Protocol):
@@ -101,6 +106,10 @@ class Engine(Protocol):
   def num_free(self) -> int:
     ...
 
+  @property
+  def num_decoding(self) -> int:
+    ...
+
   def set_policy(self, params, version: int) -> None:
     ...
 
@@ -123,6 +132,9 @@ class Engine(Protocol):
     ...
 
   def release(self, record: SampleRecord) -> None:
+    ...
+
+  def set_aside(self, record: SampleRecord) -> None:
     ...
 
   def snapshot(self, with_kv: bool = True, keep: bool = False) -> list[SampleRecord]:

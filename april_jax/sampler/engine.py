@@ -35,7 +35,7 @@ import numpy as np
 from april_jax import buckets, sharding
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
-from april_jax.sampler import slot_ops
+from april_jax.sampler import feeding, slot_ops
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.kv_manager import KVManager
@@ -192,8 +192,9 @@ class SlotEngine:
     )
     zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype)
     self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), Wr, [], [], [], [], [])
-    if self.config.hold_stopped and self.config.feed_given == "prefill":
-      for rows in sorted({1, W}):
+    feeds = self.config.hold_stopped and self.config.feed_given == "prefill"
+    if feeds and b <= self.bucket(min(self.config.feed_len, self.config.max_len)):
+      for rows in sorted({feeding.rows(n, W) for n in range(1, W + 1)}):
         none, zero = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
         self.state = self.fns.feed(self.params, self.state, none, zero, b, self.kv.table())
 
@@ -479,29 +480,33 @@ class SlotEngine:
 
   def _feed_given(self) -> None:
     """The given tokens of the slots that have some (extended, or resumed with KV for
-    fewer positions than their tokens) into their pages, one chunked prefill per length
-    bucket and insert_width slots, one row for a slot alone (slot_ops.feed): each then stands at its record's
-    length, its last given token pending. The pages are the step's (_reserve)."""
-    items = [(s, self.slots.owner(s)) for s in sorted(self._to_feed)]
+    fewer positions than their tokens) into their pages by chunked prefills
+    (slot_ops.feed, split as feeding.py says): each then stands at its record's length,
+    its last given token pending. The pages are the step's (_reserve)."""
+    todo = {s: (int(self.slots.lengths[s]), self.slots.owner(s).length) for s in self._to_feed}
     self._to_feed.clear()
-    by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
-    for slot, r in items:
-      count = r.length - int(self.slots.lengths[slot])
-      if count > 0:
-        by_bucket.setdefault(self.bucket(count), []).append((slot, r))
     W = self.config.insert_width
-    for T, group in sorted(by_bucket.items()):
-      for i in range(0, len(group), W):
-        chunk = group[i : i + W]
-        rows = 1 if len(chunk) == 1 else W  # one slot alone: one row of work, not W
-        slots, ends = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
-        for j, (slot, r) in enumerate(chunk):
-          slots[j], ends[j] = slot, r.length
-          self._counters.tokens_fed += r.length - int(self.slots.lengths[slot])
-          self.slots.lengths[slot] = r.length
-        self.state = self.fns.feed(self.params, self.state, slots, ends, T, self.kv.table())
-        self._counters.feed_rows += rows
-        self._counters.feeds += 1
+    for T, pieces in feeding.calls(todo, self.config.feed_len, self.bucket, W):
+      rows = feeding.rows(len(pieces), W)
+      slots, ends = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+      for j, (slot, end) in enumerate(pieces):
+        slots[j], ends[j] = slot, end
+        self._counters.tokens_fed += end - int(self.slots.lengths[slot])
+        self.slots.lengths[slot] = end
+      self.state = self.fns.feed(self.params, self.state, slots, ends, T, self.kv.table())
+      self._counters.feed_rows += rows
+      self._counters.feeds += 1
+
+  def set_aside(self, record: SampleRecord) -> None:
+    """A sample held at a stop leaves its slot to another while its environment
+    answers: its KV stays in its pages, kept for it (keeps), as a snapshot with keep
+    leaves a sample; admitted again, it takes them back in place."""
+    slot = self._held_slot(record)
+    if self.kv.book.shards > 1:
+      record.home_shard = self.kv.shard_of(slot)
+    record.kv_version = int(self.slots.kv_versions[slot])
+    self.kv.keep(slot, record, int(self.slots.lengths[slot]) - 1)
+    self._release(slot)
 
   def release(self, record: SampleRecord) -> None:
     """Ends a sample that stopped and was held (hold_stopped): finished, slot freed."""

@@ -53,6 +53,9 @@ class EngineConfig:
   # slot's KV: one chunked prefill over its pages ("prefill"), or one decode step each
   # ("decode": the slot's lane draws nothing meanwhile). They give the same tokens.
   feed_given: str = "prefill"
+  # Given tokens one feed call writes per slot at most (longer ones go in several calls):
+  # its length bucket caps the feed programs a run compiles and the memory each takes.
+  feed_len: int = 512
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -142,6 +145,7 @@ RUN_CONFIG_NAMES.update(
 
 _AT_LEAST_ONE = ("num_slots", "max_len", "sync_every", "min_bucket", "insert_width")
 _AT_LEAST_ONE += ("snapshot_width", "decode_block", "page_size", "refill_batch", "prefill_width")
+_AT_LEAST_ONE += ("feed_len",)
 
 
 def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:

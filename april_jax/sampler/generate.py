@@ -107,9 +107,9 @@ def generate_on(
       SampleRecord(prompt=np.asarray(p, np.int32), rng=keys[i], index=i, **sampling)
       for i, p in enumerate(prompts)
   ]
+  if episodes is not None:  # first: reset may give a sample its prompt (its messages)
+    episodes.start(records, [dict(rows[r.index]) if rows else {} for r in records])
   queue = collections.deque(_checked(engine, records, on_invalid))
-  if episodes is not None:
-    episodes.start(list(queue), [dict(rows[r.index]) if rows else {} for r in queue])
   _drive(engine, queue, episodes)
   if return_records:
     return records

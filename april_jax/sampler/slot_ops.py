@@ -504,6 +504,9 @@ class DeviceFns:
     return {name: fn._cache_size() for name, fn in fns.items() if hasattr(fn, "_cache_size")}
 
 
+FEED_BLOCK = 256  # pooled positions a feed call's attention reads per block
+
+
 def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
   """Pages per chunk of decode attention: decode_block positions, or the pool's
   `pool_pages` usable pages when that is fewer (a wider chunk would gather padding)."""
@@ -546,6 +549,9 @@ def device_fns(
     shards = math.prod(mesh.shape[a] for a in axes)
   per_shard = -(-s.usable_pages // shards) + 1
   chunk_pages = chunk_pages_for(s.decode_block, page_size, per_shard - 1)
+  # A feed's T queries score a block's positions at once: blocks of FEED_BLOCK positions
+  # keep that tile small and read little past a short slot's KV.
+  feed_pages = chunk_pages_for(min(s.decode_block, FEED_BLOCK), page_size, per_shard - 1)
   init = lambda: init_state(
       cfg, num_slots, max_len, jnp.dtype(s.kv_dtype), page_size, shards * per_shard
   )
@@ -574,7 +580,7 @@ def device_fns(
       write_rows=jax.jit(write_rows, donate_argnums=0, **pin),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
       feed=jax.jit(
-          traced(functools.partial(feed, layout, cfg, chunk_pages)),
+          traced(functools.partial(feed, layout, cfg, feed_pages)),
           donate_argnums=1,
           static_argnums=4,
           **pin,
