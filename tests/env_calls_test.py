@@ -102,7 +102,7 @@ def waited():
   return _samples(_scheduler(Tool(), overlap=False), 3)
 
 
-def test_calls_that_overlap_decoding_draw_what_waited_calls_draw(waited):
+def test_calls_that_overlap_decoding_and_slots_set_aside_draw_what_waited_calls_draw(waited):
   s = _scheduler(Tool(delay=0.05))
   engine_step, overlaps = s.engine.step, []
 
@@ -111,6 +111,8 @@ def test_calls_that_overlap_decoding_draw_what_waited_calls_draw(waited):
     return engine_step(**kw)
 
   s.engine.step = step
+  engine_set_aside, set_aside = s.engine.set_aside, []
+  s.engine.set_aside = lambda r: (set_aside.append(r), engine_set_aside(r))
   overlapped = _samples(s, 3)
   common = set(overlapped) & set(waited)
   assert len(common) >= 6
@@ -118,6 +120,7 @@ def test_calls_that_overlap_decoding_draw_what_waited_calls_draw(waited):
     assert overlapped[key] == waited[key], key
   assert all(len(spans) == 2 for _, spans in overlapped.values())  # three turns each
   assert sum(overlaps) > len(overlaps) / 4  # slots decoded while calls ran
+  assert set_aside  # samples waited for slots: parked ones gave theirs up
 
 
 def test_an_episode_cut_while_its_call_runs_resumes_with_its_observation(waited):

@@ -9,7 +9,7 @@ import pytest
 
 from april_jax import sampler, sharding
 from april_jax.models import hf_io, qwen3
-from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, feeding
 from april_jax.sampler.records import Status
 from conftest import TINY_HF_CONFIGS, sampler_qwen3, save_random_hf_qwen3
 
@@ -167,3 +167,23 @@ def test_tokens_after_an_observation_equal_transformers_greedy_generate(tmp_path
     drawn = following[: stop + 1].tolist()
     prefix = prompt + record.response[:end].tolist()
     assert hf_generate(prefix, len(drawn), eos) == drawn
+
+
+def test_observations_longer_than_a_feed_call_go_in_pieces_and_draw_the_same(params, by_decode):
+  fed, engine = _episodes(params, "prefill", feed_len=8)  # observations of 14 and 23 tokens
+  slow, _ = by_decode
+  for i in slow:
+    np.testing.assert_array_equal(fed[i].response, slow[i].response)
+    np.testing.assert_allclose(fed[i].logprobs, slow[i].logprobs, atol=2e-5)
+  assert engine.counters.tokens_fed / engine.counters.feeds <= 8
+
+
+def test_feed_calls_split_pieces_by_bucket_and_width():
+  bucket = lambda n: max(4, 1 << (n - 1).bit_length())
+  todo = {0: (10, 30), 1: (5, 8), 2: (7, 9), 3: (20, 21)}
+  calls = feeding.calls(todo, feed_len=16, bucket=bucket, width=2)
+  # Round 1: slot 0's first 16 tokens (bucket 16); slots 1, 2, 3 (bucket 4), two a call.
+  # Round 2: slot 0's last 4 tokens.
+  assert calls == [(4, [(1, 8), (2, 9)]), (4, [(3, 21)]), (16, [(0, 26)]), (4, [(0, 30)])]
+  assert [feeding.rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+  assert feeding.rows(5, 6) == 6
