@@ -299,6 +299,13 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   programs = _prefill_programs(fns, mesh, decode_params, econf.max_len, B, prompt)
   programs += _insert_programs(cfg, econf, fns, state, mesh, B, prompt)
   programs += _decode_programs(econf, fns, state, mesh, decode_params)
+  if econf.hold_stopped and econf.feed_given == "prefill":  # an environment's observations
+    rep, W = functools.partial(_replicated, mesh), econf.insert_width
+    T = buckets.bucket(min(econf.feed_len, econf.max_len), econf.min_bucket, econf.max_len)
+    args = (decode_params, state, rep((W,), jnp.int32), rep((W,), jnp.int32), T, state.page_table)
+    programs.append(
+        compile_program("feed (observations)", fns.feed, args, (True, True) + (False,) * 4)
+    )
   # The KV of the prefill call that held the last prompt, kept for the rest of its group
   # (SlotEngine._prompt_kvs).
   kept = jax.eval_shape(fns.prefill_kv, decode_params, _replicated(mesh, (B, prompt), jnp.int32))

@@ -1,17 +1,22 @@
 """Mode `multiturn`: what multi-turn episodes cost beyond the tokens they draw.
 
-Three sides, each one APRIL scheduler step (rollout/scheduler.py) over the same prompts
+Four sides, each one APRIL scheduler step (rollout/scheduler.py) over the same prompts
 on the same engine settings, random weights:
 
-  single    single-turn samples, each with a budget of exactly the tokens its episode
-            drew, no environment: the floor
-  engine    3-turn episodes: each turn's observation (`obs_tokens` tokens) written into
-            the slot's pages by one chunked prefill (EngineConfig.feed_given "prefill"),
-            the tool's calls (`tool_s` seconds each) run while the other slots decode
-            (env.overlap)
-  before    the same episodes as the engine ran them before: observations fed one
-            decode step a token ("decode"), every call waited for on one thread right
-            after the decode call that ended its turn
+  single       single-turn samples, each with a budget of exactly the tokens its
+               episode drew, no environment: the floor
+  long_single  the same, with prompts longer by the observation tokens a drawn token
+               attends to on average in an episode (obs_tokens x (turns - 1) / 2): the
+               floor at the episodes' contexts, since a decode step's attention reads
+               every live token's KV, the observations' included
+  engine       3-turn episodes: each turn's observation (`obs_tokens` tokens) written
+               into the slot's pages by one chunked prefill (EngineConfig.feed_given
+               "prefill"), the tool's calls (`tool_s` seconds each) run while the other
+               slots decode (env.overlap), and a parked slot given up to a waiting
+               sample
+  before       the same episodes as the engine ran them before: observations fed one
+               decode step a token ("decode"), every call waited for on one thread
+               right after the decode call that ended its turn
 
 The model's output head is zero, so every token is drawn uniformly (each sample's draws
 depend on its key and position alone: the sides draw the same tokens), and a turn ends
@@ -78,6 +83,12 @@ class Tool:
     return EnvStep(observation=" ".join(map(str, obs)), done=False, state=state)
 
 
+def _mean_observation_context(shape: Shape) -> int:
+  """Observation tokens a drawn token attends to, on average over an episode: none in
+  the first turn, one observation's in the second, ... (turns of equal mean length)."""
+  return shape.obs_tokens * (shape.turns - 1) // 2
+
+
 def _model(seed: int, model: dict):
   cfg = qwen3.Qwen3Config(**model)
   params = qwen3.init_params(cfg, jax.random.key(seed), std=0.05)
@@ -86,17 +97,20 @@ def _model(seed: int, model: dict):
 
 
 def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int):
-  """One scheduler over `shape.episodes` prompts; side: single, engine or before."""
-  multi = side != "single"
-  max_new = max(budgets) if not multi else shape.turns * (8 * shape.turn_tokens + shape.obs_tokens)
+  """One scheduler over `shape.episodes` prompts; side: single, long_single, engine or
+  before. long_single's prompts are longer by the observations' mean context."""
+  multi = not side.endswith("single")
+  extra = _mean_observation_context(shape) if side == "long_single" else 0
+  # One engine setting on every side: the same slots, max_len and KV pool.
+  max_new = shape.turns * (8 * shape.turn_tokens + shape.obs_tokens)
   config = EngineConfig(
       num_slots=shape.slots,
-      max_len=shape.prompt_len + max_new,
+      max_len=shape.prompt_len + extra + max_new,
       sync_every=16,
       stop_ids=tuple(range(num_stops)) if multi else (),
       hold_stopped=multi,
       feed_given="decode" if side == "before" else "prefill",
-      prompt_len=shape.prompt_len,
+      prompt_len=shape.prompt_len + extra,
       page_size=16,
   )
   engine = SlotEngine(cfg, params, config)
@@ -108,7 +122,7 @@ def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int):
     i = next(items, None)
     if i is None:
       return None
-    prompt = np.random.default_rng(i).integers(num_stops, cfg.vocab_size, shape.prompt_len)
+    prompt = np.random.default_rng(i).integers(num_stops, cfg.vocab_size, shape.prompt_len + extra)
     budget = None if multi else [budgets[i]]
     return PromptItem(prompt_id=i, tokens=prompt, answer="", budgets=budget, row={"id": i})
 
@@ -206,6 +220,8 @@ def run(
   budgets = [max(1, drawn[i]) for i in range(shape.episodes)]
   single = _rollout(_scheduler(cfg, params, shape, budgets, "single", num_stops))
   single.pop("drawn_by_id")
+  long_single = _rollout(_scheduler(cfg, params, shape, budgets, "long_single", num_stops))
+  long_single.pop("drawn_by_id")
   before_side = _rollout(_scheduler(cfg, params, shape, None, "before", num_stops))
   before_side.pop("drawn_by_id")
   probe = _scheduler(cfg, params, shape, None, "engine", num_stops).engine
@@ -217,11 +233,13 @@ def run(
       shape=dataclasses.asdict(shape),
       model=model,
       single=single,
+      long_single=long_single,
       engine=engine_side,
       before=before_side,
       prefill_s=prefill_s,
       engine_vs_floor=engine_side["rollout_s"] / (single["rollout_s"] + prefill_s),
       before_vs_floor=before_side["rollout_s"] / (single["rollout_s"] + prefill_s),
+      engine_vs_long_floor=engine_side["rollout_s"] / (long_single["rollout_s"] + prefill_s),
       engine_idle_frac=engine_side["env_wait_s"] / engine_side["rollout_s"],
       before_idle_frac=before_side["env_wait_s"] / before_side["rollout_s"],
   )
@@ -233,7 +251,12 @@ def run(
         [
             [name, f"{r['rollout_s']:.2f}", r["drawn_tokens"], r["decode_steps"], r["feeds"]]
             + [f"{r.get('env_wait_s', 0.0):.2f}"]
-            for name, r in (("single", single), ("engine", engine_side), ("before", before_side))
+            for name, r in (
+                ("single", single),
+                ("long_single", long_single),
+                ("engine", engine_side),
+                ("before", before_side),
+            )
         ],
     )
   return result
@@ -246,12 +269,14 @@ def _print(r: dict) -> None:
       f"a turn), {s['obs_tokens']}-token observations, a {s['tool_s'] * 1000:.0f} ms tool, "
       f"{s['slots']} slots"
   )
-  print(f"{'side':<8} {'rollout s':>10} {'drawn':>7} {'decode steps':>13} {'feeds':>6} {'idle':>7}")
-  for name in ("single", "engine", "before"):
+  print(
+      f"{'side':<11} {'rollout s':>10} {'drawn':>7} {'decode steps':>13} {'feeds':>6} {'idle':>7}"
+  )
+  for name in ("single", "long_single", "engine", "before"):
     x = r[name]
     idle = x.get("env_wait_s", 0.0) / x["rollout_s"]
     print(
-        f"{name:<8} {x['rollout_s']:>10.2f} {x['drawn_tokens']:>7} {x['decode_steps']:>13} "
+        f"{name:<11} {x['rollout_s']:>10.2f} {x['drawn_tokens']:>7} {x['decode_steps']:>13} "
         f"{x['feeds']:>6} {idle:>7.1%}"
     )
   e = r["engine"]
@@ -262,6 +287,11 @@ def _print(r: dict) -> None:
   print(
       f"engine / (single + prefill) = {r['engine_vs_floor']:.2f}x (goal <= 1.2x); before: "
       f"{r['before_vs_floor']:.2f}x"
+  )
+  print(
+      f"engine / (long_single + prefill) = {r['engine_vs_long_floor']:.2f}x: the floor with "
+      f"prompts longer by the observations' mean context ({_mean_observation_context(Shape(**s))} "
+      "tokens)"
   )
   print(
       f"idle on tool calls: engine {r['engine_idle_frac']:.1%} (goal <= 5%), before "
