@@ -30,13 +30,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # The cache is the subprocesses' (tests/cli.py turns it on for them). This process keeps
 # its compiled programs in memory and never serializes one: after a long mix of tests in
 # one worker (torch and transformers loaded in it), writing a step benchmark's executable
-# to the cache crashed XLA's serializer (a segfault, the same test in three full runs).
+# to the cache crashed XLA's serializer (a segfault, the same test in three full runs),
+# and later XLA's compiler itself. Torch now loads only in hf_oracle.py's processes.
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 from pathlib import Path  # pylint: disable=g-import-not-at-top
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
+
+import hf_oracle  # pylint: disable=g-import-not-at-top
 
 # The real data the tests read ships with them (tests/data/README.md: sources, licenses).
 TEST_DATA = Path(__file__).resolve().parent / "data"
@@ -134,14 +137,15 @@ TINY_HF_CONFIGS = {
 def save_random_hf_qwen3(
     path: Path, seed: int = 0, vocab_size: int = 256, num_layers: int = 2, **overrides
 ) -> Path:
-  """Saves a random Qwen3ForCausalLM with transformers, weights at realistic magnitudes.
+  """Saves a random Qwen3ForCausalLM with transformers, weights at realistic magnitudes,
+  in a process of its own (hf_oracle.py: torch never loads in a test process).
 
   The default init (std 0.02) makes every layer nearly the identity, which would hide
   mistakes; here matrices get std 1/sqrt(fan_in) and norm weights vary around 1.
   """
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+  hf_oracle.require("torch", "transformers")
   kwargs = dict(
+      seed=seed,
       vocab_size=vocab_size,
       intermediate_size=96,
       num_hidden_layers=num_layers,
@@ -149,19 +153,7 @@ def save_random_hf_qwen3(
       max_position_embeddings=512,
   )
   kwargs.update(overrides)
-  config = transformers.Qwen3Config(**kwargs)
-  torch.manual_seed(seed)
-  model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if p.ndim == 1:
-        p.copy_(1.0 + 0.3 * torch.randn_like(p))
-      elif "embed_tokens" in name:
-        p.normal_(0.0, 1.0)
-      else:
-        p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-  model.save_pretrained(path, safe_serialization=True)
-  return path
+  return hf_oracle.save_random(path, **kwargs)
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_HF_CONFIGS))
@@ -201,3 +193,12 @@ def step_at(scheduler, step: int, version: int, **options):
   """One scheduler step with its engine's policy at `version` (the params it holds)."""
   scheduler.engine.set_policy(scheduler.engine.params, version)
   return scheduler.step(step, **options)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_stays_out():
+  """Torch never loads in a test process (hf_oracle.py says why); checked at the end."""
+  yield
+  import sys  # pylint: disable=g-import-not-at-top
+
+  assert "torch" not in sys.modules, "torch loaded in a test process: use tests/hf_oracle.py"

@@ -12,6 +12,7 @@ from april_jax.models import hf_io, qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, feeding
 from april_jax.sampler.records import Status
 from conftest import TINY_HF_CONFIGS, sampler_qwen3, save_random_hf_qwen3
+import hf_oracle
 
 CFG = sampler_qwen3()
 STOPS = (3, 17, 29, 41, 55, 68, 80, 91)
@@ -123,26 +124,11 @@ def test_after_warm_up_feeding_observations_compiles_nothing(params, compiles):
 
 
 def test_tokens_after_an_observation_equal_transformers_greedy_generate(tmp_path):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   path = save_random_hf_qwen3(tmp_path / "hf", vocab_size=96, **TINY_HF_CONFIGS["untied"])
   cfg, hf_params = hf_io.load_pretrained(path)
-  model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
   prompt = [5, 60, 7, 33, 12, 71, 2]
-
-  def hf_generate(tokens, n, eos):
-    with torch.no_grad():
-      out = model.generate(
-          torch.tensor([tokens]),
-          max_new_tokens=n,
-          do_sample=False,
-          eos_token_id=eos,
-          pad_token_id=0,
-          min_new_tokens=0,
-      )
-    return out[0, len(tokens) :].tolist()
-
-  eos = hf_generate(prompt, 8, None)[3]  # a stop token the model really draws
+  (unstopped,) = hf_oracle.generate(path, [prompt], 8)
+  eos = unstopped[3]  # a stop token the model really draws
   config = EngineConfig(num_slots=2, max_len=96, sync_every=5, stop_ids=(eos,), hold_stopped=True)
   engine = SlotEngine(cfg, hf_params, config)
   record = SampleRecord(
@@ -161,12 +147,15 @@ def test_tokens_after_an_observation_equal_transformers_greedy_generate(tmp_path
       spans.append((len(record.response), len(record.response) + len(obs)))
       engine.extend(record, obs)
   assert spans and engine.counters.feeds == len(spans)
-  for start, end in spans:
+  prefixes, drawn = [], []
+  for _, end in spans:
     following = record.response[end:]
     stop = next((i for i, t in enumerate(following) if t == eos), len(following) - 1)
-    drawn = following[: stop + 1].tolist()
-    prefix = prompt + record.response[:end].tolist()
-    assert hf_generate(prefix, len(drawn), eos) == drawn
+    drawn.append(following[: stop + 1].tolist())
+    prefixes.append(prompt + record.response[:end].tolist())
+  # One transformers call per observation: greedy from the text up to its end.
+  for prefix, tokens in zip(prefixes, drawn):
+    assert hf_oracle.generate(path, [prefix], len(tokens), eos) == [tokens]
 
 
 def test_observations_longer_than_a_feed_call_go_in_pieces_and_draw_the_same(params, by_decode):

@@ -16,6 +16,7 @@ from april_jax.configs import validate
 from april_jax.models import hf_io, lora, peft_io, qwen3
 from conftest import load_config
 import cli
+import hf_oracle
 
 STEPS = [
     "--config.num_steps=4",
@@ -66,9 +67,7 @@ def _export(workdir, out, *flags):
 
 
 def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, tmp_path):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  peft = pytest.importorskip("peft")
+  hf_oracle.require("torch", "transformers", "peft")
   straight, _, _ = runs
   _export(straight, tmp_path / "merged")
   _export(straight, tmp_path / "adapter", "--format=peft")
@@ -76,16 +75,12 @@ def test_the_export_loads_merged_and_as_a_peft_folder_onto_the_base_alike(runs, 
   assert spec.rank == 4 and np.abs(adapters["layers"]["q"]["b"]).max() > 0  # trained
   written = json.loads((tmp_path / "adapter" / peft_io.CONFIG_NAME).read_text())
   assert written["base_model_name_or_path"] == lora_base.saved(str(straight))  # warm-started
-  tokens = torch.tensor([[5, 17, 33, 2, 60, 61, 9]])
-  load = lambda folder: transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-  with torch.no_grad():
-    merged = load(tmp_path / "merged").eval()(tokens).logits.numpy()
-    base = load(lora_base.saved(str(straight)))
-    with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-    over_base = with_adapter(tokens).logits.numpy()
+  tokens = [[5, 17, 33, 2, 60, 61, 9]]
+  base = lora_base.saved(str(straight))
+  merged = hf_oracle.logits(tmp_path / "merged", tokens)
+  over_base = hf_oracle.logits(base, tokens, adapter_dir=tmp_path / "adapter")
   np.testing.assert_allclose(over_base, merged, atol=2e-4)
-  with torch.no_grad(), with_adapter.disable_adapter():
-    unadapted = with_adapter(tokens).logits.numpy()
+  unadapted = hf_oracle.logits(base, tokens, adapter_dir=tmp_path / "adapter", disable_adapter=True)
   assert np.abs(unadapted - merged).max() > 1e-3  # the adapters matter
 
 

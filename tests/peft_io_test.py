@@ -10,6 +10,7 @@ import pytest
 
 from april_jax.models import hf_io, lora, peft_io, qwen3
 from conftest import TINY_HF_CONFIGS, save_random_hf_qwen3
+import hf_oracle
 
 SPEC = lora.LoraSpec(rank=4, alpha=8.0)
 
@@ -33,19 +34,14 @@ def base_dir(tmp_path_factory):
 def test_peft_loads_our_adapters_onto_the_base_and_gives_the_merged_logits(
     base_dir, tmp_path, targets
 ):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  peft = pytest.importorskip("peft")
+  hf_oracle.require("torch", "transformers", "peft")
   cfg, params = hf_io.load_pretrained(base_dir)
   spec = lora.LoraSpec(rank=4, alpha=8.0, targets=targets)
   adapters = _adapters(cfg, spec)
   peft_io.save_peft(tmp_path / "adapter", spec, adapters, base_model=str(base_dir))
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
   ours = np.asarray(qwen3.forward(cfg, lora.merge(params, adapters, spec), tokens))
-  model = transformers.Qwen3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-  model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
-  with torch.no_grad():
-    theirs = model(torch.tensor(tokens)).logits.numpy()
+  theirs = hf_oracle.logits(base_dir, tokens, adapter_dir=tmp_path / "adapter")
   np.testing.assert_allclose(ours, theirs, rtol=2e-4, atol=2e-4)
   base = np.asarray(qwen3.forward(cfg, params, tokens))
   assert np.abs(ours - base).max() > 1e-2  # the adapters change the logits

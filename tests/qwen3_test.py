@@ -7,15 +7,12 @@ import pytest
 
 from april_jax.models import hf_io, qwen3
 from conftest import tiny_qwen3
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import hf_oracle
 
 
 def _hf_logits(model_dir, tokens):
-  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-  with torch.no_grad():
-    return model(torch.as_tensor(np.asarray(tokens))).logits.numpy()
+  hf_oracle.require("torch", "transformers")
+  return hf_oracle.logits(model_dir, tokens)
 
 
 def _random_tokens(seed, shape, vocab):

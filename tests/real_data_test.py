@@ -13,10 +13,8 @@ import pytest
 from april_jax.checkpoint import Checkpointer
 from april_jax.models import hf_io, qwen3
 import cli
+import hf_oracle
 from conftest import MATH_DIR, QWEN3_TOKENIZER_DIR, save_random_hf_qwen3
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 RUN = [
     "--config.data.source=" + str(MATH_DIR / "dapo_format_aime24.parquet"),
@@ -91,8 +89,9 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
   assert export.returncode == 0, export.stderr[-3000:]
   assert "exported checkpoint 2" in export.stdout
   assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
-  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
-  assert hf_tokenizer("Hello world")["input_ids"] == [9707, 1879]
+  hf_oracle.require("torch", "transformers")
+  hello, question = hf_oracle.encode(out, ["Hello world", "What is 7 times 6? Answer: 42"])
+  assert hello == [9707, 1879]
 
   # transformers on the export gives the logits of the checkpoint's (trained) params.
   cfg = hf_io.load_config(model_dir)
@@ -105,11 +104,9 @@ def test_dapo_parquet_run_resumes_and_exports_what_transformers_reads_as_trained
       lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), trained, initial
   )
   assert any(jax.tree.leaves(moved))  # the export is the trained policy, not the initial one
-  tokens = np.array([hf_tokenizer("What is 7 times 6? Answer: 42")["input_ids"]])
+  tokens = np.array([question])
   ours = np.asarray(qwen3.forward_jit(cfg, trained, jnp.asarray(tokens)))
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
-  with torch.no_grad():
-    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+  theirs = hf_oracle.logits(out, tokens)
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
 
 

@@ -12,6 +12,7 @@ from april_jax.models import hf_io, qwen3
 from april_jax.sampler import EngineConfig, PromptError, SlotEngine
 from april_jax.sampler.records import Status
 from conftest import mesh_or_skip, sampler_qwen3
+import hf_oracle
 from record_builders import random_prompts, sample_records, teacher_forced_logprobs
 
 CFG = sampler_qwen3()
@@ -29,28 +30,14 @@ def _run_to_end(engine, records):
 
 
 def test_greedy_generate_matches_transformers_token_for_token(hf_model_dir):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+  hf_oracle.require("torch", "transformers")
   cfg, params = hf_io.load_pretrained(hf_model_dir)
-  model = transformers.Qwen3ForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
   prompts = [p.tolist() for p in random_prompts(1, [3, 9, 5, 14, 1, 7], cfg.vocab_size)]
   max_new = 12
-
-  def hf_generate(prompt, eos):
-    with torch.no_grad():
-      out = model.generate(
-          torch.tensor([prompt]),
-          max_new_tokens=max_new,
-          do_sample=False,
-          eos_token_id=eos,
-          pad_token_id=0,
-      )
-    return out[0, len(prompt) :].tolist()
-
   # A stop token that the first prompt really produces (its 4th token), so stops are hit.
-  unstopped = hf_generate(prompts[0], None)
+  (unstopped,) = hf_oracle.generate(hf_model_dir, prompts[:1], max_new)
   eos = unstopped[3]
-  expected = [hf_generate(p, eos) for p in prompts]
+  expected = hf_oracle.generate(hf_model_dir, prompts, max_new, eos)
   ours = sampler.generate(
       cfg, params, prompts, max_new_tokens=max_new, num_slots=2, eos_ids=(eos,), sync_every=5
   )

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import hf_oracle
+
 from april_jax.errors import InputError
 from april_jax.tokenizer import CharTokenizer, Tokenizer
 
@@ -30,10 +32,20 @@ CONVERSATIONS = {
 }
 
 
+CASES = [
+    (name, add_generation_prompt, enable_thinking)
+    for name in CONVERSATIONS
+    for add_generation_prompt in (True, False)
+    for enable_thinking in (True, False)
+]
+
+
 @pytest.fixture(scope="module")
 def hf_qwen3():
-  transformers = pytest.importorskip("transformers")
-  return transformers.AutoTokenizer.from_pretrained(str(QWEN3_DIR))
+  """transformers' rendering of every case, (text, ids) by case (hf_oracle.py)."""
+  hf_oracle.require("transformers")
+  cases = [(CONVERSATIONS[name], gen, thinking) for name, gen, thinking in CASES]
+  return dict(zip(CASES, hf_oracle.chat(QWEN3_DIR, cases)))
 
 
 def test_encode_matches_known_qwen3_ids(qwen3_tokenizer):
@@ -85,29 +97,20 @@ def test_chat_template_renders_like_transformers(
     qwen3_tokenizer, hf_qwen3, name, add_generation_prompt, enable_thinking
 ):
   messages = CONVERSATIONS[name]
-  expected = hf_qwen3.apply_chat_template(
-      messages,
-      tokenize=False,
-      add_generation_prompt=add_generation_prompt,
-      enable_thinking=enable_thinking,
-  )
+  expected, expected_ids = hf_qwen3[(name, add_generation_prompt, enable_thinking)]
   rendered = qwen3_tokenizer.apply_chat_template(
       messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
   )
   assert rendered == expected
-  expected_ids = hf_qwen3.apply_chat_template(
-      messages,
-      tokenize=True,
-      return_dict=False,
-      add_generation_prompt=add_generation_prompt,
-      enable_thinking=enable_thinking,
+  assert (
+      qwen3_tokenizer.apply_chat_template(
+          messages,
+          add_generation_prompt=add_generation_prompt,
+          enable_thinking=enable_thinking,
+          tokenize=True,
+      )
+      == expected_ids
   )
-  assert qwen3_tokenizer.apply_chat_template(
-      messages,
-      add_generation_prompt=add_generation_prompt,
-      enable_thinking=enable_thinking,
-      tokenize=True,
-  ) == list(expected_ids)
 
 
 def test_disabled_thinking_prompt_closes_an_empty_think_block(qwen3_tokenizer):

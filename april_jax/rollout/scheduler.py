@@ -40,10 +40,11 @@ trained token is staler than max_staleness, and the prompt itself is never lost.
 With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
 ends a turn is parked with its pages while the environment's call runs off the decode
 path (env.overlap) and the other slots decode; when a sample waits for a slot, parked
-ones are set aside (their KV kept in their pages, taken back in place once answered); at each decode boundary the calls that
-have returned are applied: the observation goes into the same slot (one chunked
-prefill), or the episode ends and the sample is finished. Only when nothing can decode
-does the scheduler wait for a call (counted as env_wait_s). With env.overlap off every
+ones are set aside (their KV kept in their pages, taken back in place once answered).
+At each decode boundary the calls that have returned are applied: the observation goes
+into the same slot (one chunked prefill), or the episode ends and the sample is
+finished. Only when nothing can decode does the scheduler wait for a call (counted as
+env_wait_s). With env.overlap off every
 call is waited for right after the decode call that ended its turn (a run is then
 reproducible whatever the calls' timing). A cut snapshots an episode like any sample,
 mid-turn, with an observation not yet fed, or with its call still running: it waits on

@@ -1,0 +1,177 @@
+"""transformers and peft as the reference for parity tests, run in a process of their own.
+
+A test process never loads torch: in processes that had loaded it, XLA's CPU compiler
+has crashed (segfaults while compiling or serialising a program), the cause not found.
+Each call starts `python hf_oracle.py REQUEST OUT`, which loads torch, transformers and
+peft, does one request and writes its arrays to OUT (.npz):
+
+  logits(model_dir, tokens, adapter_dir=None, disable_adapter=False) -> float32 [B, T, V]
+  generate(model_dir, prompts, max_new_tokens, eos) -> one list of new tokens per prompt
+  save_random(path, **kwargs)                        (conftest.save_random_hf_qwen3)
+  encode(tokenizer_dir, texts)                       -> one list of ids per text
+  chat(tokenizer_dir, cases)                         -> (text, ids) per (messages,
+                                                        add_generation_prompt,
+                                                        enable_thinking)
+
+`require("torch", "transformers")` skips a test, with the reason, where a package is
+missing (found without importing it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def require(*packages: str) -> None:
+  """Skips the calling test when one of the packages is not installed."""
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  for name in packages:
+    if importlib.util.find_spec(name) is None:
+      pytest.skip(f"{name} is not installed (the reference for this parity test)")
+
+
+def _run(request: dict) -> dict[str, np.ndarray]:
+  with tempfile.TemporaryDirectory() as folder:
+    out = Path(folder) / "out.npz"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(request), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=False,
+    )
+    if proc.returncode:
+      raise RuntimeError(f"hf_oracle {request['op']} failed:\n{proc.stderr[-4000:]}")
+    with np.load(out) as arrays:
+      return {k: arrays[k] for k in arrays.files}
+
+
+def logits(model_dir, tokens, adapter_dir=None, disable_adapter=False) -> np.ndarray:
+  request = dict(op="logits", model_dir=str(model_dir), tokens=np.asarray(tokens).tolist())
+  request.update(adapter_dir=adapter_dir and str(adapter_dir), disable_adapter=disable_adapter)
+  return _run(request)["logits"]
+
+
+def generate(model_dir, prompts, max_new_tokens: int, eos=None) -> list[list[int]]:
+  request = dict(
+      op="generate", model_dir=str(model_dir), prompts=[list(map(int, p)) for p in prompts]
+  )
+  request.update(max_new_tokens=int(max_new_tokens), eos=None if eos is None else int(eos))
+  out = _run(request)
+  return [out[f"new_{i}"].tolist() for i in range(len(prompts))]
+
+
+def encode(tokenizer_dir, texts: list[str]) -> list[list[int]]:
+  out = _run(dict(op="encode", tokenizer_dir=str(tokenizer_dir), texts=list(texts)))
+  return json.loads(str(out["json"]))
+
+
+def chat(tokenizer_dir, cases: list) -> list[tuple[str, list[int]]]:
+  out = _run(dict(op="chat", tokenizer_dir=str(tokenizer_dir), cases=list(cases)))
+  return [(text, ids) for text, ids in json.loads(str(out["json"]))]
+
+
+def save_random(path, **kwargs) -> Path:
+  _run(dict(op="save_random", path=str(path), kwargs=kwargs))
+  return Path(path)
+
+
+# ------------------------------------------------------------- in the oracle's process
+def _model(model_dir: str, adapter_dir: str | None):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  if adapter_dir:
+    import peft  # pylint: disable=g-import-not-at-top
+
+    model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+  return model
+
+
+def _logits(r: dict) -> dict:
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+
+  model = _model(r["model_dir"], r["adapter_dir"])
+  off = model.disable_adapter() if r["disable_adapter"] else contextlib.nullcontext()
+  with torch.no_grad(), off:
+    return {"logits": model(torch.tensor(r["tokens"])).logits.numpy()}
+
+
+def _generate(r: dict) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+
+  model, out = _model(r["model_dir"], None), {}
+  for i, prompt in enumerate(r["prompts"]):
+    with torch.no_grad():
+      ids = model.generate(
+          torch.tensor([prompt]),
+          max_new_tokens=r["max_new_tokens"],
+          do_sample=False,
+          eos_token_id=r["eos"],
+          pad_token_id=0,
+      )
+    out[f"new_{i}"] = ids[0, len(prompt) :].numpy()
+  return out
+
+
+def _save_random(r: dict) -> dict:
+  """A random Qwen3ForCausalLM saved by transformers, weights at realistic magnitudes
+  (conftest.save_random_hf_qwen3 gives the arguments)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  kwargs = dict(r["kwargs"])
+  seed = kwargs.pop("seed")
+  torch.manual_seed(seed)
+  model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).to(torch.float32)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+      elif "embed_tokens" in name:
+        p.normal_(0.0, 1.0)
+      else:
+        p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+  model.save_pretrained(r["path"], safe_serialization=True)
+  return {}
+
+
+def _tokenizer(r: dict):
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  return transformers.AutoTokenizer.from_pretrained(r["tokenizer_dir"])
+
+
+def _encode(r: dict) -> dict:
+  tok = _tokenizer(r)
+  return {"json": np.array(json.dumps([tok(t)["input_ids"] for t in r["texts"]]))}
+
+
+def _chat(r: dict) -> dict:
+  tok, out = _tokenizer(r), []
+  for messages, add_generation_prompt, enable_thinking in r["cases"]:
+    kw = dict(add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+    text = tok.apply_chat_template(messages, tokenize=False, **kw)
+    ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
+    out.append((text, [int(i) for i in ids]))
+  return {"json": np.array(json.dumps(out))}
+
+
+if __name__ == "__main__":
+  request = json.loads(sys.argv[1])
+  ops = {"logits": _logits, "generate": _generate, "save_random": _save_random}
+  ops.update(encode=_encode, chat=_chat)
+  np.savez(sys.argv[2], **ops[request["op"]](request))
