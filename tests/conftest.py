@@ -3,10 +3,12 @@ Qwen3 models (ours, and random HF ones saved by transformers), the sampler tests
 and params, the Qwen3 tokenizer."""
 
 import atexit
+import importlib.abc
 import importlib.util
 import lzma
 import os
 import shutil
+import sys
 import tempfile
 
 # Must happen before JAX initialises its backends.
@@ -40,6 +42,19 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 import hf_oracle  # pylint: disable=g-import-not-at-top
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+  """Refuses to import torch in a test process (hf_oracle.py says why): whatever tries
+  gets an ImportError naming this, as if torch were not installed."""
+
+  def find_spec(self, name, path=None, target=None):
+    if name == "torch" or name.startswith("torch."):
+      raise ImportError("torch does not load in a test process (tests/hf_oracle.py)")
+    return None
+
+
+sys.meta_path.insert(0, _NoTorch())
 
 # The real data the tests read ships with them (tests/data/README.md: sources, licenses).
 TEST_DATA = Path(__file__).resolve().parent / "data"
