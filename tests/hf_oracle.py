@@ -14,12 +14,12 @@ peft, does one request and writes its arrays to OUT (.npz):
                                                         enable_thinking)
 
 `require("torch", "transformers")` skips a test, with the reason, where a package is
-missing (found without importing it).
+not installed (asked of its metadata, without importing it).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -35,7 +35,9 @@ def require(*packages: str) -> None:
   import pytest  # pylint: disable=g-import-not-at-top
 
   for name in packages:
-    if importlib.util.find_spec(name) is None:
+    try:
+      importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
       pytest.skip(f"{name} is not installed (the reference for this parity test)")
 
 
