@@ -30,12 +30,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 2048  # every turn and every observation
   c.rollout.dynamic_sampling = True
   c.env.name = "calculator"
-  c.env.turn_stop = "</tool_call>"  # one token in Qwen3's vocabulary
-  c.env.close_turn = "<|im_end|>"
-  c.env.observation_template = (
-      "\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n"
-      "<|im_start|>assistant\n"
-  )
+  base.qwen3_tool_turns(c)  # turns end at </tool_call>; observations in the tool role
   c.env.max_turns = 8
   c.env.max_observation_tokens = 64
   c.env.timeout_s = 5.0

@@ -35,12 +35,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 8192  # every turn and every observation
   c.rollout.dynamic_sampling = True
   c.env.name = "python_tool"
-  c.env.turn_stop = "</tool_call>"  # one token in Qwen3's vocabulary
-  c.env.close_turn = "<|im_end|>"
-  c.env.observation_template = (
-      "\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n"
-      "<|im_start|>assistant\n"
-  )
+  base.qwen3_tool_turns(c)  # turns end at </tool_call>; observations in the tool role
   c.env.max_turns = 6
   c.env.max_observation_tokens = 512
   c.env.timeout_s = 10.0  # per call; the tool's own limit is 5 s

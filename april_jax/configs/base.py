@@ -53,6 +53,18 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
+def qwen3_tool_turns(c: ml_collections.ConfigDict) -> None:
+  """Sets c.env's turn fields for Qwen3's tool-call format: a turn ends at
+  "</tool_call>" (one token in Qwen3's vocabulary), and an observation comes back in the
+  chat template's tool role, wrapped in <tool_response>, before the next assistant turn."""
+  c.env.turn_stop = "</tool_call>"
+  c.env.close_turn = "<|im_end|>"
+  c.env.observation_template = (
+      "\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n"
+      "<|im_start|>assistant\n"
+  )
+
+
 def _model() -> ml_collections.ConfigDict:
   """The model: an HF folder or a random init, and its dtypes and attention."""
   m = ml_collections.ConfigDict()
