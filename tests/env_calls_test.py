@@ -123,6 +123,37 @@ def test_calls_that_overlap_decoding_and_slots_set_aside_draw_what_waited_calls_
   assert set_aside  # samples waited for slots: parked ones gave theirs up
 
 
+def test_slots_set_aside_are_counted_and_their_return_is_not_a_partial():
+  s = _scheduler(Tool(delay=0.05))
+  engine = s.engine
+  set_aside, carried, partials = [], set(), []
+  engine_set_aside, engine_admit, engine_preempted = (
+      engine.set_aside,
+      engine.admit,
+      engine.take_preempted,
+  )
+  engine.set_aside = lambda r: (set_aside.append(r), engine_set_aside(r))
+
+  def take_preempted():  # a preempted sample is a partial when it comes back
+    out = engine_preempted()
+    carried.update(id(r) for r in out)
+    return out
+
+  def admit(records, **kw):
+    partials.append(sum(id(r) in carried for r in records))
+    carried.difference_update(id(r) for r in records)
+    return engine_admit(records, **kw)
+
+  engine.take_preempted, engine.admit = take_preempted, admit
+  for step in range(4):  # the samples carried from the last step are the partials
+    carried = {id(r) for g in s.buffer for r in g.samples if r.started and not r.finished}
+    set_aside.clear(), partials.clear()
+    stats = step_at(s, step, 0).stats
+    assert stats.get("env/set_aside", 0) == len(set_aside), step
+    assert stats.get("partial_samples", 0) == sum(partials), step
+  assert s.episodes.counts["env/set_aside"] > 0  # samples waited for slots
+
+
 def test_an_episode_cut_while_its_call_runs_resumes_with_its_observation(waited):
   s = _scheduler(Tool(delay=0.3))
   cut = step_at(s, 0, 0, cut_now=lambda: bool(s.episodes.pending))

@@ -331,6 +331,8 @@ class AprilScheduler:
     for record in list(self.episodes.pending):
       if self.engine.holds(record):
         self.engine.set_aside(record)
+        st.set_aside.add(id(record))
+        self.episodes.counts["env/set_aside"] += 1
 
   def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
     """Each admitted group's samples that wait for a slot (unfinished, not in one)."""
@@ -361,7 +363,11 @@ class AprilScheduler:
     order += [r for _, rs in waiting for r in rs if not r.started]
     room = engine.room_for(order)
     st.blocked = room < len(order)
-    st.stats["partial_samples"] += sum(r.started for r in order[:room])
+    # Partials: samples cut or preempted; one set aside this step takes its slot back.
+    st.stats["partial_samples"] += sum(
+        r.started and id(r) not in st.set_aside for r in order[:room]
+    )
+    st.set_aside.difference_update(id(r) for r in order[:room])
     engine.admit(order[:room], mode=self.settings.resume_mode)
     return room > 0
 
@@ -505,6 +511,7 @@ class _Step:
   awaiting: list[Group] = dataclasses.field(default_factory=list)  # the filter's verdict
   rejected: list[Group] = dataclasses.field(default_factory=list)
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
+  set_aside: set[int] = dataclasses.field(default_factory=set)  # ids of records, not back yet
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
   blocked: bool = False  # a waiting sample found no free slot or pages at the last fill
   cut: bool = False  # ended early (cut_now, or give_up while waiting for rewards)
