@@ -2,7 +2,9 @@
 calls past their limit ended, calls cut at a step's end, and reset's first messages."""
 
 import itertools
+import json
 import os
+import threading
 import time
 
 import jax
@@ -55,7 +57,9 @@ class Tool:
     return base.EnvStep(observation=decode(obs), done=False, state=state)
 
 
-def _scheduler(env, overlap=True, num_slots=4, workers=4, timeout_s=10.0, batch_size=2):
+def _scheduler(
+    env, overlap=True, num_slots=4, workers=4, timeout_s=10.0, batch_size=2, agree=None, leader=True
+):
   config = EngineConfig(
       num_slots=num_slots, max_len=128, sync_every=4, stop_ids=STOPS, hold_stopped=True
   )
@@ -81,6 +85,8 @@ def _scheduler(env, overlap=True, num_slots=4, workers=4, timeout_s=10.0, batch_
       decode,
       episodes.EpisodeSettings(overlap=overlap, workers=workers, timeout_s=timeout_s),
       render=lambda messages: encode(" ".join(m["content"] for m in messages)),
+      agree=agree,
+      leader=leader,
   )
   return AprilScheduler(engine, settings, source, rewards, episodes=runner)
 
@@ -152,6 +158,57 @@ def test_slots_set_aside_are_counted_and_their_return_is_not_a_partial():
     assert stats.get("env/set_aside", 0) == len(set_aside), step
     assert stats.get("partial_samples", 0) == sum(partials), step
   assert s.episodes.counts["env/set_aside"] > 0  # samples waited for slots
+
+
+class CountedTool(Tool):
+
+  def __init__(self, delay):
+    super().__init__(delay)
+    self.calls = 0
+
+  def step(self, state, turn):
+    self.calls += 1
+    return super().step(state, turn)
+
+
+def test_with_overlapping_calls_two_hosts_see_the_same_episodes(waited):
+  """Two processes of a run as two threads: process 0 alone calls the environment and
+  decides which calls have returned; `agree` (JSON, as between hosts) gives that to the
+  other, which must then draw the same tokens, whatever the calls' timing."""
+  barrier, box = threading.Barrier(2, timeout=120), [None]
+
+  def agree(leader):
+    def share(outcome):
+      if leader:
+        box[0] = json.dumps(outcome)
+      barrier.wait()
+      value = json.loads(box[0])
+      barrier.wait()  # both read it before the next call writes
+      return value
+
+    return share
+
+  tools = [CountedTool(delay=0.05), CountedTool(delay=0.05)]
+  schedulers = [_scheduler(tools[i], agree=agree(i == 0), leader=i == 0) for i in range(2)]
+  samples, errors = [None, None], []
+
+  def host(i):
+    try:
+      samples[i] = _samples(schedulers[i], 3)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      barrier.abort()
+
+  threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=300)
+  assert not errors, errors
+  assert samples[0] == samples[1] and len(samples[0]) >= 6
+  assert tools[0].calls > 0 and tools[1].calls == 0  # only process 0 called it
+  for key in set(samples[0]) & set(waited):  # and what one process draws
+    assert samples[0][key] == waited[key], key
 
 
 def test_an_episode_cut_while_its_call_runs_resumes_with_its_observation(waited):
