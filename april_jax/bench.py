@@ -124,6 +124,13 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
     "sampler: how the engine's decode step reads the pool (rollout.decode_attention; auto: "
     "pallas on NVIDIA GPUs, else xla); pallas is interpreted, slowly, on a CPU.",
 )
+_DECODE_BLOCK = flags.DEFINE_integer(
+    "decode_block",
+    1024,
+    "multiturn: pooled positions each chunk of the XLA path's decode attention reads "
+    "(rollout.decode_block), on every side.",
+    lower_bound=1,
+)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "sampler: prompt tokens.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "sampler: tokens generated each.")
 _REPEATS = flags.DEFINE_integer(
@@ -196,7 +203,9 @@ def main(argv):
   if _MODE.value == "sampler":
     result = _sampler(report)
   elif _MODE.value == "multiturn":
-    result = multiturn_bench.run(seed=_SEED.value, repeats=_REPEATS.value, report=report)
+    result = multiturn_bench.run(
+        seed=_SEED.value, repeats=_REPEATS.value, report=report, decode_block=_DECODE_BLOCK.value
+    )
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

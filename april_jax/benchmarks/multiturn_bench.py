@@ -26,7 +26,7 @@ on any of vocab / turn_tokens stop tokens: turn lengths are geometric with mean
 calls, timed alone), and the engine idle on tool calls (waiting for a call with nothing
 to decode) at most 5% of its rollout.
 
-  python -m april_jax.bench --mode=multiturn
+  python -m april_jax.bench --mode=multiturn [--decode_block=256]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _model(seed: int, model: dict):
   return cfg, params
 
 
-def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int):
+def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int, decode_block: int):
   """One scheduler over `shape.episodes` prompts; side: single, long_single, engine or
   before. long_single's prompts are longer by the observations' mean context."""
   multi = not side.endswith("single")
@@ -112,6 +112,7 @@ def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int):
       feed_given="decode" if side == "before" else "prefill",
       prompt_len=shape.prompt_len + extra,
       page_size=16,
+      decode_block=decode_block,
   )
   engine = SlotEngine(cfg, params, config)
   engine.warm_up()
@@ -211,20 +212,28 @@ def _feed_seconds(engine: SlotEngine, rows: int, T: int, repeats: int) -> float:
 
 
 def run(
-    shape: Shape = Shape(), seed: int = 0, repeats: int = 5, report=None, model: dict = MODEL
+    shape: Shape = Shape(),
+    seed: int = 0,
+    repeats: int = 5,
+    report=None,
+    model: dict = MODEL,
+    decode_block: int = 1024,
 ) -> dict:
   cfg, params = _model(seed, model)
   num_stops = max(1, cfg.vocab_size // shape.turn_tokens)
-  engine_side = _rollout(_scheduler(cfg, params, shape, None, "engine", num_stops))
+  make = lambda budgets, side: _scheduler(
+      cfg, params, shape, budgets, side, num_stops, decode_block
+  )
+  engine_side = _rollout(make(None, "engine"))
   drawn = engine_side.pop("drawn_by_id")
   budgets = [max(1, drawn[i]) for i in range(shape.episodes)]
-  single = _rollout(_scheduler(cfg, params, shape, budgets, "single", num_stops))
+  single = _rollout(make(budgets, "single"))
   single.pop("drawn_by_id")
-  long_single = _rollout(_scheduler(cfg, params, shape, budgets, "long_single", num_stops))
+  long_single = _rollout(make(budgets, "long_single"))
   long_single.pop("drawn_by_id")
-  before_side = _rollout(_scheduler(cfg, params, shape, None, "before", num_stops))
+  before_side = _rollout(make(None, "before"))
   before_side.pop("drawn_by_id")
-  probe = _scheduler(cfg, params, shape, None, "engine", num_stops).engine
+  probe = make(None, "engine").engine
   prefill_s = 0.0
   for call, n in engine_side["feed_calls"].items():
     rows, T = map(int, call.split("x"))
@@ -232,6 +241,7 @@ def run(
   result = dict(
       shape=dataclasses.asdict(shape),
       model=model,
+      decode_block=decode_block,
       single=single,
       long_single=long_single,
       engine=engine_side,
@@ -267,7 +277,7 @@ def _print(r: dict) -> None:
   print(
       f"{s['episodes']} episodes of {s['turns']} turns (mean {s['turn_tokens']} drawn tokens "
       f"a turn), {s['obs_tokens']}-token observations, a {s['tool_s'] * 1000:.0f} ms tool, "
-      f"{s['slots']} slots"
+      f"{s['slots']} slots, decode attention read {r['decode_block']} positions a chunk"
   )
   print(
       f"{'side':<11} {'rollout s':>10} {'drawn':>7} {'decode steps':>13} {'feeds':>6} {'idle':>7}"
