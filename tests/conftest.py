@@ -29,12 +29,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-# The cache is the subprocesses' (tests/cli.py turns it on for them). This process keeps
-# its compiled programs in memory and never serializes one: after a long mix of tests in
-# one worker (torch and transformers loaded in it), writing a step benchmark's executable
-# to the cache crashed XLA's serializer (a segfault, the same test in three full runs),
-# and later XLA's compiler itself. Torch now loads only in hf_oracle.py's processes.
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+# Test processes use it too: each test file's programs are let go when it ends (below),
+# and the next file that needs one loads it instead of compiling it again. (Writing to it
+# once crashed XLA's serializer in workers that had loaded torch; torch now loads only in
+# hf_oracle.py's processes.)
 
 from pathlib import Path  # pylint: disable=g-import-not-at-top
 
