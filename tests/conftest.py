@@ -212,8 +212,6 @@ def step_at(scheduler, step: int, version: int, **options):
 def torch_stays_out():
   """Torch never loads in a test process (hf_oracle.py says why); checked at the end."""
   yield
-  import sys  # pylint: disable=g-import-not-at-top
-
   assert "torch" not in sys.modules, "torch loaded in a test process: use tests/hf_oracle.py"
 
 

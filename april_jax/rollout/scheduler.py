@@ -44,12 +44,12 @@ ones are set aside (their KV kept in their pages, taken back in place once answe
 At each decode boundary the calls that have returned are applied: the observation goes
 into the same slot (one chunked prefill), or the episode ends and the sample is
 finished. Only when nothing can decode does the scheduler wait for a call (counted as
-env_wait_s). With env.overlap off every
-call is waited for right after the decode call that ended its turn (a run is then
-reproducible whatever the calls' timing). A cut snapshots an episode like any sample,
-mid-turn, with an observation not yet fed, or with its call still running: it waits on
-the host for the call, takes its observation there, and resumes in either mode; a
-checkpoint waits for every running call first, so nothing is lost or asked twice.
+env_wait_s). With env.overlap off every call is waited for right after the decode call
+that ended its turn (a run is then reproducible whatever the calls' timing). A cut
+snapshots an episode like any sample, mid-turn, with an observation not yet fed, or with
+its call still running: it waits on the host for the call, takes its observation there,
+and resumes in either mode; a checkpoint waits for every running call first, so nothing
+is lost or asked twice.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class AprilScheduler:
     for record in list(self.episodes.pending):
       if self.engine.holds(record):
         self.engine.set_aside(record)
-        st.set_aside.add(id(record))
+        st.set_aside.add(record)
         self.episodes.counts["env/set_aside"] += 1
 
   def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
@@ -364,10 +364,8 @@ class AprilScheduler:
     room = engine.room_for(order)
     st.blocked = room < len(order)
     # Partials: samples cut or preempted; one set aside this step takes its slot back.
-    st.stats["partial_samples"] += sum(
-        r.started and id(r) not in st.set_aside for r in order[:room]
-    )
-    st.set_aside.difference_update(id(r) for r in order[:room])
+    st.stats["partial_samples"] += sum(r.started and r not in st.set_aside for r in order[:room])
+    st.set_aside.difference_update(order[:room])
     engine.admit(order[:room], mode=self.settings.resume_mode)
     return room > 0
 
@@ -511,7 +509,7 @@ class _Step:
   awaiting: list[Group] = dataclasses.field(default_factory=list)  # the filter's verdict
   rejected: list[Group] = dataclasses.field(default_factory=list)
   decided: set[int] = dataclasses.field(default_factory=set)  # accepted or rejected
-  set_aside: set[int] = dataclasses.field(default_factory=set)  # ids of records, not back yet
+  set_aside: set[SampleRecord] = dataclasses.field(default_factory=set)  # not back yet
   overdue: set[int] = dataclasses.field(default_factory=set)  # finish this step
   blocked: bool = False  # a waiting sample found no free slot or pages at the last fill
   cut: bool = False  # ended early (cut_now, or give_up while waiting for rewards)
