@@ -16,11 +16,14 @@ stdout line, one JSON object with every number.
   multiturn  3-turn episodes with a slow tool vs single-turn samples of the same tokens:
              observations prefilled and calls off the decode path, beside feeding them
              token by token with every call waited for
+  rewards    the math rewards' calls per second over (response, gold) pairs, and how many
+             reach math-verify
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
   python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
   python -m april_jax.bench --mode=lora_decode --repeats=9
   python -m april_jax.bench --mode=multiturn
+  python -m april_jax.bench --mode=rewards [--corpus=tests/data/dapo_corpus.jsonl]
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -43,6 +46,7 @@ from april_jax.benchmarks import (
     lora_decode,
     multiturn_bench,
     resume_bench,
+    reward_bench,
     roofline,
     sampler_bench,
     scheduler_bench,
@@ -65,8 +69,12 @@ _MODE = flags.DEFINE_enum(
         "layout",
         "lora_decode",
         "multiturn",
+        "rewards",
     ],
     "What to measure.",
+)
+_CORPUS = flags.DEFINE_string(
+    "corpus", None, "rewards: JSON lines of {response, gold} (default: the test corpus)."
 )
 _SEEDS = flags.DEFINE_list(
     "seeds", ["0", "1"], "e2e: seeds (one pair of runs each); layout: batches drawn."
@@ -206,6 +214,8 @@ def main(argv):
     result = multiturn_bench.run(
         seed=_SEED.value, repeats=_REPEATS.value, report=report, decode_block=_DECODE_BLOCK.value
     )
+  elif _MODE.value == "rewards":
+    result = reward_bench.run(_CORPUS.value, repeats=_REPEATS.value)
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

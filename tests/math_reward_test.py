@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import random
+import time
 
 import pytest
 
@@ -171,6 +172,85 @@ def test_dapo_ground_truths_score_plus_one_and_wrong_answer_minus_one():
     assert reward(f"Reasoning...\nAnswer: {gt}", gt) == 1.0, gt
     assert reward(f"Reasoning...\nAnswer: {int(gt) + 1}", gt) == -1.0, gt
   assert reward("no final line", truths[0]) == -1.0
+
+
+# The cases math_dapo once got wrong, and those where it was right and stays right.
+
+_HAND_LABELLED = [
+    # Near misses of large integers are wrong: integers compare exactly, never as floats.
+    ("Answer: 1000001", "1000000", -1.0),
+    ("Answer: 2016033", "2016032", -1.0),
+    (f"Answer: {2**100 + 1}", str(2**100), -1.0),
+    ("Answer: 2^{100}+1", str(2**100), -1.0),
+    ("Answer: 1000000", "1000000", 1.0),
+    ("Answer: 2^{100}", str(2**100), 1.0),
+    # Decimals and fractions are exact rationals.
+    ("Answer: 0.3333333", r"\frac{1}{3}", -1.0),
+    ("Answer: 0.5000001", "0.5", -1.0),
+    (r"\boxed{\dfrac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{\frac12}", "0.5", 1.0),
+    (r"Answer: $-\frac{3}{4}$", "-0.75", 1.0),
+    ("Answer: 3/4", r"\frac{3}{4}", 1.0),
+    # The final answer after the thinking wins over a stray box inside it.
+    ("<think>maybe \\boxed{47}? no...</think> The total is 42.\nAnswer: 42", "42", 1.0),
+    ("<think>it is \\boxed{42}</think>\nAnswer: 47", "42", -1.0),
+    ("<think>only here: \\boxed{42}</think> I am not sure.", "42", -1.0),
+    # Answer: then any whitespace, newlines included, then the answer.
+    ("Answer:\n42", "42", 1.0),
+    ("Answer:  \n\n  42", "42", 1.0),
+    # Where april_jax was right: keep it.
+    ("So the answer is \\boxed{42}", "42", 1.0),
+    ("Answer: 42\n" + "and a long check afterwards. " * 20, "42", 1.0),
+    ("Answer: 42.", "42", 1.0),
+    (r"\boxed{\{3, 1, 2\}}", r"\{1, 2, 3\}", 1.0),
+    ("Answer: 12,34", "1234", -1.0),
+    ("Answer: 1,234", "1234", 1.0),
+    ("Answer: 2^{10}", "1024", 1.0),
+    ("no final line", "42", -1.0),
+]
+
+
+@pytest.mark.parametrize("response, gold, score", _HAND_LABELLED)
+def test_math_dapo_scores_the_hand_labelled_cases(response, gold, score):
+  assert rewards.get_reward("math_dapo")(response, gold) == score
+  assert rewards.get_reward("math")(response, gold) == max(score, 0.0)
+
+
+def test_plain_numbers_never_reach_math_verify(monkeypatch):
+  def refuse(*args):
+    raise AssertionError(f"math-verify called on {args}")
+
+  monkeypatch.setattr(math_reward.math_verify_child, "verdict", refuse)
+  for response, gold in [("Answer: 1000001", "1000000"), (r"\boxed{\frac{1}{2}}", "0.5"),
+                         ("#### 1,234", "1234"), ("Answer: $-7$", "-7.0"), ("Answer: 025", "25")]:
+    math_reward.math_dapo_reward(response, gold)
+
+
+@pytest.mark.parametrize(
+    "response",
+    ["Answer: 10^{10^{10}}", r"\boxed{9^{9^{9^9}}}", "Answer: " + "(" * 5000 + "1" + ")" * 5000],
+)
+def test_a_power_tower_returns_within_the_bound_as_a_wrong_answer(response):
+  """math-verify would compute 10^(10^10) for hours in C: the comparison's child process
+  is killed at MATH_VERIFY_TIMEOUT_S and the answer is wrong (-1), never a timeout whose
+  fallback pays more than a wrong answer does. In a worker thread, where signals fail."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    began = time.monotonic()
+    score = pool.submit(math_reward.math_dapo_reward, response, "7").result()
+    took = time.monotonic() - began
+  assert score == -1.0
+  # The bound, and the start of a fresh child (which does not count against it).
+  assert took < math_reward.MATH_VERIFY_TIMEOUT_S + 60
+
+
+def test_extraction_is_linear_in_the_response():
+  """Unclosed boxes by the ten thousand, then a closed one: one pass over the braces, not
+  one scan to the end per box (that took hours on this input). The bound is for
+  termination only: the linear pass takes a fraction of a second."""
+  response = "\\boxed{" * 40000 + " \\boxed{42}"
+  began = time.monotonic()
+  assert extract_answer(response) == "42"
+  assert time.monotonic() - began < 30.0
 
 
 # Safety and threads.

@@ -1,11 +1,10 @@
-"""A reward that never returns in time, for tests: `\\boxed{10^{10^{10}}}` makes the math
-library compute 10**(10**10), holding the interpreter lock for hours."""
+"""A reward that never returns in time, for tests: a sum over a range of 10^15 integers
+runs in C, holding the interpreter lock, in constant memory, for days."""
 
-from april_jax.rewards.math import math_reward
 from april_jax.rewards.registry import register
 
 
 @register("runaway_for_tests")
 def runaway(response: str, answer: str) -> float:
   del response, answer
-  return math_reward("\\boxed{10^{10^{10}}}", "\\boxed{7}")
+  return float(sum(range(10**15)))

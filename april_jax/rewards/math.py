@@ -1,81 +1,112 @@
 """Rule-based math rewards: pull the final answer out of a response, check it against gold.
 
-    extract_answer(response)   # last \\boxed{...}, else DAPO's "Answer: ...", else "#### X"
+    extract_answer(response)   # the final answer after the thinking: the later of the last
+                               # \\boxed{...} and the last "Answer: ...", else "#### X"
     gold_answer(raw)           # a dataset's gold ("... #### 72", "\\boxed{..}", "27.0") -> str
-    is_equivalent(pred, gold)  # exact / numeric check first, then math-verify
+    is_equivalent(pred, gold)  # same text; same exact number; else math-verify, bounded
 
 Registers two rewards: "math" (1.0 / 0.0) and "math_dapo" (+1.0 / -1.0, DAPO's
-convention). Model text is only ever matched with regexes and parsed by math-verify's
-LaTeX parser (ANTLR -> SymPy objects); it is never passed to eval, exec or sympify.
+convention). `dapo_strict` (dapo_strict.py) scores as the DAPO reference does instead.
 
-The rollout scores samples in worker threads, where signal.alarm() cannot be used, so
-math-verify's own (signal-based) timeouts are switched off here; the caller bounds the
-time a reward may take.
+Exact numbers first. Integers, decimals, fractions (`a/b`, `\\frac{a}{b}`, `\\dfrac12`)
+and thousands separators are read as rationals (fractions.Fraction) and compared exactly:
+`1000001` is not `1000000`, `0.5` is `\\frac{1}{2}`. Two plain numbers never reach
+math-verify, which is the slow path (sympy).
+
+Bounded. Every call returns within a bound on any input, in any thread: extraction is
+linear in the response, and math-verify runs in a child process of the calling thread
+(math_verify_child.py) that is killed past `MATH_VERIFY_TIMEOUT_S`; an answer that takes
+longer (`10^{10^{10}}`) is wrong, not a timeout (whose fallback could pay more than a
+wrong answer does).
+
+Model text is only ever matched with regexes and parsed by math-verify's LaTeX parser
+(ANTLR -> SymPy objects); it is never passed to eval, exec or sympify.
 """
 
 from __future__ import annotations
 
+import fractions
 import functools
-import math
 import re
 
+from april_jax.rewards import math_verify_child
 from april_jax.rewards.registry import register
 
+# Seconds math-verify may take for one comparison; past it the answer counts as wrong.
+MATH_VERIFY_TIMEOUT_S = 2.0
+# Digits a number may have to be read exactly (Python refuses longer int strings).
+_MAX_DIGITS = 4000
+VERDICT_CACHE_SIZE = 65536  # math-verify verdicts kept, per process
+# What one finite number never holds (besides a comma).
+_NOT_ONE_NUMBER = ("\\cup", "\\cap", "matrix", "\\infty", "\\emptyset", "\\varnothing")
+
 _BOX_OPENERS = ("\\boxed{", "\\fbox{")
-_DAPO_ANSWER = re.compile(r"answer\s*:[ \t]*([^\n]*)", re.IGNORECASE)
+_THINK_END = "</think>"
+# "Answer:" then any whitespace, newlines included, then the answer's line.
+_DAPO_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 _GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
 _THOUSANDS_NUMBER = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-# LaTeX only: math-verify's plain-expression extractor goes through sympy's parse_expr.
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+_SLASH_FRACTION = re.compile(r"([+-]?\d+)\s*/\s*([+-]?\d+)")
+# \frac{a}{b}, \dfrac{a}{b}, \tfrac{a}{b}, and the brace-less \frac12; a sign before it.
+_LATEX_FRACTION = re.compile(
+    r"([+-]?)\\[dt]?frac(?:\{\s*([+-]?\d+)\s*\}\{\s*([+-]?\d+)\s*\}|(\d)(\d))"
+)
+# Wrappers that do not change a number: math delimiters, spacing, \text{...} around it.
+_WRAPPERS = re.compile(r"^\$+|\$+$|^\\\(|\\\)$|^\\\[|\\\]$")
+_SPACING = re.compile(r"\\[,!;: ]|\\q?quad")
+_TEXT_WRAPPED = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$")
 
 
-@functools.cache
-def _math_verify():
-  """math-verify's parse, verify and LaTeX-only extraction config, imported on first use
-  (it pulls in sympy: most of a second at every start-up of a run that never needs it)."""
-  from math_verify import LatexExtractionConfig, parse, verify  # pylint: disable=g-import-not-at-top
-
-  return parse, verify, [LatexExtractionConfig(boxed_match_priority=0)]
+def final_part(text: str) -> str:
+  """The text after the thinking: what follows the last `</think>` (all of it if none)."""
+  end = text.rfind(_THINK_END)
+  return text if end < 0 else text[end + len(_THINK_END) :]
 
 
-def _closing_brace(text: str, open_at: int) -> int | None:
-  """Index of the brace closing the one at `open_at`, or None if the text ends first."""
-  depth = 0
-  for i in range(open_at, len(text)):
-    if text[i] == "{":
-      depth += 1
-    elif text[i] == "}":
-      depth -= 1
-      if depth == 0:
-        return i
+def _closing_braces(text: str) -> dict[int, int]:
+  """For each `{` in `text` that is closed, the index of its `}` (one pass)."""
+  closing, open_at = {}, []
+  for i, char in enumerate(text):
+    if char == "{":
+      open_at.append(i)
+    elif char == "}" and open_at:
+      closing[open_at.pop()] = i
+  return closing
+
+
+def _last_box(text: str) -> tuple[int, str] | None:
+  """(start, content) of the last balanced, non-empty \\boxed{...} or \\fbox{...}."""
+  starts = []
+  for opener in _BOX_OPENERS:
+    i = text.find(opener)
+    while i != -1:
+      starts.append(i)
+      i = text.find(opener, i + 1)
+  if not starts:
+    return None
+  closing = _closing_braces(text)
+  for start in sorted(starts, reverse=True):
+    open_at = text.index("{", start)
+    close_at = closing.get(open_at)
+    if close_at is not None and text[open_at + 1 : close_at].strip():
+      return start, text[open_at + 1 : close_at].strip()
   return None
-
-
-def _find_all(text: str, sub: str) -> list[int]:
-  """Start indices of every occurrence of `sub` in `text`."""
-  out, i = [], text.find(sub)
-  while i != -1:
-    out.append(i)
-    i = text.find(sub, i + 1)
-  return out
 
 
 def last_boxed(text: str) -> str | None:
   """Content of the last balanced, non-empty \\boxed{...} or \\fbox{...}; None if none."""
-  starts = sorted(i for opener in _BOX_OPENERS for i in _find_all(text, opener))
-  for start in reversed(starts):
-    open_at = text.index("{", start)
-    close_at = _closing_brace(text, open_at)
-    if close_at is not None and text[open_at + 1 : close_at].strip():
-      return text[open_at + 1 : close_at].strip()
-  return None
+  found = _last_box(text)
+  return None if found is None else found[1]
 
 
-def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
-  """Group 1 of the last match of `pattern` in `text` that is non-empty, else None."""
-  found = [m.group(1).strip() for m in pattern.finditer(text)]
-  found = [f for f in found if f]
-  return found[-1] if found else None
+def _last_match(pattern: re.Pattern[str], text: str) -> tuple[int, str] | None:
+  """(start, group 1 stripped) of the last match of `pattern` with a non-empty group 1."""
+  last = None
+  for m in pattern.finditer(text):
+    if m.group(1).strip():
+      last = (m.start(), m.group(1).strip())
+  return last
 
 
 def _without_thousands_commas(s: str) -> str:
@@ -83,28 +114,30 @@ def _without_thousands_commas(s: str) -> str:
   return s.replace(",", "") if _THOUSANDS_NUMBER.fullmatch(s) else s
 
 
-def _dapo_answer(text: str) -> str | None:
-  """The last 'Answer: X' in `text`, with surrounding '$' and a trailing period removed."""
+def _dapo_answer(text: str) -> tuple[int, str] | None:
+  """(start, X) of the last 'Answer: X', with surrounding '$' and a trailing period removed."""
   found = _last_match(_DAPO_ANSWER, text)
   if found is None:
     return None
-  found = found.lstrip("$ \t").rstrip("$. \t")
-  return found or None
+  answer = found[1].lstrip("$ \t").rstrip("$. \t")
+  return (found[0], answer) if answer else None
 
 
 def _gsm8k_answer(text: str) -> str | None:
   """The last '#### X' in `text`, thousands separators removed."""
   found = _last_match(_GSM8K_ANSWER, text)
-  return None if found is None else _without_thousands_commas(found)
+  return None if found is None else _without_thousands_commas(found[1])
 
 
 def extract_answer(text: str) -> str | None:
-  """The model's final answer: last \\boxed{}, else DAPO 'Answer:', else GSM8K '####'."""
-  for extract in (last_boxed, _dapo_answer, _gsm8k_answer):
-    found = extract(text)
-    if found is not None:
-      return found
-  return None
+  """The model's final answer, looked for after the thinking (`final_part`): the later of
+  the last \\boxed{} and the last DAPO 'Answer:' line (a box on that line is its answer),
+  else GSM8K's '####'. None when there is none: a box inside the thinking is not one."""
+  text = final_part(text)
+  found = [f for f in (_last_box(text), _dapo_answer(text)) if f is not None]
+  if found:
+    return max(found)[1]
+  return _gsm8k_answer(text)
 
 
 def gold_answer(raw: str) -> str:
@@ -120,41 +153,93 @@ def _normalised(s: str) -> str:
   return " ".join(s.split())
 
 
-def _as_number(s: str) -> float | None:
-  """`s` as a float if it is a plain decimal number (thousands commas allowed), else None."""
-  s = _without_thousands_commas(s.strip())
-  return float(s) if _PLAIN_NUMBER.fullmatch(s) else None
+def _unwrapped(s: str) -> str:
+  """`s` without what does not change a number: $...$, \\(...\\), LaTeX spacing,
+  \\text{...} around it, spaces, a leading '+'."""
+  s = _SPACING.sub("", s.strip())
+  for _ in range(3):
+    s = _WRAPPERS.sub("", s).strip()
+    inner = _TEXT_WRAPPED.match(s)
+    if inner:
+      s = inner.group(1).strip()
+  return s.replace(" ", "")
 
 
-def math_verify_equal(pred: str, gold: str) -> bool:
-  """math-verify's verdict on `pred` against `gold`, both read as boxed LaTeX.
+def as_rational(s: str) -> fractions.Fraction | None:
+  """`s` as an exact rational when it is a plain number: an integer, a decimal, `a/b`,
+  `\\frac{a}{b}` or `\\dfrac12` (a sign before it allowed), thousands separators allowed.
+  None otherwise (an expression, a set, text, a number past _MAX_DIGITS digits)."""
+  s = _without_thousands_commas(_unwrapped(s))
+  if not s or len(s) > _MAX_DIGITS:
+    return None
+  try:
+    if _DECIMAL.fullmatch(s):
+      return fractions.Fraction(s)
+    m = _SLASH_FRACTION.fullmatch(s)
+    if m:
+      return fractions.Fraction(int(m.group(1)), int(m.group(2)))
+    m = _LATEX_FRACTION.fullmatch(s)
+    if m:
+      sign, numerator, denominator = m.group(1), m.group(2) or m.group(4), m.group(3) or m.group(5)
+      value = fractions.Fraction(int(numerator), int(denominator))
+      return -value if sign == "-" else value
+  except (ValueError, ZeroDivisionError):
+    return None
+  return None
 
-  Timeouts are off (parsing_timeout=None, timeout_seconds=None): math-verify implements
-  them with signal.alarm(), which raises in any thread but the main one. The caller
-  enforces the time limit.
-  """
-  parse, verify, latex_only = _math_verify()
-  gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=latex_only, parsing_timeout=None)
-  pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=latex_only, parsing_timeout=None)
-  if not gold_parsed or not pred_parsed:
+
+def _several_or_unbounded(s: str) -> bool:
+  """Whether `s` is plainly not one finite number: a tuple, interval, set or list (a comma
+  that is not a thousands separator), a union or intersection, a matrix, or infinity."""
+  return "," in s or any(marker in s for marker in _NOT_ONE_NUMBER)
+
+
+class _TimedOut(Exception):
+  """math-verify ran past its bound (never cached: another call may have more luck)."""
+
+
+@functools.lru_cache(maxsize=VERDICT_CACHE_SIZE)
+def _cached_verdict(pred: str, gold: str, timeout_s: float) -> bool:
+  answer = math_verify_child.verdict(pred, gold, timeout_s)
+  if answer is None:
+    raise _TimedOut
+  return answer
+
+
+def clear_verdict_cache() -> None:
+  """Forgets the cached math-verify verdicts."""
+  _cached_verdict.cache_clear()
+
+
+def math_verify_equal(pred: str, gold: str, timeout_s: float | None = None) -> bool:
+  """math-verify's verdict on `pred` against `gold`, both read as boxed LaTeX, in a
+  child process killed past `timeout_s` (MATH_VERIFY_TIMEOUT_S): False then. Verdicts
+  are cached (a group's samples often give the same answer)."""
+  if timeout_s is None:
+    timeout_s = MATH_VERIFY_TIMEOUT_S
+  try:
+    return _cached_verdict(pred, gold, timeout_s)
+  except _TimedOut:
     return False
-  return verify(gold_parsed, pred_parsed, timeout_seconds=None)
 
 
 def is_equivalent(pred: str, gold: str) -> bool:
-  """Whether the answer `pred` equals `gold`: same text, same number, or math-verify says so."""
-  try:
-    if _normalised(pred) and _normalised(pred) == _normalised(gold):
-      return True
-    pred_number, gold_number = _as_number(pred), _as_number(gold)
-    # Two plain numbers are settled here, either way; math-verify is the slow path.
-    if pred_number is not None and gold_number is not None:
-      return math.isclose(pred_number, gold_number, rel_tol=1e-6)
-    return math_verify_equal(pred, gold)
-  except ImportError:  # a broken install is not a wrong answer
-    raise
-  except Exception:  # pylint: disable=broad-except
+  """Whether the answer `pred` equals `gold`: same text, the same exact number, or
+  math-verify says so within its time bound."""
+  if not _normalised(pred):
     return False
+  if _normalised(pred) == _normalised(gold):
+    return True
+  pred_number, gold_number = as_rational(pred), as_rational(gold)
+  # Two plain numbers are settled here, exactly, either way; math-verify is the slow path.
+  if pred_number is not None and gold_number is not None:
+    return pred_number == gold_number
+  # So is one number against what is plainly not one number.
+  if pred_number is not None and _several_or_unbounded(gold):
+    return False
+  if gold_number is not None and _several_or_unbounded(pred):
+    return False
+  return math_verify_equal(pred, gold)
 
 
 def is_correct(response: str, answer: str) -> bool:
