@@ -16,6 +16,12 @@ class InputFileMissing(InputError, FileNotFoundError):
   """A file or folder the config names is not there."""
 
 
+class FastPathFailed(InputError):
+  """A fast path the config names (model.attention=cudnn, rollout.decode_attention=pallas)
+  failed its start-up check on this device (models/path_check.py); the message names the
+  setting, the path and what failed."""
+
+
 class DiskFull(InputError):
   """A write of the run's files found no room; the message names the path and the room."""
 

@@ -40,7 +40,7 @@ from april_jax.envs.episodes import EpisodeRunner, observation_mask
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
-from april_jax.models import hf_io, paged_attention_kernel, qwen3
+from april_jax.models import hf_io, paged_attention_kernel, path_check, qwen3
 from april_jax.models import lora as lora_lib
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages as advantages_lib
@@ -72,6 +72,12 @@ class Trainer:
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
     self.model_cfg = hf_io.model_config(c)
+    # The fast attention paths this device would take, each held to the portable one first.
+    settings = path_check.Settings.of(c, self.model_cfg)
+    self.paths = path_check.check(settings, agree=distributed.any_process)
+    self.model_cfg = self.paths.model_config(self.model_cfg)
+    if distributed.is_primary():
+      path_check.announce(self.paths)
     self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
     self._check_memory()  # before any weight is allocated
     params = self._load_params()
@@ -197,7 +203,7 @@ class Trainer:
     c, r = self.config, self.config.rollout
     self.episodes, turn_stop_ids = self._episodes()
     stop_ids = self.tokenizer.stop_ids + turn_stop_ids
-    engine_config = EngineConfig.from_run_config(c, stop_ids)
+    engine_config = self.paths.engine_config(EngineConfig.from_run_config(c, stop_ids))
     self.engine = SlotEngine(
         self.model_cfg,
         self.learner.decode_params(),
@@ -205,10 +211,11 @@ class Trainer:
         mesh=self.mesh,
         rules=self.decode_rules,
     )
-    logging.info(
-        "decode attention: %s",
-        paged_attention_kernel.describe(r.decode_attention, r.page_size, self.model_cfg.head_dim),
-    )
+    head_dim = self.model_cfg.head_dim
+    decode = paged_attention_kernel.describe(r.decode_attention, r.page_size, head_dim)
+    if engine_config.decode_attention != r.decode_attention:
+      decode = "the XLA path (the Pallas kernel failed its start-up check)"
+    logging.info("decode attention: %s", decode)
     self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
     self.rewards = RewardRunner(
         self.task.reward,

@@ -5,7 +5,9 @@
 #               alternating: rollout (decode, prefill, the rest), batch, learner, cast to
 #               the decode params, checkpoint, each phase's seconds beside its floor from
 #               the copy bandwidth, matmul rate and disk rate measured in the same run;
-#               the learner's MFU and padded/real tokens (8 minutes at most: LIMIT_step)
+#               the learner's MFU and padded/real tokens (8 minutes at most: LIMIT_step);
+#               first, the fast attention paths a run would take here (cuDNN, the Pallas
+#               decode kernel) checked against the portable ones: which it verified and took
 #   step_lora   the step part at the Qwen3-8B shape with LoRA adapters (rank 32, every
 #               projection) over the frozen base, on the one GPU (STEP_LORA_CONFIG;
 #               STEP_LORA_FLAGS adds flags); the learner's floor counts no base gradients
@@ -166,6 +168,11 @@ for part, step_cfg in (("step", step_config), ("step_lora", step_lora_config)):
         f"{st['outside_rollout_learner_frac']['baseline']:.0%} of a step")
   print(f"  copy {c['copy_gbps']:,.0f} GB/s, disk {c['disk_mb_per_s']:,.0f} MB/s; compilations "
         f"while timed: {st['compiles_while_timed']}")
+  fast = st.get("fast_paths")
+  if fast:
+    print(f"  fast paths: verified {', '.join(fast['verified']) or 'none'}; taken "
+          + ", ".join(f"{kind} {impl}" for kind, impl in fast["taken"].items())
+          + "".join(f"; fell back: {line}" for line in fast["warnings"]))
 if "roofline" in r:
   roof = r["roofline"]
   copied = roof["chunk_scratch_over_kv"] > 0.5

@@ -47,7 +47,9 @@ Floors (the arithmetic is in floors.py), per side and step:
               (LoRA: the adapters and the frozen base read, the merged copy written)
   checkpoint  bytes on disk / disk write rate (the rate of a file written with fsync; a
               save that lands in the page cache unsynced can beat this floor)
-Before any of it, packed_check compares the learner's packed attention on this device with
+Before any of it, the fast attention paths a run would take here are checked against the
+portable ones as the trainer checks them (models/path_check.py: its line, and the JSON's
+"fast_paths"), and packed_check compares the learner's packed attention on this device with
 each sample's own row (the JSON's "packed_attention"; a mismatch is printed loudly).
 The rest of the rollout has no floor (host work). MFU here is of the matmul rate measured
 in this run, not of the device's peak; a floor over the time it bounds is its share.
@@ -68,7 +70,7 @@ import orbax.checkpoint as ocp
 
 from april_jax.benchmarks import common, floors, packed_check, scheduler_bench
 from april_jax.envs.episodes import observation_mask
-from april_jax.models import hf_io, lora
+from april_jax.models import hf_io, lora, path_check
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout as layout_lib
@@ -167,6 +169,16 @@ def _bench_config(config):
         f"{config.train.advantage!r} needs one; use grpo, rloo, ..."
     )
   return config
+
+
+def _take_checked_paths(config) -> path_check.Paths:
+  """The fast paths a run of `config` would take here, checked as the trainer checks them
+  (its lines printed); `config` (the benchmark's copy) set to take what the check took."""
+  paths = path_check.check(path_check.Settings.of(config, hf_io.model_config(config)))
+  path_check.announce(paths)
+  config.model.attention = paths.attention
+  config.rollout.decode_attention = paths.decode_attention
+  return paths
 
 
 def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: str, log) -> Bench:
@@ -384,6 +396,8 @@ def run(
   own = directory is None
   directory = tempfile.mkdtemp(prefix="april_step_bench_") if own else directory
   try:
+    log("fast attention paths against the portable ones")
+    paths = _take_checked_paths(config)
     log("packed attention against each sample alone")
     check = packed_check.run(hf_io.model_config(config), config.model.dtype, seed)
     _print_check(check)
@@ -402,6 +416,7 @@ def run(
   out = _result(bench, sides, ceilings, shape, steps, ratio)
   out.update(compiles_while_timed=compiles.count, compile_s_while_timed=compiles.seconds)
   out["packed_attention"] = check
+  out["fast_paths"] = paths.as_dict()
   _print(out)
   if report is not None:
     _report(report, out)

@@ -14,6 +14,7 @@ to the keys of its own segment:
                has not yet run on a GPU.
   "auto"       cudnn on an NVIDIA GPU with a 16-bit compute dtype (with segments: on
                Hopper or newer), else blockwise.
+A run checks the cuDNN calls it would make against blockwise at start-up (path_check.py).
 
 Decode (one new token per slot): `decode_attention` reads the cache [B, K, S, H] of one
 layer in blocks up to the longest live slot (a loop with a device-side trip count), so
