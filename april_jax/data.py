@@ -238,6 +238,15 @@ def _record(row: Any, default_id: str, prompt_key: str, answer_key: str) -> dict
   }
 
 
+def record_from_row(row: Any, prompt_key: str = "", answer_key: str = "") -> dict[str, Any]:
+  """One dataset row as a record {"id", "messages", "answer", "row"}, as load_records
+  reads each; DataError naming why a row is refused (missing_prompt, ...)."""
+  try:
+    return _record(row, "0", prompt_key, answer_key)
+  except _BadRow as bad:
+    raise DataError(f"the row is refused: {bad.reason}") from None
+
+
 def _jsonable(value: Any) -> Any:
   """A row's value as plain JSON (numpy arrays and scalars from parquet included), so it
   can ride in the partial buffer's checkpoint and to a reward server."""

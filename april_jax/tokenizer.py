@@ -9,6 +9,7 @@ for the built-in synthetic task.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -251,6 +252,23 @@ class Tokenizer:
     """Encodes text to token ids; special tokens written in the text become their ids."""
     return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+  def encode_text(self, text: str) -> list[int]:
+    """Encodes text in which special tokens are text: `<|im_end|>` written in a tool's
+    output gives the tokens of its characters, never the control id (added tokens that
+    are not special, such as `<tool_response>`, still become their ids)."""
+    return self._literal.encode(text, add_special_tokens=False).ids
+
+  @functools.cached_property
+  def _literal(self) -> tokenizers.Tokenizer:
+    literal = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+    literal.encode_special_tokens = True
+    return literal
+
+  def special_token_texts(self) -> list[str]:
+    """The text of every special token (control tokens such as `<|im_start|>`)."""
+    added = self._tokenizer.get_added_tokens_decoder().values()
+    return [token.content for token in added if token.special]
+
   def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
     """Decodes token ids to text."""
     return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -373,6 +391,14 @@ class CharTokenizer:
         raise ValueError(f"Character {char!r} is not in the vocabulary {self.chars!r}")
       ids.append(self._char_to_id[char])
     return ids
+
+  def encode_text(self, text: str) -> list[int]:
+    """Encodes text one character per token (no text here spells a special token)."""
+    return self.encode(text)
+
+  def special_token_texts(self) -> list[str]:
+    """The text of every special token."""
+    return list(self.SPECIAL_TOKENS)
 
   def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
     """Decodes token ids; special tokens are written as `<pad>` etc. unless skipped.

@@ -6,11 +6,11 @@
       --config.eval.path=/data/gsm8k_test.jsonl
 
 The model calls the calculator in Qwen3's tool-call format,
-<tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}</tool_call>;
-the turn ends there (env.turn_stop), the result comes back in the chat template's tool
-role, and the model goes on in the same slot. A turn without a call is the final answer
-(envs/calculator.py: expressions are parsed, never evaluated as code). The math reward
-scores the last "\\boxed{}" or "#### N" of the whole episode. Otherwise configs/qwen3_4b.py
+<tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}</tool_call>,
+read as the hermes parser reads it; at the end of its turn each result comes back as the
+chat template renders a tool message, and the model goes on in the same slot. A turn
+without a call is the final answer (envs/calculator.py: expressions are parsed, never
+evaluated as code). The math reward scores the final answer after the thinking. Otherwise configs/qwen3_4b.py
 on one GPU.
 """
 
@@ -18,7 +18,7 @@ from april_jax.configs import base
 
 SYSTEM_PROMPT = """You can use a calculator. To call it, write
 <tool_call>{"name": "calculator", "arguments": {"expression": "<arithmetic>"}}</tool_call>
-and wait for its result. Finish with the final answer as \\boxed{N}."""
+and end your turn to get its result. Finish with the final answer as \\boxed{N}."""
 
 
 def get_config(arg=None):
@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 2048  # every turn and every observation
   c.rollout.dynamic_sampling = True
   c.env.name = "calculator"
-  base.qwen3_tool_turns(c)  # turns end at </tool_call>; observations in the tool role
+  base.qwen3_tool_turns(c)  # turns end at <|im_end|>; results as the template's tool messages
   c.env.max_turns = 8
   c.env.max_observation_tokens = 64
   c.env.timeout_s = 5.0

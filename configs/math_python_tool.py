@@ -5,15 +5,17 @@
       --config.data.source=/data/dapo_math_17k.parquet \
       --config.eval.path=/data/math500.jsonl
 
-Each episode opens with the environment's system prompt, which describes the tool in
-Qwen3's tools format, and the row's problem (its "question" / "problem" column, DAPO's
-raw problem, or the last user message of its prompt). The model calls the tool in Qwen3's
+Each episode opens with the environment's instructions, the tool's schema (written by
+the chat template) and the row's problem (its "question" / "problem" column, DAPO's raw
+problem, or the last user message of its prompt). The model calls the tool in Qwen3's
 tool-call format,
-<tool_call>{"name": "python", "arguments": {"code": "print(2**10)"}}</tool_call>;
-the turn ends there (env.turn_stop), the code's output (or its traceback) comes back in
-the chat template's tool role, and the model goes on in the same slot. A turn without a
-call is the final answer; the math reward scores the last "\\boxed{}" (or DAPO's
-"Answer:") of the whole episode.
+<tool_call>{"name": "python", "arguments": {"code": "print(2**10)"}}</tool_call>,
+read as the hermes parser reads it (every call of the turn runs; a malformed one runs
+nothing and says why); at the end of its turn the outputs (or tracebacks) come back as the
+chat template renders tool messages, and the model goes on in the same slot. A turn
+without a call is the final answer; the math reward scores the final answer after the
+thinking ("\\boxed{}" or DAPO's "Answer:"). Check an episode first with
+`python -m april_jax.envs.replay --config=configs/math_python_tool.py --transcript=...`.
 
 The model's code runs in a separate, limited process, never in the trainer
 (envs/python_tool.py): a fresh `python -I` per call in a folder of its own, killed past
@@ -35,7 +37,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 8192  # every turn and every observation
   c.rollout.dynamic_sampling = True
   c.env.name = "python_tool"
-  base.qwen3_tool_turns(c)  # turns end at </tool_call>; observations in the tool role
+  base.qwen3_tool_turns(c)  # turns end at <|im_end|>; results as the template's tool messages
   c.env.max_turns = 6
   c.env.max_observation_tokens = 512
   c.env.timeout_s = 10.0  # per call; the tool's own limit is 5 s

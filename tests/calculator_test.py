@@ -2,6 +2,8 @@
 expressions, and a refusal (never an evaluation) for code, names, calls and sizes that
 could hold the process."""
 
+import json
+
 import pytest
 
 from april_jax.envs.calculator import CalculatorEnv, CalculatorError, calculate
@@ -48,24 +50,35 @@ def test_everything_else_is_refused_without_being_run(expression, reason):
     calculate(expression)
 
 
+def _call(expression):
+  return json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+
+
 @pytest.mark.parametrize(
-    "turn,observation",
+    "turn,results",
     [
-        (
-            '<tool_call>{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}}</tool_call>',
-            "27",
+        (f"<tool_call>{_call('3 * (4 + 5)')}</tool_call>", ["27"]),
+        (  # every call of the turn, in order
+            f"first <tool_call>{_call('1 + 1')}</tool_call> then <tool_call>{_call('2 ** 10')}</tool_call>",
+            ["2", "1024"],
         ),
-        ("first <tool_call>1 + 1</tool_call> then <tool_call>2 ** 10</tool_call>", "1024"),
-        ("<tool_call>open('/etc/passwd')</tool_call>", "error: not arithmetic: Call"),
-        ('<tool_call>{"name": "calculator", "arguments": {}}', "error: a call needs"),
+        (f"<tool_call>{_call('open(1)')}</tool_call>", ["error: not arithmetic: Call"]),
+        ("<tool_call>1 + 1</tool_call>", ["error: tool call 1 is not valid JSON"]),
+        (
+            '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>',
+            ["error: a calculator call needs"],
+        ),
+        (f"<tool_call>{_call('1 + 1')}", ["error: tool call 1 is not closed"]),
         ("The answer is \\boxed{27}.", None),
+        (f"<think><tool_call>{_call('1 + 1')}</tool_call></think>\\boxed{{27}}", None),
     ],
 )
-def test_the_calculator_environment_answers_the_turns_last_call_or_ends_the_episode(
-    turn, observation
-):
+def test_the_calculator_answers_every_call_of_the_turn_or_ends_the_episode(turn, results):
   env = CalculatorEnv()
   out = env.step(env.reset({"answer": "27"}), turn)
-  assert out.done == (observation is None)
-  assert out.observation == observation or out.observation.startswith(observation)
-  assert out.state == {"calls": 0 if observation is None else 1}
+  assert out.done == (results is None)
+  if results is not None:
+    assert len(out.observation) == len(results)
+    for got, want in zip(out.observation, results):
+      assert got.startswith(want), (got, want)
+  assert out.state == {"calls": 0 if results is None else 1}

@@ -11,6 +11,7 @@ import pytest
 from april_jax import sampler
 from april_jax.data import PromptItem
 from april_jax.envs import base, episodes
+from april_jax.envs.observation_format import TextFormat
 from april_jax.envs.episode_state import Episode
 from april_jax.models import qwen3
 from april_jax.rl import batch as batch_lib
@@ -250,7 +251,14 @@ def _to_the_end(runner):
 def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
     env, settings, count
 ):
-  runner = episodes.EpisodeRunner(env, encode, decode, episodes.EpisodeSettings(**settings))
+  template = settings.pop("observation_template", "{observation}")
+  runner = episodes.EpisodeRunner(
+      env,
+      encode,
+      decode,
+      episodes.EpisodeSettings(**settings),
+      observations=TextFormat(encode, template),
+  )
   record = _to_the_end(runner)
   assert record.finished and runner.counts[count] >= 1
   if count in ("env/errors", "env/timeouts"):
@@ -278,10 +286,14 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized():
     longest.append(len(text))
     return encode(text)
 
-  settings = episodes.EpisodeSettings(
-      max_observation_tokens=10, observation_template="1 {observation} 2"
+  settings = episodes.EpisodeSettings(max_observation_tokens=10)
+  runner = episodes.EpisodeRunner(
+      _Floods(),
+      spying_encode,
+      decode,
+      settings,
+      observations=TextFormat(spying_encode, "1 {observation} 2"),
   )
-  runner = episodes.EpisodeRunner(_Floods(), spying_encode, decode, settings)
   record = _to_the_end(runner)
   assert record.finished and runner.counts["env/observations_cut"] >= 1
   assert max(longest) <= 10 * episodes.MAX_CHARS_PER_TOKEN
@@ -415,7 +427,8 @@ def test_an_engine_and_scheduler_disagreeing_on_episodes_is_refused():
 # ------------------------------------------------------------- configs and the CLI
 
 
-def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_same_turn():
+def test_gsm8k_tool_config_answers_each_qwen3_tool_call_in_the_template_s_tool_role():
+  from april_jax.envs import run_episodes  # pylint: disable=g-import-not-at-top
   from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
   c = load_config("gsm8k_tool")
@@ -423,24 +436,19 @@ def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_s
   validate._checks_env(c, problems.append)  # pylint: disable=protected-access
   assert not problems  # (the run itself: real_data_test.py)
   tok = Tokenizer.from_pretrained(QWEN3_TOKENIZER_DIR)
-  (turn_stop,) = tok.encode(c.env.turn_stop)  # one token, as the trainer requires
-  runner = episodes.EpisodeRunner(
-      base.load(c.env.name),
-      tok.encode,
-      lambda ids: tok.decode(ids, skip_special_tokens=False),
-      episodes.EpisodeSettings.from_config(c.env),
-      end_of_turn_ids=tok.stop_ids,
-  )
-  call = 'Half of 48: <tool_call>{"name": "calculator", "arguments": {"expression": "48 / 2"}}'
+  runner, turn_stop_ids = run_episodes.runner_for(c, tok)
+  assert turn_stop_ids == ()  # a turn ends where a chat turn does: no call is hidden
+  call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+  turn = "Half of 48, and twice that:\n" + call % "48 / 2" + "\n" + call % "48 * 2"
   record = SampleRecord(prompt=[1, 2], max_new_tokens=200, rng=[0, 0])
   runner.start([record], [{"answer": "24"}])
-  record.response = np.array(tok.encode(call) + [turn_stop], np.int32)
+  record.response = np.array(tok.encode(turn) + [tok.stop_ids[0]], np.int32)
   record.logprobs = np.zeros(len(record.response), np.float32)
   record.versions = np.zeros(len(record.response), np.int32)
   observation = runner.turn([record])[0]
-  assert tok.decode(observation.tolist()) == (
-      "<|im_end|>\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
-      "<|im_start|>assistant\n"
+  assert tok.decode(observation.tolist()) == (  # thinking off (data.enable_thinking)
+      "\n<|im_start|>user\n<tool_response>\n24\n</tool_response>\n<tool_response>\n96\n"
+      "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
   )
   assert record.episode.state == {"calls": 1} and record.episode.observations == [
       [len(record.response), len(record.response) + len(observation)]
@@ -451,6 +459,7 @@ def test_gsm8k_tool_config_turns_a_qwen3_tool_call_into_a_tool_response_in_the_s
   record.logprobs = np.zeros(len(record.response), np.float32)
   record.versions = np.zeros(len(record.response), np.int32)
   assert runner.turn([record])[0] is None and runner.counts["env/episodes_done"] == 1
+  runner.close()
 
 
 USER_ENV = '''

@@ -11,7 +11,7 @@ peft, does one request and writes its arrays to OUT (.npz):
   encode(tokenizer_dir, texts)                       -> one list of ids per text
   chat(tokenizer_dir, cases)                         -> (text, ids) per (messages,
                                                         add_generation_prompt,
-                                                        enable_thinking)
+                                                        enable_thinking[, tools])
 
 `require("torch", "transformers")` skips a test, with the reason, where a package is
 not installed (asked of its metadata, without importing it).
@@ -164,8 +164,10 @@ def _encode(r: dict) -> dict:
 
 def _chat(r: dict) -> dict:
   tok, out = _tokenizer(r), []
-  for messages, add_generation_prompt, enable_thinking in r["cases"]:
+  for messages, add_generation_prompt, enable_thinking, *tools in r["cases"]:
     kw = dict(add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+    if tools and tools[0] is not None:
+      kw["tools"] = tools[0]
     text = tok.apply_chat_template(messages, tokenize=False, **kw)
     ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
     out.append((text, [int(i) for i in ids]))

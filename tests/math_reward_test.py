@@ -221,8 +221,13 @@ def test_plain_numbers_never_reach_math_verify(monkeypatch):
     raise AssertionError(f"math-verify called on {args}")
 
   monkeypatch.setattr(math_reward.math_verify_child, "verdict", refuse)
-  for response, gold in [("Answer: 1000001", "1000000"), (r"\boxed{\frac{1}{2}}", "0.5"),
-                         ("#### 1,234", "1234"), ("Answer: $-7$", "-7.0"), ("Answer: 025", "25")]:
+  for response, gold in [
+      ("Answer: 1000001", "1000000"),
+      (r"\boxed{\frac{1}{2}}", "0.5"),
+      ("#### 1,234", "1234"),
+      ("Answer: $-7$", "-7.0"),
+      ("Answer: 025", "25"),
+  ]:
     math_reward.math_dapo_reward(response, gold)
 
 

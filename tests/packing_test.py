@@ -232,18 +232,23 @@ def test_packed_critic_gives_the_values_gae_and_update_of_a_row_per_sample(param
         lambda x: x + 0.05 * jnp.ones_like(x) if x.ndim == 1 else x, critic.params
     )
     metrics = critic.advantages(batch, batch["rewards"])
-    metrics.update(critic.update(batch))
-    metrics.update(critic.update(batch))
-    out[packing] = (batch, metrics, critic.params)
-  (b_u, m_u, p_u), (b_p, m_p, p_p) = out[False], out[True]
+    metrics.update(critic.update(batch))  # the first update: from the same params
+    second = critic.update(batch)
+    out[packing] = (batch, metrics, second, critic.params)
+  (b_u, m_u, s_u, p_u), (b_p, m_p, s_p, p_p) = out[False], out[True]
   live = b_u["mask"] > 0
   for k in ("old_values", "advantages", "returns"):
     np.testing.assert_allclose(b_p[k][live], b_u[k][live], atol=1e-5)
-  for k in m_u:
+  for k in m_u:  # values, advantages, the first update's loss and gradients
     assert m_p[k] == pytest.approx(m_u[k], rel=1e-4, abs=1e-6), k
-  # The gradients agree (grad_norm above, to 1e-4). Adam moves each weight about lr (1e-3)
-  # a step whatever its gradient's size, so a weight whose gradient is float noise (a
-  # token seen only where nothing is trained) may differ by a fraction of a step.
+  # After an Adam step the params differ by float noise: Adam moves each weight about lr
+  # (1e-3) a step whatever its gradient's size, so a weight whose gradient is noise (a
+  # token seen only where nothing is trained) may differ by a fraction of a step. The
+  # second update's losses and gradients agree to that; a count of values crossing the
+  # clip threshold does not (one value on the threshold flips it), so it is not compared.
+  for k in s_u:
+    if "clipfrac" not in k:
+      assert s_p[k] == pytest.approx(s_u[k], rel=1e-3, abs=1e-5), k
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), p_u, p_p)
   assert np.abs(b_u["old_values"][live]).max() > 0.01
 

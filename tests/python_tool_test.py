@@ -23,9 +23,7 @@ from april_jax.envs.python_tool import (
     TOOL,
     Limits,
     PythonToolEnv,
-    ToolCallError,
     run_python,
-    tool_call_code,
 )
 from conftest import MATH_DIR, MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, load_config
 
@@ -204,51 +202,44 @@ def test_a_memory_bomb_hits_the_memory_limit_and_this_process_stays_as_it_was(co
 CALL = '<tool_call>\n{{"name": "python", "arguments": {{"code": {code}}}}}\n</tool_call>'
 
 
-@pytest.mark.parametrize(
-    "turn,code",
-    [
-        (CALL.format(code=json.dumps("print(2 ** 10)")), "print(2 ** 10)"),
-        (
-            '<tool_call>{"name": "python", "arguments": {"code": "a = 1\nprint(a)"}}',
-            "a = 1\nprint(a)",
-        ),
-        ("Let me compute.\n<tool_call>\n```python\nprint(1)\n```\n</tool_call>", "print(1)\n"),
-        ("<tool_call>print(3)</tool_call>", "print(3)"),
-        ('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x\\"}"}', "x"),
-        ("no call here, \\boxed{4}", None),
-    ],
-)
-def test_a_qwen3_tool_call_gives_its_code(turn, code):
-  assert tool_call_code(turn) == code
-
-
-@pytest.mark.parametrize(
-    "turn,message",
-    [
-        ('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "a call needs"),
-        ('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>', "no tool 'search'"),
-    ],
-)
-def test_a_call_without_code_is_refused_by_name(turn, message):
-  with pytest.raises(ToolCallError, match=message):
-    tool_call_code(turn)
-
-
-def test_the_env_answers_a_tool_call_with_its_output_and_a_turn_without_one_ends_it():
+def test_the_env_runs_every_call_of_a_turn_and_a_turn_without_one_ends_it():
   env = base.load("python_tool")
   assert isinstance(env, PythonToolEnv)
   code = "from sympy import factorint\nprint(factorint(360))"
   turn = "I will factor it.\n" + CALL.format(code=json.dumps(code))
   step = env.step({"calls": 0}, turn)
-  assert (step.observation, step.done, step.state) == ("{2: 3, 3: 2, 5: 1}\n", False, {"calls": 1})
-  step = env.step({"calls": 1}, CALL.format(code=json.dumps("x = 1")))
-  assert (step.observation, step.state) == ("(no output)", {"calls": 2})
-  step = env.step({"calls": 2}, CALL.format(code=json.dumps("1 / 0")))
-  assert "ZeroDivisionError" in step.observation and not step.done
+  assert (step.observation, step.done, step.state) == (
+      ["{2: 3, 3: 2, 5: 1}\n"],
+      False,
+      {"calls": 1},
+  )
+  two = CALL.format(code=json.dumps("x = 1")) + CALL.format(code=json.dumps("1 / 0"))
+  step = env.step({"calls": 1}, two)
+  assert step.observation[0] == "(no output)" and "ZeroDivisionError" in step.observation[1]
+  assert (len(step.observation), step.state, step.done) == (2, {"calls": 2}, False)
   step = env.step({"calls": 0}, '<tool_call>{"name": "python", "arguments": {}}</tool_call>')
-  assert step.observation.startswith("error: a call needs") and not step.done
+  assert step.observation == ['error: a python call needs {"arguments": {"code": "..."}}']
+  step = env.step(
+      {"calls": 0}, '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+  )
+  assert step.observation == ["error: there is no tool 'search': the tool is 'python'"]
+  fenced = CALL.format(code=json.dumps("```python\nprint(5)\n```"))
+  assert env.step({"calls": 0}, fenced).observation == ["5\n"]
   final = env.step({"calls": 3}, "So the answer is \\boxed{360}.")
   assert (final.observation, final.done, final.state) == (None, True, {"calls": 3})
+
+
+def test_a_malformed_call_runs_nothing_and_says_what_was_wrong(tmp_path):
+  marker = tmp_path / "ran"
+  code = f"open({str(marker)!r}, 'w')"
+  for turn in [
+      f"<tool_call>{code}</tool_call>",  # bare code
+      "<tool_call>{'name': 'python', 'arguments': {'code': " + repr(code) + "}}</tool_call>",
+      CALL.format(code=json.dumps(code)) + "<tool_call>oops</tool_call>",  # a bad second call
+  ]:
+    step = PythonToolEnv().step({"calls": 0}, turn)
+    assert len(step.observation) == 1 and step.observation[0].startswith("error: tool call ")
+  assert not marker.exists()
 
 
 def test_reset_opens_with_the_tool_s_system_prompt_and_the_row_s_problem():
@@ -268,14 +259,15 @@ def test_reset_opens_with_the_tool_s_system_prompt_and_the_row_s_problem():
     assert reset == EnvReset(
         state={"calls": 0},
         messages=[
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": INSTRUCTIONS},
             {"role": "user", "content": question},
         ],
+        tools=[TOOL],
     )
   assert env.reset({"answer": "4"}) == {"calls": 0}  # no problem found: the row's prompt
 
 
-def test_the_system_prompt_is_the_tool_block_qwen3_s_template_writes():
+def test_the_fallback_system_prompt_is_the_tool_block_qwen3_s_template_writes():
   from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
   tok = Tokenizer.from_pretrained(QWEN3_TOKENIZER_DIR)
@@ -287,13 +279,13 @@ def test_the_system_prompt_is_the_tool_block_qwen3_s_template_writes():
       with_tools
   )
   assert "\\boxed{" in SYSTEM_PROMPT and '"name": "python"' in SYSTEM_PROMPT
-  assert len(tok.encode(load_config("math_python_tool").env.turn_stop)) == 1
 
 
 # ------------------------------------------------------------------ the config
 def test_the_math_python_tool_config_validates(tmp_path):
   c = load_config("math_python_tool")
-  assert (c.env.name, c.rollout.reward, c.env.turn_stop) == ("python_tool", "math", "</tool_call>")
+  assert (c.env.name, c.rollout.reward, c.env.turn_stop) == ("python_tool", "math", "")
+  assert c.env.observation_format == "chat_template"
   assert PythonToolEnv.limits.timeout_s < c.env.timeout_s
   with pytest.raises(validate.ConfigError, match="data.source '' needs a pretrained model"):
     validate.validate(c)  # the model and the data are the user's to give

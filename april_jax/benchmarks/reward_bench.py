@@ -80,9 +80,17 @@ def run(corpus: str | Path | None = None, repeats: int = 3) -> dict:
     calls["n"] += 1
     return verdict(*args)
 
-  result = {"mode": "rewards", "corpus": str(corpus or "typical"), "pairs": len(pairs), "repeats": repeats, "machine": common.machine()}
+  result = {
+      "mode": "rewards",
+      "corpus": str(corpus or "typical"),
+      "pairs": len(pairs),
+      "repeats": repeats,
+      "machine": common.machine(),
+  }
   print(f"{len(pairs)} (response, gold) pairs, best of {repeats} passes")
-  print(f"{'reward':<12} {'calls/s':>10} {'ms/1000':>10} {'math-verify calls':>18} {'slowest (s)':>12}")
+  print(
+      f"{'reward':<12} {'calls/s':>10} {'ms/1000':>10} {'math-verify calls':>18} {'slowest (s)':>12}"
+  )
   math_reward.math_verify_child.verdict = counted
   try:
     for name in REWARDS:

@@ -54,15 +54,12 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def qwen3_tool_turns(c: ml_collections.ConfigDict) -> None:
-  """Sets c.env's turn fields for Qwen3's tool-call format: a turn ends at
-  "</tool_call>" (one token in Qwen3's vocabulary), and an observation comes back in the
-  chat template's tool role, wrapped in <tool_response>, before the next assistant turn."""
-  c.env.turn_stop = "</tool_call>"
-  c.env.close_turn = "<|im_end|>"
-  c.env.observation_template = (
-      "\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n"
-      "<|im_start|>assistant\n"
-  )
+  """Sets c.env's turn fields for Qwen3's tool calls as a deployment serves them: a turn
+  ends where a chat turn does (<|im_end|>), so every call of the turn is seen, and each
+  tool result comes back as the chat template renders tool messages and the next
+  generation prompt (envs/observation_format.py)."""
+  c.env.turn_stop = ""
+  c.env.observation_format = "chat_template"
 
 
 def _model() -> ml_collections.ConfigDict:
@@ -189,10 +186,15 @@ def _env() -> ml_collections.ConfigDict:
   # ended its turn (the engine idles on calls, but a run is reproducible whatever their
   # timing).
   e.overlap = True
-  # An observation as the model sees it: the text that closes the model's turn, the
-  # observation in the chat template's tool role, and the opening of the next turn.
+  # How an environment's answer is written after a turn: "chat_template" (tool messages
+  # and the next generation prompt as the tokenizer's chat template renders them, thinking
+  # as data.enable_thinking says) or "text" (the two fields below, for a tokenizer
+  # without a chat template).
+  e.observation_format = "text"
+  # "text": the observation in this template, after close_turn when the turn ended on
+  # turn_stop rather than on the end of a chat turn.
   e.observation_template = "{observation}"
-  e.close_turn = ""  # before the template when the turn ended on turn_stop
+  e.close_turn = ""  # "text": before the template when the turn ended on turn_stop
   return e
 
 

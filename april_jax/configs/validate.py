@@ -301,6 +301,8 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
       err(f"env.{name} must be >= 1, got {e[name]}")
   if e.timeout_s <= 0:
     err(f"env.timeout_s must be > 0, got {e.timeout_s}")
+  if e.observation_format not in ("text", "chat_template"):
+    err(f"env.observation_format must be 'text' or 'chat_template', got {e.observation_format!r}")
   if "{observation}" not in e.observation_template:
     err(f"env.observation_template must hold {{observation}}, got {e.observation_template!r}")
   try:

@@ -37,7 +37,9 @@ from april_jax.rewards import loading
 
 @dataclasses.dataclass(frozen=True)
 class EnvStep:
-  observation: str | None  # shown to the model when the episode goes on
+  # Shown to the model when the episode goes on: one tool result, or a list of them (one
+  # tool message each, e.g. one per call of the turn); None ends the episode.
+  observation: str | list[str] | None
   done: bool
   state: Any = None  # the episode's new state (JSON)
   reward: float | None = None  # optional; the last one given is the sample's env_reward
@@ -47,6 +49,7 @@ class EnvStep:
 class EnvReset:
   state: Any = None  # the episode's first state (JSON)
   messages: list[dict] | None = None  # the episode's first messages (None: the row's prompt)
+  tools: list[dict] | None = None  # function schemas the chat template shows with messages
 
 
 class Env(Protocol):

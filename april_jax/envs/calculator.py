@@ -10,18 +10,19 @@ attribute or any other node is refused. Sizes are bounded so no answer can hold 
 process: the expression's length, a power's exponent and the magnitude of every
 intermediate result. Thousands separators ("1,234") are accepted in numbers.
 
-`CalculatorEnv` (env.name = "calculator") is the tool as a multi-turn environment.
+`CalculatorEnv` (env.name = "calculator") is the tool as a multi-turn environment; its
+calls are read as the hermes parser reads them (tool_calls.py).
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import math
 import operator
 import re
 
 from april_jax.envs.base import EnvStep, register
+from april_jax.envs.tool_calls import ToolCall, tool_results
 
 MAX_CHARS = 200
 MAX_EXPONENT = 64
@@ -93,45 +94,37 @@ def calculate(expression: str) -> str:
   return _format(_value(tree.body))
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+def call_expression(call: ToolCall) -> str:
+  """The expression a well-formed call asks to compute; CalculatorError when it names
+  another tool or gives no expression."""
+  if call.name != "calculator":
+    raise CalculatorError(f"there is no tool {call.name!r}: the tool is 'calculator'")
+  expression = call.arguments.get("expression")
+  if not isinstance(expression, str):
+    raise CalculatorError('a calculator call needs {"arguments": {"expression": "..."}}')
+  return expression
 
 
-def tool_call_expression(turn: str) -> str | None:
-  """The expression of the turn's last `<tool_call>`: Qwen3's JSON form
-  {"name": "calculator", "arguments": {"expression": "..."}}, or the bare expression.
-  None when the turn calls no tool; CalculatorError for a JSON call without one."""
-  calls = _TOOL_CALL.findall(turn)
-  if not calls:
-    return None
-  body = calls[-1].strip()
+def _result(call: ToolCall) -> str:
   try:
-    call = json.loads(body)
-  except ValueError:
-    return body
-  if isinstance(call, dict):
-    args = call.get("arguments", call)
-    if isinstance(args, dict) and isinstance(args.get("expression"), str):
-      return args["expression"]
-    raise CalculatorError('a call needs {"arguments": {"expression": "..."}}')
-  return body
+    return calculate(call_expression(call))
+  except CalculatorError as e:
+    return f"error: {e}"
 
 
 @register("calculator")
 class CalculatorEnv:
-  """GSM8K with a calculator: each turn that makes a tool call gets the result (or the
-  calculator's error) as the observation; a turn with no tool call is the final answer
-  and ends the episode. State: the number of calls made."""
+  """GSM8K with a calculator: each call of a turn gets its result (or the calculator's
+  error) as one tool result; a malformed call computes nothing and the result says what
+  was wrong; a turn with no call is the final answer and ends the episode. State: the
+  number of turns that called."""
 
   def reset(self, row: dict) -> dict:
     del row
     return {"calls": 0}
 
   def step(self, state: dict, turn: str) -> EnvStep:
-    try:
-      expression = tool_call_expression(turn)
-      if expression is None:
-        return EnvStep(observation=None, done=True, state=state)
-      result = calculate(expression)
-    except CalculatorError as e:
-      result = f"error: {e}"
-    return EnvStep(observation=result, done=False, state={"calls": state["calls"] + 1})
+    results = tool_results(turn, _result)
+    if results is None:
+      return EnvStep(observation=None, done=True, state=state)
+    return EnvStep(observation=results, done=False, state={"calls": state["calls"] + 1})

@@ -44,6 +44,7 @@ from april_jax import errors
 from april_jax import workers
 from april_jax.envs.base import Env, EnvReset, EnvStep
 from april_jax.envs.episode_state import Episode
+from april_jax.envs.observation_format import ObservationFormat, TextFormat
 
 SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
 
@@ -62,11 +63,6 @@ class EpisodeSettings:
   # Calls run while the other slots decode; False: each is waited for right after the
   # decode call that ended its turn (reproducible whatever the calls' timing).
   overlap: bool = True
-  # The text around an observation: it closes the model's turn and opens the next one.
-  observation_template: str = "{observation}"
-  # Put before the template when the turn ended on a stop token that is not the end of
-  # a chat turn (e.g. `</tool_call>` rather than `<|im_end|>`).
-  close_turn: str = ""
 
   @classmethod
   def from_config(cls, env_config) -> "EpisodeSettings":
@@ -90,16 +86,17 @@ class EpisodeRunner:
       end_of_turn_ids: tuple[int, ...] = (),
       agree: Callable[[Any], Any] | None = None,
       leader: bool = True,
-      render: Callable[[list[dict]], list[int]] | None = None,
+      render: Callable[..., list[int]] | None = None,
+      observations: ObservationFormat | None = None,
   ):
     self.env, self.settings = env, settings
     self._encode, self._decode = encode, decode
     self._end_of_turn = set(int(i) for i in end_of_turn_ids)
     self._agree = agree or (lambda outcome: outcome)
     self._leader = leader
-    prefix, _, suffix = settings.observation_template.partition("{observation}")
-    self._around = (prefix, suffix)
-    self._render = render  # chat messages -> prompt tokens (reset's messages)
+    # The tokens of the environment's answer after a turn (observation_format.py).
+    self._observations = observations or TextFormat(encode)
+    self._render = render  # chat messages (and tools) -> prompt tokens (reset's messages)
     self.counts = collections.Counter()  # over the run
     self.wait_s = 0.0  # seconds waited for calls (answer with wait), over the run
     self._threads = {}  # kind -> the threads of the environment's calls (_pool)
@@ -125,6 +122,13 @@ class EpisodeRunner:
     for all)."""
     outcomes = self._agree(self._map(self._step, records) if self._leader else None)
     return [self._apply(r, outcome) for r, outcome in zip(records, outcomes)]
+
+  def step_once(self, record: SampleRecord) -> tuple[np.ndarray | None, list[str] | None]:
+    """The environment's answer to the turn `record` just ended, applied to its episode,
+    here and now (one process; the replay's): the observation's tokens (None: the
+    episode is over) and the tool results as shown in them."""
+    outcome = self._step(record)
+    return self._apply(record, outcome), outcome.get("results")
 
   def park(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
     """After a decode call: the samples `engine` holds at a stop stay parked in their
@@ -203,7 +207,7 @@ class EpisodeRunner:
       out, prompt = self._call(self.env.reset, row), None
       if isinstance(out, EnvReset):
         if out.messages is not None:
-          prompt = self._prompt(out.messages)
+          prompt = self._prompt(out.messages, out.tools)
         elif out.state is None:
           raise TypeError("reset returned an EnvReset with neither state nor messages")
         out = out.state
@@ -245,32 +249,49 @@ class EpisodeRunner:
         episode.reward = float(out.reward)
       if out.done or out.observation is None:
         return {"episode": episode.to_json(), "counts": counts | {"env/episodes_done": 1}}
-      text = str(out.observation)
-      # Cut the text first: tokenizing a huge observation would stall decoding, outside the
-      # environment's time limit. Past this many characters it cannot fit the tokens anyway.
-      room = s.max_observation_tokens * MAX_CHARS_PER_TOKEN
-      observation, cut = self._encode(text[:room]), len(text) > room
+      results = _results(out.observation)
+      results, cut = zip(*(self._cut(result) for result in results))
+      closed = int(record.response[-1]) in self._end_of_turn
+      tokens = self._observations.tokens(list(results), closed)
     except TimeoutError:
       return _failed(episode, "timeouts", f"step ran past env.timeout_s={s.timeout_s:g} s", counts)
     except Exception as e:  # pylint: disable=broad-except
       return _failed(episode, "errors", f"step: {_why(e)}", counts)
     if episode.turns >= s.max_turns:
       return {"episode": episode.to_json(), "counts": counts | {"env/turn_limit": 1}}
-    if cut or len(observation) > s.max_observation_tokens:  # the observation, not its frame
-      observation = observation[: s.max_observation_tokens]
-      counts["env/observations_cut"] = 1
-    close = "" if int(record.response[-1]) in self._end_of_turn else s.close_turn
-    prefix, suffix = self._around
-    tokens = self._encode(close + prefix) + observation + self._encode(suffix)
+    if any(cut):
+      counts["env/observations_cut"] = sum(cut)
     if record.budget_left < len(tokens) + 1:
       return {"episode": episode.to_json(), "counts": counts | {"env/out_of_budget": 1}}
     spans.append([len(record.response), len(record.response) + len(tokens)])
     counts["env/observation_tokens"] = len(tokens)
-    return {"episode": episode.to_json(), "tokens": [int(t) for t in tokens], "counts": counts}
+    return {
+        "episode": episode.to_json(),
+        "tokens": [int(t) for t in tokens],
+        "results": list(results),
+        "counts": counts,
+    }
 
-  def _prompt(self, messages) -> list[int]:
-    """reset's messages rendered by the chat template (TypeError when they are not chat
-    messages, or the run has no template)."""
+  def _cut(self, result: str) -> tuple[str, bool]:
+    """`result` cut to max_observation_tokens tokens (its frame not counted), and whether
+    it was cut. The text is cut first: tokenizing a huge result would stall decoding,
+    outside the environment's time limit, and past this many characters it cannot fit
+    the tokens anyway."""
+    limit = self.settings.max_observation_tokens
+    room = limit * MAX_CHARS_PER_TOKEN
+    text, cut = result[:room], len(result) > room
+    ids = self._encode_text(text)
+    if len(ids) > limit:
+      text, cut = self._decode(ids[:limit]), True
+    return text, cut
+
+  def _encode_text(self, text: str) -> list[int]:
+    encode_text = getattr(self._observations, "encode_text", None)
+    return list(encode_text(text) if encode_text else self._encode(text))
+
+  def _prompt(self, messages, tools=None) -> list[int]:
+    """reset's messages (and tools) rendered by the chat template (TypeError when they
+    are not chat messages, or the run has no template)."""
     ok = isinstance(messages, list) and messages
     ok = ok and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -283,7 +304,14 @@ class EpisodeRunner:
       )
     if self._render is None:
       raise TypeError("reset gave messages, but no chat template renders them here")
-    return [int(t) for t in self._render(messages)]
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+      raise TypeError(
+          f"reset's tools must be a list of JSON schemas (dicts), got {str(tools)[:80]}"
+      )
+    extra = {"tools": tools} if tools is not None else {}
+    return [int(t) for t in self._render(messages, **extra)]
 
   def _apply(self, record: SampleRecord, outcome: dict) -> np.ndarray | None:
     record.episode = Episode.from_json(outcome["episode"])
@@ -344,6 +372,15 @@ class EpisodeRunner:
         raise RuntimeError(f"{type(error).__name__}({error}) raised by the environment")
       raise error
     return box["out"]
+
+
+def _results(observation: Any) -> list[str]:
+  """An EnvStep's observation as tool results: a string is one, a list one each."""
+  if isinstance(observation, (list, tuple)):
+    if not observation:
+      raise TypeError("step returned an empty list of observations")
+    return [str(o) for o in observation]
+  return [str(observation)]
 
 
 def _give(record: SampleRecord, tokens: np.ndarray, version: int) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from april_jax.envs.base import EnvReset, EnvStep, register
+from april_jax.envs.tool_calls import ToolCall, tool_results
 
 RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
 # A wait for the killed child (already dead in practice) and for the unshare probe.
@@ -242,12 +243,7 @@ def tools_system_prompt(instructions: str, tools: list[dict]) -> str:
 
 SYSTEM_PROMPT = tools_system_prompt(INSTRUCTIONS, [TOOL])
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
-
-
-class ToolCallError(ValueError):
-  """A tool call that names no code to run; the message says what a call looks like."""
 
 
 def _unfenced(code: str) -> str:
@@ -256,37 +252,15 @@ def _unfenced(code: str) -> str:
   return blocks[-1] if blocks else code
 
 
-def _json_call_code(call: dict) -> str:
-  name = call.get("name", "python")
-  if name != "python":
-    raise ToolCallError(f"there is no tool {name!r}: the tool is 'python'")
-  args = call.get("arguments", call)
-  if isinstance(args, str):  # arguments written as a JSON string
-    try:
-      args = json.loads(args, strict=False)
-    except ValueError:
-      pass
-  if isinstance(args, dict) and isinstance(args.get("code"), str):
-    return args["code"]
-  raise ToolCallError('a call needs {"name": "python", "arguments": {"code": "..."}}')
-
-
-def tool_call_code(turn: str) -> str | None:
-  """The code of the turn's last `<tool_call>`: Qwen3's JSON form
-  {"name": "python", "arguments": {"code": "..."}} (raw newlines in the string accepted),
-  a markdown ```python block, or the bare code. None when the turn calls no tool;
-  ToolCallError for a JSON call without code."""
-  calls = _TOOL_CALL.findall(turn)
-  if not calls:
-    return None
-  body = calls[-1].strip()
-  try:
-    call = json.loads(body, strict=False)
-  except ValueError:
-    return _unfenced(body)
-  if isinstance(call, dict):
-    return _unfenced(_json_call_code(call))
-  return _unfenced(body)
+def call_code(call: ToolCall) -> str:
+  """The code a well-formed call asks to run; ToolCallError when it names another tool
+  or gives no code."""
+  if call.name != "python":
+    raise ToolCallError(f"there is no tool {call.name!r}: the tool is 'python'")
+  code = call.arguments.get("code")
+  if not isinstance(code, str):
+    raise ToolCallError('a python call needs {"arguments": {"code": "..."}}')
+  return _unfenced(code)
 
 
 def _last_user_message(messages: Any) -> str | None:
@@ -316,12 +290,18 @@ def question_of(row: dict) -> str | None:
   return None
 
 
+class ToolCallError(ValueError):
+  """A well-formed call that names no code to run; the message says what one looks like."""
+
+
 @register("python_tool")
 class PythonToolEnv:
-  """Math with a Python interpreter: the episode opens with SYSTEM_PROMPT and the row's
-  problem; each turn that makes a tool call gets run_python's output as the observation;
-  a turn with no tool call is the final answer and ends the episode. State: the number of
-  calls made."""
+  """Math with a Python interpreter: the episode opens with INSTRUCTIONS, the TOOL schema
+  (rendered by the chat template) and the row's problem. Each turn's calls are read as
+  the hermes parser reads them (tool_calls.py) and each one's code runs, in order: one
+  tool result per call (its output, its error, or what was wrong with the call); a
+  malformed call runs nothing and the result says what was wrong. A turn with no call is
+  the final answer and ends the episode. State: the number of turns that called."""
 
   # The output fits env.max_observation_tokens (512 in configs/math_python_tool.py) with
   # its "[output cut]" note; 5 s stays below env.timeout_s (10 s).
@@ -331,16 +311,18 @@ class PythonToolEnv:
     question = question_of(row)
     if question is None:
       return {"calls": 0}  # the row's own prompt
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    return EnvReset(state={"calls": 0}, messages=messages)
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
+    return EnvReset(state={"calls": 0}, messages=messages, tools=[TOOL])
 
   def step(self, state: dict, turn: str) -> EnvStep:
+    results = tool_results(turn, self._run)
+    if results is None:
+      return EnvStep(observation=None, done=True, state=state)
+    return EnvStep(observation=results, done=False, state={"calls": state["calls"] + 1})
+
+  def _run(self, call: ToolCall) -> str:
     try:
-      code = tool_call_code(turn)
-      if code is None:
-        return EnvStep(observation=None, done=True, state=state)
-      output = run_python(code, self.limits)
-      output = output if output.strip() else "(no output)"
+      output = run_python(call_code(call), self.limits)
     except ToolCallError as e:
-      output = f"error: {e}"
-    return EnvStep(observation=output, done=False, state={"calls": state["calls"] + 1})
+      return f"error: {e}"
+    return output if output.strip() else "(no output)"

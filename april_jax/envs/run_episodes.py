@@ -9,8 +9,10 @@ import jax
 
 from april_jax import distributed
 from april_jax.envs import in_workers
+from april_jax.envs import observation_format
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings
 from april_jax.errors import InputError
+from april_jax.tokenizer import TokenizerError
 
 
 def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int, ...]]:
@@ -34,6 +36,10 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
     env = in_workers.load(e.name, e.timeout_s, e.workers)
   except in_workers.EnvError as problem:
     raise InputError(str(problem)) from None
+  try:
+    observations = observation_format.from_config(e, tok, config.data.enable_thinking, tok.stop_ids)
+  except (observation_format.ObservationFormatError, TokenizerError) as problem:
+    raise InputError(str(problem)) from None
   runner = EpisodeRunner(
       env,
       tok.encode,
@@ -49,5 +55,6 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
           enable_thinking=config.data.enable_thinking,
           tokenize=True,
       ),
+      observations=observations,
   )
   return runner, turn_stop_ids
