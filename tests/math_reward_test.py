@@ -2,7 +2,12 @@
 
 import concurrent.futures
 import json
+import os
+from pathlib import Path
 import random
+import resource
+import subprocess
+import sys
 import time
 
 import pytest
@@ -207,6 +212,27 @@ _HAND_LABELLED = [
     ("Answer: 1,234", "1234", 1.0),
     ("Answer: 2^{10}", "1024", 1.0),
     ("no final line", "42", -1.0),
+    # A box inside thinking never closed is not an answer (the response ended thinking).
+    ("<think>so \\boxed{5}", "5", -1.0),
+    ("<think>a</think> x <think>then \\boxed{5}", "5", -1.0),
+    # Markdown around the answer line; an Answer: inside a box or in prose is not one.
+    ("**Answer:** 42", "42", 1.0),
+    ("**Answer: 42**", "42", 1.0),
+    ("Answer: **42**", "42", 1.0),
+    ("\\boxed{42}. Is this answer: correct? Yes.", "42", 1.0),
+    # Money and thousands separators, on either side; spaces never merge digits.
+    (r"\boxed{\$1,200}", "#### 1200", 1.0),
+    (r"\boxed{1{,}200}", "1200", 1.0),
+    (r"\boxed{1,200 \text{ dollars}}", "1200", 1.0),
+    (r"\boxed{32348}", r"\$32,\!348", 1.0),
+    (r"\boxed{1008016}", "1{,}008{,}016", 1.0),
+    (r"\boxed{1\,000}", "1000", 1.0),
+    (r"\boxed{2 1/2}", "21/2", -1.0),
+    (r"\boxed{3 4}", "34", -1.0),
+    # A decimal is exact: braces around it change nothing, an irrational is never met.
+    (r"\boxed{{0.333333}}", r"\frac13", -1.0),
+    (r"\boxed{3.14159265}", r"\pi", -1.0),
+    (r"\boxed{0.866025}", r"\frac{\sqrt3}{2}", -1.0),
 ]
 
 
@@ -256,6 +282,55 @@ def test_extraction_is_linear_in_the_response():
   began = time.monotonic()
   assert extract_answer(response) == "42"
   assert time.monotonic() - began < 30.0
+
+
+def test_math_verify_s_child_starts_where_nothing_else_imported_math(tmp_path):
+  """The child runs as a module from the package's parent folder: april_jax/rewards/ is
+  never first on its path, where math.py would shadow the standard library's (seen in a
+  plain virtual environment, where no start-up file had imported math already)."""
+  venv = tmp_path / "venv"
+  made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=False)
+  if made.returncode:
+    pytest.skip("no venv module here")
+  python = venv / "bin" / "python"
+  site_dir = subprocess.run(
+      [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+      capture_output=True,
+      text=True,
+      check=True,
+  ).stdout.strip()
+  # Only paths: the .pth files in the base installation's folder are not run.
+  base = [p for p in sys.path if p.endswith("site-packages")]
+  root = str(Path(math_reward.__file__).resolve().parents[2])
+  (Path(site_dir) / "base.pth").write_text("\n".join(base + [root]) + "\n")
+  out = subprocess.run(
+      [
+          str(python),
+          "-c",
+          "from april_jax.rewards import math as M; print(M.is_equivalent('x+1', '1+x'))",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+      env={"PATH": os.environ["PATH"]},
+  )
+  assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_math_verify_answers_from_a_thread_whose_pipes_are_past_fd_1024():
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if hard != resource.RLIM_INFINITY and hard < 2048:
+    pytest.skip("this process may not hold 2,048 files")
+  resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+  files = [open(os.devnull) for _ in range(1100)]
+  try:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # a fresh child
+      assert pool.submit(math_reward.math_verify_equal, "x+3", "3+x").result()
+  finally:
+    for f in files:
+      f.close()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # Safety and threads.

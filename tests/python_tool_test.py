@@ -229,6 +229,17 @@ def test_the_env_runs_every_call_of_a_turn_and_a_turn_without_one_ends_it():
   assert (final.observation, final.done, final.state) == (None, True, {"calls": 3})
 
 
+def test_the_calls_of_a_turn_share_its_time_and_the_turn_is_answered(monkeypatch):
+  monkeypatch.setattr(PythonToolEnv, "turn_budget_s", 3.0)
+  sleep = CALL.format(code=json.dumps("import time\ntime.sleep(2)\nprint('done')"))
+  began = time.monotonic()
+  step = PythonToolEnv().step({"calls": 0}, sleep * 3)
+  assert time.monotonic() - began < 3.0 + 2 * python_tool.KILL_WAIT_S  # not 3 x 2 s of calls
+  assert step.observation[0] == "done\n"
+  assert "time limit" in step.observation[1]  # it had the turn's last second
+  assert step.observation[2] == "error: not run: this turn's calls used its 3 s"
+
+
 def test_a_malformed_call_runs_nothing_and_says_what_was_wrong(tmp_path):
   marker = tmp_path / "ran"
   code = f"open({str(marker)!r}, 'w')"

@@ -85,6 +85,19 @@ SECOND = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</
         ),
         ("bare code", "<tool_call>print(3)</tool_call>", [], "tool call 1 is not valid JSON"),
         ("no call", "So the answer is \\boxed{4}.", [], None),
+        (  # as a reasoning parser splits: at the first </think>
+            "call after the first think end",
+            "<think>a</think>" + CANONICAL + " and I wrote </think>",
+            [ToolCall("python", CODE)],
+            None,
+        ),
+        (
+            "nested too deeply",
+            "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",
+            [],
+            "tool call 1 is nested too deeply",
+        ),
+        ("too many calls", CANONICAL * 9, [], "more than 8 tool calls in one turn"),
     ],
 )
 def test_calls_are_parsed_as_hermes_parses_them(name, turn, calls, error):

@@ -178,7 +178,7 @@ def _env() -> ml_collections.ConfigDict:
       ""  # also ends a turn, besides the end of a chat turn: one token, e.g. "</tool_call>"
   )
   e.max_turns = 8  # model turns per episode
-  e.max_observation_tokens = 256  # a longer observation is cut to this (counted)
+  e.max_observation_tokens = 256  # each longer tool result is cut to this (counted)
   e.timeout_s = 10.0  # per call of the environment; past it the episode ends (counted)
   e.workers = 4  # environment calls made at once (a user's environment: worker processes)
   # Calls run while the other slots decode, each answered at the first decode boundary

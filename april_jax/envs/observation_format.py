@@ -1,13 +1,14 @@
 """The tokens an environment's answer adds to an episode after a model turn.
 
-    fmt.tokens(results, closed) -> token ids   # closed: the turn ended on an end-of-turn id
+    fmt.tokens(results, end_id) -> token ids   # end_id: the end-of-turn id the turn drew, or None
 
 `ChatToolFormat` (env.observation_format = "chat_template") gives what a deployment
 shows the model: the chat template's rendering of the tool message(s) and of the next
 generation prompt, taken as the difference between two renderings of one conversation,
 with and without them (and `data.enable_thinking` honoured, as at the first turn). The
 model's own turn stays exactly as sampled; what closes it (`<|im_end|>\\n` in Qwen3's
-template) comes from the template too, less the end-of-turn token when the model drew it.
+template) comes from the template too, less the template's closing token when the model
+drew that very token (a turn that ended on another stop id still gets it).
 Several results (two calls in one turn) render as the template renders consecutive tool
 messages. The whole text is tokenized at once, so a result's trailing newline merges with
 the template's newline after it as it does in a full rendering (`45\\n` + `\\n</tool_response>`
@@ -36,23 +37,28 @@ class ObservationFormatError(ValueError):
 
 class ObservationFormat(Protocol):
 
-  def tokens(self, results: list[str], closed: bool) -> list[int]:
+  def tokens(self, results: list[str], end_id: int | None) -> list[int]:
     ...
 
 
 class TextFormat:
-  """close_turn + observation_template around the results (joined by newlines)."""
+  """close_turn + observation_template around the results (joined by newlines); the
+  results' text encoded with `encode_text` (control-token text stays text), the rest
+  with `encode`."""
 
-  def __init__(self, encode, template: str = "{observation}", close_turn: str = ""):
+  def __init__(
+      self, encode, template: str = "{observation}", close_turn: str = "", encode_text=None
+  ):
     self._encode, self._close = encode, close_turn
+    self.encode_text = encode_text or encode
     self._prefix, _, self._suffix = template.partition("{observation}")
 
-  def tokens(self, results: list[str], closed: bool) -> list[int]:
-    close = "" if closed else self._close
+  def tokens(self, results: list[str], end_id: int | None) -> list[int]:
+    close = "" if end_id is not None else self._close
     body = "\n".join(results)
     return (
         list(self._encode(close + self._prefix))
-        + list(self._encode(body))
+        + list(self.encode_text(body))
         + list(self._encode(self._suffix))
     )
 
@@ -63,7 +69,7 @@ class ChatToolFormat:
   def __init__(self, tokenizer: Any, enable_thinking: bool, end_of_turn_ids: tuple[int, ...]):
     self._tok = tokenizer
     self._thinking = enable_thinking
-    self._end_of_turn = [tokenizer.decode([i]) for i in end_of_turn_ids]
+    self._end_text = {int(i): tokenizer.decode([int(i)]) for i in end_of_turn_ids}
     self._specials = sorted(tokenizer.special_token_texts(), key=len, reverse=True)
     self.frame(1)  # a template that cannot do this fails at start-up
 
@@ -99,12 +105,11 @@ class ChatToolFormat:
     """A result's own tokens (special tokens spelled in it stay text)."""
     return self._tok.encode_text(text)
 
-  def tokens(self, results: list[str], closed: bool) -> list[int]:
+  def tokens(self, results: list[str], end_id: int | None) -> list[int]:
     text = self.frame(len(results))
-    if closed:  # the model drew the token that ends its turn: it is in the response
-      end = next((e for e in self._end_of_turn if text.startswith(e)), None)
-      if end is not None:
-        text = text[len(end) :]
+    end = self._end_text.get(end_id) if end_id is not None else None
+    if end and text.startswith(end):  # the model drew the template's closing token
+      text = text[len(end) :]
     ids = []
     for piece in self._split_at_specials(text):
       if piece in self._specials:
@@ -128,4 +133,9 @@ def from_config(
   """The run's observation format (env.observation_format)."""
   if env_config.get("observation_format", "text") == "chat_template":
     return ChatToolFormat(tokenizer, enable_thinking, tuple(end_of_turn_ids))
-  return TextFormat(tokenizer.encode, env_config.observation_template, env_config.close_turn)
+  return TextFormat(
+      tokenizer.encode,
+      env_config.observation_template,
+      env_config.close_turn,
+      getattr(tokenizer, "encode_text", None),
+  )

@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from april_jax.envs.tool_calls import ToolCall, tool_results
 RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
 # A wait for the killed child (already dead in practice) and for the unshare probe.
 KILL_WAIT_S = 5.0
+MIN_CALL_S = 0.5  # a call with less of its turn's time left is not started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +308,10 @@ class PythonToolEnv:
   # The output fits env.max_observation_tokens (512 in configs/math_python_tool.py) with
   # its "[output cut]" note; 5 s stays below env.timeout_s (10 s).
   limits = Limits(max_output_chars=1500)
+  # All the calls of one turn share this much wall time, below env.timeout_s (10 s), so a
+  # turn of several calls is answered, never timed out; a call that has no time left
+  # does not run.
+  turn_budget_s = 8.0
 
   def reset(self, row: dict) -> EnvReset | dict:
     question = question_of(row)
@@ -315,14 +321,20 @@ class PythonToolEnv:
     return EnvReset(state={"calls": 0}, messages=messages, tools=[TOOL])
 
   def step(self, state: dict, turn: str) -> EnvStep:
-    results = tool_results(turn, self._run)
+    deadline = time.monotonic() + self.turn_budget_s
+    results = tool_results(turn, lambda call: self._run(call, deadline))
     if results is None:
       return EnvStep(observation=None, done=True, state=state)
     return EnvStep(observation=results, done=False, state={"calls": state["calls"] + 1})
 
-  def _run(self, call: ToolCall) -> str:
+  def _run(self, call: ToolCall, deadline: float) -> str:
+    left = deadline - time.monotonic()
+    if left < MIN_CALL_S:
+      return f"error: not run: this turn's calls used its {self.turn_budget_s:g} s"
     try:
-      output = run_python(call_code(call), self.limits)
+      code = call_code(call)
     except ToolCallError as e:
       return f"error: {e}"
+    limits = dataclasses.replace(self.limits, timeout_s=min(self.limits.timeout_s, left))
+    output = run_python(code, limits)
     return output if output.strip() else "(no output)"

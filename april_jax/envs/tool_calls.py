@@ -7,13 +7,17 @@ vLLM and SGLang serve Qwen3 with the hermes tool parser behind a reasoning parse
 model trained here should be rewarded for exactly the calls a deployment would run:
 
 - Only the text after the thinking counts: a reasoning parser hands hermes what follows
-  the last `</think>`, so a call inside a closed `<think>...</think>` runs nothing.
+  the first `</think>`, so a call inside a closed `<think>...</think>` runs nothing.
 - Each call is `<tool_call>` JSON `</tool_call>`; the JSON (strict: double quotes, no
   raw newlines inside strings, nothing after the object) is an object with a string
   `name` and an object `arguments`.
 - Every call of a turn runs, in order. If any call is malformed, none does (hermes then
   returns the turn as plain text), and `error` says in one line what was wrong, so the
   observation can teach the format a deployment honours.
+
+Stricter than hermes where a lenient reading would teach a format a deployment does not
+always honour: a call never closed by `</tool_call>`, `arguments` that are not an object,
+and an empty name are malformed here. A turn's calls are at most MAX_CALLS.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any, Callable
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_END = "</think>"
 CALL_FORMAT = '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+MAX_CALLS = 8  # calls in one turn; a turn with more runs none
+_JSON_SPACE = " \t\r\n"  # what JSON itself allows around a value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +51,8 @@ class ParsedCalls:
 
 
 def after_thinking(turn: str) -> str:
-  """What a reasoning parser hands the tool parser: the text after the last `</think>`."""
-  end = turn.rfind(THINK_END)
+  """What a reasoning parser hands the tool parser: the text after the first `</think>`."""
+  end = turn.find(THINK_END)
   return turn if end < 0 else turn[end + len(THINK_END) :]
 
 
@@ -58,6 +64,8 @@ def _call_of(body: str, number: int) -> ToolCall | str:
   except ValueError as e:
     reason = str(e).split(":")[0]
     return f"{where} is not valid JSON ({reason}); write {CALL_FORMAT}"
+  except RecursionError:
+    return f"{where} is nested too deeply to read; write {CALL_FORMAT}"
   if not isinstance(call, dict):
     return f"{where} is a JSON {type(call).__name__}, not an object; write {CALL_FORMAT}"
   name = call.get("name")
@@ -79,7 +87,11 @@ def parse_tool_calls(turn: str) -> ParsedCalls:
     end = text.find(CLOSE, start)
     if end == -1:
       return ParsedCalls([], f"tool call {len(calls) + 1} is not closed by {CLOSE}")
-    call = _call_of(text[start:end].strip(), len(calls) + 1)
+    if len(calls) == MAX_CALLS:
+      return ParsedCalls(
+          [], f"more than {MAX_CALLS} tool calls in one turn; make at most {MAX_CALLS}"
+      )
+    call = _call_of(text[start:end].strip(_JSON_SPACE), len(calls) + 1)
     if isinstance(call, str):
       return ParsedCalls([], call)
     calls.append(call)

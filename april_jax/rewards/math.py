@@ -39,11 +39,19 @@ _MAX_DIGITS = 4000
 VERDICT_CACHE_SIZE = 65536  # math-verify verdicts kept, per process
 # What one finite number never holds (besides a comma).
 _NOT_ONE_NUMBER = ("\\cup", "\\cap", "matrix", "\\infty", "\\emptyset", "\\varnothing")
+_IRRATIONAL = ("\\sqrt", "\\pi", "\\log", "\\ln", "\\sin", "\\cos", "\\tan", "\\exp", "e^")
+# Verdicts of answers longer than this are not cached (a cache entry holds both texts).
+_CACHED_CHARS = 1000
 
 _BOX_OPENERS = ("\\boxed{", "\\fbox{")
-_THINK_END = "</think>"
-# "Answer:" then any whitespace, newlines included, then the answer's line.
-_DAPO_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+_THINK_START, _THINK_END = "<think>", "</think>"
+# "Answer:" then any whitespace, newlines included, then the answer's line. Any case at
+# the start of a line (after markdown: "**Answer:** 42", "## Final answer: 42"), and
+# "Answer" capitalised anywhere else, so prose ("is this answer: correct?") is not one.
+_DAPO_ANSWER = re.compile(
+    r"(?:(?:^|(?<=\n))[ \t>*#_-]*(?i:(?:final\s+)?answer)|(?<![A-Za-z])Answer)"
+    r"[ \t*_]*:[ \t*_]*\s*([^\n]+)"
+)
 _GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 _THOUSANDS_NUMBER = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
@@ -52,15 +60,21 @@ _SLASH_FRACTION = re.compile(r"([+-]?\d+)\s*/\s*([+-]?\d+)")
 _LATEX_FRACTION = re.compile(
     r"([+-]?)\\[dt]?frac(?:\{\s*([+-]?\d+)\s*\}\{\s*([+-]?\d+)\s*\}|(\d)(\d))"
 )
-# Wrappers that do not change a number: math delimiters, spacing, \text{...} around it.
-_WRAPPERS = re.compile(r"^\$+|\$+$|^\\\(|\\\)$|^\\\[|\\\]$")
-_SPACING = re.compile(r"\\[,!;: ]|\\q?quad")
-_TEXT_WRAPPED = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$")
+# Wrappers that do not change a number: math delimiters, a dollar sign, braces, \text{...}.
+_WRAPPERS = re.compile(r"^\$+|\$+$|^\\\(|\\\)$|^\\\[|\\\]$|^\\\$")
+_TEXT_WRAPPED = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$|^\{(.*)\}$")
+# Space between a digit and a group of three digits (1\,000, 1 000): a separator.
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|\\q?quad|[ \t])+(?=\d{3}(?!\d))")
+_THOUSANDS_ANYWHERE = re.compile(r"\d{1,3}(?:,\d{3})+(?!\d)")
 
 
 def final_part(text: str) -> str:
-  """The text after the thinking: what follows the last `</think>` (all of it if none)."""
+  """The text after the thinking: what follows the last `</think>` (all of it if none);
+  nothing when a `<think>` opened after it is never closed (the response ended while
+  thinking: a box in there is not an answer)."""
   end = text.rfind(_THINK_END)
+  if text.rfind(_THINK_START) > end:
+    return ""
   return text if end < 0 else text[end + len(_THINK_END) :]
 
 
@@ -75,8 +89,8 @@ def _closing_braces(text: str) -> dict[int, int]:
   return closing
 
 
-def _last_box(text: str) -> tuple[int, str] | None:
-  """(start, content) of the last balanced, non-empty \\boxed{...} or \\fbox{...}."""
+def _last_box(text: str) -> tuple[int, int, str] | None:
+  """(start, end, content) of the last balanced, non-empty \\boxed{...} or \\fbox{...}."""
   starts = []
   for opener in _BOX_OPENERS:
     i = text.find(opener)
@@ -90,14 +104,14 @@ def _last_box(text: str) -> tuple[int, str] | None:
     open_at = text.index("{", start)
     close_at = closing.get(open_at)
     if close_at is not None and text[open_at + 1 : close_at].strip():
-      return start, text[open_at + 1 : close_at].strip()
+      return start, close_at + 1, text[open_at + 1 : close_at].strip()
   return None
 
 
 def last_boxed(text: str) -> str | None:
   """Content of the last balanced, non-empty \\boxed{...} or \\fbox{...}; None if none."""
   found = _last_box(text)
-  return None if found is None else found[1]
+  return None if found is None else found[2]
 
 
 def _last_match(pattern: re.Pattern[str], text: str) -> tuple[int, str] | None:
@@ -114,13 +128,17 @@ def _without_thousands_commas(s: str) -> str:
   return s.replace(",", "") if _THOUSANDS_NUMBER.fullmatch(s) else s
 
 
-def _dapo_answer(text: str) -> tuple[int, str] | None:
-  """(start, X) of the last 'Answer: X', with surrounding '$' and a trailing period removed."""
-  found = _last_match(_DAPO_ANSWER, text)
-  if found is None:
-    return None
-  answer = found[1].lstrip("$ \t").rstrip("$. \t")
-  return (found[0], answer) if answer else None
+def _dapo_answer(text: str, box: tuple[int, int] | None = None) -> tuple[int, str] | None:
+  """(start, X) of the last 'Answer: X' outside the span `box` (the last box's: an
+  'Answer:' written inside a box is the box's text), with surrounding '$' and markdown
+  emphasis and a trailing period removed."""
+  last = None
+  for m in _DAPO_ANSWER.finditer(text):
+    inside = box is not None and box[0] <= m.start() < box[1]
+    answer = m.group(1).strip().lstrip("$*_ \t").rstrip("$.* \t")
+    if answer and not inside:
+      last = (m.start(), answer)
+  return last
 
 
 def _gsm8k_answer(text: str) -> str | None:
@@ -134,9 +152,12 @@ def extract_answer(text: str) -> str | None:
   the last \\boxed{} and the last DAPO 'Answer:' line (a box on that line is its answer),
   else GSM8K's '####'. None when there is none: a box inside the thinking is not one."""
   text = final_part(text)
-  found = [f for f in (_last_box(text), _dapo_answer(text)) if f is not None]
-  if found:
-    return max(found)[1]
+  box = _last_box(text)
+  line = _dapo_answer(text, box[:2] if box else None)
+  if box is not None and (line is None or box[0] > line[0]):
+    return box[2]
+  if line is not None:
+    return line[1]
   return _gsm8k_answer(text)
 
 
@@ -154,15 +175,17 @@ def _normalised(s: str) -> str:
 
 
 def _unwrapped(s: str) -> str:
-  """`s` without what does not change a number: $...$, \\(...\\), LaTeX spacing,
-  \\text{...} around it, spaces, a leading '+'."""
-  s = _SPACING.sub("", s.strip())
-  for _ in range(3):
+  """`s` without what does not change a number: $...$, \\(...\\), a dollar sign, braces
+  or \\text{...} around it, `{,}` and `\\!` in a thousands separator, space between
+  digit groups. Other spaces stay (`2 1/2` is not `21/2`)."""
+  s = s.strip().replace("{,}", ",").replace("\\!", "")
+  s = _GROUP_SPACE.sub("", s)
+  for _ in range(4):
     s = _WRAPPERS.sub("", s).strip()
     inner = _TEXT_WRAPPED.match(s)
     if inner:
-      s = inner.group(1).strip()
-  return s.replace(" ", "")
+      s = (inner.group(1) if inner.group(1) is not None else inner.group(2)).strip()
+  return s
 
 
 def as_rational(s: str) -> fractions.Fraction | None:
@@ -191,19 +214,19 @@ def as_rational(s: str) -> fractions.Fraction | None:
 def _several_or_unbounded(s: str) -> bool:
   """Whether `s` is plainly not one finite number: a tuple, interval, set or list (a comma
   that is not a thousands separator), a union or intersection, a matrix, or infinity."""
+  s = _THOUSANDS_ANYWHERE.sub("", _unwrapped(s))
   return "," in s or any(marker in s for marker in _NOT_ONE_NUMBER)
 
 
-class _TimedOut(Exception):
-  """math-verify ran past its bound (never cached: another call may have more luck)."""
+def _irrational(s: str) -> bool:
+  """Whether `s` names an irrational constant or function value (a decimal, however
+  many digits it has, is never equal to it)."""
+  return any(marker in s for marker in _IRRATIONAL)
 
 
 @functools.lru_cache(maxsize=VERDICT_CACHE_SIZE)
 def _cached_verdict(pred: str, gold: str, timeout_s: float) -> bool:
-  answer = math_verify_child.verdict(pred, gold, timeout_s)
-  if answer is None:
-    raise _TimedOut
-  return answer
+  return math_verify_child.verdict(pred, gold, timeout_s) is True
 
 
 def clear_verdict_cache() -> None:
@@ -214,13 +237,13 @@ def clear_verdict_cache() -> None:
 def math_verify_equal(pred: str, gold: str, timeout_s: float | None = None) -> bool:
   """math-verify's verdict on `pred` against `gold`, both read as boxed LaTeX, in a
   child process killed past `timeout_s` (MATH_VERIFY_TIMEOUT_S): False then. Verdicts
-  are cached (a group's samples often give the same answer)."""
+  of short answers are cached, a time-out's too (a group's samples often give the same
+  answer)."""
   if timeout_s is None:
     timeout_s = MATH_VERIFY_TIMEOUT_S
-  try:
-    return _cached_verdict(pred, gold, timeout_s)
-  except _TimedOut:
-    return False
+  if len(pred) + len(gold) > _CACHED_CHARS:
+    return math_verify_child.verdict(pred, gold, timeout_s) is True
+  return _cached_verdict(pred, gold, timeout_s)
 
 
 def is_equivalent(pred: str, gold: str) -> bool:
@@ -238,6 +261,9 @@ def is_equivalent(pred: str, gold: str) -> bool:
   if pred_number is not None and _several_or_unbounded(gold):
     return False
   if gold_number is not None and _several_or_unbounded(pred):
+    return False
+  # And a decimal against an irrational: exact, where math-verify would round.
+  if pred_number is not None and pred_number.denominator != 1 and _irrational(gold):
     return False
   return math_verify_equal(pred, gold)
 

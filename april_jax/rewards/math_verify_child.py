@@ -11,8 +11,9 @@ that started it (PR_SET_PDEATHSIG) and at the interpreter's exit, and cannot gro
 CHILD_MEMORY_MB. Its start (importing sympy, about a second) is not counted in a call's
 bound: a child is started, and waited for, before its first comparison.
 
-Run as a script (`python math_verify_child.py`), this file is the child: it reads one
-JSON [pred, gold] per line on stdin and writes `true` or `false` per line on stdout.
+Run as `python -m april_jax.rewards.math_verify_child`, this module is the child: it
+reads one JSON [tag, pred, gold] per line on stdin and writes [tag, true|false] per line
+on stdout (a line that is not a reply, something a library printed, is skipped).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import select
+from pathlib import Path
+import selectors
 import signal
 import subprocess
 import sys
@@ -43,49 +45,72 @@ class _Child:
   def __init__(self):
     # A file, not a pipe: a child that logs a lot must never block on a full pipe.
     self._stderr = tempfile.TemporaryFile()
+    # `-m` from the folder that holds the package: the child's sys.path[0] is that folder,
+    # never april_jax/rewards/ (whose math.py would shadow the standard library's).
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
     self.process = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__)],
+        [sys.executable, "-m", __name__],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=self._stderr,
+        cwd=root,
+        env=env,
         start_new_session=True,  # its own process group: a kill takes all it started
     )
     self._buffer = b""
+    self._asked = 0
+    self._selector = selectors.DefaultSelector()  # poll/epoll: any fd number
+    self._selector.register(self.process.stdout, selectors.EVENT_READ)
     _children.add(self)
-    line = self._read_line(START_TIMEOUT_S)
-    if line != _READY:
+    if self._reply(START_TIMEOUT_S, _READY) is None:
       self.kill()
-      lines = (line or "").strip().splitlines()
+      self._stderr.seek(0)
+      lines = self._stderr.read()[-4000:].decode(errors="replace").strip().splitlines()
       why = lines[-1][:300] if lines else "it exited without a word"
       raise ImportError(f"math-verify could not start in a child process: {why}")
 
   def ask(self, pred: str, gold: str, timeout_s: float) -> bool | None:
-    """The child's verdict on (pred, gold); None when it took longer than timeout_s."""
-    self.process.stdin.write((json.dumps([pred, gold]) + "\n").encode())
+    """The child's verdict on (pred, gold); None when it took longer than timeout_s or
+    died meanwhile (it is killed then)."""
+    self._asked += 1
+    self.process.stdin.write((json.dumps([self._asked, pred, gold]) + "\n").encode())
     self.process.stdin.flush()
-    line = self._read_line(timeout_s)
-    if line is None:
-      return None
-    return json.loads(line) is True
+    return self._reply(timeout_s, self._asked)
 
-  def _read_line(self, timeout_s: float) -> str | None:
-    """The child's next line of output; None past `timeout_s` (the child is killed) or
-    if it died (what it wrote to stderr is returned then, for start-up errors)."""
+  def _reply(self, timeout_s: float, tag):
+    """The value of the child's next reply [tag, value]; lines that are not one (anything
+    a library printed) are skipped. None past `timeout_s` or if the child died."""
     deadline = time.monotonic() + timeout_s
+    while True:
+      line = self._read_line(deadline)
+      if line is None:
+        return None
+      try:
+        got, value = json.loads(line)
+      except (ValueError, TypeError):
+        continue
+      if got == tag:
+        return value
+
+  def _read_line(self, deadline: float) -> str | None:
+    """The child's next line of output; None past `deadline` (the child is killed) or
+    if it died."""
     fd = self.process.stdout.fileno()
     while b"\n" not in self._buffer:
       left = deadline - time.monotonic()
-      if left <= 0 or not select.select([fd], [], [], left)[0]:
+      if left <= 0 or not self._selector.select(left):
         self.kill()
         return None
       chunk = os.read(fd, 65536)
       if not chunk:  # the child died
         self.kill()
-        self._stderr.seek(0)
-        return self._stderr.read()[-4000:].decode(errors="replace") or None
+        return None
       self._buffer += chunk
     line, _, self._buffer = self._buffer.partition(b"\n")
-    return line.decode()
+    return line.decode(errors="replace")
 
   @property
   def alive(self) -> bool:
@@ -99,6 +124,7 @@ class _Child:
       except ProcessLookupError:
         pass
     self.process.wait()
+    self._selector.close()
     for stream in (self.process.stdin, self.process.stdout):
       stream.close()
 
@@ -159,15 +185,15 @@ def _serve() -> None:
 
   equal("1", "1")  # loads the grammar before we say we are ready
   out = sys.stdout
-  out.write(_READY + "\n")
+  out.write(json.dumps([_READY, True]) + "\n")
   out.flush()
   for line in sys.stdin:
+    tag, pred, gold = json.loads(line)
     try:
-      pred, gold = json.loads(line)
       answer = equal(pred, gold)
     except Exception:  # pylint: disable=broad-except  # MemoryError, a parse error: not equal
       answer = False
-    out.write(json.dumps(answer) + "\n")
+    out.write(json.dumps([tag, answer]) + "\n")
     out.flush()
 
 
