@@ -251,8 +251,9 @@ class EpisodeRunner:
         return {"episode": episode.to_json(), "counts": counts | {"env/episodes_done": 1}}
       results = _results(out.observation)
       results, cut = zip(*(self._cut(result) for result in results))
-      closed = int(record.response[-1]) in self._end_of_turn
-      tokens = self._observations.tokens(list(results), closed)
+      last = int(record.response[-1])
+      end_id = last if last in self._end_of_turn else None
+      tokens = self._observations.tokens(list(results), end_id)
     except TimeoutError:
       return _failed(episode, "timeouts", f"step ran past env.timeout_s={s.timeout_s:g} s", counts)
     except Exception as e:  # pylint: disable=broad-except
