@@ -33,13 +33,15 @@ from april_jax.envs import run_episodes
 from april_jax.envs.base import EnvReset
 from april_jax.errors import InputError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/*.py) with an env section.", lock_config=True
-)
-_TRANSCRIPT = flags.DEFINE_string(
-    "transcript", None, 'JSON: {"row": {...}, "turns": ["...", ...]}.'
-)
-flags.mark_flags_as_required(["config", "transcript"])
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs (importing this module for `replay`
+  defines none, so it lives beside april_jax.main's --config in one process)."""
+  config_flags.DEFINE_config_file(
+      "config", None, "Config file (configs/*.py) with an env section.", lock_config=True
+  )
+  flags.DEFINE_string("transcript", None, 'JSON: {"row": {...}, "turns": ["...", ...]}.')
+  flags.mark_flags_as_required(["config", "transcript"])
 
 
 def _tokenizer(config):
@@ -188,9 +190,9 @@ def render(result: dict, decode) -> str:
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   try:
-    row, turns = read_transcript(_TRANSCRIPT.value)
+    row, turns = read_transcript(flags.FLAGS.transcript)
     tokenizer = _tokenizer(config)
     result = replay(config, tokenizer, row, turns)
   except InputError as e:
@@ -202,4 +204,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main, flags_parser=cli.flags_parser("april_jax.envs.replay", "april_jax.envs.replay"))
