@@ -5,11 +5,10 @@ outputs with and without a trailing newline, a traceback and two calls in one tu
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+import cli
 import hf_oracle
 from april_jax.envs import replay
 from april_jax.tokenizer import Tokenizer
@@ -111,23 +110,21 @@ def test_transformers_renders_the_same_prompt_tool_parts_and_next_prompts(model_
       assert hf_ids[-len(ours) - 1] == im_end, i
 
 
+def _replay_command(model_dir, transcript):
+  return cli.run(
+      f"--config.model.path={model_dir}",
+      f"--transcript={transcript}",
+      config="math_python_tool.py",
+      module="april_jax.envs.replay",
+      devices=None,
+      timeout=300,
+  )
+
+
 def test_the_cli_prints_the_episode_and_a_json_last_line(model_dir, tmp_path):
   transcript = tmp_path / "episode.json"
   transcript.write_text(json.dumps({"row": ROW, "turns": TURNS[:1] + TURNS[-1:]}))
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "april_jax.envs.replay",
-          "--config=configs/math_python_tool.py",
-          f"--config.model.path={model_dir}",
-          f"--transcript={transcript}",
-      ],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      check=False,
-  )
+  proc = _replay_command(model_dir, transcript)
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = proc.stdout.strip().splitlines()
   assert "=== observation: " in proc.stdout and "1069" in proc.stdout
@@ -142,19 +139,6 @@ def test_the_cli_prints_the_episode_and_a_json_last_line(model_dir, tmp_path):
 def test_a_bad_transcript_is_one_line_naming_the_problem(model_dir, tmp_path):
   transcript = tmp_path / "bad.json"
   transcript.write_text(json.dumps({"row": ROW, "turns": "not a list"}))
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "april_jax.envs.replay",
-          "--config=configs/math_python_tool.py",
-          f"--config.model.path={model_dir}",
-          f"--transcript={transcript}",
-      ],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      check=False,
-  )
+  proc = _replay_command(model_dir, transcript)
   assert proc.returncode == 2
   assert proc.stderr.strip().count("\n") == 0 and "turns as text" in proc.stderr

@@ -281,14 +281,10 @@ class EpisodeRunner:
     limit = self.settings.max_observation_tokens
     room = limit * MAX_CHARS_PER_TOKEN
     text, cut = result[:room], len(result) > room
-    ids = self._encode_text(text)
+    ids = self._observations.encode_text(text)
     if len(ids) > limit:
-      text, cut = self._decode(ids[:limit]), True
+      text, cut = self._decode(list(ids[:limit])), True
     return text, cut
-
-  def _encode_text(self, text: str) -> list[int]:
-    encode_text = getattr(self._observations, "encode_text", None)
-    return list(encode_text(text) if encode_text else self._encode(text))
 
   def _prompt(self, messages, tools=None) -> list[int]:
     """reset's messages (and tools) rendered by the chat template (TypeError when they

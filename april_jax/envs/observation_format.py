@@ -40,6 +40,9 @@ class ObservationFormat(Protocol):
   def tokens(self, results: list[str], end_id: int | None) -> list[int]:
     ...
 
+  def encode_text(self, text: str) -> list[int]:  # one result's own tokens
+    ...
+
 
 class TextFormat:
   """close_turn + observation_template around the results (joined by newlines); the

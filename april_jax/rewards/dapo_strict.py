@@ -140,34 +140,21 @@ def _unwrap_boxed(line: str) -> str:
   return line[:start] + line[start + len(opener) : close] + line[close + 1 :]
 
 
-def _brace_frac(text: str) -> str:
-  """Shorthand fractions get braces: 'frac' + a + b -> 'frac{a}{b}', where a is any
-  character but '{' (a line break too) and b any but a line break; left to right."""
+def _brace_shorthand(text: str, name: str, arity: int) -> str:
+  """Shorthand arguments get braces, left to right: 'frac' + a + b -> 'frac{a}{b}' (arity
+  2), 'sqrt' + a -> 'sqrt{a}' (arity 1), where a is any character but '{' (a line break
+  too) and each later one any but a line break."""
   out, copied = [], 0
-  at = text.find("frac")
+  at = text.find(name)
   while at != -1:
-    a = at + 4
-    if a + 1 < len(text) and text[a] != "{" and text[a + 1] != "\n":
-      out += [text[copied:at], "frac{", text[a], "}{", text[a + 1], "}"]
-      copied = a + 2
-      at = text.find("frac", copied)
+    a = at + len(name)
+    args = text[a : a + arity]
+    if len(args) == arity and args[0] != "{" and "\n" not in args[1:]:
+      out += [text[copied:at], name, *("{" + c + "}" for c in args)]
+      copied = a + arity
+      at = text.find(name, copied)
     else:
-      at = text.find("frac", at + 1)
-  return "".join(out) + text[copied:]
-
-
-def _brace_sqrt(text: str) -> str:
-  """Shorthand roots get braces: 'sqrt' + a -> 'sqrt{a}' for any a but '{'."""
-  out, copied = [], 0
-  at = text.find("sqrt")
-  while at != -1:
-    a = at + 4
-    if a < len(text) and text[a] != "{":
-      out += [text[copied:at], "sqrt{", text[a], "}"]
-      copied = a + 1
-      at = text.find("sqrt", copied)
-    else:
-      at = text.find("sqrt", at + 1)
+      at = text.find(name, at + 1)
   return "".join(out) + text[copied:]
 
 
@@ -187,7 +174,7 @@ def normalize_final_answer(text: str) -> str:
   for opener in ("\\text{", "\\textbf{", "\\overline{"):
     text = _per_line(_unwrap_to_first_brace(opener), text, opener)
   text = _per_line(_unwrap_boxed, text, "\\boxed{")
-  text = _brace_sqrt(_brace_frac(text)).replace("$", "")
+  text = _brace_shorthand(_brace_shorthand(text, "frac", 2), "sqrt", 1).replace("$", "")
   if text.replace(",", "").isdigit():  # str.isdigit: other scripts' digits count too
     text = text.replace(",", "")
   return text.strip()
