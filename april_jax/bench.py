@@ -18,12 +18,15 @@ stdout line, one JSON object with every number.
              token by token with every call waited for
   rewards    the math rewards' calls per second over (response, gold) pairs, and how many
              reach math-verify
+  python_tool  the Python tool's calls per second, in the kernel's sandbox vs under the
+             audit hook alone
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
   python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
   python -m april_jax.bench --mode=lora_decode --repeats=9
   python -m april_jax.bench --mode=multiturn
   python -m april_jax.bench --mode=rewards [--corpus=tests/data/dapo_corpus.jsonl]
+  python -m april_jax.bench --mode=python_tool [--repeats=3]
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -51,6 +54,7 @@ from april_jax.benchmarks import (
     sampler_bench,
     scheduler_bench,
     step_bench,
+    tool_bench,
 )
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
@@ -70,6 +74,7 @@ _MODE = flags.DEFINE_enum(
         "lora_decode",
         "multiturn",
         "rewards",
+        "python_tool",
     ],
     "What to measure.",
 )
@@ -216,6 +221,8 @@ def main(argv):
     )
   elif _MODE.value == "rewards":
     result = reward_bench.run(_CORPUS.value, repeats=_REPEATS.value)
+  elif _MODE.value == "python_tool":
+    result = tool_bench.run(repeats=_REPEATS.value)
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

@@ -19,9 +19,10 @@ may have moved. Writes config.json and safetensors (in `dtype`, default
 float32: the masters as trained) and, when the run loaded a pretrained model, copies its
 tokenizer files beside them.
 
-It never destroys a model or a run: `--out` may not be the folder the run loaded its model
-or tokenizer from (nor inside it, nor hold it), nor the run's workdir (nor hold it), with or
-without --overwrite. An existing non-empty `--out` is replaced only with --overwrite, and
+It never destroys a model or a run: `--out` may not be the folder the run loaded its model,
+tokenizer, LoRA adapters or critic from, nor the run's workdir (its checkpoints, the
+base a LoRA run keeps there), nor be inside any of them or hold one, with or without
+--overwrite. An existing non-empty `--out` is replaced only with --overwrite, and
 only when it holds nothing but what an export writes (an earlier export): a folder with
 anything else in it (a model's README, a run's checkpoints, a subfolder) is refused, naming
 what it holds. The export is written into a new folder beside `--out` and renamed into
@@ -97,11 +98,18 @@ def _check_out(out: str, workdir: str, config, overwrite: bool) -> str:
           "never writes there, even with --overwrite: choose a new folder"
       )
   run = os.path.realpath(workdir)
-  if os.path.commonpath([target, run]) == target:
+  if os.path.commonpath([target, run]) in (target, run):
+    where = (
+        ""
+        if target == run
+        else "above "
+        if os.path.commonpath([target, run]) == target
+        else "inside "
+    )
     raise InputError(
-        f"--out={out} is {'' if target == run else 'above '}the run's workdir "
-        f"(--workdir={workdir}); export never writes there, even with --overwrite: choose a "
-        "new folder"
+        f"--out={out} is {where}the run's workdir (--workdir={workdir}), which holds its "
+        "checkpoints and the base a LoRA run trains over; export never writes there, even "
+        "with --overwrite: choose a new folder"
     )
   if os.path.exists(target) and not os.path.isdir(target):
     raise InputError(f"--out={out} is a file, not a folder")

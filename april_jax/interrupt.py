@@ -9,6 +9,10 @@ a Python-level handler would wait for the call to return. Before it leaves, it k
 worker processes the run started for user code (workers.py registers them with
 `on_leave`); their forkserver leaves by itself once the run is gone.
 
+`install` also makes the command the subreaper of every process it starts, and ends every
+one still alive when it exits, whatever their session or signal mask (process_tree.py):
+at Ctrl-C here, at a normal exit, an error or a stop through atexit.
+
 Leaving at once loses nothing that counts: a checkpoint only counts once committed (an
 interrupted asynchronous save is ignored on resume), the jsonl files are cut back to the
 last checkpoint on resume (a torn last line included), and the workdir's lock goes with
@@ -17,10 +21,13 @@ the process. Rerunning the same command resumes from the last committed checkpoi
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 import threading
+
+from april_jax import process_tree
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -50,6 +57,7 @@ def _leave() -> None:
           fn()
         except Exception:  # pylint: disable=broad-except
           pass
+      process_tree.end_descendants()
       os.write(sys.stderr.fileno(), f"\napril_jax: {_message}; {_then}\n".encode())
     finally:
       os._exit(INTERRUPTED_EXIT)  # pylint: disable=protected-access
@@ -77,6 +85,8 @@ def install(then: str | None = None) -> None:
   line says after "interrupted (Ctrl-C)" (default: how a run resumes)."""
   global _then
   _then = then or _then
+  process_tree.adopt_orphans()
+  atexit.register(process_tree.end_descendants)  # registered first: runs last
   signal.signal(signal.SIGINT, _handler)
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)

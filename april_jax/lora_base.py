@@ -94,7 +94,7 @@ def start_adapters(path: str, spec: lora.LoraSpec | None, cfg):
   try:
     found, adapters = peft_io.load_peft(path, cfg)
   except peft_io.AdapterError as e:
-    raise InputError(f"train.lora_path {path!r} does not fit the base model: {e}") from None
+    raise InputError(f"train.lora_path {path!r}: {e}") from None
   if found != spec:
     raise InputError(
         f"train.lora_path {path!r} holds adapters {found.describe()}, train.lora asks for "

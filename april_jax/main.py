@@ -38,6 +38,7 @@ from ml_collections import config_flags
 from april_jax import checkpoint
 from april_jax import cli
 from april_jax import distributed
+from april_jax import process_tree
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
 from april_jax.trainer import Trainer
@@ -69,6 +70,7 @@ def _leave_for_space(message: str) -> NoReturn:
   checkpoint.remove_unfinished(_WORKDIR.value)
   print(f"april_jax: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()
+  process_tree.end_descendants()  # os._exit runs no atexit
   os._exit(2)  # pylint: disable=protected-access
 
 
@@ -177,6 +179,7 @@ def main(argv):
         flush=True,
     )
     sys.stdout.flush()
+    process_tree.end_descendants()  # os._exit runs no atexit
     os._exit(distributed.PEER_FAILURE_EXIT)  # skip the shutdown barrier: the peer is gone
 
 

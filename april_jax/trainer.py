@@ -33,6 +33,7 @@ from april_jax import plan as plan_lib
 from april_jax import resume
 from april_jax import run_report
 from april_jax import sharding
+from april_jax import user_output
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import run_episodes
@@ -68,6 +69,7 @@ class Trainer:
     self._lock = WorkdirLock(workdir) if distributed.is_primary() else None
     if self._lock is not None:  # saves cut short by a kill: never read, and as big as one
       checkpoint_lib.remove_unfinished(workdir)
+    self.user_output = self._relay_user_output()
     self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
     self.rules = tuple(tuple(r) for r in c.mesh.rules)
     self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
@@ -79,17 +81,22 @@ class Trainer:
     if distributed.is_primary():
       path_check.announce(self.paths)
     self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
+    self.checkpointer = Checkpointer(workdir)
+    resuming = self.checkpointer.latest_step() is not None
+    # The adapters a fresh LoRA run starts from, read before any weight, warm start or
+    # compile: a missing or damaged train.lora_path is one line at once.
+    adapters = (
+        None if resuming else lora_base.start_adapters(c.train.lora_path, self.lora, self.model_cfg)
+    )
     self._check_memory()  # before any weight is allocated
     params = self._load_params()
     self.task = make_task(c, self.tokenizer)
     # Every process reads all of the data and walks the same seeded order: one stream.
     self.source = self.task.prompts
-    self.checkpointer = Checkpointer(workdir)
     self._check_same_checkpoints()
-    resuming = self.checkpointer.latest_step() is not None
     params = self._starting_params(params, resuming)
     t = layout.train_section(c)  # packed rows' budget resolved to the run's max_len
-    self.learner = self._make_learner(params, t, resuming)
+    self.learner = self._make_learner(params, t, adapters)
     if self.lora is not None:
       params = self.learner.frozen  # the frozen base, held once (the critic may share it)
     self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
@@ -114,6 +121,14 @@ class Trainer:
       self._start_afresh()
 
   # ------------------------------------------------------------------- set-up helpers
+  def _relay_user_output(self) -> user_output.OutputRelay:
+    """What user code prints goes to the workdir's log (one a process), not through the
+    run's own lines."""
+    os.makedirs(self.workdir, exist_ok=True)
+    index = jax.process_index()
+    name = user_output.LOG_NAME if index == 0 else f"user_output.{index}.log"
+    return user_output.start(self.workdir, name)
+
   def _load_params(self):
     """The model's params (float32 masters, whatever the compute dtype: see rl/update.py;
     with LoRA the frozen base, in the compute dtype) from model.path or a seeded random
@@ -133,12 +148,10 @@ class Trainer:
     )
     return params if dtype == "float32" else step_lib.cast(params, dtype)
 
-  def _make_learner(self, params, t, resuming: bool) -> Learner:
-    """The learner (with LoRA: adapters from train.lora_path or fresh, over params frozen)."""
+  def _make_learner(self, params, t, adapters) -> Learner:
+    """The learner (with LoRA: `adapters` from train.lora_path, or fresh when None, over
+    params frozen)."""
     c = self.config
-    adapters = (
-        None if resuming else lora_base.start_adapters(t.lora_path, self.lora, self.model_cfg)
-    )
     return Learner(
         self.model_cfg,
         params,
@@ -374,6 +387,8 @@ class Trainer:
     if lines:
       run_report.plot(lines, self.workdir)
     print(run_report.summary(lines, self.workdir), flush=True)
+    if self.config.env.name and self.config.env.isolation == "none":
+      print(f"  warning          {run_episodes.NO_ISOLATION}", flush=True)
 
   # ---------------------------------------------------------------------------- eval
   def evaluate(self) -> dict[str, float]:
@@ -512,6 +527,7 @@ class Trainer:
     """Step index + 1: train, evaluate, save, log. True when the run stops here."""
     c = self.config
     step = index + 1  # steps count from 1 everywhere a user sees them: step k = k updates
+    self.user_output.new_step()
     start = time.perf_counter()
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
@@ -546,7 +562,7 @@ class Trainer:
     """Ends the workers, the checkpoint writer and the metric files; releases the lock.
     After an error, a failure to close is logged: the error that ended the run is the one
     to report (a full disk fails the closing writes too)."""
-    closes = [self.rewards.close, self.checkpointer.close, self.writer.close]
+    closes = [self.rewards.close, self.checkpointer.close, self.writer.close, user_output.stop]
     if self.episodes is not None:
       closes.insert(1, self.episodes.close)
     for close in closes:

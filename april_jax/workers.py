@@ -21,6 +21,8 @@ every pool of the process, which imports the first pool's `preload` once, so a
 replacement starts at once. A worker's start-up (imports,
 `make()`) is not counted in its first call's time limit.
 
+What a worker prints goes through the run's relay when it has one (user_output.py).
+
 No worker outlives the run: `close` kills them, Ctrl-C kills them (`interrupt.on_leave`),
 and if the run is killed outright, on Linux the kernel kills the forkserver
 (forkserver_guard.py) and each worker when its forkserver goes.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -42,6 +45,7 @@ from typing import Any, Callable
 
 from april_jax import errors
 from april_jax import interrupt
+from april_jax import user_output
 
 START_TIMEOUT_S = 120.0  # a worker that does not start in this long has died
 _START_AGAIN = object()  # in the idle queue: a worker whose start failed, to start again
@@ -80,12 +84,26 @@ def die_with_parent() -> None:
     os._exit(0)  # pylint: disable=protected-access
 
 
-def _serve(conn, make: Callable[[], Callable[[Any], Any]]) -> None:
+def _print_into(output) -> None:
+  """The worker's stdout and stderr become `output` (a pipe to the run's relay)."""
+  if output is None:
+    return
+  for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(output.fileno(), fd)
+  output.close()
+
+
+def _serve(conn, make: Callable[[], Callable[[Any], Any]], output=None) -> None:
   """A worker: builds its function once, then answers jobs until its pipe closes. It
   ignores Ctrl-C and SIGTERM sent to the whole process group: the run answers them, and
-  ends its workers itself."""
+  ends its workers itself. What it prints goes to `output` when given (user_output.py)."""
   interrupt.ignore_in_child()
   die_with_parent()
+  _print_into(output)
   me = os.getpid()
   try:
     fn, broken = make(), None
@@ -175,10 +193,15 @@ class WorkerPool:
         return
       try:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_serve, args=(child, self._make), daemon=True)
+        output = user_output.writer(self.name)
+        if output is not None:  # a copy the start hands to the worker, then closes
+          output = multiprocessing.connection.Connection(os.dup(output), readable=False)
+        process = self._ctx.Process(target=_serve, args=(child, self._make, output), daemon=True)
         with _START_LOCK, _main_hidden(self._needs_main):
           process.start()
         child.close()
+        if output is not None:
+          output.close()
       except Exception:  # pylint: disable=broad-except  # the forkserver gone, no fds left
         self._idle.put(_START_AGAIN)
         raise

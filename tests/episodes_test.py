@@ -1,8 +1,6 @@
 """Multi-turn episodes: observations fed in place, cuts and resumes, loss masks, the env."""
 
-import concurrent.futures
 import itertools
-import json
 
 import jax
 import numpy as np
@@ -21,7 +19,6 @@ from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 from april_jax.sampler.records import Status
 from april_jax.configs import validate
-import cli
 from conftest import QWEN3_TOKENIZER_DIR, load_config, sampler_qwen3, step_at
 from record_builders import teacher_forced_logprobs
 
@@ -460,78 +457,6 @@ def test_gsm8k_tool_config_answers_each_qwen3_tool_call_in_the_template_s_tool_r
   record.versions = np.zeros(len(record.response), np.int32)
   assert runner.turn([record])[0] is None and runner.counts["env/episodes_done"] == 1
   runner.close()
-
-
-USER_ENV = '''
-from april_jax.envs.base import EnvStep
-
-
-class Oracle:
-  """Tells the target of the built-in task's walk when asked with ':'."""
-
-  def reset(self, row):
-    return {"last": row["answer"][-1], "asked": 0}
-
-  def step(self, state, turn):
-    if turn.replace("<eos>", "") != ":":
-      return EnvStep(None, True, state)
-    from april_jax.rewards.longtail_task import target_of
-    return EnvStep(target_of(state["last"]) + "=", False, {**state, "asked": state["asked"] + 1})
-
-
-NOT_AN_ENV = 3
-'''
-
-USER_REWARD = '''
-def walk(sample):
-  """The walk after the last observation against the answer, and the episode's turns."""
-  walk = sample["response"].rpartition("=")[2].strip()
-  return {"score": float(walk == sample["answer"]), "turns": sample["turns"]}
-'''
-
-
-def _main(workdir, *flags):
-  # max_response_len as configs/tiny.py's: the programs other runs compiled are cached.
-  return cli.run(
-      "--config.rollout.max_response_len=64", *flags, config="tiny_lookup.py", workdir=workdir
-  )
-
-
-def test_a_users_reward_and_environment_files_drive_the_run_and_wrong_ones_stop_early(tmp_path):
-  (tmp_path / "my_env.py").write_text(USER_ENV)
-  (tmp_path / "my_reward.py").write_text(USER_REWARD)
-  env, reward = tmp_path / "my_env.py", tmp_path / "my_reward.py"
-  wrong = [
-      (f"--config.env.name={env}:NOT_AN_ENV", "NOT_AN_ENV is a int, not a class or a factory"),
-      (f"--config.rollout.reward={reward}:missing", "has no function 'missing'"),
-  ]
-  # The three runs side by side (two cores; the wrong ones end before compiling).
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    bad_runs = [pool.submit(_main, tmp_path / f"bad{i}", flag) for i, (flag, _) in enumerate(wrong)]
-    good_run = pool.submit(
-        _main,
-        tmp_path / "run",
-        f"--config.env.name={env}:Oracle",
-        f"--config.rollout.reward={reward}:walk",
-        "--config.num_steps=2",
-        "--config.train.sft_steps=30",
-        "--config.eval_every=0",
-    )
-  for i, ((_, message), bad) in enumerate(zip(wrong, bad_runs)):
-    bad = bad.result()
-    assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
-    assert "Traceback" not in bad.stderr and "compiling" not in bad.stdout
-    assert not (tmp_path / f"bad{i}" / "checkpoints").exists()
-
-  run = good_run.result()
-  assert run.returncode == 0, run.stderr[-3000:]
-  lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert [l["step"] for l in lines] == [1, 2]
-  for line in lines:  # the warm start taught the call: episodes take turns
-    assert line["rollout/env/turns"] > line["rollout/env/episodes_done"] > 0
-    assert 0 < line["rollout/observation_token_frac"] < 0.5
-    assert line["reward/turns"] > 1  # the reward's extra number: it saw the episodes
-    assert 0.0 <= line["rollout/reward_mean"] <= 1.0
 
 
 def test_a_held_slot_stays_parked_with_its_pages_while_the_other_slots_decode():

@@ -95,9 +95,28 @@ def test_export_never_replaces_the_runs_workdir_or_a_folder_above_it(run, tmp_pa
     with pytest.raises(InputError, match="is above the run's workdir"):
       export_lib.export(str(workdir), str(out), overwrite=True)
   assert _checksums(tmp_path) == before
-  # A new folder inside the workdir is fine: it replaces nothing.
-  assert export_lib.export(str(workdir), str(workdir / "exports" / "step2")) == 2
-  assert (workdir / "exports" / "step2" / "config.json").is_file()
+
+
+def test_export_never_writes_inside_the_workdir_where_a_lora_run_keeps_its_base(run, tmp_path):
+  """`--out=<workdir>/lora_base --format=peft --overwrite` once deleted the only copy of a
+  LoRA run's warm-started base (it holds only files an export writes)."""
+  workdir = tmp_path / "workdir"
+  shutil.copytree(run[0], workdir)
+  base = workdir / "lora_base"
+  base.mkdir()
+  (base / "config.json").write_text('{"the": "base"}')
+  (base / "model.safetensors").write_bytes(b"the base's weights")
+  before = _checksums(workdir)
+  line = _one_line_refusal(
+      _export(f"--workdir={workdir}", f"--out={base}", "--format=peft", "--overwrite")
+  )
+  assert f"--out={base} is inside the run's workdir" in line, line
+  for out in (base, workdir / "exports" / "step2", workdir / "checkpoints"):
+    for overwrite in (False, True):
+      with pytest.raises(InputError, match="is inside the run's workdir"):
+        export_lib.export(str(workdir), str(out), overwrite=overwrite)
+  assert _checksums(workdir) == before
+  assert not (workdir / "exports").exists()
 
 
 def test_overwrite_replaces_only_an_earlier_export(run, tmp_path):

@@ -7,7 +7,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 
 # Lowest first. A component may import its own modules and those of lower layers only.
 LAYERS = [
-    {"errors", "interrupt", "rendezvous", "cli"},
+    {"errors", "interrupt", "process_tree", "user_output", "rendezvous", "cli"},
     {"workers"},  # user code in killable processes
     {"forkserver_guard"},  # imported by the workers' forkserver alone
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},

@@ -191,19 +191,33 @@ def _problems_or_none(config) -> str:
   return ""
 
 
-def test_a_lora_path_of_another_width_stops_the_run_in_one_line(tmp_path):
+@pytest.mark.parametrize("bad", ["another_width", "missing", "damaged"])
+def test_a_bad_lora_path_stops_the_run_in_one_line_before_any_weight_or_warm_start(tmp_path, bad):
   small = qwen3.Qwen3Config(
       vocab_size=136, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
       num_kv_heads=1, head_dim=16,
   )  # fmt: skip
   spec = lora.LoraSpec(4, 32.0)
-  peft_io.save_peft(tmp_path / "adapter", spec, lora.init(small, spec, jax.random.key(1)))
+  adapter = tmp_path / "adapter"
+  if bad != "missing":
+    peft_io.save_peft(adapter, spec, lora.init(small, spec, jax.random.key(1)))
+  if bad == "damaged":
+    (adapter / peft_io.WEIGHTS_NAME).write_bytes(np.random.default_rng(0).bytes(4096))
   proc = cli.run(
-      "--config.train.lora.rank=4", f"--config.train.lora_path={tmp_path / 'adapter'}",
-      config="tiny.py", workdir=tmp_path / "w", timeout=300,
+      "--config.train.lora.rank=4", f"--config.train.lora_path={adapter}",
+      "--config.train.sft_steps=300", config="tiny.py", workdir=tmp_path / "w", timeout=300,
   )  # fmt: skip
   assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
   lines = [l for l in proc.stderr.splitlines() if l.startswith("april_jax")]
   assert len(lines) == 1, lines
-  assert f"train.lora_path '{tmp_path / 'adapter'}' does not fit the base model: " in lines[0]
-  assert "q_proj.lora_A.weight has shape (4, 32); this base model needs (4, 64)" in lines[0]
+  assert lines[0].startswith(f"april_jax: train.lora_path '{adapter}'"), lines[0]
+  expected = {
+      "another_width": "q_proj.lora_A.weight has shape (4, 32); this base model needs (4, 64)",
+      "missing": "no such folder (a PEFT adapter to start from)",
+      "damaged": f"{adapter / peft_io.WEIGHTS_NAME} cannot be read as safetensors: ",
+  }[bad]
+  assert expected in lines[0], lines[0]
+  # Refused before the warm start (which prints its progress) and before any save.
+  assert "warm" not in proc.stdout.lower(), proc.stdout[-2000:]
+  assert not (tmp_path / "w" / "lora_base").exists()

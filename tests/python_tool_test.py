@@ -1,8 +1,10 @@
 """The Python tool runs the model's code in a separate, limited process: its output or its
 traceback comes back, and what math code has no business doing (the network, new
 processes, files outside its folder, endless loops, all the memory) is refused or
-stopped, with a message the model can read. The environment turns Qwen3 tool calls into
-runs, and its config validates."""
+stopped, with a message the model can read. Tests named "the hook" run with
+isolation="none", where the audit hook is the layer that answers (under the kernel's
+isolation it is the second layer: python_tool_isolation_test.py). The environment turns
+Qwen3 tool calls into runs, and its config validates."""
 
 import json
 import os
@@ -90,14 +92,15 @@ def test_long_output_is_cut_and_says_so():
         "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:1', timeout=1)",
     ],
 )
-def test_the_network_is_refused(code):
-  out = run_python(code, SHORT)
+def test_the_hook_refuses_the_network(code):
+  out = run_python(code, SHORT, isolation="none")
   assert re.search(r"socket\.\w+ is not allowed here", out), out
 
 
 def test_without_unshare_the_hook_alone_refuses_the_network(monkeypatch):
   monkeypatch.setattr(python_tool, "_network_isolation", lambda: ())
-  out = run_python("import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)", SHORT)
+  code = "import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)"
+  out = run_python(code, SHORT, isolation="none")
   assert "socket.getaddrinfo is not allowed here" in out
 
 
@@ -119,8 +122,8 @@ def test_the_child_sees_python_s_libraries_but_not_the_trainer_s_package_or_envi
   ), last
 
 
-def test_reading_a_file_outside_the_folder_is_refused():
-  out = run_python("print(open('/etc/passwd').read())", SHORT)
+def test_the_hook_refuses_reading_a_file_outside_the_folder():
+  out = run_python("print(open('/etc/passwd').read())", SHORT, isolation="none")
   assert "PermissionError: open '/etc/passwd': refused (outside the working folder)" in out
   assert "root:" not in out
 
@@ -134,26 +137,31 @@ def test_reading_a_file_outside_the_folder_is_refused():
         "open('inside', 'w').close()\nimport os\nos.rename('inside', {path!r})",
     ],
 )
-def test_writing_a_file_outside_the_folder_is_refused_and_nothing_is_written(tmp_path, write):
+def test_the_hook_refuses_writing_a_file_outside_the_folder_and_nothing_is_written(tmp_path, write):
   outside = tmp_path / "outside.txt"
-  out = run_python(write.format(path=str(outside)), SHORT)
+  out = run_python(write.format(path=str(outside)), SHORT, isolation="none")
   assert "PermissionError" in out and "refused (outside the working folder)" in out
   assert not outside.exists()
 
 
-def test_files_inside_the_folder_can_be_written_and_read_and_the_folder_goes_away():
+@pytest.mark.parametrize("isolation", ["kernel", "none"])
+def test_files_inside_the_folder_can_be_written_and_read_and_the_folder_goes_away(isolation):
+  name = f"notes-{os.getpid()}-{time.monotonic_ns()}.txt"
   code = (
       "import os\n"
-      "with open('notes.txt', 'w') as f:\n"
+      f"with open({name!r}, 'w') as f:\n"
       "  f.write('kept')\n"
       "os.mkdir('sub')\n"
       "open('sub/more.txt', 'w').write('!')\n"
-      "print(open('notes.txt').read() + open('sub/more.txt').read())\n"
+      f"print(open({name!r}).read() + open('sub/more.txt').read())\n"
       "print(os.getcwd())\n"
   )
-  text, folder = run_python(code).splitlines()
+  text, folder = run_python(code, isolation=isolation).splitlines()
   assert text == "kept!"
-  assert not os.path.exists(folder)
+  if isolation == "kernel":  # a tmpfs of the sandbox's own at /tmp: nothing on the host
+    assert folder == "/tmp" and not os.path.exists(os.path.join(folder, name))
+  else:
+    assert not os.path.exists(folder)
 
 
 @pytest.mark.parametrize(
@@ -165,9 +173,9 @@ def test_files_inside_the_folder_can_be_written_and_read_and_the_folder_goes_awa
         "import os\nif os.fork() == 0:\n  open('{marker}', 'w')",
     ],
 )
-def test_new_processes_are_refused(tmp_path, code):
+def test_the_hook_refuses_new_processes(tmp_path, code):
   marker = tmp_path / "ran"
-  out = run_python(code.format(marker=marker), SHORT)
+  out = run_python(code.format(marker=marker), SHORT, isolation="none")
   assert "PermissionError" in out and "is not allowed here" in out
   assert not marker.exists()
 
@@ -307,3 +315,38 @@ def test_the_math_python_tool_config_validates(tmp_path):
   c.data.source = str(MATH_DIR / "dapo_format_aime24.parquet")
   c.eval.path = str(MATH_DIR / "math500.json")
   validate.validate(c)
+
+
+def test_the_hook_counts_folders_as_files_so_a_flood_of_them_stops_and_is_removed():
+  code = "import os\nfor i in range(100000):\n  os.mkdir(f'd{i}')"
+  out = run_python(code, SHORT, isolation="none")
+  assert "refused (over 64 files)" in out, out
+
+
+def test_a_folder_nested_past_python_s_recursion_limit_is_still_removed(monkeypatch):
+  made = []
+  real_mkdtemp = python_tool.tempfile.mkdtemp
+
+  def remembered(*args, **kwargs):
+    made.append(real_mkdtemp(*args, **kwargs))
+    return made[-1]
+
+  monkeypatch.setattr(python_tool.tempfile, "mkdtemp", remembered)
+  # 60 folders, each renamed into the next: nested 60 deep, which the hook allows; the
+  # removal is then given a nesting deeper than its recursion limit.
+  code = (
+      "import os\n"
+      "os.mkdir('n')\n"
+      "for i in range(60):\n"
+      "  os.mkdir('m')\n"
+      "  os.rename('n', 'm/n')\n"
+      "  os.rename('m', 'n')\n"
+      "print('nested')\n"
+  )
+  monkeypatch.setattr(python_tool.shutil, "rmtree", _recursion_error)
+  assert run_python(code, SHORT, isolation="none") == "nested\n"
+  assert made and not os.path.exists(made[0])
+
+
+def _recursion_error(*args, **kwargs):
+  raise RecursionError("maximum recursion depth exceeded")

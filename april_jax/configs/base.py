@@ -181,6 +181,11 @@ def _env() -> ml_collections.ConfigDict:
   e.max_observation_tokens = 256  # each longer tool result is cut to this (counted)
   e.timeout_s = 10.0  # per call of the environment; past it the episode ends (counted)
   e.workers = 4  # environment calls made at once (a user's environment: worker processes)
+  # How the tools that run model-written code (python_tool) isolate it: "kernel" (a
+  # sandbox of Linux namespaces and a seccomp filter; the run refuses to start where the
+  # kernel does not allow one) or "none" (the audit hook and rlimits only, which are not a
+  # barrier: a warning at start-up and in the run's summary). docs/environments.md.
+  e.isolation = "kernel"
   # Calls run while the other slots decode, each answered at the first decode boundary
   # after it returns; False: every call is waited for right after the decode call that
   # ended its turn (the engine idles on calls, but a run is reproducible whatever their

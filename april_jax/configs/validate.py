@@ -303,6 +303,8 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
     err(f"env.timeout_s must be > 0, got {e.timeout_s}")
   if e.observation_format not in ("text", "chat_template"):
     err(f"env.observation_format must be 'text' or 'chat_template', got {e.observation_format!r}")
+  if e.isolation not in ("kernel", "none"):
+    err(f"env.isolation must be 'kernel' or 'none', got {e.isolation!r}")
   if "{observation}" not in e.observation_template:
     err(f"env.observation_template must hold {{observation}}, got {e.observation_template!r}")
   try:

@@ -61,12 +61,18 @@ class Env(Protocol):
     ...
 
 
-ENVS: dict[str, Callable[[], Env]] = {}
+ENVS: dict[str, Callable[..., Env]] = {}
+# The env config fields a registered environment's factory takes, as keywords.
+OPTIONS: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str):
+def register(name: str, options: tuple[str, ...] = ()):
+  """Registers a factory under `name`; `options` names the env config fields (e.g.
+  "isolation") that `load` passes it as keywords."""
+
   def wrap(factory):
     ENVS[name] = factory
+    OPTIONS[name] = tuple(options)
     return factory
 
   return wrap
@@ -76,10 +82,13 @@ class EnvError(ValueError):
   """`env.name` cannot be used; the message says why, in one line."""
 
 
-def load(spec: str) -> Env:
-  """The environment `spec` names, made once (EnvError otherwise)."""
+def load(spec: str, options: dict[str, Any] | None = None) -> Env:
+  """The environment `spec` names, made once (EnvError otherwise). A registered one gets
+  the `options` it registered for; a user's is called with no arguments."""
+  kwargs = {}
   if spec in ENVS:
     factory = ENVS[spec]
+    kwargs = {name: (options or {})[name] for name in OPTIONS[spec] if name in (options or {})}
   elif loading.is_user_spec(spec):
     target, _, name = spec.rpartition(":")
     try:
@@ -99,7 +108,9 @@ def load(spec: str) -> Env:
         "nor 'path/to/file.py:Name' / 'package.module:Name'"
     )
   try:
-    env = factory()
+    env = factory(**kwargs)
+  except EnvError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     raise EnvError(f"env.name={spec!r}: making it raised {type(e).__name__}: {e}") from None
   missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]

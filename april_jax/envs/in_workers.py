@@ -39,7 +39,7 @@ def _env_server(spec: str):
         raise TypeError(f"step returned a {type(out).__name__}, not an EnvStep")
       return (out.observation, out.done, out.state, out.reward)
     if method == "reset" and isinstance(out, EnvReset):
-      return ("EnvReset", out.state, out.messages)
+      return ("EnvReset", out.state, out.messages, out.tools)
     return ("state", out)
 
   return serve
@@ -83,9 +83,12 @@ class ProcessEnv:
     self._pool.close()
 
 
-def load(spec: str, timeout_s: float, workers: int = 1) -> Env:
-  """The environment `spec` names: a registered one in this process, a user's in
-  `workers` worker processes (EnvError, one line, if it cannot be made)."""
+def load(
+    spec: str, timeout_s: float, workers: int = 1, options: dict[str, Any] | None = None
+) -> Env:
+  """The environment `spec` names: a registered one in this process (given the `options`
+  it takes), a user's in `workers` worker processes (EnvError, one line, if it cannot be
+  made)."""
   if loading.is_user_spec(spec) and spec not in base.ENVS:
     return ProcessEnv(spec, timeout_s, workers)
-  return base.load(spec)
+  return base.load(spec, options)

@@ -1,11 +1,20 @@
 """The child side of the Python tool (python_tool.py): it runs the model's code.
 
 python_tool.run_python starts a fresh interpreter with this file's source,
-`python -I -c <source> <settings JSON>`, in a folder of its own. The child reads the code,
-then, before any of it runs:
+`python -I -c <source> <settings JSON>`, in its working folder (under kernel isolation,
+kernel_isolation.py, inside a sandbox of namespaces). The child reads the code from its
+stdin, then, before any of it runs:
 
-  * limits itself (setrlimit, soft and hard): address space, CPU seconds, the size of any
-    file it writes (its stdout included), open files, no new processes, no core dumps;
+  * dies with its caller (PR_SET_PDEATHSIG), limits itself (setrlimit, soft and hard):
+    address space, CPU seconds, the size of any file it writes (its stdout included),
+    open files, no new processes, no core dumps;
+  * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the system
+    calls math code never needs: new processes and programs (fork, vfork, clone without
+    CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*, kill, mounts
+    and namespaces, bpf, keyrings, io_uring, perf events, userfaultfd, kernel modules and
+    the like (clone3 answers ENOSYS, so that threads fall back to clone, whose flags the
+    filter can read). It binds every later line of the process, C code included. Under
+    `seccomp: "required"` a filter that cannot load ends the child (status 3);
   * takes away what math code has no use for and no audit event covers: fork_exec of
     `_posixsubprocess`, mkfifo, mknod, memfd_create, pidfd_open and pidfd_send_signal;
   * installs an audit hook (sys.addaudithook, which cannot be removed) that refuses, with a
@@ -13,7 +22,7 @@ then, before any of it runs:
     os.exec*, os.fork*, os.posix_spawn*), ctypes, signals to other processes, changing
     directory, links, chmod/chown, rlimits, tracing, gc's object lists, subinterpreters,
     a fresh import of the modules disarmed here; any write, remove, rename or mkdir outside
-    the working folder, or more than MAX_FILES_WRITTEN files written; any read outside it
+    the working folder, or more than MAX_FILES_WRITTEN files and folders made or written; any read outside it
     but Python's own stdlib and site-packages; opening a directory outside it, or a device
     other than /dev/null, /dev/zero and /dev/urandom.
 
@@ -32,6 +41,11 @@ import _stat
 import ast
 import builtins
 import errno
+
+try:  # the seccomp filter loads through it; a Python built without libffi has none
+  import ctypes
+except ImportError:
+  ctypes = None
 import itertools
 import json
 import linecache
@@ -76,6 +90,22 @@ CHANGES = {
     "os.truncate": ((0,), ()),
 }
 LISTINGS = ("os.listdir", "os.scandir")
+# What the seccomp filter refuses with EPERM (names this kernel does not know are skipped).
+REFUSED_SYSCALLS = (
+    "fork", "vfork", "execve", "execveat", "socket", "socketpair", "ptrace",
+    "process_vm_readv", "process_vm_writev", "process_madvise", "kill", "tkill",
+    "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "kcmp", "mount", "umount2",
+    "pivot_root", "chroot", "unshare", "setns", "move_mount", "open_tree", "fsopen",
+    "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "keyctl", "add_key",
+    "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "perf_event_open", "userfaultfd", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "reboot", "swapon", "swapoff", "syslog", "acct",
+    "quotactl", "open_by_handle_at", "name_to_handle_at", "mknod", "mknodat",
+    "memfd_create", "fanotify_init", "lookup_dcookie", "sethostname", "setdomainname",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioperm", "iopl",
+    "vhangup", "personality", "uselib", "nfsservctl",
+)  # fmt: skip
+SECCOMP_FAILED_EXIT = 3
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -99,6 +129,71 @@ def limit_resources(settings: dict) -> None:
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
 
 
+class _ArgCompare(ctypes.Structure if ctypes else object):
+  """libseccomp's struct scmp_arg_cmp."""
+
+  _fields_ = [
+      ("arg", ctypes.c_uint),
+      ("op", ctypes.c_int),
+      ("datum_a", ctypes.c_uint64),
+      ("datum_b", ctypes.c_uint64),
+  ] if ctypes else []  # fmt: skip
+
+
+def confine_syscalls() -> str | None:
+  """Loads the seccomp filter REFUSED_SYSCALLS names (and clone without CLONE_THREAD,
+  clone3 as ENOSYS); None when it holds, else why it could not be loaded."""
+  if ctypes is None:
+    return "ctypes is missing"
+  try:
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+  except OSError as e:
+    return f"libseccomp.so.2: {e}"
+  allow, einval_errno = 0x7FFF0000, 0x00050000  # SCMP_ACT_ALLOW, SCMP_ACT_ERRNO(0)
+  lib.seccomp_init.restype = ctypes.c_void_p
+  lib.seccomp_init.argtypes = [ctypes.c_uint32]
+  lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+  lib.seccomp_rule_add_array.argtypes = [
+      ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+      ctypes.POINTER(_ArgCompare),
+  ]  # fmt: skip
+  lib.seccomp_load.argtypes = [ctypes.c_void_p]
+  context = lib.seccomp_init(allow)
+  if not context:
+    return "seccomp_init failed"
+  eperm, enosys = einval_errno | errno.EPERM, einval_errno | errno.ENOSYS
+
+  def refuse(name: str, action: int, *compare: _ArgCompare) -> bool:
+    number = lib.seccomp_syscall_resolve_name(name.encode())
+    if number < 0:  # __NR_SCMP_ERROR: not a system call of this kernel
+      return True
+    array = (_ArgCompare * len(compare))(*compare) if compare else None
+    return lib.seccomp_rule_add_array(context, action, number, len(compare), array) == 0
+
+  clone_thread, masked_eq = 0x00010000, 7  # CLONE_THREAD, SCMP_CMP_MASKED_EQ
+  rules = [refuse(name, eperm) for name in REFUSED_SYSCALLS]
+  rules.append(refuse("clone3", enosys))
+  rules.append(refuse("clone", eperm, _ArgCompare(0, masked_eq, clone_thread, 0)))
+  if not all(rules):
+    return "a seccomp rule could not be added"
+  if lib.seccomp_load(context) != 0:
+    return f"seccomp_load failed (errno {ctypes.get_errno()})"
+  return None
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+  """The kernel kills this process when the thread that started it ends (the caller
+  killed, say), so that no call outlives its caller."""
+  if ctypes is None or parent_pid is None:
+    return
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != parent_pid:  # the caller went before the call above
+    os._exit(1)  # pylint: disable=protected-access
+
+
 def _refused(name: str):
   def refuse(*args, **kwargs):
     raise PermissionError(f"{name} is not allowed here")
@@ -109,10 +204,6 @@ def _refused(name: str):
 def disarm_modules() -> None:
   """Loads the modules whose import the hook would refuse or that reach past it, and
   takes away what no audit event covers."""
-  try:  # its import loads libraries, which the hook would refuse later
-    import ctypes  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:  # a Python built without libffi
-    pass
   import _posixsubprocess  # pylint: disable=g-import-not-at-top
   import _signal  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top,unused-import
@@ -241,6 +332,8 @@ def _path_rules(work: str, read_roots: tuple[str, ...]):
         continue  # a file already open
       if not under(resolve(text(args[i], event)), (work,)):
         raise refused(f"{event} {args[i]!r}: refused (outside the working folder)")
+    if event == "os.mkdir" and next_(writes) >= max_written:  # folders count as files
+      raise refused(f"{event} {args[0]!r}: refused (over {max_written} files)")
 
   return check_open, check_listing, check_change
 
@@ -332,15 +425,24 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
 
 def main() -> None:
   settings = json.loads(sys.argv[1])
-  with open(settings["code_path"], encoding="utf-8", errors="replace") as f:
-    code = f.read()
+  die_with_parent(settings.get("parent_pid"))
+  code = sys.stdin.buffer.read().decode("utf-8", "replace")
+  null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin
+  os.dup2(null, 0)
+  os.close(null)
   limit_resources(settings)
+  if settings.get("seccomp"):
+    why = confine_syscalls()
+    if why is not None and settings["seccomp"] == "required":
+      os.write(2, f"error: the sandbox's seccomp filter did not load: {why}\n".encode())
+      os._exit(SECCOMP_FAILED_EXIT)  # pylint: disable=protected-access
   disarm_modules()
   read_roots = python_roots()
   sys.dont_write_bytecode = True
   sys.argv = [CODE_FILENAME]
   sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
-  sys.addaudithook(make_hook(os.path.realpath(settings["work_dir"]), read_roots))
+  if settings.get("audit_hook", True):
+    sys.addaudithook(make_hook(os.path.realpath(settings["work_dir"]), read_roots))
   exit_now = os._exit
   status = run(code, settings["memory_mb"], settings["max_file_mb"])
   try:

@@ -45,10 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from april_jax.envs.base import EnvReset, EnvStep, register
+from april_jax import process_tree
+from april_jax.envs import kernel_isolation
+from april_jax.envs.base import EnvError, EnvReset, EnvStep, register
+from april_jax.envs.kernel_isolation import IsolationUnavailable
 from april_jax.envs.tool_calls import ToolCall, tool_results
 
 RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
+ISOLATIONS = ("kernel", "none")  # env.isolation
 # A wait for the killed child (already dead in practice) and for the unshare probe.
 KILL_WAIT_S = 5.0
 MIN_CALL_S = 0.5  # a call with less of its turn's time left is not started
@@ -63,6 +67,7 @@ class Limits:
   memory_mb: int = 1024  # RLIMIT_AS: the child's address space
   max_output_chars: int = 4000  # stdout (and the error) shown, at most
   max_file_mb: int = 16  # RLIMIT_FSIZE: each file the code writes, its stdout included
+  scratch_mb: int = 64  # isolation="kernel": the size of its working folder (a tmpfs)
 
 
 @functools.cache
@@ -72,7 +77,7 @@ def _runner_source() -> str:
 
 @functools.cache
 def _network_isolation() -> tuple[str, ...]:
-  """`unshare -rn` where it works here (checked once), else nothing."""
+  """isolation="none": `unshare -rn` where it works here (checked once), else nothing."""
   unshare = shutil.which("unshare")
   if unshare is None:
     return ()
@@ -90,11 +95,26 @@ def _network_isolation() -> tuple[str, ...]:
   return (unshare, "-rn") if probe.returncode == 0 else ()
 
 
-def _child_environment(work: Path) -> dict[str, str]:
+def check_isolation(isolation: str) -> None:
+  """ValueError for an unknown mode; IsolationUnavailable (one line) when "kernel" cannot
+  run on this machine."""
+  if isolation not in ISOLATIONS:
+    raise ValueError(f"isolation={isolation!r}: one of {ISOLATIONS}")
+  if isolation == "kernel":
+    why = kernel_isolation.problem()
+    if why is not None:
+      raise IsolationUnavailable(
+          f"the Python tool cannot isolate model code here: {why}. Set "
+          "env.isolation=none to run it under the audit hook only (not a barrier: "
+          "docs/environments.md)"
+      )
+
+
+def _child_environment(work: str) -> dict[str, str]:
   """Only what Python and its math libraries need: no variable of the trainer's."""
   env = {
-      "HOME": str(work),
-      "TMPDIR": str(work),
+      "HOME": work,
+      "TMPDIR": work,
       "PATH": "/usr/bin:/bin",
       "LANG": "C.UTF-8",
       # One thread each: no new processes are allowed, and threads count as processes.
@@ -107,54 +127,81 @@ def _child_environment(work: Path) -> dict[str, str]:
   return env
 
 
-def _run_child(folder: Path, limits: Limits) -> int | None:
-  """Runs folder/code.py in folder/work, its stdout and stderr into folder's files. The
-  exit status (negative: the signal), or None when it ran past the time limit."""
-  work = folder / "work"
-  work.mkdir()
+def _run_child(
+    code: Any, stdout: Any, stderr: Any, work: str, limits: Limits, isolation: str, hook: bool
+):
+  """Runs the runner on `code` (a file at its start) in `work`, its stdout and stderr into
+  the given files. The exit status (negative: the signal), or None when it ran past the
+  time limit."""
   settings = {
-      "code_path": str(folder / "code.py"),
-      "work_dir": str(work),
+      "audit_hook": hook,
+      "work_dir": work,
       "memory_mb": int(limits.memory_mb),
       "cpu_s": int(limits.cpu_s),
       "max_file_mb": int(limits.max_file_mb),
+      "seccomp": "required" if isolation == "kernel" else "where_possible",
   }
-  command = [*_network_isolation(), sys.executable, "-I", "-c", _runner_source()]
-  with open(folder / "stdout", "wb") as stdout, open(folder / "stderr", "wb") as stderr:
-    child = subprocess.Popen(  # pylint: disable=consider-using-with
-        [*command, json.dumps(settings)],
-        cwd=work,
-        env=_child_environment(work),
-        stdin=subprocess.DEVNULL,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,
-    )
+  python = [sys.executable, "-I", "-c", _runner_source()]
+  if isolation == "kernel":
+    python.append(json.dumps(settings))  # bwrap dies with this process (--die-with-parent)
+    command, cwd = kernel_isolation.command(python, limits.scratch_mb), None
+  else:
+    python.append(json.dumps({**settings, "parent_pid": os.getpid()}))  # (unshare execs it)
+    command, cwd = [*_network_isolation(), *python], work
+  child = subprocess.Popen(  # pylint: disable=consider-using-with
+      command,
+      cwd=cwd,
+      env=_child_environment(work),
+      stdin=code,
+      stdout=stdout,
+      stderr=stderr,
+      start_new_session=True,
+  )
   try:
-    return child.wait(timeout=limits.timeout_s)
+    status = child.wait(timeout=limits.timeout_s)
   except subprocess.TimeoutExpired:
-    try:
-      os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
-    child.wait(timeout=KILL_WAIT_S)
+    _kill(child, isolation)
     return None
+  if isolation == "kernel" and status > 128:  # bwrap exits 128 + n for its child's signal n
+    return -(status - 128)
+  return status
 
 
-def _read_head(path: Path, max_chars: int) -> tuple[str, bool]:
+def _kill(child: subprocess.Popen, isolation: str) -> None:
+  """Ends a child past its time, and everything it started."""
+  if isolation == "kernel":
+    # bwrap's child is the sandbox's pid 1: killed, the kernel kills the rest of the
+    # namespace, and bwrap (which reaps it, so nothing is left behind) exits.
+    for pid in process_tree.children(child.pid):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    try:
+      child.wait(timeout=KILL_WAIT_S)
+      return
+    except subprocess.TimeoutExpired:
+      pass
+  try:
+    os.killpg(child.pid, signal.SIGKILL)  # its session's group
+  except ProcessLookupError:
+    pass
+  child.wait(timeout=KILL_WAIT_S)
+
+
+def _read_head(f: Any, max_chars: int) -> tuple[str, bool]:
   """The file's first max_chars characters, and whether there was more."""
-  with open(path, "rb") as f:
-    head = f.read(4 * max_chars + 4)  # UTF-8: at most 4 bytes a character
-    more = bool(f.read(1))
+  f.seek(0)
+  head = f.read(4 * max_chars + 4)  # UTF-8: at most 4 bytes a character
+  more = bool(f.read(1))
   text = head.decode("utf-8", "replace")
   return text[:max_chars], more or len(text) > max_chars
 
 
-def _read_tail(path: Path, max_chars: int) -> str:
+def _read_tail(f: Any, max_chars: int) -> str:
   """The file's last max_chars characters ("..." first when there was more)."""
-  with open(path, "rb") as f:
-    f.seek(max(0, os.fstat(f.fileno()).st_size - 4 * max_chars))
-    text = f.read().decode("utf-8", "replace")
+  f.seek(max(0, os.fstat(f.fileno()).st_size - 4 * max_chars))
+  text = f.read().decode("utf-8", "replace")
   return text if len(text) <= max_chars else "..." + text[-(max_chars - 3) :]
 
 
@@ -174,34 +221,61 @@ def _status_error(status: int | None, limits: Limits) -> str:
   return f"error: the code exited with status {status}"
 
 
-def _outcome(folder: Path, status: int | None, limits: Limits) -> str:
+def _outcome(stdout: Any, stderr: Any, status: int | None, limits: Limits) -> str:
   """stdout, then the error (the child's own words, else one line of ours), cut to size."""
-  error = _read_tail(folder / "stderr", limits.max_output_chars // 2).strip()
+  error = _read_tail(stderr, limits.max_output_chars // 2).strip()
   if status is None or status < 0 or (status != 0 and not error):
     error = _status_error(status, limits)
   budget = max(0, limits.max_output_chars - len(error))
-  stdout, cut = _read_head(folder / "stdout", budget)
+  out, cut = _read_head(stdout, budget)
   if cut:
-    stdout = stdout.rstrip("\n") + f"\n... [output cut at {budget} characters]\n"
+    out = out.rstrip("\n") + f"\n... [output cut at {budget} characters]\n"
   if not error:
-    return stdout
-  return stdout + ("" if not stdout or stdout.endswith("\n") else "\n") + error
+    return out
+  return out + ("" if not out or out.endswith("\n") else "\n") + error
 
 
-def run_python(code: str, limits: Limits = Limits()) -> str:
+def _remove(folder: str) -> None:
+  """Removes a working folder however deep the code nested it (shutil.rmtree recurses)."""
+  try:
+    shutil.rmtree(folder)
+  except (OSError, RecursionError):
+    subprocess.run(["rm", "-rf", "--", folder], check=False, capture_output=True)
+
+
+def run_python(
+    code: str, limits: Limits = Limits(), isolation: str = "kernel", audit_hook: bool = True
+) -> str:
   """Runs `code` in a separate, limited Python process (see the module docstring). Returns
   its stdout, followed by the error when it failed: the traceback's last lines, or one
-  line for a time-out, the memory limit or another end. Never raises for the code's sake."""
-  folder = Path(tempfile.mkdtemp(prefix="python_tool_"))
+  line for a time-out, the memory limit or another end. Never raises for the code's sake;
+  IsolationUnavailable when isolation="kernel" cannot run on this machine. audit_hook=False
+  leaves the second layer out (the tests show that the kernel's barrier holds alone)."""
+  check_isolation(isolation)
+  folder = None
   try:
-    (folder / "code.py").write_text(code, encoding="utf-8", errors="replace")
-    try:
-      status = _run_child(folder, limits)
-    except OSError as e:
-      return f"error: could not start Python: {e}"
-    return _outcome(folder, status, limits)
+    with (
+        tempfile.TemporaryFile() as code_file,
+        tempfile.TemporaryFile() as stdout,
+        tempfile.TemporaryFile() as stderr,
+    ):
+      code_file.write(code.encode("utf-8", "replace"))
+      code_file.seek(0)
+      if isolation == "kernel":
+        work = kernel_isolation.SCRATCH_DIR
+      else:
+        folder = tempfile.mkdtemp(prefix="python_tool_")
+        work = os.path.realpath(folder)
+      try:
+        status = _run_child(code_file, stdout, stderr, work, limits, isolation, audit_hook)
+      except OSError as e:
+        return f"error: could not start Python: {e}"
+      return _outcome(stdout, stderr, status, limits)
+  except Exception as e:  # pylint: disable=broad-except  # never the trainer's failure
+    return f"error: the tool failed: {type(e).__name__}: {e}"
   finally:
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder is not None:
+      _remove(folder)
 
 
 # ----------------------------------------------------------------- the environment
@@ -296,7 +370,7 @@ class ToolCallError(ValueError):
   """A well-formed call that names no code to run; the message says what one looks like."""
 
 
-@register("python_tool")
+@register("python_tool", options=("isolation",))
 class PythonToolEnv:
   """Math with a Python interpreter: the episode opens with INSTRUCTIONS, the TOOL schema
   (rendered by the chat template) and the row's problem. Each turn's calls are read as
@@ -312,6 +386,14 @@ class PythonToolEnv:
   # turn of several calls is answered, never timed out; a call that has no time left
   # does not run.
   turn_budget_s = 8.0
+
+  def __init__(self, isolation: str = "kernel"):
+    """EnvError, one line, when `isolation` (env.isolation) cannot run here."""
+    try:
+      check_isolation(isolation)
+    except (ValueError, IsolationUnavailable) as e:
+      raise EnvError(f"env.isolation={isolation}: {e}") from None
+    self.isolation = isolation
 
   def reset(self, row: dict) -> EnvReset | dict:
     question = question_of(row)
@@ -336,5 +418,5 @@ class PythonToolEnv:
     except ToolCallError as e:
       return f"error: {e}"
     limits = dataclasses.replace(self.limits, timeout_s=min(self.limits.timeout_s, left))
-    output = run_python(code, limits)
+    output = run_python(code, limits, self.isolation)
     return output if output.strip() else "(no output)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -13,6 +14,11 @@ from april_jax.envs import observation_format
 from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings
 from april_jax.errors import InputError
 from april_jax.tokenizer import TokenizerError
+
+NO_ISOLATION = (
+    "env.isolation=none: code the model writes runs under the audit hook and rlimits "
+    "only, which are not a barrier (it can read the host's files and reach its processes)"
+)
 
 
 def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int, ...]]:
@@ -33,9 +39,11 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
       )
     turn_stop_ids = tuple(ids)
   try:
-    env = in_workers.load(e.name, e.timeout_s, e.workers)
+    env = in_workers.load(e.name, e.timeout_s, e.workers, options={"isolation": e.isolation})
   except in_workers.EnvError as problem:
     raise InputError(str(problem)) from None
+  if e.isolation == "none" and jax.process_index() == 0:
+    print(f"april_jax: warning: {NO_ISOLATION}", file=sys.stderr, flush=True)
   try:
     observations = observation_format.from_config(e, tok, config.data.enable_thinking, tok.stop_ids)
   except (observation_format.ObservationFormatError, TokenizerError) as problem:

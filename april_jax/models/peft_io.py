@@ -104,8 +104,22 @@ def load_peft(path, cfg: qwen3.Qwen3Config) -> tuple[lora.LoraSpec, dict]:
   if found:
     raise AdapterError(f"{where}: " + "; ".join(found))
   shapes = jax_shapes(cfg, spec)
+  try:
+    return spec, _read_adapters(path / WEIGHTS_NAME, spec, shapes, cfg)
+  except AdapterError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # missing, unreadable, damaged
+    why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise AdapterError(
+        f"{path / WEIGHTS_NAME} cannot be read as safetensors: {type(e).__name__}: {why}"
+    ) from None
+
+
+def _read_adapters(weights: Path, spec: lora.LoraSpec, shapes: dict, cfg) -> dict:
+  """The adapters in the safetensors file `weights`, in our layout (float32)."""
+  path = weights.parent
   out = {}
-  with safe_open(str(path / WEIGHTS_NAME), "numpy") as f:
+  with safe_open(str(weights), "numpy") as f:
     names = set(f.keys())
     for target in spec.targets:
       sides = {}
@@ -118,7 +132,7 @@ def load_peft(path, cfg: qwen3.Qwen3Config) -> tuple[lora.LoraSpec, dict]:
           rows.append(_ours(f.get_tensor(key), side, shape[1:], key))
         sides[side] = np.stack(rows)
       out[target] = sides
-  return spec, {"layers": out}
+  return {"layers": out}
 
 
 def _ours(tensor: np.ndarray, side: str, shape: tuple[int, ...], key: str) -> np.ndarray:
