@@ -77,6 +77,19 @@ def _unpacked_qwen3_tokenizer() -> Path:
 QWEN3_TOKENIZER_DIR = _unpacked_qwen3_tokenizer()
 
 
+def _tool_isolation() -> str:
+  """The Python tool's isolation for tests that are not about isolation: "kernel" (the
+  default) where this machine allows its sandbox, else "none", so that they still run
+  where the kernel gives no user namespaces (the refusal itself, and the sandbox's
+  barrier: python_tool_isolation_test.py)."""
+  from april_jax.envs import kernel_isolation  # pylint: disable=g-import-not-at-top
+
+  return "kernel" if kernel_isolation.problem() is None else "none"
+
+
+TOOL_ISOLATION = _tool_isolation()
+
+
 @pytest.fixture(scope="module")
 def qwen3_tokenizer():
   """The real Qwen3 tokenizer (april_jax.tokenizer.Tokenizer)."""

@@ -19,17 +19,18 @@ from april_jax.configs import validate
 from april_jax.data import load_records
 from april_jax.envs import base, python_tool
 from april_jax.envs.base import EnvReset
-from april_jax.envs.python_tool import (
-    INSTRUCTIONS,
-    SYSTEM_PROMPT,
-    TOOL,
-    Limits,
-    PythonToolEnv,
-    run_python,
-)
-from conftest import MATH_DIR, MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, load_config
+from april_jax.envs.python_tool import INSTRUCTIONS, SYSTEM_PROMPT, TOOL, Limits
+from conftest import MATH_DIR, MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, TOOL_ISOLATION, load_config
 
 SHORT = Limits(timeout_s=2.0, cpu_s=2)
+
+
+def run_python(code: str, limits: Limits = Limits(), isolation: str = TOOL_ISOLATION) -> str:
+  return python_tool.run_python(code, limits, isolation)
+
+
+def PythonToolEnv():  # pylint: disable=invalid-name
+  return python_tool.PythonToolEnv(TOOL_ISOLATION)
 
 
 # ------------------------------------------------------------------ what comes back
@@ -144,7 +145,7 @@ def test_the_hook_refuses_writing_a_file_outside_the_folder_and_nothing_is_writt
   assert not outside.exists()
 
 
-@pytest.mark.parametrize("isolation", ["kernel", "none"])
+@pytest.mark.parametrize("isolation", sorted({TOOL_ISOLATION, "none"}))
 def test_files_inside_the_folder_can_be_written_and_read_and_the_folder_goes_away(isolation):
   name = f"notes-{os.getpid()}-{time.monotonic_ns()}.txt"
   code = (
@@ -211,8 +212,8 @@ CALL = '<tool_call>\n{{"name": "python", "arguments": {{"code": {code}}}}}\n</to
 
 
 def test_the_env_runs_every_call_of_a_turn_and_a_turn_without_one_ends_it():
-  env = base.load("python_tool")
-  assert isinstance(env, PythonToolEnv)
+  env = base.load("python_tool", {"isolation": TOOL_ISOLATION})
+  assert isinstance(env, python_tool.PythonToolEnv) and env.isolation == TOOL_ISOLATION
   code = "from sympy import factorint\nprint(factorint(360))"
   turn = "I will factor it.\n" + CALL.format(code=json.dumps(code))
   step = env.step({"calls": 0}, turn)
@@ -238,7 +239,7 @@ def test_the_env_runs_every_call_of_a_turn_and_a_turn_without_one_ends_it():
 
 
 def test_the_calls_of_a_turn_share_its_time_and_the_turn_is_answered(monkeypatch):
-  monkeypatch.setattr(PythonToolEnv, "turn_budget_s", 3.0)
+  monkeypatch.setattr(python_tool.PythonToolEnv, "turn_budget_s", 3.0)
   sleep = CALL.format(code=json.dumps("import time\ntime.sleep(2)\nprint('done')"))
   began = time.monotonic()
   step = PythonToolEnv().step({"calls": 0}, sleep * 3)
@@ -305,7 +306,8 @@ def test_the_math_python_tool_config_validates(tmp_path):
   c = load_config("math_python_tool")
   assert (c.env.name, c.rollout.reward, c.env.turn_stop) == ("python_tool", "math", "")
   assert c.env.observation_format == "chat_template"
-  assert PythonToolEnv.limits.timeout_s < c.env.timeout_s
+  assert python_tool.PythonToolEnv.limits.timeout_s < c.env.timeout_s
+  c.env.isolation = TOOL_ISOLATION
   with pytest.raises(validate.ConfigError, match="data.source '' needs a pretrained model"):
     validate.validate(c)  # the model and the data are the user's to give
   model = tmp_path / "Qwen3-4B"

@@ -12,7 +12,7 @@ import cli
 import hf_oracle
 from april_jax.envs import replay
 from april_jax.tokenizer import Tokenizer
-from conftest import MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, load_config
+from conftest import MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, TOOL_ISOLATION, load_config
 
 
 def _call(code):
@@ -44,6 +44,7 @@ def model_dir(tmp_path_factory):
 
 def _replayed(model_dir, thinking):
   c = load_config("math_python_tool")
+  c.env.isolation = TOOL_ISOLATION
   c.model.path = str(model_dir)
   c.data.enable_thinking = thinking
   return replay.replay(c, Tokenizer.from_pretrained(model_dir), ROW, TURNS)
@@ -114,6 +115,7 @@ def _replay_command(model_dir, transcript):
   return cli.run(
       f"--config.model.path={model_dir}",
       f"--transcript={transcript}",
+      f"--config.env.isolation={TOOL_ISOLATION}",
       config="math_python_tool.py",
       module="april_jax.envs.replay",
       devices=None,

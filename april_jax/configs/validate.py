@@ -305,10 +305,11 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
     err(f"env.observation_format must be 'text' or 'chat_template', got {e.observation_format!r}")
   if e.isolation not in ("kernel", "none"):
     err(f"env.isolation must be 'kernel' or 'none', got {e.isolation!r}")
+    return
   if "{observation}" not in e.observation_template:
     err(f"env.observation_template must hold {{observation}}, got {e.observation_template!r}")
   try:
-    env_base.load(e.name)
+    env_base.load(e.name, {"isolation": e.isolation})
   except env_base.EnvError as problem:
     err(str(problem))
 

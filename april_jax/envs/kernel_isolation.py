@@ -173,5 +173,5 @@ def problem() -> str | None:
   if "libseccomp" in why:
     return f"libseccomp.so.2 cannot be loaded in the sandbox ({why})"
   if "namespace" in why or "Operation not permitted" in why or "uid map" in why:
-    return f"the kernel refuses a user namespace here ({why}); see docs/environments.md"
+    return f"the kernel refuses a user namespace here ({why})"
   return f"the sandbox's probe failed: {why}"
