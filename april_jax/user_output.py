@@ -18,6 +18,7 @@ Without a relay (tests, benchmarks, library use) workers keep the process's own 
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 LOG_NAME = "user_output.log"
@@ -25,6 +26,7 @@ MAX_LOG_BYTES = 64 << 20
 CONSOLE_LINES_PER_STEP = 20
 MAX_CONSOLE_CHARS = 400  # a console line longer than this is cut (the log keeps it whole)
 READ_BYTES = 1 << 16
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # but tab; ESC and CR among them
 
 _current: OutputRelay | None = None
 _lock = threading.Lock()
@@ -91,7 +93,7 @@ class OutputRelay:
         self.dropped_bytes += len(record)
       if self.echoed < CONSOLE_LINES_PER_STEP:
         self.echoed += 1
-        text = line.decode("utf-8", "replace")
+        text = _CONTROL.sub("?", line.decode("utf-8", "replace"))  # no terminal escapes
         if len(text) > MAX_CONSOLE_CHARS:
           text = text[:MAX_CONSOLE_CHARS] + " ..."
         self._echo(f"[{role}] {text}")

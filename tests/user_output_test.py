@@ -91,3 +91,16 @@ def test_a_worker_started_under_a_relay_prints_through_it(tmp_path):
   log = (tmp_path / "user_output.log").read_text().splitlines()
   assert sorted(log) == ["[environment] to stderr", "[environment] to stdout 7"]
   assert user_output.writer("environment") is None
+
+
+def test_the_console_gets_no_terminal_escapes_but_the_log_keeps_the_line(tmp_path):
+  read_console, console = os.pipe()
+  relay = user_output.OutputRelay(str(tmp_path), echo_fd=console)
+  _drain(relay, "reward", b"\x1b[2K\rfake april_jax: line\x07\n")
+  _wait_for(lambda: relay.echoed == 1)
+  relay.close()
+  os.close(console)
+  assert os.read(read_console, 1 << 16) == b"[reward] ?[2K?fake april_jax: line?\n"
+  assert (
+      tmp_path / "user_output.log"
+  ).read_bytes() == b"[reward] \x1b[2K\rfake april_jax: line\x07\n"

@@ -10,8 +10,9 @@ and whether it works on this machine.
     namespaces), in a session of its own (no terminal to inject input into);
   * on a file system of read-only binds of what Python needs (its installation, the
     system's shared libraries, the loader's cache) and nothing else of the host: no home,
-    no workdir, no /etc; a fresh /dev (null, zero, random, ...), a /proc of its own, and a
-    size-limited tmpfs at /tmp as its working folder, which vanishes with it;
+    no workdir, no /etc; a fresh /dev (null, zero, random, ...), a /proc of its own, all
+    read-only, and a size-limited tmpfs at /tmp as its working folder, the one place it
+    can write, which vanishes with it;
   * killed with everything it started when it ends (bwrap is the pid namespace's init: when
     the command exits, the kernel kills the rest), when it runs past its time (the caller
     kills bwrap), or when the caller dies (--die-with-parent).
@@ -85,7 +86,9 @@ def _python_folders() -> list[str]:
 
 
 def _library_path_folders() -> list[str]:
-  return [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+  """LD_LIBRARY_PATH's absolute folders (a relative one would bind the caller's folder)."""
+  entries = os.environ.get("LD_LIBRARY_PATH", "").split(":")
+  return [p for p in entries if os.path.isabs(p) and os.path.isdir(p) and p != "/"]
 
 
 def _mounts() -> list[str]:
@@ -134,6 +137,13 @@ def command(argv: list[str], scratch_mb: int) -> list[str]:
       "--proc", "/proc",
       "--size", str(int(scratch_mb) << 20),
       "--tmpfs", SCRATCH_DIR,
+      # Everything but the scratch folder read-only: the root and /dev are tmpfs mounts
+      # of no set size (writing there would fill the host's memory), and a writable /proc
+      # would let the code write into bwrap's own memory (/proc/1/mem), which no seccomp
+      # filter binds.
+      "--remount-ro", "/proc",
+      "--remount-ro", "/dev",
+      "--remount-ro", "/",
       "--chdir", SCRATCH_DIR,
       "--",
       *argv,

@@ -5,14 +5,16 @@ python_tool.run_python starts a fresh interpreter with this file's source,
 kernel_isolation.py, inside a sandbox of namespaces). The child reads the code from its
 stdin, then, before any of it runs:
 
-  * dies with its caller (PR_SET_PDEATHSIG), limits itself (setrlimit, soft and hard):
+  * ends when its caller's end of a pipe closes (the caller died, whatever stood
+    between them), limits itself (setrlimit, soft and hard):
     address space, CPU seconds, the size of any file it writes (its stdout included),
     open files, no new processes, no core dumps;
   * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the system
     calls math code never needs: new processes and programs (fork, vfork, clone without
-    CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*, kill, mounts
-    and namespaces, bpf, keyrings, io_uring, perf events, userfaultfd, kernel modules and
-    the like (clone3 answers ENOSYS, so that threads fall back to clone, whose flags the
+    CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*, kill and
+    signals to any other process, fallocate (which grows a file's blocks past the file
+    size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
+    userfaultfd, kernel modules and the like (clone3 answers ENOSYS, so that threads fall back to clone, whose flags the
     filter can read). It binds every later line of the process, C code included. Under
     `seccomp: "required"` a filter that cannot load ends the child (status 3);
   * takes away what math code has no use for and no audit event covers: fork_exec of
@@ -38,9 +40,11 @@ inside the hook. This file imports nothing of the package: it runs alone.
 """
 
 import _stat
+import _thread
 import ast
 import builtins
 import errno
+import io
 
 try:  # the seccomp filter loads through it; a Python built without libffi has none
   import ctypes
@@ -103,9 +107,17 @@ REFUSED_SYSCALLS = (
     "quotactl", "open_by_handle_at", "name_to_handle_at", "mknod", "mknodat",
     "memfd_create", "fanotify_init", "lookup_dcookie", "sethostname", "setdomainname",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioperm", "iopl",
-    "vhangup", "personality", "uselib", "nfsservctl",
+    "vhangup", "personality", "uselib", "nfsservctl", "fallocate", "process_mrelease",
 )  # fmt: skip
+# Refused unless their first argument is this process: signals to another process.
+SELF_ONLY_SYSCALLS = ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 SECCOMP_FAILED_EXIT = 3
+# Frames (and through them the hook's own objects) are read by format_error's code alone;
+# functions' code is never replaced.
+FRAME_READS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+CODE_WRITES = frozenset({"__code__"})
+RUNNER_FILENAME = "<string>"  # this file's, run with -c
+SOURCE_BYTES = 1 << 20  # of a file a traceback line is read from
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -170,8 +182,10 @@ def confine_syscalls() -> str | None:
     array = (_ArgCompare * len(compare))(*compare) if compare else None
     return lib.seccomp_rule_add_array(context, action, number, len(compare), array) == 0
 
-  clone_thread, masked_eq = 0x00010000, 7  # CLONE_THREAD, SCMP_CMP_MASKED_EQ
+  clone_thread, masked_eq, not_equal = 0x00010000, 7, 1  # SCMP_CMP_MASKED_EQ, SCMP_CMP_NE
   rules = [refuse(name, eperm) for name in REFUSED_SYSCALLS]
+  me = os.getpid()
+  rules += [refuse(name, eperm, _ArgCompare(0, not_equal, me, 0)) for name in SELF_ONLY_SYSCALLS]
   rules.append(refuse("clone3", enosys))
   rules.append(refuse("clone", eperm, _ArgCompare(0, masked_eq, clone_thread, 0)))
   if not all(rules):
@@ -181,17 +195,23 @@ def confine_syscalls() -> str | None:
   return None
 
 
-def die_with_parent(parent_pid: int | None) -> None:
-  """The kernel kills this process when the thread that started it ends (the caller
-  killed, say), so that no call outlives its caller."""
-  if ctypes is None or parent_pid is None:
+def end_with_caller(lifeline: int | None) -> None:
+  """A thread that ends this process when the caller's end of the pipe `lifeline` closes:
+  the call is over, or the caller died, however the processes between them were started
+  or killed."""
+  if lifeline is None:
     return
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    return
-  if os.getppid() != parent_pid:  # the caller went before the call above
-    os._exit(1)  # pylint: disable=protected-access
+  read, leave = os.read, os._exit
+
+  def watch():
+    try:
+      while read(lifeline, 1):
+        pass
+    except OSError:
+      pass
+    leave(1)
+
+  _thread.start_new_thread(watch, ())
 
 
 def _refused(name: str):
@@ -338,15 +358,23 @@ def _path_rules(work: str, read_roots: tuple[str, ...]):
   return check_open, check_listing, check_change
 
 
-def make_hook(work: str, read_roots: tuple[str, ...]):
-  """The audit hook: refuses what the module docstring lists."""
+def make_hook(work: str, read_roots: tuple[str, ...], formatter_code):
+  """The audit hook: refuses what the module docstring lists. Frames are read by
+  `formatter_code` (format_error's) alone."""
   check_open, check_listing, check_change = _path_rules(work, read_roots)
   kind, str_, len_, refused = type, str, len, PermissionError
   events, prefixes, listings = REFUSED_EVENTS, REFUSED_PREFIXES, LISTINGS
   imports, import_prefixes, changes = REFUSED_IMPORTS, REFUSED_IMPORT_PREFIXES, dict(CHANGES)
+  frame_reads, code_writes, caller = FRAME_READS, CODE_WRITES, sys._getframe
 
   def hook(event, args):
-    if event == "open":
+    if event == "object.__getattr__":
+      if args[1] in frame_reads and caller(1).f_code is not formatter_code:
+        raise refused(f"reading a frame ({args[1]}) is not allowed here")
+    elif event == "object.__setattr__":
+      if args[1] in code_writes:
+        raise refused(f"setting a function's {args[1]} is not allowed here")
+    elif event == "open":
       n = len_(args)
       check_open(args[0], args[1] if n > 1 else None, args[2] if n > 2 else 0)
     elif event in events or event.startswith(prefixes):
@@ -373,19 +401,55 @@ def _stdout_is_empty() -> bool:
     return False
 
 
-def format_error(error: BaseException) -> str:
+def _source_reader(code: str):
+  """line(filename, number): the source line a traceback shows; the model's code from its
+  own text, any other file through a bound open (the hook decides what it may read), at
+  most SOURCE_BYTES of it. Nothing here calls what the model's code can replace."""
+  code_lines, open_, stat, is_regular = code.splitlines(), io.open, posix.stat, _stat.S_ISREG
+  limit, failure = SOURCE_BYTES, (OSError, ValueError)
+
+  def line(filename, number):
+    if filename == CODE_FILENAME:
+      return code_lines[number - 1].strip() if 0 < number <= len(code_lines) else ""
+    try:
+      if not is_regular(stat(filename).st_mode):
+        return ""
+      with open_(filename, "rb") as f:
+        text = f.read(limit).decode("utf-8", "replace").splitlines()
+    except failure:
+      return ""
+    return text[number - 1].strip() if 0 < number <= len(text) else ""
+
+  return line
+
+
+def format_error(error: BaseException, source_line) -> str:
   """The traceback's last lines, from the model's code on, without the runner's own
-  frames (this module's: the hook's among them); each line at most LINE_CHARS."""
-  runner, frames, in_code = globals(), [], False
-  for frame, line_number in traceback.walk_tb(error.__traceback__):
-    in_code = in_code or frame.f_code.co_filename == CODE_FILENAME
-    if in_code and frame.f_globals is not runner:
-      frames.append((frame, line_number))
-  lines = traceback.format_exception_only(type(error), error)
-  if frames:
-    stack = traceback.StackSummary.extract(frames)
-    lines = ["Traceback (most recent call last):\n", *stack.format(), *lines]
-  lines = "".join(lines).splitlines()
+  frames (the hook's among them); each line at most LINE_CHARS. The one code that may read
+  frames (the hook checks): it keeps only their names and numbers, and calls nothing the
+  model's code could have replaced while it holds one."""
+  tb = error.__traceback__
+  # Its own lines only: an exception it was raised during would be formatted with frames.
+  error.__cause__, error.__context__, error.__suppress_context__ = None, None, True
+  try:
+    message = traceback.format_exception_only(type(error), error)
+  except Exception:  # pylint: disable=broad-except  # its __str__ raised, say
+    message = [f"{type(error).__name__}\n"]
+  entries = []
+  while tb is not None:
+    code = tb.tb_frame.f_code
+    entries.append((code.co_filename, tb.tb_lineno, code.co_name))
+    tb = tb.tb_next
+  code = None
+  first = next((i for i, entry in enumerate(entries) if entry[0] == CODE_FILENAME), None)
+  entries = [] if first is None else [e for e in entries[first:] if e[0] != RUNNER_FILENAME]
+  lines = ["Traceback (most recent call last):\n"] if entries else []
+  for filename, number, name in entries:
+    lines.append(f'  File "{filename}", line {number}, in {name}\n')
+    source = source_line(filename, number)
+    if source:
+      lines.append(f"    {source}\n")
+  lines = "".join(lines + message).splitlines()
   lines = [line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + " ..." for line in lines]
   if len(lines) > TRACEBACK_LINES:
     lines = [lines[0], "  ...", *lines[-(TRACEBACK_LINES - 2) :]]
@@ -394,6 +458,7 @@ def format_error(error: BaseException) -> str:
 
 def run(code: str, memory_mb: int, max_file_mb: int) -> int:
   """Runs the code as __main__: 0, or 1 with the error written to stderr."""
+  source_line = _source_reader(code)
   out_of_memory = f"error: MemoryError: ran past the {memory_mb} MB memory limit\n".encode()
   file_too_big = f"error: a file (or stdout) ran past the {max_file_mb} MB size limit\n"
   write_error = os.write
@@ -418,14 +483,15 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
     return 1
   except BaseException as e:  # pylint: disable=broad-except
     too_big = isinstance(e, OSError) and e.errno == errno.EFBIG
-    write_error(2, (file_too_big if too_big else format_error(e)).encode("utf-8", "replace"))
+    shown = file_too_big if too_big else format_error(e, source_line)
+    write_error(2, shown.encode("utf-8", "replace"))
     return 1
   return 0
 
 
 def main() -> None:
   settings = json.loads(sys.argv[1])
-  die_with_parent(settings.get("parent_pid"))
+  end_with_caller(settings.get("lifeline_fd"))
   code = sys.stdin.buffer.read().decode("utf-8", "replace")
   null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin
   os.dup2(null, 0)
@@ -442,7 +508,8 @@ def main() -> None:
   sys.argv = [CODE_FILENAME]
   sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
   if settings.get("audit_hook", True):
-    sys.addaudithook(make_hook(os.path.realpath(settings["work_dir"]), read_roots))
+    work = os.path.realpath(settings["work_dir"])
+    sys.addaudithook(make_hook(work, read_roots, format_error.__code__))
   exit_now = os._exit
   status = run(code, settings["memory_mb"], settings["max_file_mb"])
   try:

@@ -141,27 +141,37 @@ def _run_child(
       "max_file_mb": int(limits.max_file_mb),
       "seccomp": "required" if isolation == "kernel" else "where_possible",
   }
-  python = [sys.executable, "-I", "-c", _runner_source()]
+  # The child ends when this end closes: when the call is over, or this process dies
+  # (even while bwrap starts, before its --die-with-parent holds).
+  lifeline, keep = os.pipe()
+  settings["lifeline_fd"] = lifeline
+  python = [sys.executable, "-I", "-c", _runner_source(), json.dumps(settings)]
   if isolation == "kernel":
-    python.append(json.dumps(settings))  # bwrap dies with this process (--die-with-parent)
     command, cwd = kernel_isolation.command(python, limits.scratch_mb), None
   else:
-    python.append(json.dumps({**settings, "parent_pid": os.getpid()}))  # (unshare execs it)
     command, cwd = [*_network_isolation(), *python], work
-  child = subprocess.Popen(  # pylint: disable=consider-using-with
-      command,
-      cwd=cwd,
-      env=_child_environment(work),
-      stdin=code,
-      stdout=stdout,
-      stderr=stderr,
-      start_new_session=True,
-  )
   try:
-    status = child.wait(timeout=limits.timeout_s)
-  except subprocess.TimeoutExpired:
-    _kill(child, isolation)
-    return None
+    child = subprocess.Popen(  # pylint: disable=consider-using-with
+        command,
+        cwd=cwd,
+        env=_child_environment(work),
+        stdin=code,
+        stdout=stdout,
+        stderr=stderr,
+        pass_fds=(lifeline,),
+        start_new_session=True,
+    )
+    os.close(lifeline)
+    lifeline = None
+    try:
+      status = child.wait(timeout=limits.timeout_s)
+    except subprocess.TimeoutExpired:
+      _kill(child, isolation)
+      return None
+  finally:
+    os.close(keep)
+    if lifeline is not None:
+      os.close(lifeline)
   if isolation == "kernel" and status > 128:  # bwrap exits 128 + n for its child's signal n
     return -(status - 128)
   return status
