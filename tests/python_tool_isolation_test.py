@@ -23,7 +23,6 @@ import pytest
 
 from april_jax.envs import base, kernel_isolation, python_tool
 from april_jax.envs.python_tool import Limits, PythonToolEnv, run_python
-import cli
 
 pytestmark = pytest.mark.skipif(
     kernel_isolation.problem() is not None,
@@ -320,50 +319,6 @@ def test_the_sandbox_sees_no_process_and_no_file_of_the_host():
   python_top = {sys.base_prefix.split("/")[1], sys.prefix.split("/")[1]}
   assert set(eval(top)) <= {"dev", "etc", "lib", "lib32", "lib64", "proc", "tmp", "usr"} | python_top  # pylint: disable=eval-used
   assert who == "65534 False"  # nobody, and no /etc/passwd
-
-
-@pytest.fixture
-def no_user_namespaces(tmp_path, monkeypatch):
-  """A bwrap that fails as bwrap does where the kernel refuses user namespaces."""
-  fake = tmp_path / "bin" / "bwrap"
-  fake.parent.mkdir()
-  fake.write_text(
-      "#!/bin/sh\necho 'bwrap: No permissions to create a new namespace, likely because the "
-      "kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n"
-  )
-  fake.chmod(0o755)
-  monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-  kernel_isolation.problem.cache_clear()
-  yield fake.parent
-  kernel_isolation.problem.cache_clear()
-
-
-def test_without_user_namespaces_the_tool_refuses_in_one_line_and_none_runs(no_user_namespaces):
-  with pytest.raises(base.EnvError) as refusal:
-    base.load("python_tool", {"isolation": "kernel"})
-  line = str(refusal.value)
-  assert "\n" not in line and line.startswith("env.isolation=kernel: ")
-  assert "the kernel refuses a user namespace here" in line and "env.isolation=none" in line
-  with pytest.raises(kernel_isolation.IsolationUnavailable):
-    run_python("print(1)")
-  env = base.load("python_tool", {"isolation": "none"})
-  assert env.isolation == "none" and run_python("print(6 * 7)", isolation="none") == "42\n"
-
-
-def test_without_user_namespaces_a_command_stops_in_one_line(no_user_namespaces, tmp_path):
-  transcript = tmp_path / "t.json"
-  transcript.write_text('{"row": {"question": "1+1?", "answer": "2"}, "turns": ["2"]}')
-  proc = cli.run(
-      f"--transcript={transcript}",
-      config="math_python_tool.py",
-      module="april_jax.envs.replay",
-      devices=None,
-      timeout=300,
-  )  # its PATH (os.environ's, patched) finds the failing bwrap first
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
-  assert "the kernel refuses a user namespace here" in line and "env.isolation=none" in line
-  assert "Traceback" not in proc.stderr
 
 
 def test_under_isolation_none_the_seccomp_filter_still_refuses_processes_and_sockets():

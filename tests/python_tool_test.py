@@ -17,9 +17,10 @@ import pytest
 
 from april_jax.configs import validate
 from april_jax.data import load_records
-from april_jax.envs import base, python_tool
+from april_jax.envs import base, kernel_isolation, python_tool
 from april_jax.envs.base import EnvReset
 from april_jax.envs.python_tool import INSTRUCTIONS, SYSTEM_PROMPT, TOOL, Limits
+import cli
 from conftest import MATH_DIR, MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, TOOL_ISOLATION, load_config
 
 SHORT = Limits(timeout_s=2.0, cpu_s=2)
@@ -352,3 +353,48 @@ def test_a_folder_nested_past_python_s_recursion_limit_is_still_removed(monkeypa
 
 def _recursion_error(*args, **kwargs):
   raise RecursionError("maximum recursion depth exceeded")
+
+
+# ------------------------------------------------ where the kernel allows no sandbox
+@pytest.fixture
+def no_user_namespaces(tmp_path, monkeypatch):
+  """A bwrap that fails as bwrap does where the kernel refuses user namespaces."""
+  fake = tmp_path / "bin" / "bwrap"
+  fake.parent.mkdir()
+  fake.write_text(
+      "#!/bin/sh\necho 'bwrap: No permissions to create a new namespace, likely because the "
+      "kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n"
+  )
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+  kernel_isolation.problem.cache_clear()
+  yield fake.parent
+  kernel_isolation.problem.cache_clear()
+
+
+def test_without_user_namespaces_the_tool_refuses_in_one_line_and_none_runs(no_user_namespaces):
+  with pytest.raises(base.EnvError) as refusal:
+    base.load("python_tool", {"isolation": "kernel"})
+  line = str(refusal.value)
+  assert "\n" not in line and line.startswith("env.isolation=kernel: ")
+  assert "the kernel refuses a user namespace here" in line and "env.isolation=none" in line
+  with pytest.raises(kernel_isolation.IsolationUnavailable):
+    python_tool.run_python("print(1)")  # isolation="kernel", the default
+  env = base.load("python_tool", {"isolation": "none"})
+  assert env.isolation == "none" and run_python("print(6 * 7)", isolation="none") == "42\n"
+
+
+def test_without_user_namespaces_a_command_stops_in_one_line(no_user_namespaces, tmp_path):
+  transcript = tmp_path / "t.json"
+  transcript.write_text('{"row": {"question": "1+1?", "answer": "2"}, "turns": ["2"]}')
+  proc = cli.run(
+      f"--transcript={transcript}",
+      config="math_python_tool.py",
+      module="april_jax.envs.replay",
+      devices=None,
+      timeout=300,
+  )  # its PATH (os.environ's, patched) finds the failing bwrap first
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert "the kernel refuses a user namespace here" in line and "env.isolation=none" in line
+  assert "Traceback" not in proc.stderr
