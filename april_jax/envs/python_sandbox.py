@@ -5,28 +5,31 @@ python_tool.run_python starts a fresh interpreter with this file's source,
 kernel_isolation.py, inside a sandbox of namespaces). The child reads the code from its
 stdin, then, before any of it runs:
 
-  * ends when its caller's end of a pipe closes (the caller died, whatever stood
-    between them), limits itself (setrlimit, soft and hard):
-    address space, CPU seconds, the size of any file it writes (its stdout included),
-    open files, no new processes, no core dumps;
-  * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the system
-    calls math code never needs: new processes and programs (fork, vfork, clone without
-    CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*, kill and
-    signals to any other process, fallocate (which grows a file's blocks past the file
-    size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
-    userfaultfd, kernel modules and the like (clone3 answers ENOSYS, so that threads fall back to clone, whose flags the
-    filter can read). It binds every later line of the process, C code included. Under
-    `seccomp: "required"` a filter that cannot load ends the child (status 3);
+  * starts a thread that ends the process when its caller's end of a pipe closes (the
+    caller died, whatever stood between them);
+  * limits itself (setrlimit, soft and hard): address space, CPU seconds, the size of any
+    file it writes (its stdout included), open files, no new processes, no core dumps;
+  * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the
+    system calls math code never needs: new processes and programs (fork, vfork, clone
+    without CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*,
+    kill and signals to any other process, fallocate (which grows a file's blocks past
+    the file size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
+    userfaultfd, kernel modules and the like (clone3 answers ENOSYS, so that threads fall
+    back to clone, whose flags the filter can read). It binds every later line of the
+    process, C code included. Under `seccomp: "required"` a filter that cannot load ends
+    the child (status 3);
   * takes away what math code has no use for and no audit event covers: fork_exec of
     `_posixsubprocess`, mkfifo, mknod, memfd_create, pidfd_open and pidfd_send_signal;
-  * installs an audit hook (sys.addaudithook, which cannot be removed) that refuses, with a
-    PermissionError naming the event: sockets, new processes (subprocess, os.system,
+  * installs an audit hook (sys.addaudithook, which cannot be removed) that refuses, with
+    a PermissionError naming the event: sockets, new processes (subprocess, os.system,
     os.exec*, os.fork*, os.posix_spawn*), ctypes, signals to other processes, changing
     directory, links, chmod/chown, rlimits, tracing, gc's object lists, subinterpreters,
-    a fresh import of the modules disarmed here; any write, remove, rename or mkdir outside
-    the working folder, or more than MAX_FILES_WRITTEN files and folders made or written; any read outside it
-    but Python's own stdlib and site-packages; opening a directory outside it, or a device
-    other than /dev/null, /dev/zero and /dev/urandom.
+    a fresh import of the modules disarmed here; reading a frame (tb_frame, gi_frame, ...)
+    anywhere but in format_error, and replacing a function's code, so that the hook's own
+    objects stay out of reach; any write, remove, rename or mkdir outside the working
+    folder, or more than MAX_FILES_WRITTEN files and folders made or written; any read
+    outside it but Python's own stdlib and site-packages; opening a directory outside it,
+    or a device other than /dev/null, /dev/zero and /dev/urandom.
 
 It then runs the code as `__main__` and, like a notebook, prints the repr of a last
 expression when nothing else was printed. An exception becomes the last lines of its

@@ -6,25 +6,26 @@
   run_python("1 / 0")                   -> the traceback's last lines, ZeroDivisionError
   run_python("while True: pass")        -> "error: ran past the 5 s time limit"
 
-The model's code never runs in this process. Each call starts a fresh interpreter
-(`python -I`, so no PYTHON* variables, no user site-packages, no current folder on
-sys.path) in a new session, in a fresh temporary folder (its working folder, HOME and
-TMPDIR), with a minimal environment and an empty stdin; the folder is removed afterwards.
-Past `Limits.timeout_s` of wall time the child's whole process group is killed. The child
-(python_sandbox.py) limits itself with setrlimit (address space, CPU seconds, file size,
-open files, no new processes, no core dumps) and installs an audit hook that refuses
-sockets, new processes, ctypes, signals to other processes, writes outside its folder and
-reads outside it but Python's own stdlib and site-packages (numpy, sympy, ... import).
-Where user namespaces work (`unshare -rn true`), the child also runs under `unshare -rn`:
-a network namespace of its own, with no interface up.
+The model's code never runs in this process: a policy that optimises a reward writes it,
+and will look for a way out. Each call starts a fresh interpreter (`python -I`: no
+PYTHON* variables, no user site-packages, no current folder on sys.path) with the code
+on its stdin, a minimal environment, and its stdout and stderr in unlinked files.
 
-What this does not isolate: it is not a container. The audit hook runs inside the child's
-interpreter, and CPython's documentation says audit hooks are not a sandbox: a bug in
-CPython or in a C extension the code can import (numpy, ...) can get past it. The child
-runs as the trainer's user and shares its machine: it can use its time limit's worth of
-CPU and its memory limit, see which paths exist (os.stat is not audited) and read the
-Python installation; RLIMIT_NPROC does not bind root. Without unshare, the only barrier to
-the network is the hook. For adversarial code, run the tool in a container or a VM.
+  isolation="kernel" (the default): in a bubblewrap sandbox (kernel_isolation.py): its
+      own user, pid, mount, network and IPC namespaces, a read-only view of Python and the
+      system's libraries, a size-limited tmpfs as its working folder, nothing of the
+      host's files, processes or network. IsolationUnavailable (one line) where the kernel
+      allows no such sandbox.
+  isolation="none": in a temporary folder of the host's, removed afterwards, under
+      `unshare -rn` where that works (no network). Not a barrier: the audit hook below
+      runs inside the code's own interpreter.
+
+Either way the child (python_sandbox.py) limits itself with setrlimit (address space,
+CPU seconds, file size, open files, no core dumps), loads a seccomp filter (no new
+processes or programs, no sockets, no signals to other processes, no ptrace, ...) and
+an audit hook that answers refusals in words the model can read. Past `Limits.timeout_s`
+of wall time the call is killed with everything it started; it also ends when this
+process dies (a pipe it watches closes). Nothing here raises for the code's sake.
 
 `PythonToolEnv` is the tool as a multi-turn environment, in Qwen3's tool-call format.
 """
