@@ -447,6 +447,7 @@ def test_only_the_scratch_folder_is_writable_and_it_is_bounded():
 
 @pytest.mark.parametrize("isolation", ["kernel", "none"])
 def test_fallocate_past_the_file_size_limit_and_signals_to_others_are_refused(world, isolation):
+  """Through the seccomp filter, which holds under isolation="none" too."""
   code = (
       "import ctypes, os, signal\n"
       "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -456,6 +457,12 @@ def test_fallocate_past_the_file_size_limit_and_signals_to_others_are_refused(wo
       "tgkill = 131 if platform.machine() == 'aarch64' else 234\n"
       f"print('tgkill', libc.syscall(tgkill, {world['trainer']}, {world['trainer']}, 19), ctypes.get_errno())\n"
       f"print('kill', libc.kill({world['trainer']}, 19), ctypes.get_errno())\n"
+      "import fcntl\n"
+      "r, w = os.pipe()\n"
+      "try:\n"
+      f"  fcntl.fcntl(r, fcntl.F_SETOWN, {world['trainer']})  # SIGIO to it on I/O\n"
+      "except OSError as e:\n"
+      "  print('F_SETOWN', e.errno)\n"
       "signal.raise_signal(signal.SIGUSR1)  # to itself: allowed\n"
   )
   out = run_python(code, LIMITS, isolation=isolation, audit_hook=False)
@@ -463,7 +470,8 @@ def test_fallocate_past_the_file_size_limit_and_signals_to_others_are_refused(wo
   assert lines[0] == "fallocate -1 1", out  # EPERM
   assert lines[1] in ("tgkill -1 1", "tgkill -1 3"), out  # EPERM (ESRCH: not in its pid namespace)
   assert lines[2] in ("kill -1 1", "kill -1 3"), out
-  assert lines[3] == "error: the process was killed by SIGUSR1", out
+  assert lines[3] == "F_SETOWN 1", out
+  assert lines[4] == "error: the process was killed by SIGUSR1", out
   _nothing_reached(world)
 
 

@@ -24,9 +24,10 @@ stdin, then, before any of it runs:
     a PermissionError naming the event: sockets, new processes (subprocess, os.system,
     os.exec*, os.fork*, os.posix_spawn*), ctypes, signals to other processes, changing
     directory, links, chmod/chown, rlimits, tracing, gc's object lists, subinterpreters,
-    a fresh import of the modules disarmed here; reading a frame (tb_frame, gi_frame, ...)
-    anywhere but in format_error, and replacing a function's code, so that the hook's own
-    objects stay out of reach; any write, remove, rename or mkdir outside the working
+    a fresh import of the modules disarmed here; reading a frame (tb_frame, gi_frame, ...) anywhere but in _frame_entries,
+    and replacing a function's code, so that the hook's own objects are harder to reach
+    (not out of reach: code that corrupts its own interpreter's memory, through numpy's
+    raw buffers say, gets past any hook, which is why the kernel is the barrier); any write, remove, rename or mkdir outside the working
     folder, or more than MAX_FILES_WRITTEN files and folders made or written; any read
     outside it but Python's own stdlib and site-packages; opening a directory outside it,
     or a device other than /dev/null, /dev/zero and /dev/urandom.
@@ -62,6 +63,7 @@ import resource
 import signal
 import sys
 import traceback
+import types
 
 CODE_FILENAME = "<code>"  # the model's code, as tracebacks name it
 TRACEBACK_LINES = 20  # the last lines of a traceback kept
@@ -112,6 +114,7 @@ REFUSED_SYSCALLS = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioperm", "iopl",
     "vhangup", "personality", "uselib", "nfsservctl", "fallocate", "process_mrelease",
 )  # fmt: skip
+SIGNAL_OWNER_FCNTLS = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
 # Refused unless their first argument is this process: signals to another process.
 SELF_ONLY_SYSCALLS = ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 SECCOMP_FAILED_EXIT = 3
@@ -185,17 +188,34 @@ def confine_syscalls() -> str | None:
     array = (_ArgCompare * len(compare))(*compare) if compare else None
     return lib.seccomp_rule_add_array(context, action, number, len(compare), array) == 0
 
-  clone_thread, masked_eq, not_equal = 0x00010000, 7, 1  # SCMP_CMP_MASKED_EQ, SCMP_CMP_NE
+  clone_thread, masked_eq, not_equal, equal = 0x00010000, 7, 1, 4  # CLONE_THREAD, SCMP_CMP_*
   rules = [refuse(name, eperm) for name in REFUSED_SYSCALLS]
   me = os.getpid()
   rules += [refuse(name, eperm, _ArgCompare(0, not_equal, me, 0)) for name in SELF_ONLY_SYSCALLS]
+  # fcntl's signal-on-I/O owner: a way to signal any process without kill.
+  rules += [refuse("fcntl", eperm, _ArgCompare(1, equal, cmd, 0)) for cmd in SIGNAL_OWNER_FCNTLS]
   rules.append(refuse("clone3", enosys))
   rules.append(refuse("clone", eperm, _ArgCompare(0, masked_eq, clone_thread, 0)))
   if not all(rules):
     return "a seccomp rule could not be added"
+  # A system call of another ABI (x32, int 0x80) ends the whole process, not one thread.
+  lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+  if lib.seccomp_attr_set(context, 2, 0x80000000) != 0:  # ACT_BADARCH, ACT_KILL_PROCESS
+    return "seccomp's bad-architecture action could not be set"
   if lib.seccomp_load(context) != 0:
     return f"seccomp_load failed (errno {ctypes.get_errno()})"
   return None
+
+
+def die_with_parent() -> None:
+  """The kernel kills this process when the one that started it ends: bwrap's init, or
+  under isolation="none" the caller (unshare execs this in its place)."""
+  if ctypes is None:
+    return
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
 
 
 def end_with_caller(lifeline: int | None) -> None:
@@ -363,17 +383,20 @@ def _path_rules(work: str, read_roots: tuple[str, ...]):
 
 def make_hook(work: str, read_roots: tuple[str, ...], formatter_code):
   """The audit hook: refuses what the module docstring lists. Frames are read by
-  `formatter_code` (format_error's) alone."""
+  `formatter_code` (_frame_entries's), run with this module's globals, alone."""
   check_open, check_listing, check_change = _path_rules(work, read_roots)
   kind, str_, len_, refused = type, str, len, PermissionError
   events, prefixes, listings = REFUSED_EVENTS, REFUSED_PREFIXES, LISTINGS
   imports, import_prefixes, changes = REFUSED_IMPORTS, REFUSED_IMPORT_PREFIXES, dict(CHANGES)
   frame_reads, code_writes, caller = FRAME_READS, CODE_WRITES, sys._getframe
+  runner_globals = globals()
 
   def hook(event, args):
     if event == "object.__getattr__":
-      if args[1] in frame_reads and caller(1).f_code is not formatter_code:
-        raise refused(f"reading a frame ({args[1]}) is not allowed here")
+      if args[1] in frame_reads:
+        reader = caller(1)
+        if reader.f_code is not formatter_code or reader.f_globals is not runner_globals:
+          raise refused(f"reading a frame ({args[1]}) is not allowed here")
     elif event == "object.__setattr__":
       if args[1] in code_writes:
         raise refused(f"setting a function's {args[1]} is not allowed here")
@@ -426,11 +449,29 @@ def _source_reader(code: str):
   return line
 
 
+def _make_frame_entries():
+  """frame_entries(tb): (file, line, function) of each frame of a real traceback. The one
+  code that may read frames (the hook checks): it keeps their names and numbers only, and
+  calls nothing the model's code could have replaced while it holds one."""
+  traceback_type, kind = types.TracebackType, type
+
+  def frame_entries(tb):
+    entries = []
+    while kind(tb) is traceback_type:
+      code = tb.tb_frame.f_code
+      entries.append((code.co_filename, tb.tb_lineno, code.co_name))
+      tb = tb.tb_next
+    return entries
+
+  return frame_entries
+
+
+_frame_entries = _make_frame_entries()
+
+
 def format_error(error: BaseException, source_line) -> str:
   """The traceback's last lines, from the model's code on, without the runner's own
-  frames (the hook's among them); each line at most LINE_CHARS. The one code that may read
-  frames (the hook checks): it keeps only their names and numbers, and calls nothing the
-  model's code could have replaced while it holds one."""
+  frames (the hook's among them); each line at most LINE_CHARS."""
   tb = error.__traceback__
   # Its own lines only: an exception it was raised during would be formatted with frames.
   error.__cause__, error.__context__, error.__suppress_context__ = None, None, True
@@ -438,12 +479,7 @@ def format_error(error: BaseException, source_line) -> str:
     message = traceback.format_exception_only(type(error), error)
   except Exception:  # pylint: disable=broad-except  # its __str__ raised, say
     message = [f"{type(error).__name__}\n"]
-  entries = []
-  while tb is not None:
-    code = tb.tb_frame.f_code
-    entries.append((code.co_filename, tb.tb_lineno, code.co_name))
-    tb = tb.tb_next
-  code = None
+  entries = _frame_entries(tb)
   first = next((i for i, entry in enumerate(entries) if entry[0] == CODE_FILENAME), None)
   entries = [] if first is None else [e for e in entries[first:] if e[0] != RUNNER_FILENAME]
   lines = ["Traceback (most recent call last):\n"] if entries else []
@@ -494,6 +530,7 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
 
 def main() -> None:
   settings = json.loads(sys.argv[1])
+  die_with_parent()
   end_with_caller(settings.get("lifeline_fd"))
   code = sys.stdin.buffer.read().decode("utf-8", "replace")
   null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin
@@ -512,7 +549,7 @@ def main() -> None:
   sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
   if settings.get("audit_hook", True):
     work = os.path.realpath(settings["work_dir"])
-    sys.addaudithook(make_hook(work, read_roots, format_error.__code__))
+    sys.addaudithook(make_hook(work, read_roots, _frame_entries.__code__))
   exit_now = os._exit
   status = run(code, settings["memory_mb"], settings["max_file_mb"])
   try:
