@@ -307,7 +307,7 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
         compile_program("feed (observations)", fns.feed, args, (True, True) + (False,) * 4)
     )
   # The KV of the prefill call that held the last prompt, kept for the rest of its group
-  # (SlotEngine._prompt_kvs).
+  # (sampler/prefill_cache.py).
   kept = jax.eval_shape(fns.prefill_kv, decode_params, _replicated(mesh, (B, prompt), jnp.int32))
   kv_sh = qwen3.KVCache(fns.kv_sharding, fns.kv_sharding)
   return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))

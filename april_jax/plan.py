@@ -209,7 +209,7 @@ def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
 def prompt_kv_bytes(config, cfg: qwen3.Qwen3Config, kv_heads: float) -> float:
   """The KV of one prefill call of prompts started together (prefill_rows of them at
   the longest prompt bucket), which the engine keeps for the rest of the last one's
-  group (SlotEngine._prompt_kvs); kv_heads: the KV heads on one device."""
+  group (sampler/prefill_cache.py); kv_heads: the KV heads on one device."""
   econf = EngineConfig.from_run_config(config)
   T = buckets.bucket(config.data.max_prompt_len, econf.min_bucket, econf.max_len)
   rows = econf.prefill_rows(T)

@@ -6,7 +6,8 @@
               (PPO with a critic: batch -> critic values, GAE -> learner.update ->
               critic.update)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
-    eval      every eval_every steps: pass@1 / avg@k with sampler.generate
+    eval      every eval_every steps: pass@1 / avg@k with sampler.generate_on, on the
+              run's own engine
     save      every checkpoint_every steps, at the end, and on SIGTERM (which cuts the
               step's rollout at once: what it drew stays in the partial buffer)
 

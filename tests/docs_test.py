@@ -125,3 +125,31 @@ def test_the_metrics_reference_names_every_metric_the_code_writes():
   named = set(re.findall(r"`([a-z]+/[\w@/<>]+)`", page))
   missing = sorted(keys - named)
   assert not missing, f"docs/metrics.md lacks {missing}"
+
+
+def test_every_private_name_a_comment_or_page_gives_a_class_of_ours_exists():
+  """A private name such as `SomeClass._table` in a comment outlives a refactor that moves
+  it; each must exist in its class's module (docs/benchmarks_log.md, a log of past
+  states, aside)."""
+  sources = list((ROOT / "april_jax").rglob("*.py"))
+  classes: dict[str, str] = {}
+  for path in sources:
+    text = path.read_text(encoding="utf-8")
+    for match in re.finditer(r"^class (\w+)", text, re.M):
+      classes[match.group(1)] = classes.get(match.group(1), "") + text
+  named = re.compile(r"\b([A-Z][A-Za-z0-9]+)\.(_[a-z][a-z0-9_]*)\b")
+  documents = sources + sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "docs").glob("*.md"))
+  gone = []
+  for path in [*documents, ROOT / "README.md"]:
+    if path.name == "benchmarks_log.md":
+      continue
+    text = path.read_text(encoding="utf-8")
+    for match in named.finditer(text):
+      cls, attr = match.groups()
+      source = classes.get(cls)
+      if source is None:
+        continue
+      if not re.search(rf"(def {attr}\b|self\.{attr}\b|^\s+{attr}\s*[:=])", source, re.M):
+        line = text[: match.start()].count("\n") + 1
+        gone.append(f"{path.relative_to(ROOT)}:{line} {cls}.{attr}")
+  assert not gone, gone

@@ -186,7 +186,7 @@ def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only(
   assert insert.temp_bytes <= 1.05 * 2 * 36 * 17408 * 1 * 128 * 2
   decode = next(p for p in report.programs if p.name == "decode")
   # The slot state is updated in place, but for its page table, which each decode call
-  # takes from the host (SlotEngine._table): 256 slots x 68 pages, int32, on every device.
+  # takes from the host (KVManager.table): 256 slots x 68 pages, int32, on every device.
   econf = EngineConfig.from_run_config(config)
   table = 4 * econf.num_slots * -(-econf.max_len // econf.page_size)
   assert table == 69632

@@ -133,6 +133,12 @@ def test_a_buffer_saved_with_untyped_meta_resumes_into_the_named_fields():
 def test_a_saved_field_this_version_does_not_know_is_refused_by_name():
   with pytest.raises(ValueError, match=r"does not know: \['colour'\]"):
     PartialBuffer.from_state(_old_state({"group": 4, "colour": "red"}))
+  # The current format too: a field beside the named ones is refused, not dropped.
+  record = _record(np.array([1, 2], np.int32), index=0)
+  saved = record.to_json()
+  assert SampleRecord(prompt=record.prompt, rng=record.rng, **SampleRecord.fields_from_json(saved))
+  with pytest.raises(ValueError, match=r"does not know: \['colour'\]"):
+    SampleRecord.fields_from_json({**saved, "colour": "red"})
 
 
 def test_set_policy_is_the_one_writer_and_questions_change_nothing(sampler_params):

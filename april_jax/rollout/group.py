@@ -1,11 +1,14 @@
 """A prompt group: one prompt, its n samples, their rewards, and where it stands.
 
 A group is the unit APRIL admits, buffers and trains. Its samples are SampleRecords
-(april_jax.sampler) in one of four states:
-  never started     no response yet, not in a slot
-  in a slot         owned by the engine while the step runs
-  partial           snapshotted unfinished: tokens, logprobs, versions (+ KV)
+(april_jax.sampler) in one of the seven states of records.Status:
+  waiting           never started, in no slot
+  live              in a slot, decoding (owned by the engine while the step runs)
+  held              in a slot, stopped at a turn's end while its environment answers
+  kept              in no slot, its KV kept in the pool's pages (snapshot with keep)
+  partial           snapshotted unfinished: tokens, logprobs, versions (+ KV on the host)
   finished          stop token or budget reached
+  rejected          it cannot run (its error says why)
 The group is complete when all n samples are finished; its rewards are computed once,
 as soon as it completes. Nothing in a group is ever dropped except by an explicit,
 counted decision (the DAPO filter, a staleness restart).

@@ -1,7 +1,8 @@
 """The slot sampler: a static array of decode slots, refilled from a queue.
 
-`generate` is the one-call entry point; `SlotEngine` is the engine the APRIL rollout
-drives (admit, step, snapshot, restore); `SampleRecord` is a sample on the host.
+`generate` is the one-call entry point (`generate_on`: on an engine a run already has);
+`SlotEngine` is the engine the APRIL rollout drives through the contract of contract.py
+(admit, step, extend, snapshot, ...); `SampleRecord` is a sample on the host.
 """
 
 from april_jax.sampler.engine import EngineConfig, SlotEngine

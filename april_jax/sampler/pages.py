@@ -9,7 +9,7 @@ local to the shard, so every device reads and writes its own pages only.
 A slot's table row lists its pages in order, -1 past the last. The host allocates before
 the device needs a page (engine.step reserves the pages a slot can fill within one
 decode call), so the device never allocates. The table goes to the device with the next
-insert, decode or KV read call after it changed (SlotEngine._table).
+insert, decode or KV read call after it changed (KVManager.table, kv_manager.py).
 
 Kept pages: a slot's pages can leave it and stay as they are for a key (`keep`): a
 sample snapshotted at a step's end keeps its KV where it lies. They count as free

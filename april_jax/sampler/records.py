@@ -154,6 +154,9 @@ class SampleRecord:
   def fields_from_json(d: dict) -> dict[str, Any]:
     """The keyword arguments of a record saved by `to_json` (arrays apart), or by
     earlier versions, which kept the caller's fields in one untyped `meta` dict."""
+    unknown = set(d) - _SAVED_NAMES
+    if unknown:
+      raise ValueError(f"a saved sample has fields this version does not know: {sorted(unknown)}")
     out = {k: d[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
     out["finish_reason"] = d.get("finish_reason")
     fields = _from_meta(d["meta"]) if "meta" in d else d
@@ -166,6 +169,11 @@ class SampleRecord:
 
 
 _CALLER_FIELDS = ("group_id", "index", "cuts", "restarts", "home_shard", "error")
+# What `to_json` writes (and "meta", where earlier versions kept the caller's fields).
+_SAVED_NAMES = frozenset({
+    "max_new_tokens", "temperature", "top_k", "top_p", "finish_reason", "has_kv",
+    "kv_version", "episode", "meta", *_CALLER_FIELDS,
+})  # fmt: skip
 
 
 def _from_meta(meta: dict) -> dict[str, Any]:
