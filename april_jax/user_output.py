@@ -68,9 +68,13 @@ class OutputRelay:
         chunk = os.read(read_fd, READ_BYTES)
       except OSError:
         chunk = b""
-      if not chunk:
+      if not chunk:  # every writer gone: the workers ended and close() ran
         if pending:
           self._line(role, pending)
+        try:
+          os.close(read_fd)
+        except OSError:
+          pass
         return
       pending += chunk
       *lines, pending = pending.split(b"\n")
