@@ -5,8 +5,8 @@
 Each side runs the same calls, one at a time as an episode's turn does: typical tool
 code (arithmetic, fractions, an exception's traceback, numpy, sympy) through
 `run_python(code, isolation=...)`: "kernel" (a bwrap sandbox: namespaces, seccomp, the
-audit hook as a second layer) and "none" (the audit hook and rlimits alone, what the tool
-ran before). It prints seconds per call for each code and calls per second over the mix.
+audit hook as a second layer) and "none" (no namespaces: the audit hook, rlimits and the
+filter). It prints seconds per call for each code and calls per second over the mix.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 from april_jax.benchmarks import common
 from april_jax.envs import kernel_isolation
-from april_jax.envs.python_tool import run_python
+from april_jax.envs.python_tool import ISOLATIONS, run_python
 
 CODES = {
     "arithmetic": "print(sum(i * i for i in range(1000)))",
@@ -24,11 +24,10 @@ CODES = {
     "numpy": "import numpy as np\nprint(np.linalg.solve([[2, 1], [1, 3]], [3, 5]))",
     "sympy": "import sympy\nx = sympy.symbols('x')\nprint(sympy.solve(x**2 - 5*x + 6, x))",
 }
-SIDES = ("kernel", "none")
 
 
 def run(repeats: int = 3) -> dict:
-  sides = [s for s in SIDES if s != "kernel" or kernel_isolation.problem() is None]
+  sides = [s for s in ISOLATIONS if s != "kernel" or kernel_isolation.problem() is None]
   result = {"mode": "python_tool", "repeats": repeats, "machine": common.machine()}
   if "kernel" not in sides:
     result["kernel_unavailable"] = kernel_isolation.problem()

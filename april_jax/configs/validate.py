@@ -16,6 +16,7 @@ from april_jax import sharding
 from april_jax.configs import base
 from april_jax.configs import validate_lora
 from april_jax.envs import base as env_base
+from april_jax.envs import python_tool
 from april_jax.errors import InputError
 from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
@@ -303,8 +304,8 @@ def _checks_env(c, err: Callable[[str], None]) -> None:
     err(f"env.timeout_s must be > 0, got {e.timeout_s}")
   if e.observation_format not in ("text", "chat_template"):
     err(f"env.observation_format must be 'text' or 'chat_template', got {e.observation_format!r}")
-  if e.isolation not in ("kernel", "none"):
-    err(f"env.isolation must be 'kernel' or 'none', got {e.isolation!r}")
+  if e.isolation not in python_tool.ISOLATIONS:
+    err(f"env.isolation must be one of {python_tool.ISOLATIONS}, got {e.isolation!r}")
     return
   if "{observation}" not in e.observation_template:
     err(f"env.observation_template must hold {{observation}}, got {e.observation_template!r}")
