@@ -463,6 +463,16 @@ def test_fallocate_past_the_file_size_limit_and_signals_to_others_are_refused(wo
       f"  fcntl.fcntl(r, fcntl.F_SETOWN, {world['trainer']})  # SIGIO to it on I/O\n"
       "except OSError as e:\n"
       "  print('F_SETOWN', e.errno)\n"
+      "import resource\n"
+      "try:\n"
+      f"  resource.prlimit({world['trainer']}, resource.RLIMIT_CPU, (0, 0))  # kills it\n"
+      "except OSError as e:\n"
+      "  print('prlimit', e.errno)\n"
+      "try:\n"
+      f"  os.setpriority(os.PRIO_PROCESS, {world['trainer']}, 19)\n"
+      "except OSError as e:\n"
+      "  print('setpriority', e.errno)\n"
+      "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))  # its own: allowed\n"
       "signal.raise_signal(signal.SIGUSR1)  # to itself: allowed\n"
   )
   out = run_python(code, LIMITS, isolation=isolation, audit_hook=False)
@@ -471,7 +481,8 @@ def test_fallocate_past_the_file_size_limit_and_signals_to_others_are_refused(wo
   assert lines[1] in ("tgkill -1 1", "tgkill -1 3"), out  # EPERM (ESRCH: not in its pid namespace)
   assert lines[2] in ("kill -1 1", "kill -1 3"), out
   assert lines[3] == "F_SETOWN 1", out
-  assert lines[4] == "error: the process was killed by SIGUSR1", out
+  assert lines[4:6] == ["prlimit 1", "setpriority 1"], out
+  assert lines[6] == "error: the process was killed by SIGUSR1", out
   _nothing_reached(world)
 
 

@@ -12,7 +12,8 @@ stdin, then, before any of it runs:
   * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the
     system calls math code never needs: new processes and programs (fork, vfork, clone
     without CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*,
-    kill and signals to any other process, fallocate (which grows a file's blocks past
+    kill and signals to any other process, another process's limits, affinity, priority
+    or scheduling, fallocate (which grows a file's blocks past
     the file size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
     userfaultfd, kernel modules and the like (clone3 answers ENOSYS, so that threads fall
     back to clone, whose flags the filter can read). It binds every later line of the
@@ -113,8 +114,14 @@ REFUSED_SYSCALLS = (
     "memfd_create", "fanotify_init", "lookup_dcookie", "sethostname", "setdomainname",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioperm", "iopl",
     "vhangup", "personality", "uselib", "nfsservctl", "fallocate", "process_mrelease",
+    "setpriority",
 )  # fmt: skip
 SIGNAL_OWNER_FCNTLS = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
+# Refused unless their first argument is 0, this process (prlimit64 could set another
+# process's CPU limit to zero, which kills it).
+SELF_ONLY_BY_PID = (
+    "prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
+)  # fmt: skip
 # Refused unless their first argument is this process: signals to another process.
 SELF_ONLY_SYSCALLS = ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 SECCOMP_FAILED_EXIT = 3
@@ -192,6 +199,10 @@ def confine_syscalls() -> str | None:
   rules = [refuse(name, eperm) for name in REFUSED_SYSCALLS]
   me = os.getpid()
   rules += [refuse(name, eperm, _ArgCompare(0, not_equal, me, 0)) for name in SELF_ONLY_SYSCALLS]
+  # Limits, affinity and scheduling of any process but itself named as pid 0 (a rule
+  # compares an argument once, so its own pid given explicitly is refused too).
+  other = _ArgCompare(0, not_equal, 0, 0)
+  rules += [refuse(name, eperm, other) for name in SELF_ONLY_BY_PID]
   # fcntl's signal-on-I/O owner: a way to signal any process without kill.
   rules += [refuse("fcntl", eperm, _ArgCompare(1, equal, cmd, 0)) for cmd in SIGNAL_OWNER_FCNTLS]
   rules.append(refuse("clone3", enosys))
