@@ -69,6 +69,9 @@ _DTYPE_BYTES = {
 # is compiled without that hoisting (a layer's upcast, inside the loop, remains); one of
 # float32 weights (a full fine-tune's learner) as XLA compiles it.
 GPU_LIKE = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# The numbers are those of XLA's default CPU compiler whatever XLA_FLAGS asks of it (tests
+# turn its fusion emitters off to compile faster, which changes the temporaries).
+_DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
@@ -205,7 +208,8 @@ def compile_program(
   """Lowers and compiles fn(*static_args, *args); `resident` marks the resident args."""
   dtypes = [jnp.dtype(x.dtype) for x in jax.tree.leaves(args) if hasattr(x, "dtype")]
   sixteen = any(jnp.issubdtype(d, jnp.floating) and d.itemsize == 2 for d in dtypes)
-  compiled = fn.lower(*static_args, *args).compile(GPU_LIKE if sixteen else None)
+  options = dict(_DEFAULT_EMITTERS, **(GPU_LIKE if sixteen else {}))
+  compiled = fn.lower(*static_args, *args).compile(options)
   memory = compiled.memory_analysis()
   return Program(
       name=name,

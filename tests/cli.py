@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # of their own (their own cache, model or shapes) and a few steps are mostly compiling, so
 # they turn the optimisations off (`optimised=False`), as conftest.py does for the tests
 # (a full disk's three runs: 49 s -> 32 s).
-_DEVICES = "--xla_force_host_platform_device_count={}"
+_DEVICES = "--xla_force_host_platform_device_count={} --xla_cpu_use_fusion_emitters=false"
 _UNOPTIMISED = " --xla_backend_optimization_level=0"
 
 

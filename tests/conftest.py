@@ -17,7 +17,9 @@ import tempfile
 # tests take 75 s instead of 124 s). The `python -m april_jax.main` subprocesses set their
 # own flags.
 os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, inherited by the `python -m
@@ -237,3 +239,19 @@ def compiled_programs_dropped_after_each_file():
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.clear_caches()
+
+
+# The files that take longest (`--durations`), slowest first: each worker takes whole
+# files in collection order, so these start first and the two finish together rather
+# than one running a long file alone at the end. The rest keep their order.
+SLOW_FILES = (
+    "main_test.py", "multihost_test.py", "lora_run_test.py", "interrupt_test.py",
+    "bench_test.py", "stops_test.py", "resume_faults_test.py", "packing_test.py",
+    "sampler_test.py", "step_bench_test.py", "real_data_test.py", "export_test.py",
+    "user_code_failures_test.py", "disk_full_test.py", "plan_test.py", "rl_update_test.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOW_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -2,8 +2,9 @@
 
 A test process never loads torch: in processes that had loaded it, XLA's CPU compiler
 has crashed (segfaults while compiling or serialising a program), the cause not found.
-Each call starts `python hf_oracle.py REQUEST OUT`, which loads torch, transformers and
-peft, does one request and writes its arrays to OUT (.npz):
+The first call starts `python hf_oracle.py` (one per test process, ended with it), which
+loads torch, transformers and peft once and answers requests one at a time, each a JSON
+line on its stdin, writing the request's arrays to an .npz file it names:
 
   logits(model_dir, tokens, adapter_dir=None, disable_adapter=False) -> float32 [B, T, V]
   generate(model_dir, prompts, max_new_tokens, eos) -> one list of new tokens per prompt
@@ -19,12 +20,14 @@ not installed (asked of its metadata, without importing it).
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -41,22 +44,69 @@ def require(*packages: str) -> None:
       pytest.skip(f"{name} is not installed (the reference for this parity test)")
 
 
+class _Oracle:
+  """The oracle's process, started at the first request: a request is a line of JSON
+  (the request and the .npz path for its arrays), its answer a line of JSON (an error's
+  traceback, or none)."""
+
+  def __init__(self):
+    self._proc = None
+    self._log = None
+    self._lock = threading.Lock()
+
+  def ask(self, request: dict) -> dict[str, np.ndarray]:
+    with self._lock, tempfile.TemporaryDirectory() as folder:
+      out = Path(folder) / "out.npz"
+      proc = self._started()
+      try:
+        proc.stdin.write(json.dumps({"request": request, "out": str(out)}) + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+      except (BrokenPipeError, OSError):
+        answer = ""
+      if not answer:  # it died: the next request starts another
+        proc.wait()
+        self._proc = None
+        raise RuntimeError(
+            f"hf_oracle {request['op']} died (exit {proc.returncode}):\n" f"{self._stderr_tail()}"
+        )
+      error = json.loads(answer)["error"]
+      if error:
+        raise RuntimeError(f"hf_oracle {request['op']} failed:\n{error[-4000:]}")
+      with np.load(out) as arrays:
+        return {k: arrays[k] for k in arrays.files}
+
+  def _started(self) -> subprocess.Popen:
+    if self._proc is None:
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+      self._log = tempfile.TemporaryFile()
+      self._proc = subprocess.Popen(
+          [sys.executable, __file__],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          stderr=self._log,
+          text=True,
+          env=env,
+      )
+      atexit.register(self.close)
+    return self._proc
+
+  def _stderr_tail(self) -> str:
+    self._log.seek(0)
+    return self._log.read().decode(errors="replace")[-4000:]
+
+  def close(self) -> None:
+    if self._proc is not None:
+      self._proc.stdin.close()
+      self._proc.wait(timeout=60)
+      self._proc = None
+
+
+_ORACLE = _Oracle()
+
+
 def _run(request: dict) -> dict[str, np.ndarray]:
-  with tempfile.TemporaryDirectory() as folder:
-    out = Path(folder) / "out.npz"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(request), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        check=False,
-    )
-    if proc.returncode:
-      raise RuntimeError(f"hf_oracle {request['op']} failed:\n{proc.stderr[-4000:]}")
-    with np.load(out) as arrays:
-      return {k: arrays[k] for k in arrays.files}
+  return _ORACLE.ask(request)
 
 
 def logits(model_dir, tokens, adapter_dir=None, disable_adapter=False) -> np.ndarray:
@@ -174,8 +224,25 @@ def _chat(r: dict) -> dict:
   return {"json": np.array(json.dumps(out))}
 
 
-if __name__ == "__main__":
-  request = json.loads(sys.argv[1])
+def _serve() -> None:
+  """Answers requests until stdin closes. What the libraries print goes to stderr: the
+  answers have stdout to themselves."""
+  import traceback  # pylint: disable=g-import-not-at-top
+
+  answers = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)
   ops = {"logits": _logits, "generate": _generate, "save_random": _save_random}
   ops.update(encode=_encode, chat=_chat)
-  np.savez(sys.argv[2], **ops[request["op"]](request))
+  for line in sys.stdin:
+    asked = json.loads(line)
+    try:
+      np.savez(asked["out"], **ops[asked["request"]["op"]](asked["request"]))
+      error = None
+    except Exception:  # pylint: disable=broad-except
+      error = traceback.format_exc()
+    answers.write(json.dumps({"error": error}) + "\n")
+    answers.flush()
+
+
+if __name__ == "__main__":
+  _serve()

@@ -1,5 +1,5 @@
 """Ctrl-C at any point of a run (starting, warm-starting, compiling, decoding, learning,
-evaluating, saving) ends it with one line and exit 130: no traceback, no crash of the runtime, ten
+evaluating, saving) ends it with one line and exit 130: no traceback, no crash of the runtime, six
 tries at each point; and the run resumes afterwards. (SIGTERM finishes the step and saves:
 main_test.py.)"""
 
@@ -14,7 +14,7 @@ import pytest
 
 import cli
 
-TRIES = 10
+TRIES = 6
 QUICK = [
     "--config.train.sft_steps=0",
     "--config.eval.before_training=false",
