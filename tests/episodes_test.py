@@ -1,5 +1,6 @@
 """Multi-turn episodes: observations fed in place, cuts and resumes, loss masks, the env."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -71,6 +72,18 @@ def _record(seed=0, budget=90):
   )
 
 
+def _drawn(record: SampleRecord, tokens) -> SampleRecord:
+  """The record after the model drew `tokens` (logprob 0, version 0), as an engine's
+  read-back leaves it."""
+  n = len(record.response) + len(tokens)
+  return dataclasses.replace(
+      record,
+      response=np.concatenate([record.response, np.asarray(tokens, np.int32)]),
+      logprobs=np.zeros(n, np.float32),
+      versions=np.zeros(n, np.int32),
+  )
+
+
 def _through_buffer(record, with_kv):
   """The partial as a checkpoint stores and restores it."""
   group = Group(0, 0, record.prompt, "", [record], first_step=0)
@@ -111,8 +124,7 @@ def _episode(cut=None, mode="kv", seed=0):
       (partial,) = engine.snapshot(with_kv=mode == "kv")
       record = _through_buffer(partial, with_kv=mode == "kv")
       if engine.num_free == 2:  # resume in the other slot
-        blocker = _record(seed=99, budget=1)
-        blocker.index = "blocker"
+        blocker = dataclasses.replace(_record(seed=99, budget=1), index="blocker")
         engine.admit([blocker])
       engine.admit([record], mode=mode)
       cuts += 1
@@ -439,9 +451,7 @@ def test_gsm8k_tool_config_answers_each_qwen3_tool_call_in_the_template_s_tool_r
   turn = "Half of 48, and twice that:\n" + call % "48 / 2" + "\n" + call % "48 * 2"
   record = SampleRecord(prompt=[1, 2], max_new_tokens=200, rng=[0, 0])
   runner.start([record], [{"answer": "24"}])
-  record.response = np.array(tok.encode(turn) + [tok.stop_ids[0]], np.int32)
-  record.logprobs = np.zeros(len(record.response), np.float32)
-  record.versions = np.zeros(len(record.response), np.int32)
+  record = _drawn(record, tok.encode(turn) + [tok.stop_ids[0]])
   observation = runner.turn([record])[0]
   assert tok.decode(observation.tolist()) == (  # thinking off (data.enable_thinking)
       "\n<|im_start|>user\n<tool_response>\n24\n</tool_response>\n<tool_response>\n96\n"
@@ -451,10 +461,8 @@ def test_gsm8k_tool_config_answers_each_qwen3_tool_call_in_the_template_s_tool_r
       [len(record.response), len(record.response) + len(observation)]
   ]
   # A turn that ends on <|im_end|> with no call is the final answer.
-  record.response = np.concatenate([record.response, observation, tok.encode("\\boxed{24}")])
-  record.response = np.append(record.response, tok.stop_ids[0]).astype(np.int32)
-  record.logprobs = np.zeros(len(record.response), np.float32)
-  record.versions = np.zeros(len(record.response), np.int32)
+  record.give(observation, 0)
+  record = _drawn(record, tok.encode("\\boxed{24}") + [tok.stop_ids[0]])
   assert runner.turn([record])[0] is None and runner.counts["env/episodes_done"] == 1
   runner.close()
 
@@ -511,13 +519,11 @@ def test_on_several_hosts_process_0_answers_and_every_process_applies_the_same_o
     runner.start([record], [{"answer": "a"}])
   for turn in range(4):
     given = []
-    for runner, record in zip((leader, follower), records):
-      record.response = np.append(record.response, [10 + turn, STOPS[0]]).astype(np.int32)
-      record.logprobs = np.zeros(len(record.response), np.float32)
-      record.versions = np.zeros(len(record.response), np.int32)
+    for i, runner in enumerate((leader, follower)):
+      records[i] = record = _drawn(records[i], [10 + turn, STOPS[0]])
       given.append(runner.turn([record])[0])
       if given[-1] is not None:
-        record.response = np.concatenate([record.response, given[-1]])
+        record.give(given[-1], 0)
     assert (given[0] is None) == (given[1] is None) == (turn == 3)
     if turn < 3:
       np.testing.assert_array_equal(given[0], given[1])
@@ -535,13 +541,14 @@ def test_a_group_reward_gets_each_episode_and_a_failed_environment_gets_the_fall
   runner = RewardRunner(
       loading.UserReward(f"{user}:judge"), decode=decode, fallback=-1.0, processes=False
   )
-  samples = [_record(i) for i in range(3)]
-  for i, sample in enumerate(samples):
-    sample.response = np.array([4, 5], np.int32)
-    sample.logprobs, sample.versions = np.zeros(2, np.float32), np.zeros(2, np.int32)
-    sample.finish_reason = "stop"
-    sample.episode = Episode(state={}, turns=i + 1, reward=0.5)
-  samples[2].episode.error = "step: RuntimeError: down"
+  samples = [
+      dataclasses.replace(
+          _drawn(_record(i), [4, 5]),
+          finish_reason="stop",
+          episode=Episode(state={}, turns=i + 1, reward=0.5, error=error),
+      )
+      for i, error in enumerate([None, None, "step: RuntimeError: down"])
+  ]
   group = Group(0, 0, samples[0].prompt, "", samples, first_step=0)
   runner.submit(group)
   runner.wait_all()

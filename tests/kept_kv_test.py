@@ -128,7 +128,8 @@ def test_copy_out_reads_each_record_through_its_own_pages_in_calls_by_bucket_and
     pages = book.table[slot, : -(-used // page)]
     record = _records([2], 30, seed=i)[0]
     expected.append((record, pool[book.shard_of(slot), pages].reshape(-1)[:used]))
-    kept.keep(slot, record, used)
+    record.go_live()  # in the slot, as a snapshot finds it
+    kept.keep(slot, record, used, kv_version=0)
   assert len(kept) == 8 and book.used() == 0
   kept.copy_out_all(read_kv)
   for record, values in expected:
@@ -188,8 +189,7 @@ def test_kept_kv_is_copied_out_before_another_slot_takes_its_pages(
   engine, kept = _cut(config, sampler_params, lengths, steps=1)
   host_engine, host = _cut(config, sampler_params, lengths, steps=1, keep=False)
   fresh = _records([9, 9, 9, 9], 8, seed=9)  # 2 pages each: 4 plain free, then 4 kept
-  for r in fresh:
-    r.index = f"fresh{r.index}"
+  fresh = [dataclasses.replace(r, index=f"fresh{r.index}") for r in fresh]
   assert engine.room_for(fresh) == host_engine.room_for(fresh) == 4
   extract, calls = engine.fns.extract_kv, []
   engine.fns = dataclasses.replace(
@@ -267,9 +267,9 @@ def test_kept_samples_go_back_to_their_shard_or_continue_from_a_copy(sampler_par
     np.testing.assert_allclose(got[i].logprobs, r.logprobs, atol=1e-5)
 
   engine, (a, b, c) = cut()
-  blockers = _records([4, 4], 2, seed=5)
-  for r in blockers:
-    r.index = f"blocker{r.index}"
+  blockers = [
+      dataclasses.replace(r, index=f"blocker{r.index}") for r in _records([4, 4], 2, seed=5)
+  ]
   engine.admit(blockers)  # slots 0 and 1: shard 0 is full
   assert engine.admit([a, b], mode="kv") == [2, 3]  # on shard 1: copies
   assert not a.has_kv and engine.counters.kv_bytes_to_host > 0 < engine.counters.kv_bytes_to_device

@@ -1,8 +1,12 @@
-"""A sample's typed state: its status through the engine's calls, its fields in JSON and
+"""A sample's typed state: its status through the engine's calls, its transitions (the
+only writers of its fields, each refusing a state it cannot leave), its fields in JSON and
 in checkpoints (those of earlier versions too), and the engine contract's one writer of
 the policy and its questions that change nothing."""
 
+import ast
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +15,7 @@ from april_jax.envs.episode_state import Episode
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
-from april_jax.sampler.records import Status
+from april_jax.sampler.records import Status, TransitionError
 from conftest import sampler_qwen3
 from record_builders import random_prompts
 
@@ -68,6 +72,57 @@ def test_a_held_slot_is_held_until_extended_or_released(sampler_params):
       if r.status is Status.HELD:
         engine.release(r)
   assert record.status is Status.FINISHED and engine.num_live == 0
+
+
+def test_a_records_fields_change_through_its_transitions_only():
+  record = _record(random_prompts(3, [5])[0])
+  for field in dataclasses.fields(SampleRecord):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(record, field.name, getattr(record, field.name))
+  for array in (record.prompt, record.rng, record.response, record.logprobs, record.versions):
+    with pytest.raises(ValueError, match="read-only"):
+      array[...] = 0
+  # The one way around a frozen dataclass, object.__setattr__, is records.py's alone.
+  package = Path(__file__).resolve().parents[1] / "april_jax"
+  writers = []
+  for path in sorted(package.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Attribute) and node.attr in ("__setattr__", "__dict__"):
+        writers.append(f"{path.relative_to(package)}:{node.lineno}")
+  assert writers and all(w.startswith("sampler/records.py:") for w in writers), writers
+
+
+def test_each_transition_refuses_a_state_it_cannot_leave():
+  prompt = random_prompts(3, [5])[0]
+  record = _record(prompt)
+  with pytest.raises(TransitionError, match="hold: the sample is waiting, not live"):
+    record.hold()
+  with pytest.raises(TransitionError, match="count_cut: the sample is waiting"):
+    record.count_cut()  # a step's end cuts only what started
+  record.go_live()
+  with pytest.raises(TransitionError, match="give: the sample is live"):
+    record.give([1, 2], 0)  # given tokens join a sample stopped at a turn's end
+  record.read_back([7, 8], [-0.5, -0.25], [3, 3])
+  with pytest.raises(TransitionError, match="do not extend"):
+    record.read_back([9], [-0.5], [3])  # what a sample drew is never lost
+  with pytest.raises(TransitionError, match="its prompt is fixed"):
+    record.set_prompt([1, 2, 3])
+  record.hold()
+  record.give([4, 5], version=3)
+  np.testing.assert_array_equal(record.response, [7, 8, 4, 5])
+  np.testing.assert_array_equal(record.logprobs, [-0.5, -0.25, 0.0, 0.0])
+  np.testing.assert_array_equal(record.versions, [3, 3, 3, 3])
+  record.leave_engine()
+  assert record.status is Status.PARTIAL
+  record.count_cut()
+  assert record.cuts == 1
+  record.finish("stop")
+  with pytest.raises(TransitionError, match="finish: the sample is finished"):
+    record.finish("length")
+  with pytest.raises(TransitionError, match="go_live: the sample is finished"):
+    record.go_live()
+  with pytest.raises(ValueError, match="'stop' or 'length'"):
+    _record(prompt).finish("done")
 
 
 def test_fields_round_trip_through_a_checkpointed_buffer():

@@ -70,8 +70,9 @@ def _interrupted(params, record, mode, cut_steps, sync_every=3):
   kv_shape = None if partial.kv_k is None else partial.kv_k.shape
   used = partial.length - 1
   # Occupy the old slot so the sample resumes in another one.
-  blocker = sample_records(random_prompts(9, [5]), 30, seed=7)[0]
-  blocker.index = "blocker"
+  blocker = dataclasses.replace(
+      sample_records(random_prompts(9, [5]), 30, seed=7)[0], index="blocker"
+  )
   engine.admit([blocker])
   [slot] = engine.admit([partial], mode=mode)
   assert slot != 0
@@ -123,8 +124,9 @@ def test_batched_resume_of_many_partials_continues_each_exactly(sampler_params, 
   assert len({engine.bucket(p.length - 1) for p in partials}) > 1  # several KV buckets
   blockers = sample_records(random_prompts(9, [5, 4]), 30, seed=7)
   for b in blockers:
-    b.index = f"blocker{b.index}"
-    engine.admit([b])  # occupy slots 0 and 1, so every sample lands elsewhere
+    engine.admit(
+        [dataclasses.replace(b, index=f"blocker{b.index}")]
+    )  # occupy slots 0 and 1, so every sample lands elsewhere
   slots = engine.admit(partials[::-1], mode=mode)
   assert sorted(slots) == list(range(2, 8))
   assert all(p.kv_k is None for p in partials)
@@ -141,14 +143,18 @@ def test_without_refill_decoding_runs_through_finishes_and_reports_completion_or
   # With refill: back to the host at the first finish.
   engine = SlotEngine(CFG, sampler_params, config)
   early, late = make()
-  late.max_new_tokens, early.max_new_tokens = 6, 3
+  late, early = dataclasses.replace(late, max_new_tokens=6), dataclasses.replace(
+      early, max_new_tokens=3
+  )
   engine.admit([late])  # slot 0 finishes last ...
   engine.admit([early])  # ... slot 1 first
   assert engine.step(refill=True) == [early] and engine.counters.decode_steps == 3
   # Without: one window of sync_every steps holds both finishes, reported in their order.
   engine = SlotEngine(CFG, sampler_params, config)
   early, late = make()
-  late.max_new_tokens, early.max_new_tokens = 6, 3
+  late, early = dataclasses.replace(late, max_new_tokens=6), dataclasses.replace(
+      early, max_new_tokens=3
+  )
   engine.admit([late])
   engine.admit([early])
   assert engine.step(refill=False) == [early, late] and engine.counters.decode_steps == 6
@@ -494,7 +500,7 @@ def test_an_exhausted_pool_counts_preemptions_and_frees_every_page(sampler_param
 def test_a_sample_given_twice_or_already_held_takes_no_second_slot(sampler_params):
   engine = SlotEngine(CFG, sampler_params, EngineConfig(num_slots=4, max_len=32, page_size=8))
   a, b = sample_records(random_prompts(9, [5, 5]), max_new_tokens=8)
-  b.prompt = a.prompt  # one group: the same prompt
+  b = dataclasses.replace(b, prompt=a.prompt)  # one group: the same prompt
   with pytest.raises(ValueError, match="one slot only"):
     engine.admit([a, a])
   assert engine.num_free == 4 and engine.kv.book.used() == 0

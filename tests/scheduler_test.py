@@ -20,6 +20,7 @@ from april_jax.rollout import (
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 from conftest import step_at, tiny_qwen3
+from fake_engine import FakeEngine
 
 CFG = tiny_qwen3(vocab_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
 PARAMS = qwen3.init_params(CFG, jax.random.key(0), std=0.3)
@@ -44,18 +45,20 @@ def _make(
     timeout_s=5.0,
     mesh=None,
     engine_settings=None,
+    engine="fake",
     **settings
 ):
-  """A scheduler over a tiny model; responses run exactly to their budgets (no stop)."""
-  params = PARAMS if mesh is None else jax.device_put(PARAMS, qwen3.param_shardings(CFG, mesh))
-  engine = SlotEngine(
-      CFG,
-      params,
-      EngineConfig(
-          num_slots=num_slots, max_len=64, sync_every=sync_every, **(engine_settings or {})
-      ),
-      mesh=mesh,
+  """A scheduler over an engine ("fake": on the host, fake_engine.py; "slot": SlotEngine
+  on a tiny model, for what depends on its pages, shards or prefill calls); responses
+  run exactly to their budgets (no stop)."""
+  config = EngineConfig(
+      num_slots=num_slots, max_len=64, sync_every=sync_every, **(engine_settings or {})
   )
+  if engine == "fake":
+    engine = FakeEngine(config, vocab_size=CFG.vocab_size)
+  else:
+    params = PARAMS if mesh is None else jax.device_put(PARAMS, qwen3.param_shardings(CFG, mesh))
+    engine = SlotEngine(CFG, params, config, mesh=mesh)
   handed_out = []
   counter = itertools.count()
 
@@ -72,6 +75,11 @@ def _make(
       batch_size=N, n_samples_per_prompt=n, over_sampling_batch_size=Np, **settings
   )
   return AprilScheduler(engine, rollout, source, runner), handed_out
+
+
+def _make_on_slot_engine(budgets, **options):
+  """_make with SlotEngine: for what depends on its pages, shards or prefill calls."""
+  return _make(budgets, engine="slot", **options)
 
 
 def _longtail_budgets(i, n):
@@ -110,7 +118,7 @@ def test_a_scarce_pool_over_two_slot_shards_starts_what_fits_and_loses_nothing(r
   # partials and fresh samples compete for pages shard by shard, and each must go to a
   # slot on a shard whose pages room_for counted for it.
   budgets = lambda i, n: np.random.default_rng(2000 + i).integers(5, 58, n)
-  sched, handed_out = _make(
+  sched, handed_out = _make_on_slot_engine(
       budgets,
       num_slots=6,
       resume_mode=resume_mode,
@@ -137,7 +145,7 @@ def test_waiting_samples_take_slots_on_shards_with_pages_for_them():
   # slot 1 and the partial slot 2, but the partials' call then took slot 1 and raised.)
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 (CPU) devices")
-  sched, _ = _make(
+  sched, _ = _make_on_slot_engine(
       lambda i, n: np.full(n, 20),
       num_slots=4,
       mesh=sharding.make_mesh((2, 1, 1), jax.devices()[:2]),
@@ -182,7 +190,7 @@ def test_synchronous_baseline_finishes_every_admitted_group_in_its_step():
 def test_groups_admitted_together_share_prefill_calls(partial_rollout):
   # Twelve slots take the step's four groups of three at once: their prompts (one length
   # bucket) are prefilled in one call, not four. Equal budgets: nothing starts later.
-  sched, _ = _make(
+  sched, _ = _make_on_slot_engine(
       lambda i, n: np.full(n, 6), N=4, Np=4, num_slots=12, partial_rollout=partial_rollout
   )
   result = step_at(sched, 0, 0)
@@ -250,7 +258,9 @@ def test_resumed_sample_is_tagged_with_the_oldest_params_it_saw_and_metrics_matc
 
 @pytest.mark.parametrize("limit", [0, 2])
 def test_max_staleness_holds_and_every_group_trains_within_a_bounded_delay(limit):
-  sched, handed_out = _make(_longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=limit)
+  sched, handed_out = _make_on_slot_engine(
+      _longtail_budgets, N=1, n=3, Np=3, num_slots=4, max_staleness=limit
+  )
   restarts, trained = 0, []
   for step in range(25):
     result = step_at(sched, step, step)
@@ -445,8 +455,8 @@ def test_kept_kv_changes_no_decision_under_a_scarce_pool(monkeypatch):
   end: the same samples, tokens, logprobs and stats, step by step."""
   budgets = lambda i, n: np.random.default_rng(3000 + i).integers(5, 58, n)
   settings = dict(page_size=8, kv_pages=24)
-  kept, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
-  copied, _ = _make(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
+  kept, _ = _make_on_slot_engine(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
+  copied, _ = _make_on_slot_engine(budgets, num_slots=6, resume_mode="kv", engine_settings=settings)
   snapshot = copied.engine.snapshot
   monkeypatch.setattr(
       copied.engine, "snapshot", lambda with_kv=True, keep=False: snapshot(with_kv, keep=False)

@@ -204,17 +204,11 @@ def test_a_reward_that_fails_some_samples_is_said_each_step_and_counted_in_the_s
 
 
 # ------------------------------------------------------------------- environments
-class _Walks:
-  """A stand-in for the episode's sample: a response and a token budget."""
-
-  def __init__(self):
-    self.response = np.array([5, 6], np.int32)
-    self.budget_left = 100
-    self.episode = None
-
-  @property
-  def env_error(self):
-    return None if self.episode is None else self.episode.error
+def _after_first_turn() -> SampleRecord:
+  """An episode's sample after its first turn: two drawn tokens, room for 100 more."""
+  return SampleRecord(
+      prompt=[1], max_new_tokens=102, rng=[0, 0], response=[5, 6], logprobs=[0, 0], versions=[0, 0]
+  )
 
 
 def test_a_users_environment_holding_the_interpreter_lock_is_killed_at_its_limit(tmp_path):
@@ -234,7 +228,7 @@ def test_a_users_environment_holding_the_interpreter_lock_is_killed_at_its_limit
   )
   try:
     first = env.pids()
-    records = [_Walks(), _Walks()]
+    records = [_after_first_turn(), _after_first_turn()]
     runner.start(records, [{}, {}])
     start = time.monotonic()
     assert runner.turn(records) == [None, None]  # each episode ends, counted
@@ -255,7 +249,7 @@ def test_a_users_environment_that_raises_keeps_its_file_and_line(tmp_path):
   env = in_workers.load(f"{tmp_path / 'bad_env.py'}:Env", timeout_s=5.0)
   runner = episodes.EpisodeRunner(env, lambda t: [1] * len(t), str)
   try:
-    record = _Walks()
+    record = _after_first_turn()
     runner.start([record], [{"q": "x"}])
     why = record.env_error
     assert why == f"reset: RuntimeError: no table for x ({tmp_path / 'bad_env.py'}:3)", why
@@ -319,7 +313,7 @@ def test_the_calls_of_one_turn_run_at_once_one_per_worker(tmp_path):
   env = in_workers.load(f"{tmp_path / 'slow_tool.py'}:Env", timeout_s=10.0, workers=2)
   runner = episodes.EpisodeRunner(env, lambda t: [1] * len(t), str)
   try:
-    records = [_Walks(), _Walks()]
+    records = [_after_first_turn(), _after_first_turn()]
     runner.start(records, [{}, {}])
     assert runner.turn(records) == [None, None]
   finally:

@@ -114,7 +114,7 @@ class EpisodeRunner:
     for (record, _), outcome in zip(fresh, outcomes):
       self._apply(record, outcome)
       if outcome.get("prompt") is not None:
-        record.prompt = np.asarray(outcome["prompt"], np.int32)
+        record.set_prompt(outcome["prompt"])
 
   def turn(self, records: list[SampleRecord]) -> list[np.ndarray | None]:
     """The environment's answer to the turn each sample just ended, waited for: the
@@ -162,9 +162,9 @@ class EpisodeRunner:
       elif engine.holds(record):
         engine.release(record)
       elif tokens is not None:
-        _give(record, tokens, engine.version)
+        record.give(tokens, engine.version)
       else:  # finished out of its slot: its KV, on the host or kept, has no further use
-        record.finish_reason = "stop"
+        record.finish("stop")
         record.drop_kv()
         if engine.keeps(record):
           engine.discard(record)
@@ -311,7 +311,7 @@ class EpisodeRunner:
     return [int(t) for t in self._render(messages, **extra)]
 
   def _apply(self, record: SampleRecord, outcome: dict) -> np.ndarray | None:
-    record.episode = Episode.from_json(outcome["episode"])
+    record.set_episode(Episode.from_json(outcome["episode"]))
     self.counts.update(outcome.get("counts", {}))
     tokens = outcome.get("tokens")
     return None if tokens is None else np.asarray(tokens, np.int32)
@@ -378,14 +378,6 @@ def _results(observation: Any) -> list[str]:
       raise TypeError("step returned an empty list of observations")
     return [str(o) for o in observation]
   return [str(observation)]
-
-
-def _give(record: SampleRecord, tokens: np.ndarray, version: int) -> None:
-  """A sample out of its slot takes given tokens (logprob 0, tagged `version`) at the
-  end of its response; they are fed when it resumes."""
-  record.response = np.concatenate([record.response, tokens])
-  record.logprobs = np.concatenate([record.logprobs, np.zeros(len(tokens), np.float32)])
-  record.versions = np.concatenate([record.versions, np.full(len(tokens), version, np.int32)])
 
 
 def _why(error: Exception) -> str:

@@ -17,7 +17,6 @@ before spending a GPU hour. Turns left after the episode ends are reported and i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -32,6 +31,7 @@ from april_jax import data as data_lib
 from april_jax.envs import run_episodes
 from april_jax.envs.base import EnvReset
 from april_jax.errors import InputError
+from april_jax.sampler.records import SampleRecord
 
 
 def _define_flags() -> None:
@@ -96,7 +96,7 @@ def replay(config, tokenizer, row: dict, turns: list[str]) -> dict[str, Any]:
         system_prompt=config.data.system_prompt,
         enable_thinking=config.data.enable_thinking,
     ).tokens(record_in)
-    record = _Sample(prompt, config.rollout.max_response_len)
+    record = SampleRecord(prompt, config.rollout.max_response_len, rng=np.zeros(2, np.uint32))
     runner.start([record], [{**record_in["row"], "answer": record_in["answer"]}])
     if record.episode.error is not None:
       raise InputError(f"the environment could not open the episode: {record.episode.error}")
@@ -107,7 +107,7 @@ def replay(config, tokenizer, row: dict, turns: list[str]) -> dict[str, Any]:
       ids = tokenizer.encode(turn)
       if not ids or ids[-1] not in ends:
         ids.append(tokenizer.stop_ids[0])
-      _append(record, ids)
+      record.give(ids, 0)
       parts.append(("model", ids))
       messages.append(
           {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
@@ -117,7 +117,7 @@ def replay(config, tokenizer, row: dict, turns: list[str]) -> dict[str, Any]:
       if tokens is None:
         ended = record.episode.error or "the environment ended the episode"
         break
-      _append(record, list(tokens))
+      record.give(tokens, 0)
       parts.append(("observation", [int(t) for t in tokens]))
       messages += [{"role": "tool", "content": r} for r in results or []]
     counts = dict(runner.counts)
@@ -137,22 +137,6 @@ def replay(config, tokenizer, row: dict, turns: list[str]) -> dict[str, Any]:
   }
 
 
-@dataclasses.dataclass
-class _Sample:
-  """What the episode runner reads and writes of a sample."""
-
-  prompt: np.ndarray
-  max_new_tokens: int
-  response: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-  logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
-  versions: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-  episode: Any = None
-
-  @property
-  def budget_left(self) -> int:
-    return self.max_new_tokens - len(self.response)
-
-
 def _first_messages(config, record_in: dict, reset: Any) -> tuple[list[dict], list | None]:
   """The conversation's opening messages and tools, as the prompt was rendered."""
   if isinstance(reset, EnvReset) and reset.messages is not None:
@@ -161,12 +145,6 @@ def _first_messages(config, record_in: dict, reset: Any) -> tuple[list[dict], li
   if config.data.system_prompt:
     messages = [{"role": "system", "content": config.data.system_prompt}] + messages
   return messages, None
-
-
-def _append(record, ids: list[int]) -> None:
-  record.response = np.concatenate([record.response, np.asarray(ids, np.int32)])
-  record.logprobs = np.concatenate([record.logprobs, np.zeros(len(ids), np.float32)])
-  record.versions = np.concatenate([record.versions, np.zeros(len(ids), np.int32)])
 
 
 def render(result: dict, decode) -> str:

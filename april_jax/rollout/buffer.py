@@ -108,9 +108,8 @@ class PartialBuffer:
         )
         if sm["has_kv"]:
           kv = slice(ko[kv_i], ko[kv_i + 1])
-          record.kv_k = np.asarray(state["kv_k"][:, kv])
-          record.kv_v = np.asarray(state["kv_v"][:, kv])
-          record.kv_version = sm.get("kv_version")
+          kv_k, kv_v = np.asarray(state["kv_k"][:, kv]), np.asarray(state["kv_v"][:, kv])
+          record.set_kv(kv_k, kv_v, sm.get("kv_version"))
           kv_i += 1
         samples.append(record)
         sample_i += 1

@@ -180,10 +180,14 @@ class AprilScheduler:
       group.prompt = opened[0].prompt  # a fresh group: its first opened sample's
     for r in opened:
       if not np.array_equal(r.prompt, group.prompt):
-        r.episode.error = "reset's messages render another prompt than its group's"
+        r.set_episode(
+            dataclasses.replace(
+                r.episode, error="reset's messages render another prompt than its group's"
+            )
+        )
         self.episodes.counts["env/errors"] += 1
     for r in records:
-      r.prompt = group.prompt
+      r.set_prompt(group.prompt)
 
   # -------------------------------------------------------------------- staleness
   def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
@@ -445,7 +449,7 @@ class AprilScheduler:
     kv = self.settings.resume_mode == "kv"
     for record in self.engine.snapshot(with_kv=kv, keep=kv):
       if record.started:
-        record.cuts += 1
+        record.count_cut()
       if self.episodes is not None and self.episodes.awaits(record):
         self.episodes.counts["env/calls_cut"] += 1
 

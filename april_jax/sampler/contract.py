@@ -4,7 +4,8 @@ Two drivers run an engine: the APRIL scheduler (rollout/scheduler.py), one RL st
 time, and `generate_on` (generate.py), for evaluation and users; the episode runner
 (envs/episodes.py) answers the slots a step held at a stop. They use these calls only.
 `SlotEngine` (engine.py) is the engine; its parts (the slot registry, the KV manager,
-the prefill cache) are its own.
+the prefill cache) are its own. tests/engine_conformance_test.py asks the promises below
+of it and of the tests' host-only engine alike.
 
 A driver may
   set_policy(params, version)   draw with these params, tagging tokens with this version,

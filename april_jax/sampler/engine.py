@@ -399,10 +399,10 @@ class SlotEngine:
     for slot, record in finished:
       stopped = record.response[-1] in self.config.stop_ids
       if stopped and self.config.hold_stopped:
-        record.engine_status = Status.HELD
+        record.hold()
       else:
         self._release(slot)
-        record.finish_reason = "stop" if stopped else "length"
+        record.finish("stop" if stopped else "length")
     return [record for _, record in finished]
 
   def _reserve(self) -> None:
@@ -463,18 +463,14 @@ class SlotEngine:
           f"({record.budget_left} tokens left)"
       )
     length = record.length
-    record.response = np.concatenate([record.response, tokens])
-    record.logprobs = np.concatenate([record.logprobs, np.zeros(len(tokens), np.float32)])
-    record.versions = np.concatenate(
-        [record.versions, np.full(len(tokens), self.version, np.int32)]
-    )
+    record.give(tokens, self.version)
     W = self.config.insert_width
     slots = np.full(W, -1, np.int32)
     slots[0] = slot
     kv_version = int(self.slots.kv_versions[slot])
     rows = rows_from_records([record], W, self.config.max_len, [kv_version], [length])
     self.state = self.fns.write_rows(self.state, rows, slots)
-    record.engine_status = Status.LIVE
+    record.go_live()
     if self.config.feed_given == "prefill":
       self._to_feed.add(slot)
 
@@ -503,15 +499,14 @@ class SlotEngine:
     leaves a sample; admitted again, it takes them back in place."""
     slot = self._held_slot(record)
     if self.kv.book.shards > 1:
-      record.home_shard = self.kv.shard_of(slot)
-    record.kv_version = int(self.slots.kv_versions[slot])
-    self.kv.keep(slot, record, int(self.slots.lengths[slot]) - 1)
+      record.place(self.kv.shard_of(slot))
+    self.kv.keep(slot, record, int(self.slots.lengths[slot]) - 1, int(self.slots.kv_versions[slot]))
     self._release(slot)
 
   def release(self, record: SampleRecord) -> None:
     """Ends a sample that stopped and was held (hold_stopped): finished, slot freed."""
     self._release(self._held_slot(record))
-    record.finish_reason = "stop"
+    record.finish("stop")
 
   def snapshot(self, with_kv: bool = True, keep: bool = False) -> list[SampleRecord]:
     """Every unfinished sample back to the host (with its KV if asked); slots freed.
@@ -520,14 +515,15 @@ class SlotEngine:
     held = self.slots.owned()
     if self.kv.book.shards > 1:  # a checkpoint keeps it: a resumed run places alike
       for slot, r in held:
-        r.home_shard = self.kv.shard_of(slot)
+        r.place(self.kv.shard_of(slot))
     stay = [(s, r) for s, r in held if keep and with_kv and r.engine_status is not Status.HELD]
     kept = {slot for slot, _ in stay}
     self._read_back([(slot, r) for slot, r in held if slot not in kept], with_kv)
     self._read_back(stay, with_kv=False)
     for slot, record in stay:  # its pages leave the slot, kept (before the release)
-      record.kv_version = int(self.slots.kv_versions[slot])
-      self.kv.keep(slot, record, int(self.slots.lengths[slot]) - 1)
+      self.kv.keep(
+          slot, record, int(self.slots.lengths[slot]) - 1, int(self.slots.kv_versions[slot])
+      )
     for slot, _ in held:
       self._release(slot)
     self.state = self.fns.mark_done(self.state, np.ones(self.config.num_slots, bool))
@@ -560,12 +556,10 @@ class SlotEngine:
       for j, (slot, record) in enumerate(chunk):
         # Given tokens not fed yet (forced_end) belong to the response all the same.
         P, end = int(row["prompt_len"][j]), max(int(row["length"][j]), int(row["forced_end"][j]))
-        record.response = tokens[j, P:end].copy()
-        record.logprobs = logprobs[j, P:end].copy()
-        record.versions = versions[j, P:end].copy()
+        record.read_back(tokens[j, P:end], logprobs[j, P:end], versions[j, P:end])
         self.slots.kv_versions[slot] = int(row["kv_version"][j])
         if with_kv:
-          record.kv_version = int(row["kv_version"][j])
+          record.set_kv_version(int(row["kv_version"][j]))
     if with_kv:
       self._read_back_kv(items)
 
@@ -585,7 +579,7 @@ class SlotEngine:
         k, v = self._read_kv(slots, kv_len)
         for j, (slot, record) in enumerate(chunk):
           used = int(self.slots.lengths[slot]) - 1
-          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
+          record.set_kv(k[:, j, :used].copy(), v[:, j, :used].copy(), record.kv_version)
           self._counters.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
 
   def _read_kv(self, slots: np.ndarray, kv_len: int, table: np.ndarray | None = None):

@@ -12,7 +12,7 @@ way. The attention sums never depend on which physical pages a slot holds, so ei
 path continues a sample bit for bit alike.
 
     kept = KeptKV(book, bucket, snapshot_width)
-    kept.keep(slot, record, used)       # at a snapshot, before the slot is released
+    kept.keep(slot, record, used, kv_version)  # at a snapshot, before the slot is released
     kept.copy_out_ahead(need, read, spare)   # before a batch of grows: copies together
     used = kept.take_back(slot, record, window, read)   # the sample back in place
     kept.let_go([record], read)         # it continues elsewhere: from a host copy
@@ -53,11 +53,12 @@ class KeptKV:
   def __len__(self) -> int:
     return len(self._used)
 
-  def keep(self, slot: int, record: SampleRecord, used: int) -> None:
-    """The slot's pages stay as they are for the record (its first `used` positions)."""
+  def keep(self, slot: int, record: SampleRecord, used: int, kv_version: int) -> None:
+    """The slot's pages stay as they are for the record (its first `used` positions, of
+    `kv_version`)."""
     self._used[record] = used
     self.book.keep(slot, record)
-    record.engine_status = Status.KEPT
+    record.keep(kv_version)
 
   def pages_of(self, record: SampleRecord) -> int:
     """Pages kept for the record (0 if none)."""
@@ -72,7 +73,7 @@ class KeptKV:
     positions it used. The slot must be on the pages' shard, with room for the window."""
     if not self.book.adopt(slot, record, window, self.reclaim(read)):
       raise RuntimeError(f"slot {slot} could not take back the pages kept for its sample")
-    record.engine_status = None
+    record.leave_engine()
     return self._used.pop(record)
 
   def reclaim(self, read: ReadKV) -> Callable[[list[SampleRecord]], None]:
@@ -109,7 +110,7 @@ class KeptKV:
     for key in keys:
       self._used.pop(key, None)
       if key.engine_status is Status.KEPT:
-        key.engine_status = None
+        key.leave_engine()
     self.book.forget(*keys)
 
   def copy_out(self, keys: list[SampleRecord], read: ReadKV) -> None:
@@ -138,6 +139,6 @@ class KeptKV:
         k, v = read(slots, kv_len, table)
         for j, record in enumerate(chunk):
           used = self._used.pop(record)
-          record.engine_status = None
-          record.kv_k, record.kv_v = k[:, j, :used].copy(), v[:, j, :used].copy()
+          record.leave_engine()
+          record.set_kv(k[:, j, :used].copy(), v[:, j, :used].copy(), record.kv_version)
           self.bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes

@@ -14,7 +14,7 @@ read function (`read`) with the call, so nothing here calls back into the engine
     slots = kv.place(free_slots, records)          # in order, as far as they fit
     in_place = kv.give_pages(slots, records, resume_kv, read)
     ok = kv.grow(slot, kv.window(length, limit), read)
-    kv.keep(slot, record, used); kv.release(slot); kv.copy_out_all(read)
+    kv.keep(slot, record, used, kv_version); kv.release(slot); kv.copy_out_all(read)
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ class KVManager:
     """Pages for the slot's first `positions` positions; False if its shard lacks them."""
     return self.book.grow(slot, positions, self.kept.reclaim(read))
 
-  def keep(self, slot: int, record: SampleRecord, used: int) -> None:
-    """The slot's pages stay as they are for the record (its first `used` positions)."""
-    self.kept.keep(slot, record, used)
+  def keep(self, slot: int, record: SampleRecord, used: int, kv_version: int) -> None:
+    """The slot's pages stay as they are for the record (its first `used` positions, of
+    `kv_version`)."""
+    self.kept.keep(slot, record, used, kv_version)
 
   def release(self, slot: int) -> None:
     self.book.release(slot)

@@ -16,6 +16,10 @@ any slot, its KV on the host or none), finished (a stop token or its budget), re
 (it cannot run: `error` says why). The engine marks the three states it owns (live,
 held, kept); the rest follow from the record's own fields.
 
+A record changes only through its transitions, below, each of which checks the state it
+leaves (a finished sample draws nothing more, a live one is given no tokens, a started
+one keeps its prompt, ...): the record is frozen, so no other module assigns a field.
+
 The fields a caller keeps with a sample are named (group_id, index, cuts, restarts,
 home_shard, error, episode) and serialise to JSON (`to_json` / `from_json`), so a
 checkpoint holds them as they are; `from_json` also reads the untyped `meta` dict that
@@ -51,7 +55,19 @@ def _empty(dtype) -> np.ndarray:
   return np.zeros((0,), dtype)
 
 
-@dataclasses.dataclass(eq=False)  # a sample is an entity: equal only to itself, hashable
+def _tokens(values, dtype) -> np.ndarray:
+  """A read-only 1-D array of `values` (a record's arrays change by replacement only)."""
+  array = np.array(values, dtype).reshape(-1)
+  array.flags.writeable = False
+  return array
+
+
+class TransitionError(RuntimeError):
+  """A transition asked of a record in a state it cannot leave that way (a bug of the
+  caller's: the message names the transition and the state)."""
+
+
+@dataclasses.dataclass(eq=False, frozen=True)  # an entity: equal only to itself, hashable
 class SampleRecord:
   prompt: np.ndarray  # int32 [P]
   max_new_tokens: int  # the response budget, shared by all segments
@@ -78,13 +94,26 @@ class SampleRecord:
   engine_status: Status | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
-    self.prompt = np.asarray(self.prompt, np.int32).reshape(-1)
-    self.rng = np.asarray(self.rng, np.uint32).reshape(2)
-    self.response = np.asarray(self.response, np.int32).reshape(-1)
-    self.logprobs = np.asarray(self.logprobs, np.float32).reshape(-1)
-    self.versions = np.asarray(self.versions, np.int32).reshape(-1)
-    if not len(self.response) == len(self.logprobs) == len(self.versions):
+    self._set(prompt=_tokens(self.prompt, np.int32), rng=_tokens(self.rng, np.uint32).reshape(2))
+    self._set_tokens(self.response, self.logprobs, self.versions)
+
+  def _set(self, **fields) -> None:
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
+
+  def _set_tokens(self, response, logprobs, versions) -> None:
+    response, logprobs = _tokens(response, np.int32), _tokens(logprobs, np.float32)
+    versions = _tokens(versions, np.int32)
+    if not len(response) == len(logprobs) == len(versions):
       raise ValueError("response, logprobs and versions must have one entry per token")
+    self._set(response=response, logprobs=logprobs, versions=versions)
+
+  def _expect(self, transition: str, *states: Status) -> None:
+    if self.status not in states:
+      raise TransitionError(
+          f"{transition}: the sample is {self.status.value}, not "
+          + " or ".join(s.value for s in states)
+      )
 
   @property
   def status(self) -> Status:
@@ -123,12 +152,89 @@ class SampleRecord:
     """Why its environment ended its episode early (None: it did not, or no episode)."""
     return None if self.episode is None else self.episode.error
 
-  def drop_kv(self) -> None:
-    self.kv_k = self.kv_v = self.kv_version = None
+  # ----------------------------------------------------------------- transitions
+  def go_live(self) -> None:
+    """An engine decodes it in a slot (admitted, or extended after a stop)."""
+    self._expect("go_live", Status.WAITING, Status.PARTIAL, Status.KEPT, Status.HELD)
+    self._set(engine_status=Status.LIVE)
+
+  def hold(self) -> None:
+    """Stopped at the end of a turn, it stays in its slot for its environment."""
+    self._expect("hold", Status.LIVE)
+    self._set(engine_status=Status.HELD)
+
+  def keep(self, kv_version: int) -> None:
+    """Out of its slot, its KV (of `kv_version`) kept in the pool's pages."""
+    self._expect("keep", Status.LIVE, Status.HELD)
+    self._set(engine_status=Status.KEPT, kv_version=int(kv_version))
+
+  def leave_engine(self) -> None:
+    """No engine has it any more (its slot or its kept pages let go); a no-op for a
+    record the engine no longer marks."""
+    if self.engine_status is not None:
+      self._set(engine_status=None)
+
+  def read_back(self, response, logprobs, versions) -> None:
+    """Its tokens as the slot holds them: what it had, then what it drew since."""
+    self._expect("read_back", Status.LIVE, Status.HELD)
+    response = np.asarray(response, np.int32)
+    if len(response) < len(self.response) or not np.array_equal(
+        response[: len(self.response)], self.response
+    ):
+      raise TransitionError("read_back: the slot's tokens do not extend the sample's")
+    self._set_tokens(response, logprobs, versions)
+
+  def give(self, tokens, version: int) -> None:
+    """Tokens it is given rather than draws (an environment's observation) join its
+    response: logprob 0, tagged `version`."""
+    self._expect("give", Status.WAITING, Status.PARTIAL, Status.KEPT, Status.HELD)
+    tokens = _tokens(tokens, np.int32)
+    self._set_tokens(
+        np.concatenate([self.response, tokens]),
+        np.concatenate([self.logprobs, np.zeros(len(tokens), np.float32)]),
+        np.concatenate([self.versions, np.full(len(tokens), version, np.int32)]),
+    )
+
+  def finish(self, reason: str) -> None:
+    """Nothing more to draw: "stop" (a stop token, or its episode ended) or "length"."""
+    if reason not in ("stop", "length"):
+      raise ValueError(f"a sample finishes with 'stop' or 'length', not {reason!r}")
+    self._expect("finish", Status.WAITING, Status.PARTIAL, Status.KEPT, Status.LIVE, Status.HELD)
+    self._set(finish_reason=reason)
 
   def reject(self, why: str) -> None:
     """The sample cannot run: it is done, with an empty response and the reason."""
-    self.error = str(why)
+    self._set(error=str(why))
+
+  def set_kv(self, kv_k: np.ndarray, kv_v: np.ndarray, kv_version: int | None) -> None:
+    """Its KV on the host (read out of its slot or pages, or from a checkpoint)."""
+    self._set(kv_k=kv_k, kv_v=kv_v, kv_version=None if kv_version is None else int(kv_version))
+
+  def set_kv_version(self, kv_version: int) -> None:
+    """The oldest policy version among its KV entries, as its slot holds them."""
+    self._set(kv_version=int(kv_version))
+
+  def drop_kv(self) -> None:
+    self._set(kv_k=None, kv_v=None, kv_version=None)
+
+  def place(self, shard: int) -> None:
+    """The slot shard it was in (a resumed run places it alike)."""
+    self._set(home_shard=int(shard))
+
+  def count_cut(self) -> None:
+    """A step's end cut it unfinished."""
+    self._expect("count_cut", Status.PARTIAL, Status.KEPT)
+    self._set(cuts=self.cuts + 1)
+
+  def set_prompt(self, prompt) -> None:
+    """Its prompt, before it starts (an environment's reset rendered it)."""
+    if self.started:
+      raise TransitionError("set_prompt: the sample has started; its prompt is fixed")
+    self._set(prompt=_tokens(prompt, np.int32))
+
+  def set_episode(self, episode: Episode | None) -> None:
+    """Its episode as its environment left it (envs/episode_state.py)."""
+    self._set(episode=episode)
 
   def host_bytes(self) -> int:
     arrays = [self.prompt, self.rng, self.response, self.logprobs, self.versions]

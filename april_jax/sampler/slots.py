@@ -70,7 +70,7 @@ class Slots:
     self._owner[slot] = record
     self._slot_of[record] = slot
     self.lengths[slot] = length
-    record.engine_status = Status.LIVE
+    record.go_live()
 
   def release(self, slot: int) -> SampleRecord:
     """The slot is free; returns the record it held (no longer the engine's)."""
@@ -78,7 +78,7 @@ class Slots:
     self._owner[slot] = None
     del self._slot_of[record]
     if record.engine_status in (Status.LIVE, Status.HELD):  # (a kept one stays kept)
-      record.engine_status = None
+      record.leave_engine()
     return record
 
   def by_age(self) -> list[int]:
