@@ -206,6 +206,16 @@ def _env() -> ml_collections.ConfigDict:
 def _train() -> ml_collections.ConfigDict:
   """The objective, the optimizer and how an RL step's batch is split."""
   t = ml_collections.ConfigDict()
+  _objective(t)
+  _stale_data_corrections(t)
+  _optimizer_and_batch(t)
+  t.lora = _lora()
+  t.lora_path = ""  # a PEFT LoRA folder to start the adapters from (matching train.lora)
+  return t
+
+
+def _objective(t: ml_collections.ConfigDict) -> None:
+  """train's advantage estimator, policy loss, clips and KL terms."""
   # grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline, or gae: PPO
   # with a learned critic (rl/critic.py, the knobs below)
   t.advantage = "grpo"
@@ -230,6 +240,10 @@ def _train() -> ml_collections.ConfigDict:
   t.reward_kl_coef = 0.0
   t.kl_type = "low_var_kl"  # k1 | k3 | low_var_kl
   t.entropy_coef = 0.0  # an entropy bonus in the loss; 0 = off
+
+
+def _stale_data_corrections(t: ml_collections.ConfigDict) -> None:
+  """train's weights and masks for tokens drawn by older policy versions."""
   # Stale-data corrections (rl/corrections.py). Each token's term is weighted by
   # w = pi_prox / pi_behav (the learner's logprob at the start of the update over the
   # sampler's), at is_level token | sequence | geometric; is_mode truncate: min(w, tis_cap)
@@ -246,6 +260,10 @@ def _train() -> ml_collections.ConfigDict:
   # Tokens drawn by an older policy version leave the loss (slime's
   # --mask-offpolicy-in-partial-rollout: the tokens a partial sample drew before it was cut).
   t.mask_stale_tokens = False
+
+
+def _optimizer_and_batch(t: ml_collections.ConfigDict) -> None:
+  """train's overlong penalty, optimizer, batch split and warm start."""
   t.overlong_buffer_len = config_dict.placeholder(int)  # DAPO's, in tokens; None = off
   t.overlong_penalty_factor = 1.0  # the overlong penalty at the budget's end
   t.lr = 1e-6  # AdamW's peak learning rate
@@ -272,18 +290,21 @@ def _train() -> ml_collections.ConfigDict:
   t.sft_steps = 0  # supervised warm-start steps (built-in task)
   t.sft_lr = 1e-3  # the warm start's learning rate
   t.sft_batch_size = 32  # the warm start's demonstrations per step
-  t.lora = ml_collections.ConfigDict()
+
+
+def _lora() -> ml_collections.ConfigDict:
+  """train.lora: LoRA adapters instead of a full fine-tune."""
+  t = ml_collections.ConfigDict()
   # LoRA (models/lora.py): adapters of this rank are trained (float32, AdamW) and the base
   # model stays frozen in model.dtype; 0 = no LoRA, every weight trains
-  t.lora.rank = 0
-  t.lora.alpha = 32.0  # the update is (alpha / rank) B A
-  t.lora.targets = "q,k,v,o,gate,up,down"  # the adapted projections, comma-separated
-  t.lora.lr = 1e-5  # the adapters' AdamW learning rate (train.lr is the full fine-tune's)
+  t.rank = 0
+  t.alpha = 32.0  # the update is (alpha / rank) B A
+  t.targets = "q,k,v,o,gate,up,down"  # the adapted projections, comma-separated
+  t.lr = 1e-5  # the adapters' AdamW learning rate (train.lr is the full fine-tune's)
   # How the sampler decodes: merged (a copy of the base with the adapters merged in, made
   # once per update) | unmerged (the base itself, the adapters applied in every decode
   # step: no second copy of the base, room for more KV; one device only)
-  t.lora.decode = "merged"
-  t.lora_path = ""  # a PEFT LoRA folder to start the adapters from (matching train.lora)
+  t.decode = "merged"
   return t
 
 

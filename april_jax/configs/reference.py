@@ -72,7 +72,13 @@ def field_comments() -> dict[str, str]:
   todo = [("get_config", "")]
   while todo:
     name, prefix = todo.pop(0)
-    prefixes: dict[str, str] = {}
+    # A helper that fills a section it is given (`_objective(t)`) fills it under its prefix.
+    prefixes: dict[str, str] = {a.arg: prefix for a in functions[name].args.args}
+    for node in ast.walk(functions[name]):
+      if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        fn, args = node.value.func, node.value.args
+        if isinstance(fn, ast.Name) and fn.id in functions and args:
+          todo.append((fn.id, prefixes.get(getattr(args[0], "id", None), prefix)))
     assigns = [n for n in ast.walk(functions[name]) if isinstance(n, ast.Assign)]
     for node in sorted(assigns, key=lambda n: n.lineno):
       section = _is_section(node.value)

@@ -233,6 +233,12 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     )
   if t.overlong_penalty_factor < 0:
     err(f"train.overlong_penalty_factor must be >= 0, got {t.overlong_penalty_factor}")
+  _checks_batch_split(c, err)
+
+
+def _checks_batch_split(c, err: Callable[[str], None]) -> None:
+  """train's optimizer and how a step's batch is split into rows and updates."""
+  t, r = c.train, c.rollout
   if t.lr <= 0:
     err(f"train.lr must be > 0, got {t.lr}")
   if t.lr_schedule not in ("constant", "cosine"):
