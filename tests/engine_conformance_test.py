@@ -50,8 +50,21 @@ ENGINES = ["slot", "fake"]
 
 @pytest.mark.parametrize("kind", ENGINES)
 def test_a_cut_sample_resumes_to_the_tokens_it_draws_uncut_and_leaves_once(kind):
-  straight = []
-  _run_to_end(_engine(kind), _records(), straight)
+  straight, heard = [], []
+  engine = _engine(kind)
+  engine.listen(lambda event, seconds, **facts: heard.append((event, facts)))
+  _run_to_end(engine, _records(), straight)
+  # The engine tells its listeners what it did: every decode call and the KV positions
+  # it read (a sample's t-th token reads prompt + t positions), every admission.
+  steps = [facts for event, facts in heard if event == "step"]
+  assert steps and all(set(f) == {"kv_positions"} for f in steps)
+  expected = sum(
+      len(r.prompt) * len(r.response) + len(r.response) * (len(r.response) - 1) // 2
+      for r in straight
+  )
+  assert sum(f["kv_positions"] for f in steps) == expected
+  assert [e for e, _ in heard].count("start_fresh") >= 2  # three, then the two left
+
   assert sorted(r.index for r in straight) == list(range(len(BUDGETS)))
   by_index = {r.index: r for r in straight}
   for i, budget in enumerate(BUDGETS):  # no stop token: each runs to its budget

@@ -17,6 +17,7 @@ import numpy as np
 
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
+from april_jax.sampler.engine_events import Events
 from april_jax.sampler.records import PromptError, SampleRecord, Status
 
 
@@ -56,6 +57,7 @@ class FakeEngine:
     self._slots: list[_Slot | None] = [None] * config.num_slots
     self._kept: dict[SampleRecord, int] = {}  # kept sample -> its KV's version
     self._admissions = 0
+    self.events = Events()
 
   # ------------------------------------------------------------------ questions
   @property
@@ -92,6 +94,9 @@ class FakeEngine:
     return self.num_live / self.config.num_slots
 
   # -------------------------------------------------------------------- actions
+  def listen(self, listener) -> None:
+    self.events.listen(listener)
+
   def set_policy(self, params, version: int) -> None:
     self._params, self._version = params, int(version)
 
@@ -141,6 +146,10 @@ class FakeEngine:
       self._slots[slot] = _Slot(record, kv_version, self._admissions)
       self._admissions += 1
       record.go_live()
+    if any(r.started for r in records):
+      self.events.emit("continue_partials", 0.0)
+    if not all(r.started for r in records):
+      self.events.emit("start_fresh", 0.0)
     return [slot_of[r] for r in records]
 
   def step(self, refill: bool = True) -> list[SampleRecord]:
@@ -149,13 +158,14 @@ class FakeEngine:
       return []
     leave_after = min(self.config.refill_batch, len(decoding)) if refill else len(decoding)
     finished: list[tuple[int, int, _Slot]] = []  # (step, slot, ...)
-    steps = 0
+    steps = positions = 0  # positions: KV positions read, as SlotEngine counts them
     while steps < self.config.sync_every and len(finished) < leave_after:
       steps += 1
       for slot in decoding:
         if any(s is slot for _, _, s in finished):
           continue
         token = draw(slot.record.rng, slot.response_len, self.vocab_size)
+        positions += len(slot.record.prompt) + slot.response_len
         slot.kv_version = min(slot.kv_version, self._version)
         slot.tokens.append(token)
         slot.logprobs.append(-1.0)
@@ -164,6 +174,7 @@ class FakeEngine:
         if token in self.config.stop_ids or slot.response_len == slot.record.max_new_tokens:
           finished.append((steps, self._slots.index(slot), slot))
     self._counters.decode_steps += steps
+    self.events.emit("step", 0.0, kv_positions=positions)
     out = []
     for _, index, slot in sorted(finished, key=lambda x: (x[0], x[1])):
       record = slot.record
@@ -218,6 +229,7 @@ class FakeEngine:
         if with_kv:
           self._copy_out(slot.record, slot.kv_version)
       out.append(slot.record)
+    self.events.emit("snapshot", 0.0)
     return out
 
   def discard(self, record: SampleRecord) -> None:

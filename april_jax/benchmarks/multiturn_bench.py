@@ -185,14 +185,15 @@ def _rollout(scheduler) -> dict:
 
 
 def _record_feeds(engine: SlotEngine) -> collections.Counter:
-  """Counts the engine's feed calls by (rows, length bucket), as they run."""
-  calls, feed = collections.Counter(), engine.fns.feed
+  """Counts the engine's feed calls by (rows, length bucket), as it reports them."""
+  calls = collections.Counter()
 
-  def counted(params, state, slots, ends, T, table):
-    calls[(len(slots), T)] += 1
-    return feed(params, state, slots, ends, T, table)
+  def heard(event: str, seconds: float, rows=0, bucket=0, **_) -> None:
+    del seconds
+    if event == "feed":
+      calls[(rows, bucket)] += 1
 
-  engine.fns = dataclasses.replace(engine.fns, feed=counted)
+  engine.listen(heard)
   return calls
 
 

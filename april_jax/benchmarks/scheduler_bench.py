@@ -33,31 +33,22 @@ from april_jax.sampler import EngineConfig, SlotEngine
 PROMPT_LEN = 16
 
 
-# The engine calls a scheduler step makes, timed one by one: decoding (with its host round
-# trip), starting fresh groups (prefills), resuming partials, and the step-end snapshot.
-# The engine's decode calls, its two admission phases (fresh prompts; partial samples
+# The engine calls a scheduler step makes, timed one by one (engine_events.py): decoding
+# (with its host round trip), its two admission phases (fresh prompts; partial samples
 # continued) and its step-end snapshot.
-CLOCKED = ("step", "_start_fresh", "_continue_partials", "snapshot")
+CLOCKED = ("step", "start_fresh", "continue_partials", "snapshot")
 
 
 class EngineClock:
-  """Wall seconds an engine spends in each of the CLOCKED methods, counted by standing in
-  for them on the engine."""
+  """Wall seconds an engine spends in each of the CLOCKED calls, as it reports them."""
 
   def __init__(self, engine):
     self.seconds = dict.fromkeys(CLOCKED, 0.0)
-    for name in CLOCKED:
-      setattr(engine, name, self._timed(name, getattr(engine, name)))
+    engine.listen(self._heard)
 
-  def _timed(self, name, method):
-    def timed(*args, **kwargs):
-      start = time.perf_counter()
-      try:
-        return method(*args, **kwargs)
-      finally:
-        self.seconds[name] += time.perf_counter() - start
-
-    return timed
+  def _heard(self, event: str, seconds: float, **_) -> None:
+    if event in self.seconds:
+      self.seconds[event] += seconds
 
 
 def engine_config(config) -> EngineConfig:
@@ -210,8 +201,8 @@ def _add_engine_split(side: dict, results: list, seconds: dict, engine, steps: i
   side["decode_frac"] = seconds["step"] / rollout_s
   # The rest of the rollout: starting groups, resuming partials, the step-end snapshot,
   # and the scheduler's own host work (admission, rewards, bookkeeping).
-  side["start_frac"] = seconds["_start_fresh"] / rollout_s
-  side["resume_frac"] = seconds["_continue_partials"] / rollout_s
+  side["start_frac"] = seconds["start_fresh"] / rollout_s
+  side["resume_frac"] = seconds["continue_partials"] / rollout_s
   side["snapshot_frac"] = seconds["snapshot"] / rollout_s
   side["host_frac"] = 1.0 - sum(seconds.values()) / rollout_s
   counters = engine.counters

@@ -94,32 +94,19 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class EngineCounts:
-  """The work an engine's calls do, counted by standing in for them (as EngineClock
-  does): the KV positions its decode steps read, the lengths of what it prefilled. Reads
-  the engine's slot registry (its host copy of slot lengths and owners), and wraps its
-  one prefill call."""
+  """The work an engine's calls do, as it reports them (engine_events.py): the KV
+  positions its decode steps read, the lengths of what it prefilled."""
 
   def __init__(self, engine):
     self.kv_positions, self.prefill_lengths = 0, []
-    step, prefill = engine.step, engine._prefill  # pylint: disable=protected-access
+    engine.listen(self._heard)
 
-    def counted_step(*args, **kwargs):
-      live = np.zeros(engine.config.num_slots, bool)
-      live[[slot for slot, _ in engine.slots.owned()]] = True
-      before = engine.slots.lengths.copy()
-      try:
-        return step(*args, **kwargs)
-      finally:
-        after = engine.slots.lengths
-        grown, start = np.maximum(after - before, 0)[live], before[live]
-        self.kv_positions += int((grown * start + grown * (grown - 1) // 2).sum())
-
-    def counted_prefill(sequences):
-      self.prefill_lengths.extend(len(s) for s in sequences)
-      return prefill(sequences)
-
-    engine.step = counted_step
-    engine._prefill = counted_prefill  # pylint: disable=protected-access
+  def _heard(self, event: str, seconds: float, kv_positions=0, lengths=(), **_) -> None:
+    del seconds
+    if event == "step":
+      self.kv_positions += kv_positions
+    elif event == "prefill":
+      self.prefill_lengths.extend(lengths)
 
   def take(self) -> tuple[int, list[int]]:
     """What was counted since the last take."""
@@ -272,7 +259,7 @@ def _side_step(bench: Bench, side: Side) -> dict[str, Any]:
   seconds = dict(zip(("rollout", "batch", "learner", "cast", "checkpoint"), np.diff(marks)))
   clocked = {k: v - clock0[k] for k, v in side.clock.seconds.items()}
   seconds["decode"] = clocked["step"]
-  seconds["prefill"] = clocked["_start_fresh"] + clocked["_continue_partials"]
+  seconds["prefill"] = clocked["start_fresh"] + clocked["continue_partials"]
   seconds["rollout_other"] = seconds["rollout"] - seconds["decode"] - seconds["prefill"]
   seconds["step"] = marks[-1] - marks[0]
   return {"seconds": seconds, **_work(bench, side, result, batch, checkpoint_bytes)}

@@ -42,6 +42,9 @@ A driver may
                                 copied.
   copy_out_kept()               every kept sample's KV to the host (before a checkpoint).
   warm_up()                     compile every program a run uses (on an empty engine).
+  listen(listener)              listener(event, seconds, **facts) after each call that
+                                engine_events.EVENTS names (benchmarks time and count
+                                the engine's work so, never by replacing its parts).
 and ask, changing nothing: holds(record), keeps(record), num_live, num_free,
 num_decoding (live slots not held at a stop), config,
 params, version, counters (EngineCounters) and pages_used_fraction().
@@ -148,6 +151,9 @@ class Engine(Protocol):
     ...
 
   def holds(self, record: SampleRecord) -> bool:
+    ...
+
+  def listen(self, listener) -> None:
     ...
 
   def keeps(self, record: SampleRecord) -> bool:

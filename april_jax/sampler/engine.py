@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from april_jax.models import qwen3
 from april_jax.sampler import feeding, slot_ops
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
+from april_jax.sampler.engine_events import Events, positions_read, reported
 from april_jax.sampler.kv_manager import KVManager
 from april_jax.sampler.prefill_cache import PrefillCache
 from april_jax.sampler.records import PromptError, SampleRecord, Status
@@ -77,6 +79,11 @@ class SlotEngine:
     self._preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
     self._to_feed: set[int] = set()  # slots whose given tokens the next step prefills
     self._counters = EngineCounters()  # kept KV's copies to the host counted by kv.kept
+    self.events = Events()  # listeners of its calls (engine_events.py): benchmarks
+
+  def listen(self, listener) -> None:
+    """`listener(event, seconds, **facts)` after each call engine_events.EVENTS names."""
+    self.events.listen(listener)
 
   # ---------------------------------------------------------------------- policy
   @property
@@ -240,6 +247,7 @@ class SlotEngine:
       self.slots.admit(slot, r)
     return slots, in_place
 
+  @reported("start_fresh")
   def _start_fresh(self, records: list[SampleRecord]) -> list[int]:
     """Fresh samples into slots, their prompts prefilled (PrefillCache: once each)."""
     slots, _ = self._take_slots(records, False)
@@ -250,6 +258,7 @@ class SlotEngine:
       self._own(slot, r, r.length)
     return slots
 
+  @reported("continue_partials")
   def _continue_partials(self, records: list[SampleRecord], mode: str) -> list[int]:
     """Partial samples into slots: kept ones in place, others from their host KV (mode
     kv, snapshot_width per call) or prefilled again."""
@@ -358,7 +367,11 @@ class SlotEngine:
     for i, tokens in enumerate(sequences):
       padded[i, : len(tokens)] = tokens
     self._counters.prefills += 1
-    return self.fns.prefill_kv(self.params, padded)
+    began = time.perf_counter()
+    kv = self.fns.prefill_kv(self.params, padded)
+    if self.events.listening:
+      self.events.emit("prefill", time.perf_counter() - began, lengths=[len(t) for t in sequences])
+    return kv
 
   # ----------------------------------------------------------------- decode, harvest
   def step(self, refill: bool = True) -> list[SampleRecord]:
@@ -370,6 +383,18 @@ class SlotEngine:
     use a freed slot. First every live slot gets the pages it can fill in this call;
     where the pool runs out the youngest are preempted (take_preempted).
     """
+    if not self.events.listening:
+      return self._step(refill)
+    began, before = time.perf_counter(), self.slots.lengths.copy()
+    live = np.zeros(self.config.num_slots, bool)
+    live[[slot for slot, _ in self.slots.owned()]] = True
+    try:
+      return self._step(refill)
+    finally:
+      read = positions_read(before, self.slots.lengths, live)
+      self.events.emit("step", time.perf_counter() - began, kv_positions=read)
+
+  def _step(self, refill: bool) -> list[SampleRecord]:
     self._reserve()
     self._feed_given()
     if not self.num_decoding:
@@ -489,7 +514,10 @@ class SlotEngine:
         slots[j], ends[j] = slot, end
         self._counters.tokens_fed += end - int(self.slots.lengths[slot])
         self.slots.lengths[slot] = end
+      began = time.perf_counter()
       self.state = self.fns.feed(self.params, self.state, slots, ends, T, self.kv.table())
+      if self.events.listening:
+        self.events.emit("feed", time.perf_counter() - began, rows=rows, bucket=T)
       self._counters.feed_rows += rows
       self._counters.feeds += 1
 
@@ -508,6 +536,7 @@ class SlotEngine:
     self._release(self._held_slot(record))
     record.finish("stop")
 
+  @reported("snapshot")
   def snapshot(self, with_kv: bool = True, keep: bool = False) -> list[SampleRecord]:
     """Every unfinished sample back to the host (with its KV if asked); slots freed.
     With `keep` (and with_kv) the KV stays in the slots' pages, kept for the records
