@@ -38,7 +38,7 @@ from april_jax import user_output
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.envs import run_episodes
-from april_jax.envs.episodes import EpisodeRunner, observation_mask
+from april_jax.envs.episodes import EpisodeRunner
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
@@ -459,7 +459,7 @@ class Trainer:
     start = time.perf_counter()
     rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
     if self.critic is None:
-      lengths = [[observation_mask(s).sum() for s in g.samples] for g in result.groups]
+      lengths = [[s.drawn_mask.sum() for s in g.samples] for g in result.groups]
       estimator = advantages_lib.get_advantage(c.train.advantage)
       adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
     else:

@@ -140,7 +140,7 @@ def test_an_episode_feeds_observations_in_place_and_draws_over_them_exactly(uncu
   episode = uncut.episode
   assert episode.turns == 4 and episode.state["turns"] == 4 and episode.reward == 1.0
   assert len(episode.observations) == 3 and uncut.finish_reason == "stop"
-  mask = episodes.observation_mask(uncut)
+  mask = uncut.drawn_mask
   for k, (start, end) in enumerate(episode.observations):
     assert end - start == k + 5  # turn k + 1's observation, whole
     assert uncut.response[start - 1] in STOPS  # right after the turn's stop token

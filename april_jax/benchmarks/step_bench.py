@@ -69,7 +69,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from april_jax.benchmarks import common, floors, packed_check, scheduler_bench
-from april_jax.envs.episodes import observation_mask
 from april_jax.models import hf_io, lora, path_check
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
@@ -211,7 +210,7 @@ def _batch(bench: Bench, result) -> dict[str, np.ndarray]:
   rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
   rng = np.random.default_rng([bench.seed, bench.version])
   rewards = rewards + rng.random(rewards.shape, np.float32)
-  lengths = [[observation_mask(s).sum() for s in g.samples] for g in result.groups]
+  lengths = [[s.drawn_mask.sum() for s in g.samples] for g in result.groups]
   estimator = advantages_lib.get_advantage(c.train.advantage)
   adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
   batch = batch_lib.build_batch(

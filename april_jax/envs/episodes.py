@@ -402,11 +402,3 @@ def _json_state(state: Any) -> Any:
     return json.loads(json.dumps(state))
   except (TypeError, ValueError) as e:
     raise TypeError(f"the environment's state is not JSON ({e})") from None
-
-
-def observation_mask(record: SampleRecord) -> np.ndarray:
-  """1.0 for each response token the model drew, 0.0 for each observation token."""
-  mask = np.ones(len(record.response), np.float32)
-  for start, end in record.episode.observations if record.episode else ():
-    mask[start:end] = 0.0
-  return mask

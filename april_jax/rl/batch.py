@@ -20,7 +20,6 @@ import sys
 import numpy as np
 
 from april_jax import buckets
-from april_jax.envs.episodes import observation_mask
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rollout.group import Group
 
@@ -100,7 +99,7 @@ def build_batch(
     P, R = len(s.prompt), len(s.response)
     tokens[b, :P] = s.prompt
     tokens[b, P : P + R] = s.response
-    mask[b, P - 1 : P + R - 1] = observation_mask(s)  # observations are given, not drawn
+    mask[b, P - 1 : P + R - 1] = s.drawn_mask  # observations are given, not drawn
     behavior[b, P - 1 : P + R - 1] = s.logprobs
     stale[b, P - 1 : P + R - 1] = s.versions < version
   targets = np.concatenate([tokens[:, 1:], np.full((B, 1), pad_id, np.int32)], axis=1)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from april_jax.envs.episodes import observation_mask
 from april_jax.rollout.scheduler import RolloutResult
 
 
@@ -41,7 +40,7 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   st = result.stats
   samples = [s for g in result.groups for s in g.samples]
   lengths = np.array([len(s.response) for s in samples], np.float64)
-  drawn = [observation_mask(s) > 0 for s in samples]  # all of a response but observations
+  drawn = [s.drawn_mask > 0 for s in samples]  # all of a response but observations
   versions = (
       np.concatenate([s.versions[d] for s, d in zip(samples, drawn)])
       if samples

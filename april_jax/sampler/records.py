@@ -148,6 +148,15 @@ class SampleRecord:
     return self.kv_k is not None
 
   @property
+  def drawn_mask(self) -> np.ndarray:
+    """1.0 for each response token the model drew, 0.0 for each token it was given (its
+    episode's observations): what trains."""
+    mask = np.ones(len(self.response), np.float32)
+    for start, end in self.episode.observations if self.episode else ():
+      mask[start:end] = 0.0
+    return mask
+
+  @property
   def env_error(self) -> str | None:
     """Why its environment ended its episode early (None: it did not, or no episode)."""
     return None if self.episode is None else self.episode.error
