@@ -37,8 +37,8 @@ from april_jax import sharding
 from april_jax import user_output
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
-from april_jax.envs import run_episodes
-from april_jax.envs.episodes import EpisodeRunner
+from april_jax.rollout import run_episodes
+from april_jax.rollout.episodes import EpisodeRunner
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress

@@ -110,7 +110,7 @@ def _metric_keys() -> set[str]:
     if "benchmarks" not in path.parts:
       text = path.read_text(encoding="utf-8")
       keys |= set(re.findall(r'"((?:rollout|train|eval|critic|time|metrics)/\w[\w@/]*)"', text))
-  episodes = (ROOT / "april_jax" / "envs" / "episodes.py").read_text(encoding="utf-8")
+  episodes = (ROOT / "april_jax" / "rollout" / "episodes.py").read_text(encoding="utf-8")
   keys |= {f"rollout/{name}" for name in re.findall(r'"(env/\w+)"', episodes)}
   zeros, ones = np.zeros((1, 2)), np.ones((1, 2))
   weights = corrections.importance_weights("token", "truncate", 0.0, 2.0, zeros, zeros, ones)

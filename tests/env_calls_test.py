@@ -14,7 +14,8 @@ import pytest
 from april_jax import sampler
 from april_jax.data import PromptItem
 from april_jax.configs.validate import ConfigError, validate
-from april_jax.envs import base, episodes, in_workers
+from april_jax.envs import base, in_workers
+from april_jax.rollout import episodes
 from april_jax.models import qwen3
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.rollout.failures import FailureStreak, StepFailures

@@ -9,9 +9,10 @@ import pytest
 
 from april_jax import sampler
 from april_jax.data import PromptItem
-from april_jax.envs import base, episodes
+from april_jax.envs import base
+from april_jax.rollout import episodes
 from april_jax.envs.observation_format import TextFormat
-from april_jax.envs.episode_state import Episode
+from april_jax.sampler.episode_state import Episode
 from april_jax.models import qwen3
 from april_jax.rl import batch as batch_lib
 from april_jax.rollout import AprilScheduler, PartialBuffer, RewardRunner, RolloutSettings
@@ -437,7 +438,7 @@ def test_an_engine_and_scheduler_disagreeing_on_episodes_is_refused():
 
 
 def test_gsm8k_tool_config_answers_each_qwen3_tool_call_in_the_template_s_tool_role():
-  from april_jax.envs import run_episodes  # pylint: disable=g-import-not-at-top
+  from april_jax.rollout import run_episodes  # pylint: disable=g-import-not-at-top
   from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
   c = load_config("gsm8k_tool")

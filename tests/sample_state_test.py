@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_jax.envs.episode_state import Episode
+from april_jax.sampler.episode_state import Episode
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from april_jax import workers
-from april_jax.envs import episodes
+from april_jax.rollout import episodes
 from april_jax.envs import in_workers
 from april_jax.rollout import failures
 from april_jax.rollout.group import Group

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from april_jax.data import PromptItem
-from april_jax.envs import episodes
+from april_jax.rollout import episodes
 from april_jax.envs.base import EnvStep
 from april_jax.models import qwen3
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings

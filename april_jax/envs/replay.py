@@ -28,7 +28,7 @@ import numpy as np
 
 from april_jax import cli
 from april_jax import data as data_lib
-from april_jax.envs import run_episodes
+from april_jax.rollout import run_episodes
 from april_jax.envs.base import EnvReset
 from april_jax.errors import InputError
 from april_jax.sampler.records import SampleRecord

@@ -8,7 +8,7 @@ A user's function takes one of
   (response, answer)   the decoded response text and the dataset's gold answer,
   (sample)             one dict: "prompt" (text), "prompt_id", "response", "answer",
                        "row" (the dataset row's columns, as JSON values), and for a
-                       multi-turn episode "turns" and "env_reward" (envs/episodes.py;
+                       multi-turn episode "turns" and "env_reward" (rollout/episodes.py;
                        its "response" holds the observations too),
   (samples)            the list of a prompt's n sample dicts, scored together (a pairwise
                        judge, a ranking), returning one result per sample in order,

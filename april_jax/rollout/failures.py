@@ -4,7 +4,7 @@ whose every sample fails the same way.
 A sample failed when its reward raised (or returned something that is not a score, or
 ended its worker process), its reward ran past rollout.reward_timeout_s, or its episode's
 environment raised or ran past env.timeout_s. Each keeps why: `reward_info["failures"]`
-(reward_runner.py), `SampleRecord.env_error` (envs/episodes.py). A step's count is over the
+(reward_runner.py), `SampleRecord.env_error` (rollout/episodes.py). A step's count is over the
 samples of its batch and of the groups the DAPO filter dropped.
 
   tally = StepFailures.of(groups)       how many, of what kind, the first message of each

@@ -58,7 +58,7 @@ class Group:
     """Discards a sample's tokens so it starts again from the prompt, with a fresh key
     derived from its old one (a restart does not regrow the same response)."""
     old = self.samples[index]
-    # A new, uncut sample, on no shard yet; an episode starts over (envs/episodes.py).
+    # A new, uncut sample, on no shard yet; an episode starts over (rollout/episodes.py).
     restarts = old.restarts + 1
     rng = sample_keys([int(x) for x in old.rng] + [restarts], 1)[0]
     self.samples[index] = SampleRecord(

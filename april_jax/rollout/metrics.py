@@ -25,7 +25,7 @@ and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
   kv_pages_used_frac     pool pages held at the step's end of decoding / usable pages
   env/*                  with an environment, this step's counts: turns, episodes_done,
                          errors, timeouts, turn_limit, observations_cut, out_of_budget,
-                         observation_tokens (envs/episodes.py)
+                         observation_tokens (rollout/episodes.py)
   observation_token_frac batch response tokens that are observations / all of them
 """
 

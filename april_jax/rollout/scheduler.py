@@ -37,7 +37,7 @@ The oldest overdue group always trains in its step (unless SIGTERM cuts the step
 waits in the buffer, a restart like any other), so no prompt restarts forever; no
 trained token is staler than max_staleness, and the prompt itself is never lost.
 
-With an environment (`episodes`, envs/episodes.py) a sample is an episode. A slot that
+With an environment (`episodes`, rollout/episodes.py) a sample is an episode. A slot that
 ends a turn is parked with its pages while the environment's call runs off the decode
 path (env.overlap) and the other slots decode; when a sample waits for a slot, parked
 ones are set aside (their KV kept in their pages, taken back in place once answered).
@@ -62,7 +62,7 @@ from typing import Callable
 import numpy as np
 
 from april_jax.data import PromptItem
-from april_jax.envs.episodes import EpisodeRunner
+from april_jax.rollout.episodes import EpisodeRunner
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
@@ -477,7 +477,7 @@ class AprilScheduler:
         reward_timeouts=r.timeouts - st.rewards0[1],
         reward_s=r.seconds - st.rewards0[2],
     )
-    if self.episodes is not None:  # env/turns, env/errors, ... (envs/episodes.py)
+    if self.episodes is not None:  # env/turns, env/errors, ... (rollout/episodes.py)
       st.stats.update({k: v - st.env0[k] for k, v in self.episodes.counts.items()})
       st.stats["env_wait_s"] = self.episodes.wait_s - st.env_wait0
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))

@@ -47,7 +47,7 @@ class EngineConfig:
   prefill_width: int = 4  # prompts of one length bucket prefilled per call (admit)
   prompt_len: int | None = None  # the longest prompt (batched prefills up to its bucket)
   # A slot that draws a stop token is held with its KV; the caller extends or releases it
-  # before the next step (multi-turn episodes: envs/episodes.py).
+  # before the next step (multi-turn episodes: rollout/episodes.py).
   hold_stopped: bool = False
   # How given tokens (an observation, a resumed sample's tokens past its KV) reach a
   # slot's KV: one chunked prefill over its pages ("prefill"), or one decode step each

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from april_jax.envs.episode_state import Episode
+from april_jax.sampler.episode_state import Episode
 
 
 class PromptError(ValueError):
@@ -242,7 +242,7 @@ class SampleRecord:
     self._set(prompt=_tokens(prompt, np.int32))
 
   def set_episode(self, episode: Episode | None) -> None:
-    """Its episode as its environment left it (envs/episode_state.py)."""
+    """Its episode as its environment left it (episode_state.py)."""
     self._set(episode=episode)
 
   def host_bytes(self) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclasses.dataclass
 class Episode:
-  """A multi-turn episode's state beside its sample (envs/episodes.py), as JSON."""
+  """A multi-turn episode's state beside its sample (rollout/episodes.py), as JSON."""
 
   state: Any = None  # the environment's state (JSON)
   turns: int = 0  # model turns ended so far

@@ -11,7 +11,7 @@ import jax
 from april_jax import distributed
 from april_jax.envs import in_workers
 from april_jax.envs import observation_format
-from april_jax.envs.episodes import EpisodeRunner, EpisodeSettings
+from april_jax.rollout.episodes import EpisodeRunner, EpisodeSettings
 from april_jax.errors import InputError
 from april_jax.tokenizer import TokenizerError
 

@@ -43,11 +43,10 @@ import numpy as np
 from april_jax import errors
 from april_jax import workers
 from april_jax.envs.base import Env, EnvReset, EnvStep
-from april_jax.envs.episode_state import Episode
+from april_jax.sampler.episode_state import Episode
 from april_jax.envs.observation_format import ObservationFormat, TextFormat
-
-SampleRecord = Any  # april_jax.sampler.SampleRecord (a layer above this one)
-
+from april_jax.sampler.contract import Engine
+from april_jax.sampler.records import SampleRecord
 
 # Characters of an observation tokenized at most per token it may keep: text averages
 # about 4 characters a token, so a text cut here still holds every token that is kept.
@@ -130,7 +129,7 @@ class EpisodeRunner:
     outcome = self._step(record)
     return self._apply(record, outcome), outcome.get("results")
 
-  def park(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
+  def park(self, engine: Engine, finished: list[SampleRecord]) -> list[SampleRecord]:
     """After a decode call: the samples `engine` holds at a stop stay parked in their
     slots while their turns' calls run; returns the others (finished)."""
     for record in finished:
@@ -142,7 +141,7 @@ class EpisodeRunner:
     """Whether the sample waits for its environment's call (it cannot decode yet)."""
     return record in self.pending
 
-  def answer(self, engine, wait: str = "none") -> list[SampleRecord]:
+  def answer(self, engine: Engine, wait: str = "none") -> list[SampleRecord]:
     """Applies the calls that have returned, in call order (wait "one": after waiting
     for at least one; "all": for every one; the time waited is counted in wait_s):
     a sample in its slot goes on after its observation (extend) or ends (release); one
@@ -172,7 +171,7 @@ class EpisodeRunner:
         ended.append(record)
     return ended
 
-  def resolve(self, engine, finished: list[SampleRecord]) -> list[SampleRecord]:
+  def resolve(self, engine: Engine, finished: list[SampleRecord]) -> list[SampleRecord]:
     """park and answer every call at once (decoding waits for them): the samples that
     are finished. All turns are answered before the caller looks at any of them (a
     sibling still held would look finished)."""
