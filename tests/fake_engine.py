@@ -18,7 +18,7 @@ import numpy as np
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.engine_events import Events
-from april_jax.sampler.records import PromptError, SampleRecord, Status
+from april_jax.sampler.records import SampleRecord, Status, check_runnable
 
 
 def draw(rng: np.ndarray, t: int, vocab_size: int) -> int:
@@ -106,15 +106,7 @@ class FakeEngine:
     return 0
 
   def check(self, record: SampleRecord) -> None:
-    if len(record.prompt) == 0:
-      raise PromptError("empty prompt: a sample needs at least one prompt token")
-    if len(record.prompt) + record.max_new_tokens > self.config.max_len:
-      raise PromptError(
-          f"prompt of {len(record.prompt)} tokens + response budget {record.max_new_tokens} "
-          f"exceeds the slot capacity max_len={self.config.max_len}"
-      )
-    if record.finished or record.budget_left < 1:
-      raise PromptError("the sample is already finished")
+    check_runnable(record, self.config.max_len)
 
   def room_for(self, records: list[SampleRecord]) -> int:
     return min(self.num_free, len(records))

@@ -42,7 +42,7 @@ from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.engine_events import Events, positions_read, reported
 from april_jax.sampler.kv_manager import KVManager
 from april_jax.sampler.prefill_cache import PrefillCache
-from april_jax.sampler.records import PromptError, SampleRecord, Status
+from april_jax.sampler.records import PromptError, SampleRecord, Status, check_runnable
 from april_jax.sampler.rows import kv_positions, kv_version_of, readout, rows_from_records
 from april_jax.sampler.slots import Slots
 
@@ -139,23 +139,7 @@ class SlotEngine:
 
   def check(self, record: SampleRecord) -> None:
     """Raises PromptError if the record cannot run in a slot."""
-    P, M = len(record.prompt), self.config.max_len
-    if P == 0:
-      raise PromptError("empty prompt: a sample needs at least one prompt token")
-    if record.max_new_tokens < 1:
-      raise PromptError(f"max_new_tokens must be >= 1, got {record.max_new_tokens}")
-    if P + record.max_new_tokens > M:
-      raise PromptError(
-          f"prompt of {P} tokens + response budget {record.max_new_tokens} exceeds the "
-          f"slot capacity max_len={M}"
-      )
-    if record.finished or record.budget_left < 1:
-      raise PromptError("the sample is already finished")
-    if not (record.top_k >= 0 and 0 < record.top_p <= 1 and record.temperature >= 0):
-      raise PromptError(
-          f"bad sampling params temperature={record.temperature} "
-          f"top_k={record.top_k} top_p={record.top_p}"
-      )
+    check_runnable(record, self.config.max_len)
 
   def room_for(self, records: list[SampleRecord]) -> int:
     """How many of `records`, in order, can start now: each needs a free slot, and
@@ -385,13 +369,11 @@ class SlotEngine:
     """
     if not self.events.listening:
       return self._step(refill)
-    began, before = time.perf_counter(), self.slots.lengths.copy()
-    live = np.zeros(self.config.num_slots, bool)
-    live[[slot for slot, _ in self.slots.owned()]] = True
+    began, before, live = time.perf_counter(), self.slots.lengths.copy(), self.slots.owned()
     try:
       return self._step(refill)
     finally:
-      read = positions_read(before, self.slots.lengths, live)
+      read = positions_read(before, self.slots.lengths, [slot for slot, _ in live])
       self.events.emit("step", time.perf_counter() - began, kv_positions=read)
 
   def _step(self, refill: bool) -> list[SampleRecord]:

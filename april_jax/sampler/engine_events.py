@@ -59,7 +59,7 @@ def reported(event: str):
   return wrap
 
 
-def positions_read(before: np.ndarray, after: np.ndarray, live: np.ndarray) -> int:
+def positions_read(before: np.ndarray, after: np.ndarray, live: list[int]) -> int:
   """KV positions the decode steps of the `live` slots read, from their lengths before and
   after: a slot at length s that grows by g reads s, s + 1, ..., s + g - 1 positions."""
   grown, start = np.maximum(after - before, 0)[live], before[live]

@@ -62,6 +62,27 @@ def _tokens(values, dtype) -> np.ndarray:
   return array
 
 
+def check_runnable(record: "SampleRecord", max_len: int) -> None:
+  """PromptError if the record can never run in a slot of max_len tokens."""
+  P = len(record.prompt)
+  if P == 0:
+    raise PromptError("empty prompt: a sample needs at least one prompt token")
+  if record.max_new_tokens < 1:
+    raise PromptError(f"max_new_tokens must be >= 1, got {record.max_new_tokens}")
+  if P + record.max_new_tokens > max_len:
+    raise PromptError(
+        f"prompt of {P} tokens + response budget {record.max_new_tokens} exceeds the "
+        f"slot capacity max_len={max_len}"
+    )
+  if record.finished or record.budget_left < 1:
+    raise PromptError("the sample is already finished")
+  if not (record.top_k >= 0 and 0 < record.top_p <= 1 and record.temperature >= 0):
+    raise PromptError(
+        f"bad sampling params temperature={record.temperature} "
+        f"top_k={record.top_k} top_p={record.top_p}"
+    )
+
+
 class TransitionError(RuntimeError):
   """A transition asked of a record in a state it cannot leave that way (a bug of the
   caller's: the message names the transition and the state)."""
