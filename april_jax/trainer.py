@@ -2,14 +2,15 @@
 
   step k (policy version k = params after k updates):
     rollout   scheduler.step(k) on the engine holding the learner's params, version k
-    learn     rewards (+ overlong shaping) -> advantages -> batch -> learner.update
-              (PPO with a critic: batch -> critic values, GAE -> learner.update ->
-              critic.update)
+    learn     the step's groups -> TrainBatch (rl/batch.py: rows, shaped rewards) ->
+              rl/learn.py's learn: old and reference logprobs (and a critic's values),
+              advantages, the policy's updates (and the critic's)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
-    eval      every eval_every steps: pass@1 / avg@k with sampler.generate_on, on the
-              run's own engine
+    eval      every eval_every steps: pass@1 / avg@k (evaluation.py), on the run's own
+              engine
     save      every checkpoint_every steps, at the end, and on SIGTERM (which cuts the
-              step's rollout at once: what it drew stays in the partial buffer)
+              step's rollout at once: what it drew stays in the partial buffer;
+              sigterm_stop.py)
 
 Resume: a workdir with checkpoints continues from the latest intact one (see
 resume.py), if the config matches the saved one (configs/resume_check.py); with a
@@ -45,10 +46,10 @@ from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io, paged_attention_kernel, path_check, qwen3
 from april_jax.models import lora as lora_lib
 from april_jax.rewards import longtail_task
-from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
+from april_jax.rl import learn as learn_lib
 from april_jax.rl import sft
 from april_jax.rl import step as step_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
@@ -56,6 +57,7 @@ from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
 from april_jax.rollout import failures as failures_lib
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
 from april_jax.tokenizer import Tokenizer
 from april_jax.workdir_lock import WorkdirLock
@@ -101,6 +103,7 @@ class Trainer:
     if self.lora is not None:
       params = self.learner.frozen  # the frozen base, held once (the critic may share it)
     self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
+    self.learners = learn_lib.Learners(self.learner, self.critic)
     del params  # the learner's masters are the params now
     self._build_rollout()
     self.primary = distributed.is_primary()  # the one process that writes and prints
@@ -108,14 +111,7 @@ class Trainer:
     self.next_step = 0
     self.resumed = resuming
     self._failures = failures_lib.FailureStreak(c.rollout.max_failed_steps)
-    self._stop_requested = False
-    self._cut_polls = 0
-    self.stopped = False  # stopped early by SIGTERM (after saving)
-    self._cut_step = None  # the step whose rollout SIGTERM cut, if it did
-    self._cut_drew = False  # whether it drew a token first
-    self._cut_saved = False  # whether its rollouts so far went into a checkpoint
-    self._cut_before = None  # the newest checkpoint when it was cut
-    self._stopped_after = None  # the step SIGTERM stopped the run after, if it did
+    self.stop = SigtermStop()
     if resuming:
       self._resume()
     else:
@@ -417,18 +413,10 @@ class Trainer:
       print(f"before training: eval pass@1 {metrics['eval/pass@1']:.3f}", flush=True)
 
   # ---------------------------------------------------------------------------- loop
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    logging.warning("SIGTERM: cutting this step's rollouts, saving a checkpoint, then exiting")
-    self._stop_requested = True
-
-  def _cut_now(self) -> bool:
-    """Asked before each decode call: True once SIGTERM reached any process (agreed every
-    few calls on several hosts, where it is a collective)."""
-    if jax.process_count() == 1:
-      return self._stop_requested
-    self._cut_polls += 1
-    return self._cut_polls % 8 == 0 and distributed.any_process(self._stop_requested)
+  @property
+  def stopped(self) -> bool:
+    """Whether SIGTERM stopped the run early (after saving)."""
+    return self.stop.stopped
 
   def _check_failures(self, result, step: int) -> None:
     """Says what failed in the step's user code; stops a run whose every sample fails the
@@ -449,35 +437,25 @@ class Trainer:
     version = self.engine.version  # the params after `step` updates
     assert version == step, (version, step)
     one_process = jax.process_count() == 1  # waits for rewards end at once only there
-    result = self.scheduler.step(
-        step, cut_now=self._cut_now, give_up=(lambda: self._stop_requested) if one_process else None
-    )
+    give_up = (lambda: self.stop.requested) if one_process else None
+    result = self.scheduler.step(step, cut_now=self.stop.cut_now, give_up=give_up)
     if result.cut:
-      self._cut_drew = result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
+      self.stop.cut_drew = result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
       return None
     self._check_failures(result, step + 1)
     start = time.perf_counter()
-    rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
-    if self.critic is None:
-      lengths = [[s.drawn_mask.sum() for s in g.samples] for g in result.groups]
-      estimator = advantages_lib.get_advantage(c.train.advantage)
-      adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
-    else:
-      adv = np.zeros_like(rewards)  # per token, from the critic below
-    batch = batch_lib.build_batch(
+    batch = batch_lib.TrainBatch.from_groups(
         result.groups,
-        adv,
         version,
         pad_id=self.tokenizer.pad_id,
         max_len=c.data.max_prompt_len + c.rollout.max_response_len,
+        train=c.train,
+        max_response_len=c.rollout.max_response_len,
     )
-    batch["rewards"] = rewards.reshape(-1)  # per sample, for per-token returns
     metrics = rollout_metrics(result, version)
-    if self.critic is not None:
-      metrics.update(self.critic.advantages(batch, rewards.reshape(-1)))
-    metrics.update(self.learner.update(batch))
-    if self.critic is not None:
-      metrics.update(self.critic.update(batch))
+    state, learned = learn_lib.learn(self.learners.state(), batch, self.learners)
+    self.learners.put(state)
+    metrics.update(learned)
     self.engine.set_policy(self.learner.decode_params(), version + 1)
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
@@ -486,7 +464,7 @@ class Trainer:
   def run(self) -> None:
     """Compiles, then runs steps next_step + 1 .. num_steps (or until SIGTERM), closes
     what the run opened and says how it ended."""
-    previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    previous = signal.signal(signal.SIGTERM, self.stop.handle)
     try:
       self._compile()
       for index in range(self.next_step, self.config.num_steps):
@@ -532,22 +510,14 @@ class Trainer:
     start = time.perf_counter()
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
-      # Saved unless the state before this step is on disk already: checkpoint `index`,
-      # never replaced (a kill while the new one was written would lose both; the step's
-      # rollouts are drawn again on resume), or a fresh run's start, if it drew nothing.
-      self._cut_before = self.checkpointer.latest_step()
-      fresh = index == 0 and self._cut_before is None and not self._cut_drew
-      on_disk = self._cut_before == index or fresh
-      self._cut_saved = not on_disk
-      if self._cut_saved:
+      if self.stop.cut(step, index, self.checkpointer.latest_step()):
         self.save(index, None)
-      self.stopped, self._cut_step = True, step
       return True
     metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
     last = step == c.num_steps
     # Decided once per step, and by every process alike (SIGTERM may reach only one); a
     # stopping run skips evaluation to save within the scheduler's grace period.
-    stop = distributed.any_process(self._stop_requested)
+    stop = self.stop.agreed()
     if not stop and c.eval_every and (step % c.eval_every == 0 or last):
       metrics.update(self.evaluate())
     if stop or last or (c.checkpoint_every and step % c.checkpoint_every == 0):
@@ -556,7 +526,7 @@ class Trainer:
     if self.primary and c.log_every and (index % c.log_every == 0 or last):
       log_progress(step, c.num_steps, metrics)
     if stop:
-      self.stopped, self._stopped_after = True, step
+      self.stop.stop_after(step)
     return stop
 
   def _close(self, failing: bool) -> None:
@@ -578,19 +548,6 @@ class Trainer:
 
   def _say_how_it_stopped(self) -> None:
     """After the summary: the line of a run SIGTERM stopped, and what its rerun resumes."""
-    n, cut = self.config.num_steps, self._cut_step
-    if cut is not None and not self._cut_saved:
-      before = self._cut_before
-      kept = "nothing drawn yet" if before is None else f"checkpoint {before} is kept"
-      line = f"stopped by SIGTERM during step {cut} of {n} ({kept}; its rollouts are drawn again)"
-    elif cut is not None:
-      line = (
-          f"stopped by SIGTERM during step {cut} of {n}: its rollouts so far are kept in "
-          f"checkpoint {cut - 1}"
-      )
-    elif self.stopped:
-      step = self._stopped_after
-      line = f"stopped by SIGTERM after step {step} of {n}: checkpoint {step} is saved"
-    else:
-      return
-    print(f"{line}; rerun the same command to resume", flush=True)
+    line = self.stop.line(self.config.num_steps)
+    if line is not None:
+      print(line, flush=True)

@@ -15,6 +15,7 @@ from april_jax.rl import advantages
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.update import Learner
 from conftest import TINY_HF_CONFIGS, mesh_or_skip, save_random_hf_qwen3, tiny_qwen3
+from learner_batches import critic_update, gae
 
 CFG = tiny_qwen3(tie_word_embeddings=False)  # an output head, which the critic drops
 
@@ -97,9 +98,9 @@ def test_the_value_loss_falls_on_a_fixed_batch():
     mask[b, 4 : 6 + b] = 1.0  # responses of 2..9 tokens
   batch = {"tokens": tokens, "mask": mask}
   rewards = rng.choice([0.0, 1.0], 8)
-  metrics = critic.advantages(batch, rewards)
+  metrics = gae(critic, batch, rewards)
   assert metrics["critic/values_mean"] == 0.0 and batch["advantages"].shape == (8, 16)
-  losses = [critic.update(batch)["critic/value_loss"] for _ in range(20)]
+  losses = [critic_update(critic, batch)["critic/value_loss"] for _ in range(20)]
   assert losses[0] == pytest.approx(
       0.5 * np.mean(np.repeat(rewards, mask.sum(1).astype(int)) ** 2), rel=1e-5
   )
@@ -160,8 +161,8 @@ def test_the_critic_sharded_over_8_devices_gives_the_values_and_update_of_one():
     params = policy if m is None else jax.device_put(policy, qwen3.param_shardings(CFG, m))
     critic = critic_lib.Critic(CFG, params, _train(), total_updates=2, mesh=m)
     b = dict(batch)
-    critic.advantages(b, rewards)
-    metrics = [critic.update(b) for _ in range(2)]
+    gae(critic, b, rewards)
+    metrics = [critic_update(critic, b) for _ in range(2)]
     out.append((critic.values(b), metrics, jax.tree.map(np.asarray, critic.params)))
     if m is not None:
       spec = critic.params["layers"]["gate"].sharding.spec

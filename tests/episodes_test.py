@@ -173,8 +173,8 @@ def test_loss_mask_leaves_out_exactly_the_observation_tokens(uncut):
   spans = uncut.episode.observations
   observed = sum(end - start for start, end in spans)
   assert observed == 5 + 6 + 7
-  group = Group(0, 0, uncut.prompt, "", [uncut], first_step=0)
-  arrays = batch_lib.build_batch([group], np.zeros((1, 1)), version=0)
+  group = Group(0, 0, uncut.prompt, "", [uncut], first_step=0, rewards=[0.0])
+  arrays = batch_lib.TrainBatch.from_groups([group], version=0).rows()
   P, R = len(uncut.prompt), len(uncut.response)
   mask = arrays["mask"][0]
   assert mask.sum() == R - observed

@@ -12,7 +12,7 @@ LAYERS = [
     {"forkserver_guard"},  # imported by the workers' forkserver alone
     {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
     {"run_report"},
-    {"workdir_lock"},
+    {"workdir_lock", "sigterm_stop"},
     {"rewards", "envs", "models"},
     {"data", "sampler", "lora_base"},
     {"rollout", "task"},

@@ -2,13 +2,16 @@
 
 A sample is what a rollout hands the learner: prompt tokens, response tokens (the last
 one the stop token), each response token's sampler logprob and the policy version that
-drew it, and a reward. `build` lays samples out as a run does (rl/batch.py's build_batch,
-with an advantage estimator over each group's rewards); `random_batch` makes them."""
+drew it, and a reward. `build` lays samples out as a run does (rl/batch.py's TrainBatch,
+with an advantage estimator over each group's rewards); `random_batch` makes them.
+`train_batch` makes a TrainBatch of a test's own rows, `learn_once` runs rl/learn.py's
+step on it, and `gae` gives a critic's advantages as that step does."""
 
 import numpy as np
 
 from april_jax.rl import advantages
-from april_jax.rl import batch as batch_lib
+from april_jax.rl import learn
+from april_jax.rl.batch import ROW_KEYS, TrainBatch
 from april_jax.rollout.group import Group
 from april_jax.sampler import SampleRecord
 
@@ -30,8 +33,9 @@ def sample(prompt, response, logprobs, versions) -> SampleRecord:
 
 def build(groups: list[list[SampleRecord]], rewards_GxN, version: int, **kw) -> dict:
   """The learner's batch of these groups of samples and their rewards, trained at policy
-  `version` (tokens drawn before it are stale): rl/batch.py's arrays, advantages by
-  `estimator` (default GRPO), rows padded as build_batch pads them (max_len: 48)."""
+  `version` (tokens drawn before it are stale): rl/batch.py's rows, advantages by
+  `estimator` (default GRPO), rows padded as a run pads them (max_len: 48), and the
+  rewards [B]."""
   estimator, max_len = kw.pop("estimator", "grpo"), kw.pop("max_len", 48)
   assert not kw, kw
   rewards_GxN = np.asarray(rewards_GxN, np.float32)
@@ -40,7 +44,8 @@ def build(groups: list[list[SampleRecord]], rewards_GxN, version: int, **kw) -> 
       for g, samples in enumerate(groups)
   ]
   adv = np.asarray(advantages.get_advantage(estimator)(rewards_GxN))
-  return batch_lib.build_batch(made, adv, version, max_len=max_len)
+  batch = TrainBatch.from_groups(made, version, max_len=max_len)
+  return dict(batch.with_advantages(adv), rewards=rewards_GxN.reshape(-1))
 
 
 def random_batch(
@@ -67,3 +72,36 @@ def random_batch(
     out.append(samples)
     rewards.append([float(len(s.response)) for s in samples])
   return build(out, rewards, version=1)
+
+
+def train_batch(batch: dict, n: int, version: int = 1) -> TrainBatch:
+  """A test's rows (a dict of [B, T] arrays with rewards [B]) as the TrainBatch of groups
+  of n samples; a sample's length: its row's drawn tokens."""
+  rewards = np.asarray(batch["rewards"], np.float32).reshape(-1, n)
+  lengths = (np.asarray(batch["mask"]) > 0).sum(-1).astype(np.float32).reshape(-1, n)
+  rows = {k: batch[k] for k in ROW_KEYS}
+  return TrainBatch(**rows, rewards=rewards, lengths=lengths, version=version)
+
+
+def learn_once(batch: TrainBatch, learner, critic=None) -> dict[str, float]:
+  """rl/learn.py's step on the learner's (and critic's) held state, which it replaces;
+  its metrics."""
+  learners = learn.Learners(learner, critic)
+  state, metrics = learn.learn(learners.state(), batch, learners)
+  learners.put(state)
+  return metrics
+
+
+def gae(critic, batch: dict, rewards_B) -> dict[str, float]:
+  """The critic's values of batch's tokens and GAE's advantages and returns over them, as
+  rl/learn.py derives them, set into batch ("old_values", "advantages", "returns"); the
+  critic/* metrics."""
+  values = critic.values(batch)
+  adv = learn.critic_advantages(critic.train, rewards_B, batch["mask"], values, batch.get("stale"))
+  batch.update(old_values=values, advantages=adv.values, returns=adv.returns)
+  return adv.metrics
+
+
+def critic_update(critic, batch: dict) -> dict[str, float]:
+  """The critic's updates on the returns `gae` set; critic/* metrics."""
+  return critic.update(batch, batch["old_values"], batch["returns"])

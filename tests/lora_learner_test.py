@@ -147,10 +147,10 @@ def test_a_lora_critic_shares_the_base_and_trains_its_adapters_and_head(params):
   assert set(critic.frozen) == set(learner.frozen) - {"lm_head"}
   assert all(critic.frozen[k] is learner.frozen[k] for k in critic.frozen)
   batch = _batch(5)
-  critic.advantages(batch, np.linspace(0.0, 1.0, batch["mask"].shape[0]))
+  learner_batches.gae(critic, batch, np.linspace(0.0, 1.0, batch["mask"].shape[0]))
   assert np.abs(critic.values(batch)).max() == 0  # a zero head: values start at 0
   before = jax.tree.map(np.array, learner.frozen)
-  metrics = critic.update(batch)
+  metrics = learner_batches.critic_update(critic, batch)
   assert metrics["critic/value_loss"] > 0
   assert np.abs(critic.values(batch)).max() > 0
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, learner.frozen), before)

@@ -20,6 +20,7 @@ from april_jax.rl import layout
 from april_jax.rl import update as update_lib
 from april_jax.rl.update import Learner
 from conftest import tiny_qwen3
+from learner_batches import critic_update, gae, learn_once, train_batch
 
 CFG = tiny_qwen3()
 T = 48
@@ -155,9 +156,10 @@ def _gradients(learner: Learner, batch: dict[str, np.ndarray]):
   return grads
 
 
-def _compare_updates(params, batch, **overrides):
+def _compare_updates(params, batch, learned: bool = False, **overrides):
   """Old logprobs and gradients, then the metrics of two updates, packed against
-  unpacked."""
+  unpacked: on the batch's advantages, or (learned) rl/learn.py's step, which derives
+  them from the rewards and the passes."""
   out = {}
   for packing in (False, True):
     learner = Learner(CFG, jax.tree.map(jnp.copy, params), _train(packing, **overrides), 0.8, 4)
@@ -166,7 +168,10 @@ def _compare_updates(params, batch, **overrides):
       assert max(p.segments().max() for p in pieces) >= 2
     logp = learner.logprobs(learner.params, batch)
     grads = _gradients(learner, batch)
-    metrics = [learner.update(dict(batch)) for _ in range(2)]
+    if learned:
+      metrics = [learn_once(train_batch(batch, 4), learner) for _ in range(2)]
+    else:
+      metrics = [learner.update(dict(batch)) for _ in range(2)]
     out[packing] = (logp, grads, metrics)
   (lp_u, g_u, m_u), (lp_p, g_p, m_p) = out[False], out[True]
   live = batch["mask"] > 0
@@ -218,7 +223,10 @@ def test_packed_rows_equal_unpacked_for_every_advantage_estimator(params, estima
 
 def test_packed_rows_equal_unpacked_with_reinforce_pp_kl_in_the_reward(params):
   batch = _batch(3)
-  _compare_updates(params, batch, advantage="reinforce_plus_plus", reward_kl_coef=0.05)
+  metrics = _compare_updates(
+      params, batch, learned=True, advantage="reinforce_plus_plus", reward_kl_coef=0.05
+  )
+  assert metrics[1]["train/kl"] != 0  # the second step's policy has moved off the reference
 
 
 def test_packed_critic_gives_the_values_gae_and_update_of_a_row_per_sample(params):
@@ -231,9 +239,9 @@ def test_packed_critic_gives_the_values_gae_and_update_of_a_row_per_sample(param
     critic.params = jax.tree.map(  # a head that gives nonzero values
         lambda x: x + 0.05 * jnp.ones_like(x) if x.ndim == 1 else x, critic.params
     )
-    metrics = critic.advantages(batch, batch["rewards"])
-    metrics.update(critic.update(batch))  # the first update: from the same params
-    second = critic.update(batch)
+    metrics = gae(critic, batch, batch["rewards"])
+    metrics.update(critic_update(critic, batch))  # the first update: from the same params
+    second = critic_update(critic, batch)
     out[packing] = (batch, metrics, second, critic.params)
   (b_u, m_u, s_u, p_u), (b_p, m_p, s_p, p_p) = out[False], out[True]
   live = b_u["mask"] > 0

@@ -56,7 +56,7 @@ def _rollout_batch(params, seed=0):
   )
   result = AprilScheduler(engine, settings, source, rewards, seed=seed).step(0)
   adv = np.asarray(advantages.get_advantage("grpo")(np.array([g.rewards for g in result.groups])))
-  return batch_lib.build_batch(result.groups, adv, 0, max_len=48)
+  return batch_lib.TrainBatch.from_groups(result.groups, 0, max_len=48).with_advantages(adv)
 
 
 def _batch(seed, **kw):
@@ -341,7 +341,7 @@ def test_reinforce_pp_puts_the_kl_to_the_reference_into_each_tokens_return(param
   b = Learner(CFG, jax.tree.map(jnp.copy, params), _train_config(**train), TEMPERATURE, 2)
   reference = jax.tree.map(jnp.copy, b.params)
   for _ in range(2):  # the second update: the policy has moved off the reference
-    a.update(batch)
+    learner_batches.learn_once(learner_batches.train_batch(batch, 4), a)
     adv = advantages.reinforce_pp_kl_advantages(
         batch["rewards"], b.logprobs(b.params, batch), b.logprobs(reference, batch),
         batch["mask"], 0.5,

@@ -8,8 +8,9 @@ budgets with no stop token), then do what trainer.train_step does after a rollou
   rollout     sched.step, split into decode (the engine's `step` calls), prefill
               (the engine's admission of new prompts and of resumed partials) and the
               rest (the step-end snapshot, admission, rewards, the scheduler's bookkeeping)
-  batch       shaped rewards, the config's advantage estimator, build_batch
-  learner     learner.update on that batch (it reads its metrics back: the device is done)
+  batch       the step's TrainBatch (rl/batch.py: rows, shaped rewards)
+  learner     rl/learn.py's learn on that batch: passes, advantages, updates (it reads
+              its metrics back: the device is done)
   cast        learner.decode_params(), handed to both engines
   checkpoint  the learner's state (float32 masters, AdamW moments) saved with orbax into a
               temporary folder and waited for; the folder is removed after it is measured
@@ -73,6 +74,7 @@ from april_jax.models import hf_io, lora, path_check
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout as layout_lib
+from april_jax.rl import learn as learn_lib
 from april_jax.rl import update as update_lib
 
 PROMPT_LEN = scheduler_bench.PROMPT_LEN
@@ -204,20 +206,20 @@ def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: s
   return Bench(config, cfg, learner, sides, directory, ocp.StandardCheckpointer(), seed)
 
 
-def _batch(bench: Bench, result) -> dict[str, np.ndarray]:
+def _batch(bench: Bench, result) -> batch_lib.TrainBatch:
   """trainer.train_step's batch, with seeded random rewards added (see the docstring)."""
   c = bench.config
-  rewards = batch_lib.shaped_rewards(result.groups, c.train, c.rollout.max_response_len)
-  rng = np.random.default_rng([bench.seed, bench.version])
-  rewards = rewards + rng.random(rewards.shape, np.float32)
-  lengths = [[s.drawn_mask.sum() for s in g.samples] for g in result.groups]
-  estimator = advantages_lib.get_advantage(c.train.advantage)
-  adv = np.asarray(estimator(rewards, lengths_GxN=np.array(lengths, np.float32)))
-  batch = batch_lib.build_batch(
-      result.groups, adv, bench.version, pad_id=0, max_len=PROMPT_LEN + c.rollout.max_response_len
+  batch = batch_lib.TrainBatch.from_groups(
+      result.groups,
+      bench.version,
+      pad_id=0,
+      max_len=PROMPT_LEN + c.rollout.max_response_len,
+      train=c.train,
+      max_response_len=c.rollout.max_response_len,
   )
-  batch["rewards"] = rewards.reshape(-1)
-  return batch
+  rng = np.random.default_rng([bench.seed, bench.version])
+  noise = rng.random(batch.rewards.shape, np.float32)
+  return dataclasses.replace(batch, rewards=batch.rewards + noise)
 
 
 def _save(bench: Bench) -> str:
@@ -245,7 +247,9 @@ def _side_step(bench: Bench, side: Side) -> dict[str, Any]:
   marks.append(time.perf_counter())
   batch = _batch(bench, result)
   marks.append(time.perf_counter())
-  bench.learner.update(batch)
+  learners = learn_lib.Learners(bench.learner)
+  state, _ = learn_lib.learn(learners.state(), batch, learners)  # its metrics: read on the host
+  learners.put(state)
   jax.block_until_ready(bench.learner.params)
   marks.append(time.perf_counter())
   _cast(bench)
@@ -267,7 +271,7 @@ def _side_step(bench: Bench, side: Side) -> dict[str, Any]:
 def _work(bench: Bench, side: Side, result, batch, checkpoint_bytes: int) -> dict[str, Any]:
   """What one side's step had to do: bytes, FLOPs and token counts."""
   kv_positions, prefilled = side.counts.take()
-  mask = batch["mask"]
+  mask = batch.mask
   t = bench.learner.train
   plan = layout_lib.plan(mask, t, bench.learner.min_rows)
   padded = [n for mb in plan for p in mb for n in p.run_lengths()]
@@ -286,7 +290,7 @@ def _work(bench: Bench, side: Side, result, batch, checkpoint_bytes: int) -> dic
       "decode_steps": result.stats["decode_steps"],
       "kv_positions": kv_positions,
       "prefill_flops": floors.body_flops(bench.cfg, prefilled) if prefilled else 0.0,
-      "batch_bytes": sum(int(v.nbytes) for v in batch.values()),
+      "batch_bytes": batch.nbytes,
       "learner_flops": flops(padded),
       "learner_real_flops": flops(batch_lib.row_lengths(mask)),
       "padded_tokens": layout["padded_tokens"],

@@ -10,11 +10,14 @@ token t+1; a row's response occupies t in [P-1, P+R-2]:
                     environment's observation)
   behavior_BxT      the sampler's recorded logprob of that token (temperature-scaled)
   stale_BxT         True where the token was drawn by a policy older than the current one
-  advantages_B      per sample
+  advantages_B      per sample (or [B, T] per token), derived by the learner
+
+`TrainBatch` holds a step's rows with its rewards, built once and read-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -31,7 +34,7 @@ def bucket_len(n: int, min_bucket: int = 32, max_len: int | None = None) -> int:
 
 
 def all_bucket_lens(max_len: int, min_bucket: int = 32) -> list[int]:
-  """Every padded length build_batch can produce for sequences up to max_len."""
+  """Every padded length a TrainBatch can have for sequences up to max_len."""
   return buckets.all_buckets(min_bucket, _cap(max_len))
 
 
@@ -69,7 +72,7 @@ def microbatches(
 def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.ndarray:
   """Rewards [G, n], with DAPO's overlong penalty (counted in tokens) when enabled."""
   rewards = np.array([g.rewards for g in groups], np.float32)
-  buffer_len = train_cfg.overlong_buffer_len
+  buffer_len = train_cfg.overlong_buffer_len if train_cfg is not None else 0
   if buffer_len:
     lengths = np.array([[len(s.response) for s in g.samples] for g in groups], np.float32)
     penalty = advantages_lib.overlong_penalty(
@@ -79,15 +82,8 @@ def shaped_rewards(groups: list[Group], train_cfg, max_response_len: int) -> np.
   return rewards
 
 
-def build_batch(
-    groups: list[Group],
-    advantages_GxN: np.ndarray,
-    version: int,
-    pad_id: int = 0,
-    min_bucket: int = 32,
-    max_len: int | None = None,
-) -> dict[str, np.ndarray]:
-  """The update's arrays; T is bucketed (<= max_len, the longest prompt + response)."""
+def _rows(groups: list[Group], version: int, pad_id: int, min_bucket: int, max_len) -> dict:
+  """The row arrays of a step's samples, one row each (see the module docstring)."""
   samples = [s for g in groups for s in g.samples]
   B = len(samples)
   T = bucket_len(max(s.length for s in samples), min_bucket, max_len)
@@ -103,11 +99,90 @@ def build_batch(
     behavior[b, P - 1 : P + R - 1] = s.logprobs
     stale[b, P - 1 : P + R - 1] = s.versions < version
   targets = np.concatenate([tokens[:, 1:], np.full((B, 1), pad_id, np.int32)], axis=1)
-  return {
-      "tokens": tokens,
-      "targets": targets,
-      "mask": mask,
-      "behavior": behavior,
-      "stale": stale,
-      "advantages": np.asarray(advantages_GxN, np.float32).reshape(B),
-  }
+  return {"tokens": tokens, "targets": targets, "mask": mask, "behavior": behavior, "stale": stale}
+
+
+ROW_KEYS = ("tokens", "targets", "mask", "behavior", "stale")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainBatch:
+  """One RL step's training data, built once from its groups (`from_groups`) and never
+  changed: its arrays are read-only. The learner (rl/learn.py) reads it; what it derives
+  (old logprobs, importance weights, advantages) it keeps apart.
+
+  tokens, targets, mask, behavior, stale   [B, T], B = G x n rows in group order
+  rewards    [G, n] float32, DAPO's overlong penalty added where the config asks
+  lengths    [G, n] float32, each sample's drawn (trained) response tokens
+  version    the policy version this batch trains (tokens drawn before it are stale)
+  """
+
+  tokens: np.ndarray
+  targets: np.ndarray
+  mask: np.ndarray
+  behavior: np.ndarray
+  stale: np.ndarray
+  rewards: np.ndarray
+  lengths: np.ndarray
+  version: int
+
+  def __post_init__(self):
+    B, T = self.tokens.shape
+    for name in ROW_KEYS:
+      if getattr(self, name).shape != (B, T):
+        raise ValueError(f"TrainBatch.{name} is {getattr(self, name).shape}, not [B, T] = {(B, T)}")
+    for name in ("rewards", "lengths"):
+      x = getattr(self, name)
+      if x.ndim != 2 or x.size != B:
+        raise ValueError(f"TrainBatch.{name} is {x.shape}, not [G, n] with G x n = {B} rows")
+    for name in ROW_KEYS + ("rewards", "lengths"):
+      frozen = np.array(getattr(self, name))  # a copy of its own, so no caller can write it
+      frozen.flags.writeable = False
+      object.__setattr__(self, name, frozen)
+
+  @classmethod
+  def from_groups(
+      cls,
+      groups: list[Group],
+      version: int,
+      *,
+      pad_id: int = 0,
+      min_bucket: int = 32,
+      max_len: int | None = None,
+      train=None,
+      max_response_len: int = 0,
+  ) -> "TrainBatch":
+    """The batch of a step's groups, trained at `version`; T is bucketed (<= max_len, the
+    longest prompt + response). With `train` (the config's train section), rewards carry
+    its overlong penalty over max_response_len."""
+    unscored = [g.group_id for g in groups if not g.scored]
+    if unscored:
+      raise ValueError(
+          f"a TrainBatch is built from scored groups; groups {unscored} have no rewards"
+      )
+    lengths = [[s.drawn_mask.sum() for s in g.samples] for g in groups]
+    return cls(
+        **_rows(groups, version, pad_id, min_bucket, max_len),
+        rewards=shaped_rewards(groups, train, max_response_len),
+        lengths=np.array(lengths, np.float32),
+        version=int(version),
+    )
+
+  @property
+  def group_shape(self) -> tuple[int, int]:
+    return self.rewards.shape
+
+  @property
+  def nbytes(self) -> int:
+    """The bytes of its arrays."""
+    return sum(int(getattr(self, k).nbytes) for k in ROW_KEYS + ("rewards", "lengths"))
+
+  def rows(self) -> dict[str, np.ndarray]:
+    """The [B, T] arrays by name, as the layout and the learner's passes read them."""
+    return {k: getattr(self, k) for k in ROW_KEYS}
+
+  def with_advantages(self, advantages) -> dict[str, np.ndarray]:
+    """The rows with per-sample [B] (or per-token [B, T]) advantages: what
+    Learner.update trains on when advantages are given."""
+    adv = np.asarray(advantages, np.float32)
+    return dict(self.rows(), advantages=adv.reshape(-1) if adv.size == len(self.tokens) else adv)

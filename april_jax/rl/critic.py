@@ -50,7 +50,6 @@ from april_jax.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.models import lora as lora_lib
-from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import step
 from april_jax.rl import update as update_lib
 
@@ -249,12 +248,10 @@ def lora_param_shardings(cfg: qwen3.Qwen3Config, spec: lora_lib.LoraSpec, mesh, 
   return {"adapters": lora_lib.shardings(cfg, spec, mesh, rules), HEAD: head_sh}
 
 
-CRITIC_KEYS = ("tokens", "mask", "old_values", "returns")
-
-
 class Critic(step.TrainedModel):
-  """Holds the critic's float32 masters and optimizer state; turns a step's rewards into
-  per-token advantages (`advantages`) and regresses its values on the returns (`update`).
+  """Holds the critic's float32 masters and optimizer state; gives the values of a step's
+  tokens (`values`, which rl/learn.py turns into GAE's advantages and returns) and
+  regresses them on the returns (`optimize`).
   Made from a policy's params (or a critic folder's): their backbone, a new zero head.
   With `lora`, `params` is a frozen base in the compute dtype (the policy's own, shared,
   or a critic folder's) and the critic trains adapters over it and its head."""
@@ -300,42 +297,38 @@ class Critic(step.TrainedModel):
       update_lib.check_same_base(host.get("lora"), self.lora, self.base_fingerprint)
     super().restore(arrays, host)
 
-  def values(self, batch: dict[str, np.ndarray], plan=None) -> np.ndarray:
-    """V [B, T] under the current critic (0 past a microbatch's cut, and packed, past
-    each sample's last needed token)."""
+  def values(self, batch: dict[str, np.ndarray], plan=None, params=None) -> np.ndarray:
+    """V [B, T] under params (default: the held critic's) (0 past a microbatch's cut,
+    and packed, past each sample's last needed token)."""
     pieces = [p for mb in (plan or self.plan(batch)) for p in mb]
-    return self.forward_pass(self.params, {"tokens": batch["tokens"]}, pieces)
+    params = self.params if params is None else params
+    return self.forward_pass(params, {"tokens": batch["tokens"]}, pieces)
 
-  def advantages(self, batch: dict[str, np.ndarray], rewards_B, plan=None) -> dict[str, float]:
-    """Sets batch's per-token "advantages" (GAE, whitened if asked), "returns" and
-    "old_values" from the samples' rewards; returns critic/* metrics."""
-    t = self.train
-    mask = batch["mask"]
-    old_values = self.values(batch, plan)
-    adv, returns = gae(rewards_B, old_values, mask, t.gae_gamma, t.gae_lambda)
-    batch["old_values"], batch["returns"] = old_values, returns
-    trained = update_lib.trained_mask(t, mask, batch.get("stale"))
-    batch["advantages"] = advantages_lib.whiten_tokens(adv, trained) if t.gae_whiten else adv
-    live = mask > 0
-    v, r = old_values[live], returns[live]
-    explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
-    return {
-        "critic/values_mean": float(v.mean()) if v.size else 0.0,
-        "critic/returns_mean": float(r.mean()) if r.size else 0.0,
-        "critic/advantages_mean": float(adv[live].mean()) if v.size else 0.0,
-        "critic/explained_variance": float(explained),
+  def optimize(
+      self, state: step.ModelState, batch: dict[str, np.ndarray], old_values, returns, plan=None
+  ) -> tuple[step.ModelState, dict[str, float]]:
+    """ppo_epochs x num_minibatches optimizer updates from `state` of the value loss on
+    `returns`, clipped around `old_values` ([B, T] each, from rl/learn.py's GAE); the
+    new state and critic/* metrics (one host read)."""
+    arrays = {
+        "tokens": batch["tokens"],
+        "mask": batch["mask"],
+        "old_values": old_values,
+        "returns": returns,
     }
-
-  def update(self, batch: dict[str, np.ndarray], plan=None) -> dict[str, float]:
-    """ppo_epochs x num_minibatches optimizer updates of the value loss on the returns
-    `advantages` set; critic/* metrics (one host read)."""
-    arrays = {k: batch[k] for k in CRITIC_KEYS}
     totals = lambda rows: (np.float32((arrays["mask"][rows] > 0).sum()),)
-    metrics = to_host(self.epochs(arrays, plan or self.plan(batch), totals))
+    state, metrics = self.epochs(state, arrays, plan or self.plan(batch), totals)
+    metrics = to_host(metrics)
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
-    return {
+    return state, {
         "critic/value_loss": mean("value_loss"),
         "critic/value_clipfrac": mean("value_clipfrac"),
         "critic/grad_norm": mean("grad_norm"),
         "critic/lr": mean("lr"),
     }
+
+  def update(self, batch: dict[str, np.ndarray], old_values, returns, plan=None) -> dict:
+    """`optimize` on the held state (which it replaces); critic/* metrics."""
+    state, metrics = self.optimize(self.model_state(), batch, old_values, returns, plan)
+    self.set_model_state(state)
+    return metrics

@@ -13,14 +13,14 @@ reads (a LoRA run's base model; None in a full fine-tune); the rest is this modu
              and come back in the shardings they went in.
   host       `TrainedModel`: a batch laid out in pieces (rl/layout.py), each placed on the
              mesh; a forward pass over them gathered back to [B, T]; ppo_epochs x
-             num_minibatches optimizer updates, each one gradient call per piece into
-             one buffer, then the update.
+             num_minibatches optimizer updates of a `ModelState`, each one gradient call
+             per piece into one buffer, then the update.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -196,11 +196,21 @@ def piece(batch: dict[str, np.ndarray], p: layout.Piece, mesh, rules) -> dict:
   return {k: place(v, mesh, rules) for k, v in p.device_arrays(batch).items()}
 
 
+class ModelState(NamedTuple):
+  """What one optimizer update changes: float32 master params, their optimizer state and
+  the count of updates tried (the skipped ones are counted in the optimizer state). A
+  state given to an update is consumed: its arrays are donated."""
+
+  params: Any
+  opt_state: Any
+  attempted: int
+
+
 class TrainedModel:
-  """Float32 master params, their optimizer state and the count of optimizer updates
-  tried (the skipped ones are counted in the optimizer state), trained by `programs`
-  beside `frozen` weights they only read (None if none): the learner and the critic are
-  each one. Rows of a call split over min_rows devices."""
+  """A model trained by `programs` beside `frozen` weights it only reads (None if none):
+  the learner and the critic are each one. Its updates are functions of a ModelState
+  (`minibatch`, `epochs`); the object holds the current one (`model_state()`), which
+  checkpoints save. Rows of a call split over min_rows devices."""
 
   def __init__(
       self, programs: Programs, params, train, mesh=None, rules=sharding.TRAIN_RULES, frozen=None
@@ -210,6 +220,12 @@ class TrainedModel:
     self.params, self.frozen = params, frozen
     self.opt_state = programs.init_opt(params)
     self.attempted = 0
+
+  def model_state(self) -> ModelState:
+    return ModelState(self.params, self.opt_state, self.attempted)
+
+  def set_model_state(self, state: ModelState) -> None:
+    self.params, self.opt_state, self.attempted = state
 
   def state(self) -> tuple[dict[str, Any], dict]:
     """What a checkpoint keeps: the device arrays (masters, optimizer state with its
@@ -241,29 +257,34 @@ class TrainedModel:
       p.scatter(gathered, x)
     return gathered
 
-  def minibatch(self, batch: dict[str, np.ndarray], pieces, totals: tuple) -> dict:
+  def minibatch(
+      self, state: ModelState, batch: dict[str, np.ndarray], pieces, totals: tuple
+  ) -> tuple[ModelState, dict]:
     """One optimizer update over one minibatch: its microbatches' gradients summed into
-    one buffer (one call per piece), then the update. Its metrics, on device."""
+    one buffer (one call per piece), then the update. The new state and its metrics, on
+    device."""
     p = self.programs
-    grads, acc = p.zeros(self.params), None
+    grads, acc = p.zeros(state.params), None
     for piece_ in pieces:
       grads, loss, metrics = p.grads(
-          self.params, self.frozen, self.piece(batch, piece_), totals, grads
+          state.params, self.frozen, self.piece(batch, piece_), totals, grads
       )
       acc = (loss, metrics) if acc is None else p.add(acc, (loss, metrics))
-    self.params, self.opt_state, m = p.apply(
-        self.params, self.opt_state, grads, *acc, np.int32(self.attempted)
+    params, opt_state, m = p.apply(
+        state.params, state.opt_state, grads, *acc, np.int32(state.attempted)
     )
-    self.attempted += 1
-    return m
+    return ModelState(params, opt_state, state.attempted + 1), m
 
-  def epochs(self, batch: dict[str, np.ndarray], plan, totals: Callable) -> list[dict]:
+  def epochs(
+      self, state: ModelState, batch: dict[str, np.ndarray], plan, totals: Callable
+  ) -> tuple[ModelState, list[dict]]:
     """train.ppo_epochs passes over the plan's minibatches, an optimizer update each;
-    totals(rows) gives the loss's totals over a minibatch's batch rows. Their metrics,
-    on device."""
+    totals(rows) gives the loss's totals over a minibatch's batch rows. The new state
+    and the updates' metrics, on device."""
     metrics = []
     for _ in range(self.train.ppo_epochs):
       for pieces in plan:
         rows = np.concatenate([p.batch_rows for p in pieces])
-        metrics.append(self.minibatch(batch, pieces, totals(rows)))
-    return metrics
+        state, m = self.minibatch(state, batch, pieces, totals(rows))
+        metrics.append(m)
+    return state, metrics

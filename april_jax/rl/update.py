@@ -1,6 +1,7 @@
 """The learner: jitted policy-gradient updates of the very params the sampler decodes with.
 
-One RL step's batch (rl/batch.py) goes through:
+One RL step's batch (rl/batch.py) goes through these, as rl/learn.py calls them
+(`passes`, then `optimize` with the advantages it derives):
   1. old logprobs: the learner's logprobs under the params before this step's updates
      (the proximal policy), in chunks over the sequence (never [B, T, vocab]) and in
      microbatches; from them and the sampler's logprobs, on the host, the importance
@@ -149,6 +150,20 @@ class Programs(step.Programs):
   to_compute: Any
   decode_params: Any  # (masters, frozen) -> compute-dtype params in the sampler's layout
   decode_adapters: Any  # LoRA adapters -> as the sampler applies them unmerged (or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+  """What a step's updates read besides its rows, from the passes before them (host
+  arrays [B, T]): the proximal policy's logprobs (the sampler's with ratio_anchor
+  "behavior"), the importance weights, the trained mask (a mask-mode weight drops
+  tokens), the reference's logprobs (None without a KL term), and their metrics."""
+
+  old_logp: np.ndarray
+  is_weight: np.ndarray
+  mask: np.ndarray
+  ref_logp: np.ndarray | None
+  metrics: dict
 
 
 def build_programs(
@@ -446,48 +461,56 @@ class Learner(step.TrainedModel):
     inputs = {k: batch[k] for k in FORWARD_KEYS}
     return self.forward_pass(params, inputs, pieces, pick=lambda out: out[0])
 
-  def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """All of one RL step's optimizer updates; returns train/* metrics (one host read)."""
-    t, cfg = self.train, self.loss_cfg
-    plan = self.plan(batch)
+  def passes(self, state: step.ModelState, batch: dict[str, np.ndarray], plan) -> Passes:
+    """The passes over a step's batch before its first update, under `state`'s params
+    (the proximal policy) and the reference's: old logprobs and importance weights
+    (rl/corrections.py), reference logprobs where a KL term needs them."""
+    cfg = self.loss_cfg
+    behavior = batch["behavior"]  # on the host only: the device needs the weights
+    if cfg.ratio_anchor == "behavior":  # coupled PPO: no old-logprob pass, no weight
+      return Passes(
+          behavior, np.ones_like(batch["mask"]), batch["mask"], self._reference(batch, plan), {}
+      )
+    old_logp = self.logprobs(state.params, batch, plan)
+    same_version = (batch["mask"] > 0) & ~batch["stale"]
+    diff = np.abs(behavior - old_logp)[same_version]
+    metrics = {"train/logprob_diff_mean": float(diff.mean()) if diff.size else 0.0}
+    trained = trained_mask(cfg, batch["mask"], batch["stale"])
+    weights = corrections.importance_weights(
+        cfg.is_level, cfg.is_mode, cfg.is_low, cfg.tis_cap, old_logp, behavior, trained
+    )
+    metrics.update({f"train/{k}": v for k, v in weights.metrics.items()})
+    mask = batch["mask"] * weights.keep_BxT
+    return Passes(old_logp, weights.weight_BxT, mask, self._reference(batch, plan), metrics)
+
+  def _reference(self, batch: dict[str, np.ndarray], plan) -> np.ndarray | None:
+    return self.logprobs(self.ref_params, batch, plan) if self.has_reference else None
+
+  def optimize(
+      self, state: step.ModelState, batch: dict[str, np.ndarray], passes: Passes, advantages, plan
+  ) -> tuple[step.ModelState, dict[str, float]]:
+    """All of one RL step's optimizer updates from `state`, on the batch's rows with the
+    passes' weights and these advantages ([B], or [B, T] per token); the new state and
+    train/* metrics (one host read)."""
+    cfg = self.loss_cfg
     pieces = [p for mb in plan for p in mb]
     counts = layout.token_counts(pieces, batch_lib.row_lengths(batch["mask"]))
-    behavior = batch["behavior"]  # on the host only: the device needs the weights
-    original_mask = batch["mask"]  # the drawn tokens (a mask-mode weight may drop some)
-    extra = {}
-    if cfg.ratio_anchor == "behavior":  # coupled PPO: no old-logprob pass, no weight
-      old_logp = behavior
-    else:
-      old_logp = self.logprobs(self.params, batch, plan)
-      same_version = (batch["mask"] > 0) & ~batch["stale"]
-      diff = np.abs(behavior - old_logp)[same_version]
-      extra["train/logprob_diff_mean"] = float(diff.mean()) if diff.size else 0.0
-      trained = trained_mask(cfg, batch["mask"], batch["stale"])
-      weights = corrections.importance_weights(
-          cfg.is_level, cfg.is_mode, cfg.is_low, cfg.tis_cap, old_logp, behavior, trained
-      )
-      extra.update({f"train/{k}": v for k, v in weights.metrics.items()})
-      batch = dict(batch, is_weight=weights.weight_BxT, mask=batch["mask"] * weights.keep_BxT)
-    batch = dict(batch, old_logp=old_logp)
-    batch.setdefault("is_weight", np.ones_like(batch["mask"]))
-    if self.has_reference:
-      batch["ref_logp"] = self.logprobs(self.ref_params, batch, plan)
-    if t.reward_kl_coef > 0:  # REINFORCE++ with the KL in the reward: per token
-      drawn = original_mask > 0
-      batch["advantages"] = advantages_lib.reinforce_pp_kl_advantages(
-          batch["rewards"],
-          old_logp,
-          batch["ref_logp"],
-          drawn,
-          t.reward_kl_coef,
-          whiten_mask=trained_mask(t, drawn, batch["stale"]),
-      )
-    batch = {k: v for k, v in batch.items() if k in UPDATE_KEYS}  # what goes to the devices
-    totals = lambda rows: _totals(cfg, batch["mask"][rows], batch["stale"][rows])
-    metrics = self.epochs(batch, plan, totals)
-    metrics, skipped = to_host((metrics, self.opt_state.total_notfinite))
+    arrays = {
+        "tokens": batch["tokens"],
+        "targets": batch["targets"],
+        "mask": passes.mask,
+        "is_weight": passes.is_weight,
+        "old_logp": passes.old_logp,
+        "stale": batch["stale"],
+        "advantages": np.asarray(advantages, np.float32),
+    }
+    if passes.ref_logp is not None:
+      arrays["ref_logp"] = passes.ref_logp
+    totals = lambda rows: _totals(cfg, arrays["mask"][rows], arrays["stale"][rows])
+    state, metrics = self.epochs(state, arrays, plan, totals)
+    metrics, skipped = to_host((metrics, state.opt_state.total_notfinite))
     mean = lambda k: float(np.mean([m[k] for m in metrics]))
-    return {
+    return state, {
         "train/loss": mean("loss"),
         "train/pg_loss": mean("pg_loss"),
         "train/pg_clipfrac": mean("pg_clipfrac"),
@@ -496,8 +519,18 @@ class Learner(step.TrainedModel):
         "train/grad_norm": mean("grad_norm"),
         "train/lr": mean("lr"),
         "train/ratio_mean": mean("ratio_mean"),
-        **extra,
+        **passes.metrics,
         "train/padded_per_real": counts["padded_per_real"],  # positions computed / tokens
         "train/skipped_updates": float(skipped),
-        "train/updates": float(self.attempted - int(skipped)),
+        "train/updates": float(state.attempted - int(skipped)),
     }
+
+  def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """One RL step's updates of the held state on rows whose advantages are given
+    (batch["advantages"]); train/* metrics. A run's step goes through rl/learn.py, which
+    derives the advantages; this is the policy's part alone (warm start, tests)."""
+    plan = self.plan(batch)
+    passes = self.passes(self.model_state(), batch, plan)
+    state, metrics = self.optimize(self.model_state(), batch, passes, batch["advantages"], plan)
+    self.set_model_state(state)
+    return metrics
