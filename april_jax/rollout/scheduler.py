@@ -63,6 +63,7 @@ import numpy as np
 
 from april_jax.data import PromptItem
 from april_jax.rollout.episodes import EpisodeRunner
+from april_jax.rollout.turns import EpisodeTurns, SingleTurn
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
@@ -94,7 +95,8 @@ class AprilScheduler:
     if engine.config.hold_stopped != (episodes is not None):
       raise ValueError("an environment's episodes need an engine with hold_stopped, and only they")
     self.engine, self.settings, self.rewards = engine, settings, rewards
-    self.episodes = episodes
+    self.episodes = episodes  # the runner (None: single-turn), for its counts and close
+    self.turns = SingleTurn() if episodes is None else EpisodeTurns(episodes)
     self._prompt_source = prompt_source
     self._seed = seed
     self.buffer = PartialBuffer()
@@ -107,8 +109,7 @@ class AprilScheduler:
     returns what a checkpoint keeps: the partial buffer as numpy arrays, KV included,
     and the rest (group ids, run totals) as JSON."""
     self.engine.copy_out_kept()
-    if self.episodes is not None:  # calls still running: their answers join the buffer
-      self.episodes.answer(self.engine, "all")
+    self.turns.answered(self.engine, "all")  # calls still running: answers join the buffer
     return self.buffer.to_state(), {
         "next_group_id": self.next_group_id,
         "totals": dict(self.totals),
@@ -158,8 +159,7 @@ class AprilScheduler:
       if item is None:
         return None
       group = self._new_group(item, step)
-      if self.episodes is not None:  # reset may give the group's prompt (its messages)
-        self._open_episodes(group, group.samples)
+      self.turns.open(group, group.samples)  # reset may give the group's prompt (its messages)
       try:
         for sample in group.samples:
           self.engine.check(sample)
@@ -169,25 +169,6 @@ class AprilScheduler:
         continue
       self.totals["admitted"] += 1
       return group
-
-  def _open_episodes(self, group: Group, records: list[SampleRecord]) -> None:
-    """Resets the records' episodes from the group's row. Where reset gave messages they
-    render the prompt, which a group's samples share: a fresh group takes its first
-    sample's, and a sample whose messages render another is an environment error."""
-    self.episodes.start(records, [{**group.row, "answer": group.answer}] * len(records))
-    opened = [r for r in records if r.episode.error is None]  # a failed reset has no say
-    if opened and all(r.episode is not None and not r.started for r in group.samples):
-      group.prompt = opened[0].prompt  # a fresh group: its first opened sample's
-    for r in opened:
-      if not np.array_equal(r.prompt, group.prompt):
-        r.set_episode(
-            dataclasses.replace(
-                r.episode, error="reset's messages render another prompt than its group's"
-            )
-        )
-        self.episodes.counts["env/errors"] += 1
-    for r in records:
-      r.set_prompt(group.prompt)
 
   # -------------------------------------------------------------------- staleness
   def _enforce_staleness(self, group: Group, version: int, stats) -> bool:
@@ -236,7 +217,7 @@ class AprilScheduler:
       self._fill(st)
       if self._stop(st):  # filling can judge awaiting groups and complete the batch
         break
-      if self.engine.num_live == 0 and not (self.episodes and self.episodes.pending):
+      if self.engine.num_live == 0 and not self.turns.pending:
         break  # nothing live and nothing admissible: the prompts ran out
       self._decode(st)
     self._snapshot(st)
@@ -255,8 +236,7 @@ class AprilScheduler:
         tokens0=counters.tokens_generated,
         steps0=counters.decode_steps,
         rewards0=(r.errors, r.timeouts, r.seconds),
-        env0=collections.Counter(self.episodes.counts if self.episodes else ()),
-        env_wait0=self.episodes.wait_s if self.episodes else 0.0,
+        turns0=self.turns.mark(),
     )
 
   def _admit(self, st: "_Step") -> bool:
@@ -328,24 +308,22 @@ class AprilScheduler:
     the slots parked on running environment calls are given up: their samples' KV stays
     kept in their pages (resume mode kv), and they take them back in place once
     answered. A tool call then idles no slot."""
-    if self.episodes is None or self.engine.num_free or self.settings.resume_mode != "kv":
+    if not self.turns.pending or self.engine.num_free or self.settings.resume_mode != "kv":
       return
     if not self._waiting(st) and (len(st.active) >= st.budget or self._stop(st)):
       return
-    for record in list(self.episodes.pending):
-      if self.engine.holds(record):
-        self.engine.set_aside(record)
-        st.set_aside.add(record)
-        self.episodes.counts["env/set_aside"] += 1
+    st.set_aside.update(self.turns.set_aside(self.engine))
 
   def _waiting(self, st: "_Step") -> list[tuple[Group, list[SampleRecord]]]:
     """Each admitted group's samples that wait for a slot (unfinished, not in one)."""
     engine = self.engine
     out = []
     for group in st.active:
-      waiting = [r for r in group.samples if not r.finished and not engine.holds(r)]
-      if self.episodes is not None:  # a sample whose call runs waits for it first
-        waiting = [r for r in waiting if not self.episodes.awaits(r)]
+      waiting = [
+          r
+          for r in group.samples
+          if not r.finished and not engine.holds(r) and not self.turns.awaits(r)
+      ]  # a sample whose environment call runs waits for it first
       if waiting:
         out.append((group, waiting))
     return out
@@ -358,11 +336,8 @@ class AprilScheduler:
     left; True if any started."""
     engine = self.engine
     waiting = self._waiting(st)
-    if self.episodes is not None:  # restarted samples: a new episode
-      for group, rs in waiting:
-        rs = [r for r in rs if r.episode is None]
-        if rs:
-          self._open_episodes(group, rs)
+    for group, rs in waiting:  # restarted samples: a new episode
+      self.turns.open(group, rs)
     order = [r for _, rs in waiting for r in rs if r.started]
     order += [r for _, rs in waiting for r in rs if not r.started]
     room = engine.room_for(order)
@@ -397,24 +372,20 @@ class AprilScheduler:
     as partials: the next fill continues them first.
     """
     engine = self.engine
-    if self.episodes is not None and engine.num_decoding == 0:
+    if self.turns.idle(engine):
       self._answer(st, "one")  # every slot waits for its environment: so does decoding
       return
     refill = engine.num_free == 0 or st.blocked or self.settings.dynamic_sampling
-    finished = engine.step(refill=refill)
-    if self.episodes is not None:  # held turns: their calls start; those back go on
-      finished = self.episodes.park(engine, finished)
-      wait = "none" if self.episodes.settings.overlap else "all"
-      finished += self.episodes.answer(engine, wait)
+    # Held turns: their calls start; those back go on.
+    finished = self.turns.after_decode(engine, engine.step(refill=refill))
     preempted = engine.take_preempted()
     st.stats["preemptions"] += len(preempted)
     self.totals["preemptions"] += len(preempted)
     self._finished(st, finished)
 
   def _answer(self, st: "_Step", wait: str) -> None:
-    """The environment calls that have returned, applied (episodes.answer)."""
-    if self.episodes is not None and self.episodes.pending:
-      self._finished(st, self.episodes.answer(self.engine, wait))
+    """The environment calls that have returned, applied (turns.py)."""
+    self._finished(st, self.turns.answered(self.engine, wait))
 
   def _finished(self, st: "_Step", finished: list[SampleRecord]) -> None:
     """The groups of this step that the finished samples completed, in completion
@@ -450,8 +421,7 @@ class AprilScheduler:
     for record in self.engine.snapshot(with_kv=kv, keep=kv):
       if record.started:
         record.count_cut()
-      if self.episodes is not None and self.episodes.awaits(record):
-        self.episodes.counts["env/calls_cut"] += 1
+      self.turns.cut(record)
 
   def _end(self, st: "_Step") -> RolloutResult:
     """Takes the batch out of the buffer (overdue groups first, oldest first; then the
@@ -477,9 +447,7 @@ class AprilScheduler:
         reward_timeouts=r.timeouts - st.rewards0[1],
         reward_s=r.seconds - st.rewards0[2],
     )
-    if self.episodes is not None:  # env/turns, env/errors, ... (rollout/episodes.py)
-      st.stats.update({k: v - st.env0[k] for k, v in self.episodes.counts.items()})
-      st.stats["env_wait_s"] = self.episodes.wait_s - st.env_wait0
+    st.stats.update(self.turns.stats_since(st.turns0))  # env/turns, ... (multi-turn runs)
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
   def _cut(self, st: "_Step") -> RolloutResult:
@@ -505,8 +473,7 @@ class _Step:
   tokens0: int
   steps0: int
   rewards0: tuple
-  env0: collections.Counter
-  env_wait0: float
+  turns0: tuple  # the turn hook's counts at the step's start
   active: list[Group] = dataclasses.field(default_factory=list)  # admitted
   active_ids: set[int] = dataclasses.field(default_factory=set)
   accepted: list[Group] = dataclasses.field(default_factory=list)  # completion order
