@@ -83,6 +83,7 @@ class EngineCounters:
   preemptions: int = 0  # samples moved out of their slot for pages
   kv_bytes_to_host: int = 0  # KV copied out of the pool (snapshots, preemptions, kept)
   kv_bytes_to_device: int = 0  # host KV put back into the pool
+  kv_reads: int = 0  # transfers of KV out of the pool (each up to snapshot_width slots)
   feeds: int = 0  # chunked-prefill calls that wrote given tokens into slots' pages
   tokens_fed: int = 0  # given tokens those calls wrote
   feed_rows: int = 0  # rows those calls computed (a power of two, at most insert_width)

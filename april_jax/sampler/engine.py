@@ -1,11 +1,12 @@
 """The slot engine: a static array of decode slots over one set of (sharded) params.
 
 It keeps the contract contract.py states (admit, step, extend, snapshot, set the
-policy), out of three parts, each the one owner of its state:
+policy), out of four parts, each the one owner of its state:
   slots.py          which sample each slot holds, and its host-side length and limits
   kv_manager.py     the KV page pool's book, KV kept in it after a snapshot, placement
   prefill_cache.py  one prefill per prompt, the last call's KV kept for its group
-and the device state (SlotState) with the jitted calls that change it (slot_ops.py).
+  device_slots.py   the device state (SlotState), the jitted calls that change it
+                    (slot_ops.py) and every copy between it and the host
 
     engine = SlotEngine(cfg, params, EngineConfig(num_slots=64, max_len=4096))
     engine.admit(records)               # fresh: one prefill per prompt; partial: its KV
@@ -34,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import buckets, sharding
-from april_jax.distributed import to_host
 from april_jax.models import qwen3
 from april_jax.sampler import feeding, slot_ops
 from april_jax.sampler.contract import EngineCounters
+from april_jax.sampler.device_slots import DeviceSlots
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.engine_events import Events, positions_read, reported
 from april_jax.sampler.kv_manager import KVManager
 from april_jax.sampler.prefill_cache import PrefillCache
 from april_jax.sampler.records import PromptError, SampleRecord, Status, check_runnable
-from april_jax.sampler.rows import kv_positions, kv_version_of, readout, rows_from_records
+from april_jax.sampler.rows import kv_positions, kv_version_of, rows_from_records
 from april_jax.sampler.slots import Slots
 
 
@@ -61,25 +62,39 @@ class SlotEngine:
   ):
     self.cfg, self.config = cfg, config
     self._params, self._version = params, version
-    self.fns = slot_ops.device_fns(cfg, config.device_settings(), mesh, tuple(rules))
-    if self.fns.pages_per_shard - 1 < config.pages_per_sequence:
+    fns = slot_ops.device_fns(cfg, config.device_settings(), mesh, tuple(rules))
+    if fns.pages_per_shard - 1 < config.pages_per_sequence:
       raise ValueError(
-          f"EngineConfig.kv_pages={config.kv_pages} gives each of {self.fns.shards} slot "
-          f"shards {self.fns.pages_per_shard - 1} pages: too few for one sequence of "
+          f"EngineConfig.kv_pages={config.kv_pages} gives each of {fns.shards} slot "
+          f"shards {fns.pages_per_shard - 1} pages: too few for one sequence of "
           f"max_len={config.max_len} ({config.pages_per_sequence} pages)"
       )
-    table_sharding = None if self.fns.state_sharding is None else self.fns.state_sharding.page_table
-    self.kv = KVManager(config, self.fns.pages_per_shard, self.fns.shards, table_sharding)
+    table_sharding = None if fns.state_sharding is None else fns.state_sharding.page_table
+    self.kv = KVManager(config, fns.pages_per_shard, fns.shards, table_sharding)
     self.slots = Slots(config.num_slots)
     bucket = functools.partial(buckets.bucket, min_bucket=config.min_bucket, cap=config.max_len)
     self.prompts = PrefillCache(bucket, config.prefill_rows)
-    self.state = self.fns.init()
+    self._counters = EngineCounters()  # kept KV's copies to the host counted by kv.kept
+    self.device = DeviceSlots(cfg, config, fns, self._counters)
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
     self._buckets = buckets.all_buckets(config.min_bucket, config.max_len)
     self._preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
     self._to_feed: set[int] = set()  # slots whose given tokens the next step prefills
-    self._counters = EngineCounters()  # kept KV's copies to the host counted by kv.kept
     self.events = Events()  # listeners of its calls (engine_events.py): benchmarks
+
+  @property
+  def fns(self):
+    """The jitted calls (slot_ops.DeviceFns) its device state is changed by."""
+    return self.device.fns
+
+  @fns.setter
+  def fns(self, fns) -> None:
+    self.device.fns = fns
+
+  @property
+  def state(self):
+    """The slots' device state (SlotState), for callers that wait on it."""
+    return self.device.state
 
   def listen(self, listener) -> None:
     """`listener(event, seconds, **facts)` after each call engine_events.EVENTS names."""
@@ -157,19 +172,13 @@ class SlotEngine:
       raise RuntimeError("warm_up needs an empty engine")
     for b in self._buckets:
       self._warm_bucket(b)
-    self.state, _, _ = self.fns.decode(
-        self.params,
-        self.state,
-        np.int32(self.version),
-        self._stop_ids,
-        np.int32(1),
-        self.kv.table(),
-    )
-    self.state = self.fns.mark_done(self.state, np.zeros(self.config.num_slots, bool))
+    device = self.device
+    device.decode(self.params, self.version, self._stop_ids, 1, self.kv.table())
+    device.mark_done(np.zeros(self.config.num_slots, bool))
     no_slots = np.full(self.config.insert_width, -1, np.int32)
-    jax.block_until_ready(self.fns.extract_rows(self.state, no_slots))
+    jax.block_until_ready(device.fns.extract_rows(device.state, no_slots))
     rows = rows_from_records([], self.config.insert_width, self.config.max_len, [])
-    self.state = self.fns.write_rows(self.state, rows, no_slots)
+    device.state = device.fns.write_rows(device.state, rows, no_slots)
     return len(self._buckets)
 
   def _warm_bucket(self, b: int) -> None:
@@ -177,17 +186,17 @@ class SlotEngine:
     cfg, W, Wr = self.cfg, self.config.insert_width, self.config.snapshot_width
     for rows in sorted({1, self.config.prefill_rows(b)}):
       kv = self.fns.prefill_kv(self.params, np.zeros((rows, b), np.int32))
-      self._insert(kv, W, [], [], [], [], [])
-    jax.block_until_ready(
-        self.fns.extract_kv(self.state, np.full(Wr, -1, np.int32), b, self.kv.table())
-    )
+      self.device.insert(kv, W, [], [], [], [], [], self.kv.table())
+    no_rows = np.full(Wr, -1, np.int32)
+    jax.block_until_ready(self.fns.extract_kv(self.device.state, no_rows, b, self.kv.table()))
     zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), self.config.kv_dtype)
-    self._insert(self._on_device(qwen3.KVCache(zeros, zeros)), Wr, [], [], [], [], [])
+    kv = self.device.on_device(qwen3.KVCache(zeros, zeros))
+    self.device.insert(kv, Wr, [], [], [], [], [], self.kv.table())
     feeds = self.config.hold_stopped and self.config.feed_given == "prefill"
     if feeds and b <= self.bucket(min(self.config.feed_len, self.config.max_len)):
       for rows in sorted({feeding.rows(n, W) for n in range(1, W + 1)}):
         none, zero = np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
-        self.state = self.fns.feed(self.params, self.state, none, zero, b, self.kv.table())
+        self.device.feed(self.params, none, zero, b, self.kv.table())
 
   # ------------------------------------------------------------------------ admit
   def admit(self, records: list[SampleRecord], mode: str | None = None) -> list[int]:
@@ -275,33 +284,27 @@ class SlotEngine:
         lengths = [kv_positions(r) + 1 for r in chunk]
         versions = [kv_version_of(r) for r in chunk]
         slots = [slot for slot, _ in group[i : i + W]]
-        kv = self._host_kv(chunk, kv_len)
-        self._insert(kv, W, slots, chunk, versions, lengths, list(range(len(chunk))))
+        kv, rows = self.device.host_kv(chunk, kv_len), list(range(len(chunk)))
+        self.device.insert(kv, W, slots, chunk, versions, lengths, rows, self.kv.table())
     for slot, r in items:
       self._own(slot, r, kv_positions(r) + 1)
 
   def _insert_one_host_kv(self, slot: int, r: SampleRecord, kv_len: int) -> None:
     """One sample's host KV [L, 1, kv_len, K, H] into its slot (insert_width per call, as
     a prefill's KV goes in: no rows of padding cross to the device)."""
-    pad = ((0, 0), (0, kv_len - kv_positions(r)), (0, 0), (0, 0))
-    kv = qwen3.KVCache(np.pad(r.kv_k, pad)[:, None], np.pad(r.kv_v, pad)[:, None])
-    self._counters.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
-    self._insert_shared(self._on_device(kv), kv_version_of(r), [(slot, r, 0)], kv_positions(r) + 1)
+    kv = self.device.one_host_kv(r, kv_len)
+    self._insert_shared(kv, kv_version_of(r), [(slot, r, 0)], kv_positions(r) + 1)
 
   def _resume_in_place(self, items: list[tuple[int, SampleRecord, int]]) -> None:
     """Kept samples back into the slots that took their pages back (slot, record, KV
     positions): only their rows are written, insert_width slots per call."""
-    W = self.config.insert_width
-    for i in range(0, len(items), W):
-      slots, records, used = zip(*items[i : i + W])
-      lengths = [n + 1 for n in used]
-      padded = np.full(W, -1, np.int32)
-      padded[: len(slots)] = slots
-      versions = [kv_version_of(r) for r in records]
-      rows = rows_from_records(list(records), W, self.config.max_len, versions, lengths)
-      self.state = self.fns.write_rows(self.state, rows, padded)
-      for slot, record, length in zip(slots, records, lengths):
-        self._own(slot, record, length)
+    if not items:
+      return
+    slots, records, used = zip(*items)
+    lengths = [n + 1 for n in used]
+    self.device.write_rows(records, slots, [kv_version_of(r) for r in records], lengths)
+    for slot, record, length in zip(slots, records, lengths):
+      self._own(slot, record, length)
 
   def _own(self, slot: int, record: SampleRecord, length: int) -> None:
     """The sample is live in its slot; its host KV copy is released. Tokens past
@@ -311,36 +314,9 @@ class SlotEngine:
     if length < record.length and self.config.feed_given == "prefill":
       self._to_feed.add(slot)
 
-  def _insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows) -> None:
-    """One insert call of `width` slots (insert_width, or snapshot_width for restored
-    KV): up to that many records into slots, each with row kv_rows[i] of the KV
-    [L, R, T, K, H] (rows may be shared) and decoding at lengths[i]."""
-    padded, rows_at = np.full(width, -1, np.int32), np.zeros(width, np.int32)
-    padded[: len(slots)], rows_at[: len(kv_rows)] = slots, kv_rows
-    rows = rows_from_records(records, width, self.config.max_len, kv_versions, lengths)
-    self.state = self.fns.insert(self.state, kv, rows, padded, rows_at, self.kv.table())
-
   def _insert_shared(self, kv, kv_version: int, items, length: int | None = None) -> None:
-    """KV [L, R, T, K, H] into slots, `insert_width` slots per call: items are (slot,
-    record, its KV row); `length`: where their decoding stands (default: their own)."""
-    W = self.config.insert_width
-    for i in range(0, len(items), W):
-      slots, records, kv_rows = zip(*items[i : i + W])
-      lengths = [r.length if length is None else length for r in records]
-      self._insert(kv, W, slots, records, [kv_version] * len(slots), lengths, kv_rows)
-
-  def _on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
-    return kv if self.fns.kv_sharding is None else jax.device_put(kv, self.fns.kv_sharding)
-
-  def _host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
-    """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded."""
-    cfg = self.cfg
-    shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads, cfg.head_dim)
-    k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
-    for j, r in enumerate(records):
-      k[:, j, : kv_positions(r)], v[:, j, : kv_positions(r)] = r.kv_k, r.kv_v
-      self._counters.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
-    return self._on_device(qwen3.KVCache(k, v))
+    """KV [L, R, T, K, H] into slots (DeviceSlots.insert_shared, through the page table)."""
+    self.device.insert_shared(kv, kv_version, items, self.kv.table(), length)
 
   def _prefill(self, sequences: list[np.ndarray]) -> qwen3.KVCache:
     """One prefill call: the KV [L, B, T, K, H] of sequences of one length bucket T,
@@ -383,15 +359,9 @@ class SlotEngine:
       return []
     leave_after = min(self.config.refill_batch, self.num_decoding) if refill else 0
     decoding = {s for s, r in self.slots.owned() if r.engine_status is Status.LIVE}
-    self.state, steps, drawn = self.fns.decode(
-        self.params,
-        self.state,
-        np.int32(self.version),
-        self._stop_ids,
-        np.int32(leave_after),
-        self.kv.table(),
+    done, lengths, steps, drawn = self.device.decode(
+        self.params, self.version, self._stop_ids, leave_after, self.kv.table()
     )
-    done, lengths, steps, drawn = to_host((self.state.done, self.state.length, steps, drawn))
     grown = np.array(lengths) - self.slots.lengths  # a live slot gains one token per step
     self.slots.lengths[:] = lengths
     self._counters.decode_steps += int(steps)
@@ -438,7 +408,7 @@ class SlotEngine:
     self._release(slot)
     mask = np.zeros(self.config.num_slots, bool)
     mask[slot] = True
-    self.state = self.fns.mark_done(self.state, mask)
+    self.device.mark_done(mask)
     self._preempted.append(record)
     self._counters.preemptions += 1
 
@@ -471,12 +441,8 @@ class SlotEngine:
       )
     length = record.length
     record.give(tokens, self.version)
-    W = self.config.insert_width
-    slots = np.full(W, -1, np.int32)
-    slots[0] = slot
     kv_version = int(self.slots.kv_versions[slot])
-    rows = rows_from_records([record], W, self.config.max_len, [kv_version], [length])
-    self.state = self.fns.write_rows(self.state, rows, slots)
+    self.device.write_rows([record], [slot], [kv_version], [length])
     record.go_live()
     if self.config.feed_given == "prefill":
       self._to_feed.add(slot)
@@ -497,7 +463,7 @@ class SlotEngine:
         self._counters.tokens_fed += end - int(self.slots.lengths[slot])
         self.slots.lengths[slot] = end
       began = time.perf_counter()
-      self.state = self.fns.feed(self.params, self.state, slots, ends, T, self.kv.table())
+      self.device.feed(self.params, slots, ends, T, self.kv.table())
       if self.events.listening:
         self.events.emit("feed", time.perf_counter() - began, rows=rows, bucket=T)
       self._counters.feed_rows += rows
@@ -537,7 +503,7 @@ class SlotEngine:
       )
     for slot, _ in held:
       self._release(slot)
-    self.state = self.fns.mark_done(self.state, np.ones(self.config.num_slots, bool))
+    self.device.mark_done(np.ones(self.config.num_slots, bool))
     return [record for _, record in held]
 
   def discard(self, record: SampleRecord) -> None:
@@ -556,45 +522,23 @@ class SlotEngine:
     self.kv.release(slot)
 
   def _read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
-    """Copies the slots' responses (and KV) into their records, W slots per transfer."""
-    W = self.config.insert_width
-    for i in range(0, len(items), W):
-      chunk = items[i : i + W]
-      slots = np.full(W, -1, np.int32)
-      slots[: len(chunk)] = [slot for slot, _ in chunk]
-      tokens, logprobs, versions, meta = to_host(self.fns.extract_rows(self.state, slots))
-      row = readout(meta)
-      for j, (slot, record) in enumerate(chunk):
-        # Given tokens not fed yet (forced_end) belong to the response all the same.
-        P, end = int(row["prompt_len"][j]), max(int(row["length"][j]), int(row["forced_end"][j]))
-        record.read_back(tokens[j, P:end], logprobs[j, P:end], versions[j, P:end])
-        self.slots.kv_versions[slot] = int(row["kv_version"][j])
-        if with_kv:
-          record.set_kv_version(int(row["kv_version"][j]))
+    """The slots' responses (and KV of the positions written: all but the pending token
+    and any given tokens not yet fed) into their records (DeviceSlots' transfers)."""
+    read = self.device.read_rows([slot for slot, _ in items])
+    for (slot, record), (tokens, logprobs, versions, kv_version) in zip(items, read):
+      record.read_back(tokens, logprobs, versions)  # given tokens not fed yet included
+      self.slots.kv_versions[slot] = int(kv_version)
+      if with_kv:
+        record.set_kv_version(int(kv_version))
     if with_kv:
-      self._read_back_kv(items)
-
-  def _read_back_kv(self, items: list[tuple[int, SampleRecord]]) -> None:
-    """KV of the positions written (all but the pending token and any given tokens not
-    yet fed), slots grouped by length bucket, W per device call."""
-    W = self.config.snapshot_width
-    by_bucket: dict[int, list[tuple[int, SampleRecord]]] = {}
-    for slot, record in items:
-      used = int(self.slots.lengths[slot]) - 1
-      by_bucket.setdefault(self.bucket(max(used, 1)), []).append((slot, record))
-    for kv_len, group in by_bucket.items():
-      for i in range(0, len(group), W):
-        chunk = group[i : i + W]
-        slots = np.full(W, -1, np.int32)
-        slots[: len(chunk)] = [slot for slot, _ in chunk]
-        k, v = self._read_kv(slots, kv_len)
-        for j, (slot, record) in enumerate(chunk):
-          used = int(self.slots.lengths[slot]) - 1
-          record.set_kv(k[:, j, :used].copy(), v[:, j, :used].copy(), record.kv_version)
-          self._counters.kv_bytes_to_host += record.kv_k.nbytes + record.kv_v.nbytes
+      used = [(slot, int(self.slots.lengths[slot]) - 1) for slot, _ in items]
+      for (_, record), (k, v) in zip(
+          items, self.device.read_kvs(used, self.bucket, self.kv.table())
+      ):
+        record.set_kv(k, v, record.kv_version)
 
   def _read_kv(self, slots: np.ndarray, kv_len: int, table: np.ndarray | None = None):
     """Host (k, v) [L, W, kv_len, K, H] of page-table rows `slots` (-1: none), through
     the book's table or a call's own `table` (kept KV: kv_manager.py)."""
     table = self.kv.table() if table is None else self.kv.on_devices(table)
-    return to_host(self.fns.extract_kv(self.state, slots, kv_len, table))
+    return self.device.read_kv(slots, kv_len, table)

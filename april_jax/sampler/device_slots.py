@@ -1,0 +1,141 @@
+"""The slots' device state and every copy between it and the host: SlotState's one owner.
+
+Each jitted call that changes the state (slot_ops.py) is made here, and so is each
+transfer: records' rows and host KV to the device, drawn tokens and KV back to the host.
+Calls are padded to their fixed widths (insert_width, snapshot_width), so a run compiles
+one program per length bucket; bytes of KV moved either way are counted in the engine's
+counters. Nothing here decides which slot holds what (slots.py) or where pages go
+(kv_manager.py): callers pass slots and the page table.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from april_jax.distributed import to_host
+from april_jax.models import qwen3
+from april_jax.sampler.contract import EngineCounters
+from april_jax.sampler.engine_config import EngineConfig
+from april_jax.sampler.records import SampleRecord
+from april_jax.sampler.rows import kv_positions, readout, rows_from_records
+
+
+def _padded(slots, width: int) -> np.ndarray:
+  out = np.full(width, -1, np.int32)
+  out[: len(slots)] = slots
+  return out
+
+
+class DeviceSlots:
+  """The device state of `config.num_slots` slots, changed by `fns` (slot_ops.DeviceFns)."""
+
+  def __init__(self, cfg: qwen3.Qwen3Config, config: EngineConfig, fns, counters: EngineCounters):
+    self.cfg, self.config, self.fns, self.counters = cfg, config, fns, counters
+    self.state = fns.init()
+
+  # ----------------------------------------------------------------- writes
+  def insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows, table) -> None:
+    """One insert call of `width` slots (insert_width, or snapshot_width for restored
+    KV): up to that many records into slots, each with row kv_rows[i] of the KV
+    [L, R, T, K, H] (rows may be shared) and decoding at lengths[i]."""
+    rows_at = np.zeros(width, np.int32)
+    rows_at[: len(kv_rows)] = kv_rows
+    rows = rows_from_records(records, width, self.config.max_len, kv_versions, lengths)
+    self.state = self.fns.insert(self.state, kv, rows, _padded(slots, width), rows_at, table)
+
+  def insert_shared(self, kv, kv_version: int, items, table, length: int | None = None) -> None:
+    """KV [L, R, T, K, H] into slots, `insert_width` slots per call: items are (slot,
+    record, its KV row); `length`: where their decoding stands (default: their own)."""
+    W = self.config.insert_width
+    for i in range(0, len(items), W):
+      slots, records, kv_rows = zip(*items[i : i + W])
+      lengths = [r.length if length is None else length for r in records]
+      self.insert(kv, W, slots, records, [kv_version] * len(slots), lengths, kv_rows, table)
+
+  def write_rows(self, records, slots, kv_versions, lengths) -> None:
+    """The records' rows into their slots (insert_width per call), decoding again at
+    `lengths`, their KV untouched."""
+    W = self.config.insert_width
+    for i in range(0, len(records), W):
+      chunk = list(records[i : i + W])
+      rows = rows_from_records(
+          chunk, W, self.config.max_len, list(kv_versions[i : i + W]), list(lengths[i : i + W])
+      )
+      self.state = self.fns.write_rows(self.state, rows, _padded(slots[i : i + W], W))
+
+  def decode(self, params, version: int, stop_ids, leave_after: int, table):
+    """One decode call; on the host: (done [S], lengths [S], steps run, tokens drawn)."""
+    self.state, steps, drawn = self.fns.decode(
+        params, self.state, np.int32(version), stop_ids, np.int32(leave_after), table
+    )
+    return to_host((self.state.done, self.state.length, steps, drawn))
+
+  def feed(self, params, slots: np.ndarray, ends: np.ndarray, T: int, table) -> None:
+    """Given tokens into the slots' pages up to `ends` (one chunked prefill, slot_ops.feed)."""
+    self.state = self.fns.feed(params, self.state, slots, ends, T, table)
+
+  def mark_done(self, mask: np.ndarray) -> None:
+    self.state = self.fns.mark_done(self.state, mask)
+
+  # ----------------------------------------------------------- host -> device
+  def on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
+    return kv if self.fns.kv_sharding is None else jax.device_put(kv, self.fns.kv_sharding)
+
+  def host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
+    """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded,
+    on the device."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, self.config.snapshot_width, kv_len, cfg.num_kv_heads, cfg.head_dim)
+    k, v = np.zeros(shape, self.config.kv_dtype), np.zeros(shape, self.config.kv_dtype)
+    for j, r in enumerate(records):
+      k[:, j, : kv_positions(r)], v[:, j, : kv_positions(r)] = r.kv_k, r.kv_v
+      self.counters.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
+    return self.on_device(qwen3.KVCache(k, v))
+
+  def one_host_kv(self, r: SampleRecord, kv_len: int) -> qwen3.KVCache:
+    """One sample's host KV [L, 1, kv_len, K, H] on the device (as a prefill's KV: no
+    rows of padding cross to the device)."""
+    pad = ((0, 0), (0, kv_len - kv_positions(r)), (0, 0), (0, 0))
+    kv = qwen3.KVCache(np.pad(r.kv_k, pad)[:, None], np.pad(r.kv_v, pad)[:, None])
+    self.counters.kv_bytes_to_device += r.kv_k.nbytes + r.kv_v.nbytes
+    return self.on_device(kv)
+
+  # ----------------------------------------------------------- device -> host
+  def read_rows(self, slots: list[int]):
+    """Each slot's response (tokens, logprobs, versions past its prompt; given tokens not
+    fed yet included) and its KV's version, insert_width slots per transfer."""
+    W, out = self.config.insert_width, []
+    for i in range(0, len(slots), W):
+      chunk = slots[i : i + W]
+      tokens, logprobs, versions, meta = to_host(
+          self.fns.extract_rows(self.state, _padded(chunk, W))
+      )
+      row = readout(meta)
+      for j in range(len(chunk)):
+        P, end = int(row["prompt_len"][j]), max(int(row["length"][j]), int(row["forced_end"][j]))
+        out.append((tokens[j, P:end], logprobs[j, P:end], versions[j, P:end], row["kv_version"][j]))
+    return out
+
+  def read_kv(self, slots: np.ndarray, kv_len: int, table) -> tuple[np.ndarray, np.ndarray]:
+    """Host (k, v) [L, W, kv_len, K, H] of page-table rows `slots` (-1: none)."""
+    self.counters.kv_reads += 1
+    return to_host(self.fns.extract_kv(self.state, slots, kv_len, table))
+
+  def read_kvs(self, used: list[tuple[int, int]], bucket, table) -> list:
+    """(k, v) [L, n, K, H] of each (slot, its n written positions), in `used`'s order:
+    slots grouped by length bucket, snapshot_width per transfer."""
+    W = self.config.snapshot_width
+    by_bucket: dict[int, list[int]] = {}
+    for i, (_, n) in enumerate(used):
+      by_bucket.setdefault(bucket(max(n, 1)), []).append(i)
+    out = [None] * len(used)
+    for kv_len, indices in by_bucket.items():
+      for i in range(0, len(indices), W):
+        chunk = indices[i : i + W]
+        k, v = self.read_kv(_padded([used[c][0] for c in chunk], W), kv_len, table)
+        for j, c in enumerate(chunk):
+          n = used[c][1]
+          out[c] = (k[:, j, :n].copy(), v[:, j, :n].copy())
+          self.counters.kv_bytes_to_host += out[c][0].nbytes + out[c][1].nbytes
+    return out
