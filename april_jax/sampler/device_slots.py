@@ -55,9 +55,9 @@ class DeviceSlots:
 
   def write_rows(self, records, slots, kv_versions, lengths) -> None:
     """The records' rows into their slots (insert_width per call), decoding again at
-    `lengths`, their KV untouched."""
+    `lengths`, their KV untouched. No records: one call that writes nothing (warm-up)."""
     W = self.config.insert_width
-    for i in range(0, len(records), W):
+    for i in range(0, max(len(records), 1), W):
       chunk = list(records[i : i + W])
       rows = rows_from_records(
           chunk, W, self.config.max_len, list(kv_versions[i : i + W]), list(lengths[i : i + W])

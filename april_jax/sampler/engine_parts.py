@@ -1,0 +1,88 @@
+"""The parts a SlotEngine is made of, handed together to the procedures that use them.
+
+Each part owns its state (slots.py, kv_manager.py, prefill_cache.py, device_slots.py,
+given_tokens.py); the procedures (admission.py, the engine's decode, turns and snapshot)
+own none and change the parts through their methods. The policy (`Policy`: the params
+and the version their tokens are tagged with) is written by the engine's set_policy
+alone. No part refers back to the engine: a dropped engine frees its device state
+without waiting for a collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from april_jax import buckets
+from april_jax.models import qwen3
+from april_jax.sampler.contract import EngineCounters
+from april_jax.sampler.device_slots import DeviceSlots
+from april_jax.sampler.engine_config import EngineConfig
+from april_jax.sampler.engine_events import Events
+from april_jax.sampler.given_tokens import GivenTokens
+from april_jax.sampler.kv_manager import KVManager
+from april_jax.sampler.prefill_cache import PrefillCache
+from april_jax.sampler.records import PromptError, SampleRecord
+from april_jax.sampler.slots import Slots
+
+
+@dataclasses.dataclass
+class Policy:
+  """The params an engine decodes with and the version its tokens are tagged with."""
+
+  params: Any
+  version: int
+
+
+def bucket(n: int, config: EngineConfig) -> int:
+  """The length bucket of n tokens (buckets.py), refused past the slot capacity."""
+  if n > config.max_len:
+    raise PromptError(f"{n} tokens exceed the slot capacity max_len={config.max_len}")
+  return buckets.bucket(n, config.min_bucket, config.max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+  """One engine's parts (each the one owner of its state) and its policy's reader."""
+
+  cfg: qwen3.Qwen3Config
+  config: EngineConfig
+  slots: Slots
+  kv: KVManager
+  prompts: PrefillCache
+  device: DeviceSlots
+  given: GivenTokens
+  counters: EngineCounters
+  events: Events
+  policy: Policy
+
+  def bucket(self, n: int) -> int:
+    return bucket(n, self.config)
+
+  def read_kv(self, slots, kv_len: int, table=None):
+    """Host (k, v) [L, W, kv_len, K, H] of page-table rows `slots` (-1: none), through
+    the book's table or a call's own `table` (kept KV: kv_manager.py)."""
+    table = self.kv.table() if table is None else self.kv.on_devices(table)
+    return self.device.read_kv(slots, kv_len, table)
+
+  def read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
+    """The slots' responses (and KV of the positions written: all but the pending token
+    and any given tokens not yet fed) into their records (DeviceSlots' transfers)."""
+    read = self.device.read_rows([slot for slot, _ in items])
+    for (slot, record), (tokens, logprobs, versions, kv_version) in zip(items, read):
+      record.read_back(tokens, logprobs, versions)  # given tokens not fed yet included
+      self.slots.kv_versions[slot] = int(kv_version)
+      if with_kv:
+        record.set_kv_version(int(kv_version))
+    if with_kv:
+      used = [(slot, int(self.slots.lengths[slot]) - 1) for slot, _ in items]
+      for (_, record), (k, v) in zip(
+          items, self.device.read_kvs(used, self.bucket, self.kv.table())
+      ):
+        record.set_kv(k, v, record.kv_version)
+
+  def release(self, slot: int) -> None:
+    """The slot free again: no sample, no pages, nothing to feed."""
+    self.given.discard(slot)
+    self.slots.release(slot)
+    self.kv.release(slot)
