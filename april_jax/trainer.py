@@ -1,4 +1,4 @@
-"""One RL run: build everything from a config, then loop rollout -> learn -> log -> save.
+"""One RL run: its parts built from a config (run_parts.py), then rollout -> learn -> log -> save.
 
   step k (policy version k = params after k updates):
     rollout   scheduler.step(k) on the engine holding the learner's params, version k
@@ -31,39 +31,31 @@ import numpy as np
 from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
 from april_jax import lora_base
-from april_jax import plan as plan_lib
 from april_jax import resume
+from april_jax import run_parts
 from april_jax import run_report
-from april_jax import sharding
 from april_jax import user_output
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.rollout import run_episodes
-from april_jax.rollout.episodes import EpisodeRunner
 from april_jax.errors import DiskFull, InputError
 from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
-from april_jax.models import hf_io, paged_attention_kernel, path_check, qwen3
+from april_jax.models import hf_io, path_check
 from april_jax.models import lora as lora_lib
-from april_jax.rewards import longtail_task
 from april_jax.rl import batch as batch_lib
-from april_jax.rl import critic as critic_lib
-from april_jax.rl import layout
 from april_jax.rl import learn as learn_lib
-from april_jax.rl import sft
-from april_jax.rl import step as step_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
-from april_jax.rl.update import Learner
-from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, rollout_metrics
+from april_jax.rollout import rollout_metrics
 from april_jax.rollout import failures as failures_lib
-from april_jax.sampler import EngineConfig, SlotEngine
 from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
-from april_jax.tokenizer import Tokenizer
 from april_jax.workdir_lock import WorkdirLock
 
 
 class Trainer:
+  """One run in a workdir: its parts built from the config (run_parts.py), resumed from
+  its newest intact checkpoint if it has one, then `run`: the loop of steps."""
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
@@ -73,9 +65,7 @@ class Trainer:
     if self._lock is not None:  # saves cut short by a kill: never read, and as big as one
       checkpoint_lib.remove_unfinished(workdir)
     self.user_output = self._relay_user_output()
-    self.mesh = sharding.make_mesh(tuple(c.mesh.shape))
-    self.rules = tuple(tuple(r) for r in c.mesh.rules)
-    self.decode_rules = tuple(tuple(r) for r in c.mesh.decode_rules)
+    self.place = run_parts.Placement.from_config(c)
     self.model_cfg = hf_io.model_config(c)
     # The fast attention paths this device would take, each held to the portable one first.
     settings = path_check.Settings.of(c, self.model_cfg)
@@ -91,21 +81,32 @@ class Trainer:
     adapters = (
         None if resuming else lora_base.start_adapters(c.train.lora_path, self.lora, self.model_cfg)
     )
-    self._check_memory()  # before any weight is allocated
-    params = self._load_params()
+    run_parts.check_memory(c, self.model_cfg)  # before any weight is allocated
+    params, self.tokenizer = run_parts.load_params(c, self.model_cfg, self.lora, self.place)
     self.task = make_task(c, self.tokenizer)
     # Every process reads all of the data and walks the same seeded order: one stream.
     self.source = self.task.prompts
     self._check_same_checkpoints()
-    params = self._starting_params(params, resuming)
-    t = layout.train_section(c)  # packed rows' budget resolved to the run's max_len
-    self.learner = self._make_learner(params, t, adapters)
+    params = run_parts.starting_params(
+        c, self.model_cfg, params, self.lora, resuming, workdir, self.task, self.place
+    )
+    self.learner = run_parts.make_learner(
+        c, self.model_cfg, params, self.lora, adapters, self.place
+    )
     if self.lora is not None:
       params = self.learner.frozen  # the frozen base, held once (the critic may share it)
-    self.critic = self._make_critic(params) if t.advantage in CRITIC_ADVANTAGES else None
+    critic = c.train.advantage in CRITIC_ADVANTAGES
+    self.critic = (
+        run_parts.make_critic(c, self.model_cfg, params, self.lora, self.place) if critic else None
+    )
     self.learners = learn_lib.Learners(self.learner, self.critic)
     del params  # the learner's masters are the params now
-    self._build_rollout()
+    rollout = run_parts.make_rollout(
+        c, self.model_cfg, self.paths, self.learner.decode_params(), self.tokenizer, self.task,
+        self.place,
+    )  # fmt: skip
+    self.engine, self.rewards, self.scheduler = rollout.engine, rollout.rewards, rollout.scheduler
+    self.episodes, self.decode = rollout.episodes, rollout.decode
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
@@ -126,127 +127,12 @@ class Trainer:
     name = user_output.LOG_NAME if index == 0 else f"user_output.{index}.log"
     return user_output.start(self.workdir, name)
 
-  def _load_params(self):
-    """The model's params (float32 masters, whatever the compute dtype: see rl/update.py;
-    with LoRA the frozen base, in the compute dtype) from model.path or a seeded random
-    init; sets the tokenizer that goes with them."""
-    c = self.config
-    # LoRA's base is frozen in the compute dtype, unless a warm start trains it first.
-    dtype = "float32" if self.lora is None or c.train.sft_steps > 0 else c.model.dtype
-    if c.model.path:  # the tokenizer first: its files fail in a second, the weights in minutes
-      self.tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
-      _, params = hf_io.load_pretrained(c.model.path, dtype, self.mesh, self.rules)
-      return params
-    self.tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
-    key = jax.random.key(c.seed)
-    # Drawn in float32 and cast, so a LoRA run's base is the full run's start, rounded.
-    params = qwen3.init_params_sharded(
-        self.model_cfg, key, self.mesh, self.rules, "float32", c.model.init.std
-    )
-    return params if dtype == "float32" else step_lib.cast(params, dtype)
-
-  def _make_learner(self, params, t, adapters) -> Learner:
-    """The learner (with LoRA: `adapters` from train.lora_path, or fresh when None, over
-    params frozen)."""
-    c = self.config
-    return Learner(
-        self.model_cfg,
-        params,
-        t,
-        c.rollout.temperature,
-        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
-        mesh=self.mesh,
-        rules=self.rules,
-        remat=c.model.remat,
-        compute_dtype=c.model.dtype,
-        decode_rules=self.decode_rules,
-        lora=self.lora,
-        adapters=adapters,
-        seed=c.seed,
-        lora_decode=t.lora.decode,
-    )
-
-  def _starting_params(self, params, resuming: bool):
-    """The params the learner starts from: warm-started when asked (not on resume). A
-    LoRA run's base that no file holds is saved beside the checkpoints (lora_base.py),
-    and read back from there on resume."""
-    c = self.config
-    if self.lora is not None and resuming and (saved := lora_base.saved(self.workdir)):
-      return hf_io.load_pretrained(saved, c.model.dtype, self.mesh, self.rules)[1]
-    if c.train.sft_steps > 0 and not resuming:
-      params = self._warm_start(params)
-    if self.lora is not None and not resuming:
-      lora_base.keep(self.workdir, c, self.model_cfg, params)
-    return params
-
-  def _make_critic(self, policy_params) -> critic_lib.Critic:
-    """PPO's critic, from train.critic_path or the policy's own weights (with LoRA:
-    adapters over the policy's frozen base, shared, or over the critic folder's)."""
-    c, t = self.config, layout.train_section(self.config)
-    params = policy_params
-    if t.critic_path:
-      dtype = "float32" if self.lora is None else c.model.dtype
-      params = critic_lib.load_backbone(t.critic_path, self.model_cfg, self.mesh, self.rules, dtype)
-    return critic_lib.Critic(
-        self.model_cfg,
-        params,
-        t,
-        total_updates=c.num_steps * t.num_minibatches * t.ppo_epochs,
-        mesh=self.mesh,
-        rules=self.rules,
-        remat=c.model.remat,
-        compute_dtype=c.model.dtype,
-        lora=self.lora,
-        seed=c.seed + 1,
-    )
-
   def _state(self) -> tuple[dict, dict]:
     """The learner's checkpoint state, the critic's under "critic" when there is one."""
     arrays, host = self.learner.state()
     if self.critic is not None:
       arrays["critic"], host["critic"] = self.critic.state()
     return arrays, host
-
-  def _build_rollout(self) -> None:
-    """One engine for the run, rollouts and evaluation alike (empty between steps), the
-    reward workers, and the scheduler that drives them."""
-    c, r = self.config, self.config.rollout
-    self.episodes, turn_stop_ids = self._episodes()
-    stop_ids = self.tokenizer.stop_ids + turn_stop_ids
-    engine_config = self.paths.engine_config(EngineConfig.from_run_config(c, stop_ids))
-    self.engine = SlotEngine(
-        self.model_cfg,
-        self.learner.decode_params(),
-        engine_config,
-        mesh=self.mesh,
-        rules=self.decode_rules,
-    )
-    head_dim = self.model_cfg.head_dim
-    decode = paged_attention_kernel.describe(r.decode_attention, r.page_size, head_dim)
-    if engine_config.decode_attention != r.decode_attention:
-      decode = "the XLA path (the Pallas kernel failed its start-up check)"
-    logging.info("decode attention: %s", decode)
-    self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
-    self.rewards = RewardRunner(
-        self.task.reward,
-        self.decode,
-        num_workers=r.reward_workers,
-        timeout_s=r.reward_timeout_s,
-        fallback=r.reward_fallback,
-        agree=distributed.agree if jax.process_count() > 1 else None,
-        # In worker processes, killed at the time limit: any reward may parse model text
-        # with a symbolic library. The built-in task's is a bounded comparison of short
-        # strings, scored on threads (no worker start-up).
-        processes=r.reward != "longtail",
-    )
-    settings = RolloutSettings.from_config(r)
-    self.scheduler = AprilScheduler(
-        self.engine, settings, self.source, self.rewards, seed=c.seed, episodes=self.episodes
-    )
-
-  def _episodes(self) -> tuple[EpisodeRunner | None, tuple[int, ...]]:
-    """The environment's episode runner (None without one) and its turn stop ids."""
-    return run_episodes.runner_for(self.config, self.tokenizer)
 
   def _start_afresh(self) -> None:
     """Drops the lines of an earlier attempt that never checkpointed (these steps run again,
@@ -284,51 +170,6 @@ class Trainer:
           f"({steps} by process, -1 = none): the workdir must be one "
           "directory shared by all hosts"
       )
-
-  def _check_memory(self) -> None:
-    """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
-    capacity = (self.config.mesh.device_memory_gb or 0) * 1e9
-    if not capacity:
-      stats = jax.local_devices()[0].memory_stats() or {}
-      capacity = float(stats.get("bytes_limit", 0))  # accelerators report it; CPUs do not
-    plan = plan_lib.make_plan(
-        self.config,
-        self.model_cfg,
-        jax.device_count(),
-        capacity,
-        native_16bit=jax.default_backend() != "cpu",
-    )
-    logging.info("memory plan:\n%s", plan.table())
-    if not plan.fits:
-      native = jax.default_backend() != "cpu"
-      plan_lib.check_fits(
-          plan,
-          plan_lib.what_fits(self.config, self.model_cfg, jax.device_count(), capacity, native),
-      )
-
-  def _warm_start(self, params):
-    c = self.config
-    if distributed.is_primary():
-      print(
-          f"warm-start: {c.train.sft_steps} supervised steps before RL (compiling first)",
-          flush=True,
-      )
-    params, (first, last) = sft.warm_start(
-        self.model_cfg,
-        params,
-        self.task.warm_start(),
-        c.train,
-        mesh=self.mesh,
-        rules=self.rules,
-        compute_dtype=c.model.dtype,
-    )
-    logging.info(
-        "supervised warm-start: %d steps, cross-entropy %.3f -> %.3f",
-        c.train.sft_steps,
-        first,
-        last,
-    )
-    return params
 
   def save(self, step: int, metrics: dict[str, float] | None) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes

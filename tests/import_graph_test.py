@@ -18,7 +18,7 @@ LAYERS = [
     {"rollout", "task"},
     {"evaluation"},  # scores through the rollout's reward runner
     {"rl"},
-    {"configs", "compile_check", "plan", "resume", "trainer"},
+    {"configs", "compile_check", "plan", "resume", "run_parts", "trainer"},
     {"main", "bench", "benchmarks", "export", "envs.replay"},
 ]
 # Commands that live beside what they drive, placed as components of their own.
