@@ -4,8 +4,8 @@ resumes.
 SIGTERM sets a flag (`handle`). The scheduler asks `cut_now` before each decode call and
 cuts the step's rollout at once (what it drew stays in the partial buffer); a step that
 finished is followed by a checkpoint and the run ends after it (`stop_after`). The
-trainer records which happened (`cut`, `stop_after`), and `line` says it after the run's
-summary.
+trainer records which happened (`save_cut` and `stop_during`, or `stop_after`), and
+`line` says it after the run's summary.
 """
 
 from __future__ import annotations
@@ -48,16 +48,19 @@ class SigtermStop:
     step (SIGTERM may reach only one). A collective on several hosts."""
     return distributed.any_process(self.requested)
 
-  def cut(self, step: int, index: int, latest: int | None) -> bool:
-    """Records that step `step` (loop index `index`) was cut, with checkpoint `latest`
-    the newest on disk. Whether to save the state
-    before the step: not when it is on disk already (checkpoint `index` is never
-    replaced: a kill while the new one was written would lose both; the step's rollouts
-    are drawn again on resume), nor for a fresh run's start that drew nothing."""
+  def save_cut(self, index: int, latest: int | None) -> bool:
+    """Whether to save the state before the cut step (loop index `index`), with
+    checkpoint `latest` the newest on disk: not when it is on disk already (checkpoint
+    `index` is never replaced: a kill while the new one was written would lose both; the
+    step's rollouts are drawn again on resume), nor for a fresh run's start that drew
+    nothing."""
     fresh = index == 0 and latest is None and not self.cut_drew
     self.cut_before, self.cut_saved = latest, not (latest == index or fresh)
-    self.stopped, self.cut_step = True, step
     return self.cut_saved
+
+  def stop_during(self, step: int) -> None:
+    """Records that the run stopped during step `step`, its cut saved if it had to be."""
+    self.stopped, self.cut_step = True, step
 
   def stop_after(self, step: int) -> None:
     """Records that the run stopped after finishing step `step` (and saving it)."""

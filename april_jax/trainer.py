@@ -351,8 +351,9 @@ class Trainer:
     start = time.perf_counter()
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
-      if self.stop.cut(step, index, self.checkpointer.latest_step()):
+      if self.stop.save_cut(index, self.checkpointer.latest_step()):
         self.save(index, None)
+      self.stop.stop_during(step)
       return True
     metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
     last = step == c.num_steps

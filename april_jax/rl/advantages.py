@@ -23,7 +23,7 @@ normalise over the batch's tokens (default: one token each, i.e. over samples).
           baseline removes the prompt's difficulty, the batch scale keeps steps alike.
 
           With train.reward_kl_coef = beta > 0, REINFORCE++ puts the KL in the reward, per
-          token (`reinforce_pp_kl_advantages`, run by the learner once the old and
+          token (`reinforce_pp_kl_advantages`, run by rl/learn.py once the old and
           reference logprobs are known): r_t = -beta (logp_t - ref_logp_t) on every drawn
           token, the sample's reward added at its last; G_t = sum_{s >= t} r_s; G
           whitened over the batch's tokens.

@@ -12,7 +12,9 @@
 
 `state` is what the step changes (the policy's and the critic's ModelState); `learners`
 what it does not (programs, frozen and reference weights). A state given to `learn` is
-consumed (its arrays are donated to the updates); use the one it returns. The trainer
+consumed (its arrays are donated to the updates); use the one it returns. A step that
+raises partway leaves no usable state: a run stops there (the trainer saves nothing after
+an error), and resumes from its last checkpoint. The trainer
 calls it once per RL step; it is the seam a learner running apart from the rollout
 calls with batches the rollout hands it.
 """

@@ -420,7 +420,7 @@ class Learner(step.TrainedModel):
     Nothing runs: each program is lowered on the abstract shapes and shardings of the
     arrays it will be given (the next program's inputs are the last one's `out_info`), so
     params and optimizer state are untouched and no second copy is held. The compiled
-    executables fill the jit caches that `update` then hits. Returns how many microbatch
+    executables fill the jit caches that a step's passes and updates then hit. Returns how many microbatch
     shapes were compiled.
     """
     on_mesh, p = self.mesh is not None, self.programs

@@ -1,14 +1,18 @@
 """The scheduler's one turn hook: what happens at a turn's end, nothing in a single-turn run.
 
-The APRIL scheduler (scheduler.py) calls its hook at five points and never asks whether
-the run is multi-turn:
+The APRIL scheduler (scheduler.py) calls its hook and never asks whether the run is
+multi-turn:
 
   open        a group's samples start (or restart) an episode: reset gives its prompt
   after_decode  the samples an engine step finished: held turns parked on their
               environment's calls, returned calls applied; the samples now finished
   answered    the calls that returned meanwhile, applied; the samples they finished
+  idle        whether every slot waits on its environment (decoding waits for a call)
   set_aside   the parked slots to give up when a sample waits for one
   awaits      whether a sample waits on its environment (it is not admitted meanwhile)
+  pending     the samples whose calls run
+  cut         a sample snapshotted while its call runs (counted)
+  mark, stats_since  the step's env/* counts
 
 `SingleTurn` does nothing at each; `EpisodeTurns` runs them on an EpisodeRunner
 (episodes.py) and counts what happened (env/* metrics).

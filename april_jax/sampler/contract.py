@@ -3,8 +3,8 @@
 Two drivers run an engine: the APRIL scheduler (rollout/scheduler.py), one RL step at a
 time, and `generate_on` (generate.py), for evaluation and users; the episode runner
 (rollout/episodes.py) answers the slots a step held at a stop. They use these calls only.
-`SlotEngine` (engine.py) is the engine; its parts (the slot registry, the KV manager,
-the prefill cache) are its own. tests/engine_conformance_test.py asks the promises below
+`SlotEngine` (engine.py) is the engine; its parts (engine_parts.py: the slot registry,
+the KV manager, the prefill cache, the device state, the given tokens) are its own. tests/engine_conformance_test.py asks the promises below
 of it and of the tests' host-only engine alike.
 
 A driver may

@@ -64,12 +64,13 @@ class DeviceSlots:
       )
       self.state = self.fns.write_rows(self.state, rows, _padded(slots[i : i + W], W))
 
-  def decode(self, params, version: int, stop_ids, leave_after: int, table):
-    """One decode call; on the host: (done [S], lengths [S], steps run, tokens drawn)."""
+  def decode(self, params, version: int, stop_ids, leave_after: int, table, read=True):
+    """One decode call; on the host: (done [S], lengths [S], steps run, tokens drawn),
+    unless not `read` (warm-up: nothing is read back, None)."""
     self.state, steps, drawn = self.fns.decode(
         params, self.state, np.int32(version), stop_ids, np.int32(leave_after), table
     )
-    return to_host((self.state.done, self.state.length, steps, drawn))
+    return to_host((self.state.done, self.state.length, steps, drawn)) if read else None
 
   def feed(self, params, slots: np.ndarray, ends: np.ndarray, T: int, table) -> None:
     """Given tokens into the slots' pages up to `ends` (one chunked prefill, slot_ops.feed)."""

@@ -1,8 +1,9 @@
 """The parts a SlotEngine is made of, handed together to the procedures that use them.
 
 Each part owns its state (slots.py, kv_manager.py, prefill_cache.py, device_slots.py,
-given_tokens.py); the procedures (admission.py, the engine's decode, turns and snapshot)
-own none and change the parts through their methods. The policy (`Policy`: the params
+given_tokens.py). The procedures over them (admission.py; decoding.py, which also keeps
+the samples it preempted; the engine's held turns and snapshot) change the slots' host
+lengths and the other parts through the parts' own methods. The policy (`Policy`: the params
 and the version their tokens are tagged with) is written by the engine's set_policy
 alone. No part refers back to the engine: a dropped engine frees its device state
 without waiting for a collection.

@@ -25,7 +25,7 @@ def warm_up(parts, stop_ids, lengths: list[int]) -> int:
     _warm_bucket(parts, b)
   device, config, policy = parts.device, parts.config, parts.policy
   params, version = policy.params, policy.version
-  device.decode(params, version, stop_ids, 1, parts.kv.table())
+  device.decode(params, version, stop_ids, 1, parts.kv.table(), read=False)
   device.mark_done(np.zeros(config.num_slots, bool))
   no_slots = np.full(config.insert_width, -1, np.int32)
   jax.block_until_ready(device.fns.extract_rows(device.state, no_slots))
