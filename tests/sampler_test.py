@@ -371,7 +371,7 @@ def test_warm_up_compiles_everything_a_run_needs(sampler_params, mesh_shape, com
       CFG, sampler_params, EngineConfig(num_slots=5, max_len=80, sync_every=5), mesh=mesh
   )
   assert engine.warm_up() == len(buckets.all_buckets(16, 80))
-  before = len(compiles)
+  before, sizes = len(compiles), engine.fns.cache_sizes()
   assert before > 0
   engine.admit(sample_records(random_prompts(12, [9, 5]), 19))  # one prefill call
   _drain(engine)
@@ -387,6 +387,8 @@ def test_warm_up_compiles_everything_a_run_needs(sampler_params, mesh_shape, com
   _drain(engine)
   _run_to_end(engine, records[2:])
   assert compiles[before:] == []
+  # Nor traced: a sample's host KV goes in as device arrays, as a prefill's KV does.
+  assert engine.fns.cache_sizes() == sizes
 
 
 def test_bad_prompts_raise_naming_the_prompt_or_are_counted_when_skipped(sampler_params):

@@ -81,7 +81,10 @@ class DeviceSlots:
 
   # ----------------------------------------------------------- host -> device
   def on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
-    return kv if self.fns.kv_sharding is None else jax.device_put(kv, self.fns.kv_sharding)
+    """Host KV as device arrays (in the KV's sharding on a mesh): what a prefill's KV is,
+    so an insert of either hits the same compiled program (a numpy argument would trace
+    one of its own)."""
+    return jax.device_put(kv, self.fns.kv_sharding)
 
   def host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
     """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded,
