@@ -90,19 +90,16 @@ class Trainer:
     params = run_parts.starting_params(
         c, self.model_cfg, params, self.lora, resuming, workdir, self.task, self.place
     )
-    self.learner = run_parts.make_learner(
-        c, self.model_cfg, params, self.lora, adapters, self.place
-    )
+    learner = run_parts.make_learner(c, self.model_cfg, params, self.lora, adapters, self.place)
     if self.lora is not None:
-      params = self.learner.frozen  # the frozen base, held once (the critic may share it)
-    critic = c.train.advantage in CRITIC_ADVANTAGES
-    self.critic = (
-        run_parts.make_critic(c, self.model_cfg, params, self.lora, self.place) if critic else None
-    )
-    self.learners = learn_lib.Learners(self.learner, self.critic)
+      params = learner.frozen  # the frozen base, held once (the critic may share it)
+    critic = None
+    if c.train.advantage in CRITIC_ADVANTAGES:
+      critic = run_parts.make_critic(c, self.model_cfg, params, self.lora, self.place)
+    self.learners = learn_lib.Learners(learner, critic)
     del params  # the learner's masters are the params now
     rollout = run_parts.make_rollout(
-        c, self.model_cfg, self.paths, self.learner.decode_params(), self.tokenizer, self.task,
+        c, self.model_cfg, self.paths, learner.decode_params(), self.tokenizer, self.task,
         self.place,
     )  # fmt: skip
     self.engine, self.rewards, self.scheduler = rollout.engine, rollout.rewards, rollout.scheduler
@@ -126,13 +123,6 @@ class Trainer:
     index = jax.process_index()
     name = user_output.LOG_NAME if index == 0 else f"user_output.{index}.log"
     return user_output.start(self.workdir, name)
-
-  def _state(self) -> tuple[dict, dict]:
-    """The learner's checkpoint state, the critic's under "critic" when there is one."""
-    arrays, host = self.learner.state()
-    if self.critic is not None:
-      arrays["critic"], host["critic"] = self.critic.state()
-    return arrays, host
 
   def _start_afresh(self) -> None:
     """Drops the lines of an earlier attempt that never checkpointed (these steps run again,
@@ -176,7 +166,7 @@ class Trainer:
     with it; None: a step cut short, whose line is written already); the seconds it
     took."""
     start = time.perf_counter()
-    arrays, learner = self._state()
+    arrays, learner = self.learners.checkpoint()
     buffer, scheduler = self.scheduler.checkpoint()
     problem = self.checkpointer.room_problem(step, arrays, buffer)
     if distributed.any_process(problem is not None):  # all stop alike, or none does
@@ -197,17 +187,15 @@ class Trainer:
   def _resume(self) -> None:
     """Restores the newest intact checkpoint of the same config (resume.py: a damaged one
     is set aside with a warning; a changed config, or no intact one, is an InputError)."""
-    target = abstract_like(self._state()[0])
+    target = abstract_like(self.learners.checkpoint()[0])
     found = resume.newest_intact(
         self.checkpointer, self.config, self.model_cfg, target, primary=self.primary
     )
     self._restore(*found)
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
-    self.learner.restore(arrays, host["learner"])
-    if self.critic is not None:
-      self.critic.restore(arrays["critic"], host["learner"]["critic"])
-    self.engine.set_policy(self.learner.decode_params(), step)
+    self.learners.restore(arrays, host["learner"])
+    self.engine.set_policy(self.learners.policy.decode_params(), step)
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
     self.writer.truncate_after(step, host.get("metrics"))
@@ -297,7 +285,7 @@ class Trainer:
     state, learned = learn_lib.learn(self.learners.state(), batch, self.learners)
     self.learners.put(state)
     metrics.update(learned)
-    self.engine.set_policy(self.learner.decode_params(), version + 1)
+    self.engine.set_policy(self.learners.policy.decode_params(), version + 1)
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
     return metrics
@@ -338,7 +326,7 @@ class Trainer:
       if c.eval_every and c.eval.before_training and not self.resumed:
         self._evaluate_before_training()
     if c.train.warm_up:
-      self.learner.warm_up(
+      self.learners.policy.warm_up(
           c.rollout.batch_size * c.rollout.n_samples_per_prompt,
           batch_lib.all_bucket_lens(c.data.max_prompt_len + c.rollout.max_response_len),
       )

@@ -18,7 +18,7 @@ import numpy as np
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.engine_config import RESUME_MODES, EngineConfig
 from april_jax.sampler.engine_events import Events
-from april_jax.sampler.records import SampleRecord, Status, check_runnable
+from april_jax.sampler.records import SampleRecord, Status, check_runnable, given_tokens
 
 
 def draw(rng: np.ndarray, t: int, vocab_size: int) -> int:
@@ -186,12 +186,7 @@ class FakeEngine:
 
   def extend(self, record: SampleRecord, tokens) -> None:
     slot = self._held(record)
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if record.budget_left < len(tokens) + 1:
-      raise ValueError(
-          f"{len(tokens)} given tokens leave no room in the sample's budget "
-          f"({record.budget_left} tokens left)"
-      )
+    tokens = given_tokens(record, tokens)
     record.give(tokens, self._version)
     slot.kv_version = min(slot.kv_version, self._version)
     self._counters.tokens_fed += len(tokens)

@@ -48,7 +48,7 @@ def _groups(rewards_GxN, response_lens):
 def test_a_train_batch_is_read_only_and_its_own_copy():
   groups = _groups([[1.0, 0.0], [0.0, 0.0]], [[4, 6], [2, 9]])
   batch = TrainBatch.from_groups(groups, version=1)
-  assert batch.tokens.shape == (4, 32) and batch.group_shape == (2, 2)
+  assert batch.tokens.shape == (4, 32) and batch.rewards.shape == (2, 2)
   np.testing.assert_array_equal(batch.lengths, [[4, 6], [2, 9]])
   for name in ("tokens", "mask", "behavior", "stale", "rewards", "lengths"):
     with pytest.raises(ValueError, match="read-only"):

@@ -169,10 +169,6 @@ class TrainBatch:
     )
 
   @property
-  def group_shape(self) -> tuple[int, int]:
-    return self.rewards.shape
-
-  @property
   def nbytes(self) -> int:
     """The bytes of its arrays."""
     return sum(int(getattr(self, k).nbytes) for k in ROW_KEYS + ("rewards", "lengths"))

@@ -58,6 +58,20 @@ class Learners:
     if self.critic is not None:
       self.critic.set_model_state(state.critic)
 
+  def checkpoint(self) -> tuple[dict, dict]:
+    """What a checkpoint keeps of them: the policy's arrays and host record, the
+    critic's under "critic" when there is one."""
+    arrays, host = self.policy.state()
+    if self.critic is not None:
+      arrays["critic"], host["critic"] = self.critic.state()
+    return arrays, host
+
+  def restore(self, arrays: dict, host: dict) -> None:
+    """Back to a `checkpoint()` (a LoRA one over another base is refused)."""
+    self.policy.restore(arrays, host)
+    if self.critic is not None:
+      self.critic.restore(arrays["critic"], host["critic"])
+
 
 @dataclasses.dataclass(frozen=True)
 class Advantages:

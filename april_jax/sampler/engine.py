@@ -52,7 +52,7 @@ from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.engine_events import Events, positions_read, reported
 from april_jax.sampler.kv_manager import KVManager
 from april_jax.sampler.prefill_cache import PrefillCache
-from april_jax.sampler.records import SampleRecord, Status, check_runnable
+from april_jax.sampler.records import SampleRecord, Status, check_runnable, given_tokens
 from april_jax.sampler.slots import Slots
 
 
@@ -232,12 +232,7 @@ class SlotEngine:
     token) before it draws again. The sample must have room for them and one more
     token."""
     slot = self._held_slot(record)
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if record.budget_left < len(tokens) + 1:
-      raise ValueError(
-          f"{len(tokens)} given tokens leave no room in the sample's budget "
-          f"({record.budget_left} tokens left)"
-      )
+    tokens = given_tokens(record, tokens)
     length = record.length
     record.give(tokens, self.version)
     kv_version = int(self.slots.kv_versions[slot])

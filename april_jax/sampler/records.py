@@ -83,6 +83,18 @@ def check_runnable(record: "SampleRecord", max_len: int) -> None:
     )
 
 
+def given_tokens(record: "SampleRecord", tokens) -> np.ndarray:
+  """`tokens` as int32 [n], if a held record has room for them and one more drawn token
+  (an engine's extend); ValueError otherwise."""
+  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  if record.budget_left < len(tokens) + 1:
+    raise ValueError(
+        f"{len(tokens)} given tokens leave no room in the sample's budget "
+        f"({record.budget_left} tokens left)"
+    )
+  return tokens
+
+
 class TransitionError(RuntimeError):
   """A transition asked of a record in a state it cannot leave that way (a bug of the
   caller's: the message names the transition and the state)."""
