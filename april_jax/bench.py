@@ -20,6 +20,9 @@ stdout line, one JSON object with every number.
              reach math-verify
   python_tool  the Python tool's calls per second, in the kernel's sandbox vs under the
              audit hook alone
+  async      rollout and learner on their own devices, overlapped, vs colocated: time
+             per trained batch, busy fractions, publish vs its floor, token lag; and the
+             split a node would gain, projected from these devices' phase times
 
   python -m april_jax.bench --mode=scheduler --config=configs/tiny.py [--dist=deepmath]
   python -m april_jax.bench --mode=step --config=configs/tiny.py [--steps=3 --dist=dapo_math]
@@ -27,6 +30,8 @@ stdout line, one JSON object with every number.
   python -m april_jax.bench --mode=multiturn
   python -m april_jax.bench --mode=rewards [--corpus=tests/data/dapo_corpus.jsonl]
   python -m april_jax.bench --mode=python_tool [--repeats=3]
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python -m april_jax.bench --mode=async --config=configs/tiny.py --steps=12
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
@@ -43,6 +48,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from april_jax.benchmarks import (
+    async_bench,
     common,
     e2e_bench,
     layout_bench,
@@ -72,6 +78,7 @@ _MODE = flags.DEFINE_enum(
         "step",
         "layout",
         "lora_decode",
+        "async",
         "multiturn",
         "rewards",
         "python_tool",
@@ -96,7 +103,13 @@ _DIST = flags.DEFINE_enum(
     sorted(SHAPES),
     "scheduler, resume, roofline, step, layout: response lengths.",
 )
-_STEPS = flags.DEFINE_integer("steps", 8, "scheduler, resume, step: RL steps per side.")
+_STEPS = flags.DEFINE_integer("steps", 8, "scheduler, resume, step, async: RL steps per side.")
+_ROLLOUT_DEVICES = flags.DEFINE_integer(
+    "rollout_devices", 0, "async: the split side's rollout devices (0: half of them)."
+)
+_NODE_DEVICES = flags.DEFINE_integer(
+    "node_devices", 8, "async: the node the measured phase times are projected to."
+)
 _RATIO = flags.DEFINE_float("ratio", 2.0, "scheduler, resume, step: N'/N for APRIL.")
 _RATIOS = flags.DEFINE_list(
     "ratios",
@@ -244,6 +257,11 @@ def main(argv):
       result = e2e_bench.run(config, seeds=[int(x) for x in _SEEDS.value], report=report)
     elif _MODE.value == "resume":
       result = resume_bench.run(config, ratio=_RATIO.value, **common_args)
+    elif _MODE.value == "async":
+      result = async_bench.run(
+          config, steps=_STEPS.value, rollout_devices=_ROLLOUT_DEVICES.value,
+          node_devices=_NODE_DEVICES.value,
+      )  # fmt: skip
     elif _MODE.value == "step":
       result = step_bench.run(config, ratio=_RATIO.value, **common_args)
     elif _RATIOS.value:

@@ -514,3 +514,60 @@ def check(config, cfg: qwen3.Qwen3Config, mesh, device_bytes_limit: float = 0.0)
   resident["slot state (KV cache)"] = state_bytes
   resident["the last prefill's KV (kept)"] = prompt_bytes
   return Report(resident=resident, programs=sampler + learner, device_bytes=device_bytes_limit)
+
+
+@dataclasses.dataclass
+class SplitReport:
+  """A split run's two reports: the rollout mesh's programs and the learner mesh's."""
+
+  rollout: Report
+  learner: Report
+
+  @property
+  def peak_bytes(self) -> int:
+    return max(self.rollout.peak_bytes, self.learner.peak_bytes)
+
+  @property
+  def fits(self) -> bool:
+    return self.rollout.fits and self.learner.fits
+
+  def table(self) -> str:
+    return (
+        f"rollout mesh {dict(self.rollout_shape)}\n{self.rollout.table()}\n"
+        f"learner mesh {dict(self.learner_shape)}\n{self.learner.table()}"
+    )
+
+  rollout_shape: tuple = ()
+  learner_shape: tuple = ()
+
+  def to_json(self) -> dict:
+    return {
+        "rollout": self.rollout.to_json(),
+        "learner": self.learner.to_json(),
+        "peak_bytes_per_device": int(self.peak_bytes),
+        "fits": self.fits,
+    }
+
+
+def check_split(config, cfg: qwen3.Qwen3Config, rollout_mesh, learner_mesh, limit: float = 0.0):
+  """Compiles a split run's programs, each on its mesh (mesh.rollout_devices > 0): the
+  learner's with the decode copies it casts and holds until published (two at most), the
+  sampler's over decode weights in the rollout mesh's layout."""
+  learner, resident, decode_params = _learner_programs(config, cfg, learner_mesh)
+  waiting = resident.pop("decode params")
+  resident["decode copies waiting to publish (2)"] = 2 * waiting
+  decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
+  target = qwen3.param_shardings(cfg, rollout_mesh, decode_rules)
+  on_rollout = _abstract(decode_params, target)
+  sampler, state_bytes, prompt_bytes = _sampler_programs(config, cfg, rollout_mesh, on_rollout)
+  rollout_resident = {
+      "decode params": device_bytes(on_rollout),
+      "slot state (KV cache)": state_bytes,
+      "the last prefill's KV (kept)": prompt_bytes,
+  }
+  return SplitReport(
+      rollout=Report(resident=rollout_resident, programs=sampler, device_bytes=limit),
+      learner=Report(resident=resident, programs=learner, device_bytes=limit),
+      rollout_shape=tuple(rollout_mesh.shape.items()),
+      learner_shape=tuple(learner_mesh.shape.items()),
+  )

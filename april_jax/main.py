@@ -39,6 +39,7 @@ from april_jax import checkpoint
 from april_jax import cli
 from april_jax import distributed
 from april_jax import process_tree
+from april_jax.models import hf_io
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
 from april_jax.trainer import Trainer
@@ -121,6 +122,15 @@ def _use_compilation_cache(config, workdir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+def _model_shape(config):
+  """The model's config where it can be read now (its heads for the split's checks); None
+  where it cannot (the run's start says why)."""
+  try:
+    return hf_io.model_config(config)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -138,7 +148,7 @@ def main(argv):
     sys.exit(distributed.PEERS_MISSING_EXIT)
   _use_compilation_cache(_CONFIG.value, _WORKDIR.value)
   try:
-    validate_for_devices(_CONFIG.value, jax.device_count())
+    validate_for_devices(_CONFIG.value, jax.device_count(), _model_shape(_CONFIG.value))
   except ConfigError as e:
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)

@@ -18,6 +18,23 @@ programs: compile_check.GPU_LIKE). `native_16bit=False` adds what a backend with
 16-bit float arithmetic (XLA's CPU, running) holds: 16-bit weights upcast to float32
 inside a program. On the host: the partial buffer's KV per snapshot, worst case (every
 slot parked at full length in mode kv).
+
+Split meshes (mesh.rollout_devices > 0, docs/async.md): each mesh is sized for what it
+holds (plan_part): the rollout mesh its decode
+weights, the KV pool and the sampler's programs, plus one weight arriving at a publish;
+the learner mesh the float32 masters and optimizer state (or LoRA's frozen base and
+adapters), activations, a reference model or critic where set, and the decode copies it
+casts and holds until the rollout takes them (two at most). The run fits when both do.
+
+The split: given what the two phases of a colocated step cost on all n devices (rollout
+R seconds, learner L seconds), a split of k rollout devices takes, per batch, about
+max(R (n / k)^a, L n / (n - k)) once overlapped. The learner is compute-bound and scales
+with its devices; the rollout's time scales as (n / k)^a, a = rollout_scaling: 1 when
+it shrinks in proportion to its devices (then no split beats colocated: the overlap only
+repays what fewer devices cost), below 1 when it does not (decode is bound by reading
+the weights and KV, and a step's tail by its few longest samples, whatever the devices).
+Measure a at two device counts (bench --mode=async prints the projection). `choose_split`
+picks the k with the least time among the splits whose meshes fit and shard the model.
 """
 
 from __future__ import annotations
@@ -36,6 +53,8 @@ from april_jax.rl import advantages
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout
 from april_jax.configs.validate import PLAN_CHECKS, ConfigError, validate
+from april_jax.configs import validate_split
+from april_jax.configs.validate import validate_for_devices
 from april_jax.sampler.engine_config import EngineConfig
 
 GB = 1e9
@@ -172,8 +191,22 @@ def make_plan(
     num_devices: int,
     device_bytes: float = 0.0,
     native_16bit: bool = True,
+):
+  """The plan of a run on `num_devices` devices: one mesh's (colocated), or with
+  mesh.rollout_devices > 0 each mesh's (SplitPlan: the rollout's and the learner's, each
+  for what it holds)."""
+  if config.mesh.rollout_devices:
+    return make_split_plan(config, cfg, num_devices, device_bytes, native_16bit)
+  return plan_part(config, cfg, num_devices, config.mesh.shape, device_bytes, native_16bit)
+
+
+def plan_part(
+    config, cfg, num_devices: int, mesh_shape, device_bytes, native_16bit, part: str = "both"
 ) -> Plan:
-  shape = sharding.resolve_mesh_shape(tuple(config.mesh.shape), num_devices)
+  """One mesh's plan: `part` "both" (colocated), "rollout" (the engine, its weights and
+  KV pool) or "learner" (masters, optimizer, activations, the decode copies waiting to be
+  published)."""
+  shape = sharding.resolve_mesh_shape(tuple(mesh_shape), num_devices)
   x = types.SimpleNamespace(
       config=config,
       cfg=cfg,
@@ -185,16 +218,176 @@ def make_plan(
       max_len=config.data.max_prompt_len + config.rollout.max_response_len,
       lora=lora_lib.LoraSpec.from_config(config.train.lora),
   )
-  resident = _resident(x)
-  programs = dict(_sampler_programs(x, native_16bit), **_learner_programs(x))
+  resident, programs = {}, {}
+  if part in ("both", "rollout"):
+    resident.update(_sampler_resident(x))
+    programs.update(_sampler_programs(x, native_16bit))
+  if part in ("both", "learner"):
+    resident.update(_learner_resident(x))
+    programs.update(_learner_programs(x))
+  cast = [k for k in programs if k.startswith("decode_params") or k.startswith("decode_adapters")]
+  if part == "rollout":  # the learner casts; the rollout takes a weight at a time
+    for k in cast:
+      del programs[k]
+    programs["publish (one weight arriving)"] = largest_target_bytes(
+        cfg, lora_lib.TARGETS, x.mesh, x.decode_rules, x.cb
+    )
+  if part == "learner":  # cast here, then held until the rollout takes it (two at most)
+    programs.update(
+        {k: v for k, v in _sampler_programs(x, native_16bit).items() if k in _CAST_PROGRAMS}
+    )
+    resident["decode copies waiting to publish (2)"] = 2 * params_bytes(
+        cfg, x.mesh, x.decode_rules, x.cb
+    )
   r = config.rollout
-  # The buffer's KV in mode kv: what the pool held when the step ended, at most.
-  tokens = min(r.num_slots * x.max_len, pool_pages(config, x.mesh, x.decode_rules)[0] * r.page_size)
-  host = tokens * kv_bytes_per_token(cfg, config.model.kv_dtype)
-  host = host if r.resume_mode == "kv" else 0.0
+  host = 0.0
+  if part != "learner" and r.resume_mode == "kv":
+    # The buffer's KV in mode kv: what the pool held when the step ended, at most.
+    tokens = min(
+        r.num_slots * x.max_len, pool_pages(config, x.mesh, x.decode_rules)[0] * r.page_size
+    )
+    host = tokens * kv_bytes_per_token(cfg, config.model.kv_dtype)
   return Plan(
       resident=resident, programs=programs, host_buffer_bytes=host, device_capacity=device_bytes
   )
+
+
+_CAST_PROGRAMS = ("decode_params (cast)", "decode_adapters (cast)", "decode_params (merge)")
+
+
+# ------------------------------------------------------------------------- split meshes
+@dataclasses.dataclass
+class SplitPlan:
+  """The rollout mesh's plan and the learner mesh's; the interface of Plan."""
+
+  rollout: Plan
+  learner: Plan
+  rollout_devices: int
+  learner_devices: int
+
+  @property
+  def device_capacity(self) -> float:
+    return self.rollout.device_capacity
+
+  @property
+  def device_total(self) -> float:
+    return max(self.rollout.device_total, self.learner.device_total)
+
+  @property
+  def host_buffer_bytes(self) -> float:
+    return self.rollout.host_buffer_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.rollout.fits and self.learner.fits
+
+  def to_json(self) -> dict:
+    return {
+        "rollout_devices": self.rollout_devices,
+        "learner_devices": self.learner_devices,
+        "rollout": self.rollout.to_json(),
+        "learner": self.learner.to_json(),
+        "peak_bytes_per_device": int(self.device_total),
+        "fits": self.fits,
+    }
+
+  def table(self) -> str:
+    return (
+        f"rollout mesh ({self.rollout_devices} devices)\n{self.rollout.table()}\n"
+        f"learner mesh ({self.learner_devices} devices)\n{self.learner.table()}"
+    )
+
+
+def make_split_plan(
+    config, cfg, num_devices: int, device_bytes: float = 0.0, native_16bit: bool = True
+) -> SplitPlan:
+  """Each mesh's plan: the rollout's and the learner's (see SPLIT below)."""
+  k = int(config.mesh.rollout_devices)
+  m = config.mesh
+  return SplitPlan(
+      rollout=plan_part(config, cfg, k, m.rollout_shape, device_bytes, native_16bit, "rollout"),
+      learner=plan_part(
+          config, cfg, num_devices - k, m.shape, device_bytes, native_16bit, "learner"
+      ),
+      rollout_devices=k,
+      learner_devices=num_devices - k,
+  )
+
+
+def choose_split(
+    config,
+    cfg,
+    num_devices: int,
+    rollout_s: float,
+    learn_s: float,
+    device_bytes: float = 0.0,
+    rollout_scaling: float = 1.0,
+) -> dict:
+  """The split with the least overlapped time per batch, from a colocated step's phase
+  times on all devices; every split considered (with the microbatches that keep each
+  learner device's rows per call), with why one was refused."""
+  n, R, L = num_devices, float(rollout_s), float(learn_s)
+  rows = []
+  for k in range(1, n):
+    c = config.copy_and_resolve_references()
+    c.mesh.rollout_devices = k
+    c.mesh.rollout_shape = _any_size(tuple(config.mesh.rollout_shape))
+    # Each learner device keeps the rows per call the config gives it: more microbatches
+    # on fewer learner devices.
+    samples = config.rollout.batch_size * config.rollout.n_samples_per_prompt
+    learners = n - int(config.mesh.rollout_devices)  # the config's own learner devices
+    micro = config.train.num_microbatches * learners // (n - k)
+    if samples % (micro * config.train.num_minibatches) == 0:
+      c.train.num_microbatches = micro
+    problems = validate_split.device_problems(c, n, cfg)
+    row = {"rollout_devices": k, "num_microbatches": c.train.num_microbatches}
+    if problems:
+      row["refused"] = problems[0]
+    else:
+      plan = make_split_plan(c, cfg, n, device_bytes)
+      if not plan.fits:
+        row["refused"] = f"needs {plan.device_total / GB:.1f} GB per device"
+      else:
+        per_batch = max(R * (n / k) ** rollout_scaling, L * n / (n - k))
+        row.update(seconds_per_batch=per_batch, speedup=(R + L) / per_batch)
+    rows.append(row)
+  ok = [r for r in rows if "speedup" in r]
+  best = max(ok, key=lambda r: r["speedup"]) if ok else None
+  return {
+      "colocated_seconds_per_batch": R + L,
+      "rollout_scaling": rollout_scaling,
+      "chosen": None if best is None else best["rollout_devices"],
+      "splits": rows,
+  }
+
+
+def _any_size(shape: tuple) -> tuple:
+  """The rollout mesh's shape for any device count: its -1 kept, else its largest axis
+  made -1 (tensor parallel stays tensor parallel)."""
+  if -1 in shape:
+    return shape
+  i = max(range(len(shape)), key=lambda j: shape[j])
+  return tuple(-1 if j == i else s for j, s in enumerate(shape))
+
+
+def describe_split(chosen: dict) -> str:
+  """The lines `plan` prints for choose_split's answer."""
+  lines = [f"{'split (rollout devices)':<26}{'s/batch':>10}{'vs colocated':>14}"]
+  for row in chosen["splits"]:
+    k = row["rollout_devices"]
+    if "refused" in row:
+      lines.append(f"  {k:<24}  refused: {row['refused']}")
+    else:
+      lines.append(f"  {k:<24}{row['seconds_per_batch']:>10.2f}{row['speedup']:>13.2f}x")
+  pick = chosen["chosen"]
+  if pick is None:
+    lines.append("no split fits: stay colocated")
+  else:
+    row = next(r for r in chosen["splits"] if r["rollout_devices"] == pick)
+    lines.append(
+        f"chosen: mesh.rollout_devices={pick} (train.num_microbatches={row['num_microbatches']})"
+    )
+  return "\n".join(lines)
 
 
 def pool_pages(config, mesh, decode_rules) -> tuple[int, int]:
@@ -218,22 +411,27 @@ def prompt_kv_bytes(config, cfg: qwen3.Qwen3Config, kv_heads: float) -> float:
   )
 
 
-def _resident(x) -> dict[str, float]:
-  """What stays on each device for the whole run."""
+def _sampler_resident(x) -> dict[str, float]:
+  """What the sampler holds for the whole run: its weights, the slot state, a prefill's
+  KV kept for its group."""
   cfg, r, m = x.cfg, x.config.rollout, x.config.model
   slots = r.num_slots / _split(r.num_slots, "batch", x.mesh, x.decode_rules)
   kv_heads = cfg.num_kv_heads / _split(cfg.num_kv_heads, "kv_heads", x.mesh, x.decode_rules)
   _, per_shard = pool_pages(x.config, x.mesh, x.decode_rules)
   pool = 2 * cfg.num_layers * per_shard * kv_heads * r.page_size * cfg.head_dim
   rows = slots * x.max_len * 12 + slots * -(-x.max_len // r.page_size) * 4  # + page table
+  return {
+      "decode params": _decode_bytes(x),
+      "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
+      "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
+  }
+
+
+def _learner_resident(x) -> dict[str, float]:
+  """What the learner holds for the whole run: the trained weights and their optimizer
+  state, a reference model, PPO's critic."""
+  cfg = x.cfg
   resident = _trained(x)
-  resident.update(
-      {
-          "decode params": _decode_bytes(x),
-          "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
-          "the last prefill's KV (kept)": prompt_kv_bytes(x.config, cfg, kv_heads),
-      }
-  )
   if x.lora is None and (x.config.train.kl_coef > 0 or x.config.train.reward_kl_coef > 0):
     resident["reference params"] = params_bytes(cfg, x.mesh, x.rules, x.cb)  # LoRA: the base
   if _has_critic(x.config):
@@ -443,6 +641,47 @@ def check_fits(plan: Plan, suggestion: str = "") -> None:
     )
 
 
+def _compiled(f, cfg, devices: int, capacity: float) -> bool:
+  """--compile: every program compiled on fake CPU devices (each on its mesh when split);
+  prints the report; whether it fits."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  k = f.config.mesh.rollout_devices
+  if k:
+    rollout_mesh = sharding.make_mesh(tuple(f.config.mesh.rollout_shape), jax.devices()[:k])
+    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[k:devices])
+    report = compile_check.check_split(f.config, cfg, rollout_mesh, mesh, capacity)
+    print(report.table())
+  else:
+    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
+    report = compile_check.check(f.config, cfg, mesh, capacity)
+    print(report.table())
+    if not report.fits:  # the compiled peak, less the pages it exceeds by
+      excess = report.peak_bytes - capacity
+      print(_pool_sentence(f.config, compiled_pages_that_fit(f.config, cfg, mesh, excess)))
+  print(json.dumps(report.to_json(), sort_keys=True))
+  return report.fits
+
+
+def _arithmetic(f, cfg, devices: int, capacity: float) -> bool:
+  """The arithmetic plan (and, given a colocated step's phase times, the split to
+  choose); prints it; whether it fits."""
+  plan = make_plan(f.config, cfg, devices, capacity)
+  print(plan.table())
+  if f.rollout_s > 0 and f.learn_s > 0:  # the split these phase costs call for
+    chosen = choose_split(
+        f.config, cfg, devices, f.rollout_s, f.learn_s, capacity, f.rollout_scaling
+    )
+    print(describe_split(chosen))
+    print(json.dumps({"split": chosen}, sort_keys=True))
+  if capacity <= 0:
+    print("not checked against a device: give --device_memory_gb (and --devices)")
+  else:
+    print("fits" if plan.fits else "DOES NOT FIT: " + what_fits(f.config, cfg, devices, capacity))
+  print(json.dumps(plan.to_json(), sort_keys=True))
+  return plan.fits
+
+
 def main(argv):
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -456,38 +695,24 @@ def main(argv):
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
 
+  devices = f.devices or len(jax.devices())
   try:
     validate(f.config, PLAN_CHECKS)  # what main would refuse of the shapes, in its words
     cfg = hf_io.model_config(f.config, f.model_config)
+    validate_for_devices(f.config, devices, cfg)
   except ConfigError as e:  # as main words it: every problem, one a line
     print(f"april_jax.plan: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   except (ValueError, OSError) as e:
     cli.fail("april_jax.plan", str(e))
-  devices = f.devices or len(jax.devices())
   capacity = f.device_memory_gb * GB
-  print(
-      f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh "
-      f"{sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices)}"
-  )
-  if f.compile:
-    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
-    report = compile_check.check(f.config, cfg, mesh, capacity)
-    print(report.table())
-    if not report.fits:  # the compiled peak, less the pages it exceeds by
-      excess = report.peak_bytes - capacity
-      print(_pool_sentence(f.config, compiled_pages_that_fit(f.config, cfg, mesh, excess)))
-    print(json.dumps(report.to_json(), sort_keys=True))
-    fits = report.fits
-  else:
-    plan = make_plan(f.config, cfg, devices, capacity)
-    print(plan.table())
-    if capacity <= 0:
-      print("not checked against a device: give --device_memory_gb (and --devices)")
-    else:
-      print("fits" if plan.fits else "DOES NOT FIT: " + what_fits(f.config, cfg, devices, capacity))
-    print(json.dumps(plan.to_json(), sort_keys=True))
-    fits = plan.fits
+  k = f.config.mesh.rollout_devices
+  learner_shape = sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices - k)
+  print(f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh {learner_shape}")
+  if k:
+    rollout_shape = sharding.resolve_mesh_shape(tuple(f.config.mesh.rollout_shape), k)
+    print(f"  split: the rollout on {k} devices, mesh {rollout_shape}; the learner on the rest")
+  fits = (_compiled if f.compile else _arithmetic)(f, cfg, devices, capacity)
   if not fits:
     raise SystemExit(3)
 
@@ -503,6 +728,19 @@ if __name__ == "__main__":
       "devices", 0, "Devices to plan for (0 = those JAX sees; " "8 with --compile)."
   )
   flags.DEFINE_float("device_memory_gb", 0.0, "Memory per device in GB (0 = do not check).")
+  flags.DEFINE_float(
+      "rollout_s",
+      0.0,
+      "A colocated step's rollout seconds on these devices: with "
+      "--learn_s, the split of rollout and learner devices to choose.",
+  )
+  flags.DEFINE_float("learn_s", 0.0, "A colocated step's learner seconds (see --rollout_s).")
+  flags.DEFINE_float(
+      "rollout_scaling",
+      1.0,
+      "How the rollout's time scales with its devices: "
+      "(n / k)^a on k of n (1: in proportion; below 1: less, as a decode bound by memory).",
+  )
   flags.DEFINE_bool(
       "compile",
       False,

@@ -34,24 +34,44 @@ from april_jax.rl import step as step_lib
 from april_jax.rl.update import Learner
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, run_episodes
 from april_jax.rollout.episodes import EpisodeRunner
+from april_jax.rollout.publish import WeightPublisher
 from april_jax.sampler import EngineConfig, SlotEngine
 from april_jax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where a run's arrays live: its mesh, the learner's axis rules and the sampler's."""
+  """Where a run's arrays live: the learner's mesh and axis rules, the rollout's mesh and
+  the sampler's rules. Colocated (mesh.rollout_devices = 0) the two meshes are one; split,
+  the rollout has the first rollout_devices devices (its shape mesh.rollout_shape) and
+  the learner the rest (its shape mesh.shape)."""
 
   mesh: Any
   rules: tuple
   decode_rules: tuple
+  rollout_mesh: Any = None  # None: the learner's mesh
+
+  @property
+  def split(self) -> bool:
+    return self.rollout_mesh is not None
+
+  @property
+  def decode_mesh(self):
+    return self.mesh if self.rollout_mesh is None else self.rollout_mesh
 
   @classmethod
   def from_config(cls, config) -> "Placement":
+    k = int(config.mesh.rollout_devices)
+    devices = jax.devices()
+    rollout_mesh = None
+    if k:
+      rollout_mesh = sharding.make_mesh(tuple(config.mesh.rollout_shape), devices[:k])
+      devices = devices[k:]
     return cls(
-        sharding.make_mesh(tuple(config.mesh.shape)),
+        sharding.make_mesh(tuple(config.mesh.shape), devices),
         tuple(tuple(r) for r in config.mesh.rules),
         tuple(tuple(r) for r in config.mesh.decode_rules),
+        rollout_mesh,
     )
 
 
@@ -66,6 +86,7 @@ class Rollout:
   episodes: EpisodeRunner | None
   scheduler: AprilScheduler
   decode: Callable[[list[int]], str]
+  publisher: WeightPublisher | None  # split meshes: the learner's weights to the engine's
 
 
 def check_memory(config, model_cfg: qwen3.Qwen3Config) -> None:
@@ -190,9 +211,18 @@ def make_rollout(config, model_cfg, paths, decode_params, tokenizer, task, place
   episodes, turn_stop_ids = run_episodes.runner_for(config, tokenizer)
   stop_ids = tokenizer.stop_ids + turn_stop_ids
   engine_config = paths.engine_config(EngineConfig.from_run_config(c, stop_ids))
+  publisher = None
+  if place.split:  # the weights cross to the rollout mesh, as every update's will
+    publisher = WeightPublisher(model_cfg, place.rollout_mesh, place.decode_rules, c.model.dtype)
   engine = SlotEngine(
-      model_cfg, decode_params, engine_config, mesh=place.mesh, rules=place.decode_rules
+      model_cfg,
+      None if place.split else decode_params,
+      engine_config,
+      mesh=place.decode_mesh,
+      rules=place.decode_rules,
   )
+  if publisher is not None:
+    publisher.swap(engine, decode_params, 0)
   described = paged_attention_kernel.describe(r.decode_attention, r.page_size, model_cfg.head_dim)
   if engine_config.decode_attention != r.decode_attention:
     described = "the XLA path (the Pallas kernel failed its start-up check)"
@@ -213,4 +243,4 @@ def make_rollout(config, model_cfg, paths, decode_params, tokenizer, task, place
   scheduler = AprilScheduler(
       engine, RolloutSettings.from_config(r), task.prompts, rewards, seed=c.seed, episodes=episodes
   )
-  return Rollout(engine, rewards, episodes, scheduler, decode)
+  return Rollout(engine, rewards, episodes, scheduler, decode, publisher)

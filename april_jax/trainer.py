@@ -46,7 +46,9 @@ from april_jax.models import lora as lora_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import learn as learn_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
+from april_jax.rollout import in_flight
 from april_jax.rollout import rollout_metrics
+from april_jax.rollout.async_rollout import AsyncRollout
 from april_jax.rollout import failures as failures_lib
 from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
@@ -103,7 +105,10 @@ class Trainer:
         self.place,
     )  # fmt: skip
     self.engine, self.rewards, self.scheduler = rollout.engine, rollout.rewards, rollout.scheduler
-    self.episodes, self.decode = rollout.episodes, rollout.decode
+    self.episodes, self.decode, self.publisher = rollout.episodes, rollout.decode, rollout.publisher
+    self.async_rollout: AsyncRollout | None = None  # split meshes: started by run()
+    self._waiting: list = []  # batches drawn before a checkpoint and not trained yet
+    self._async_totals: dict[str, float] = {}  # the split run's counts at the last step
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
@@ -161,21 +166,33 @@ class Trainer:
           "directory shared by all hosts"
       )
 
-  def save(self, step: int, metrics: dict[str, float] | None) -> float:
+  def rollout_state(self) -> tuple[dict, dict]:
+    """What a checkpoint keeps of the rollout, taken where it stands still (between two
+    of its batches): the partial buffer with the batches drawn and not yet trained
+    (rollout/in_flight.py), and as JSON the scheduler's counters, the data position and
+    those batches' shape."""
+    buffer, scheduler = self.scheduler.checkpoint()
+    waiting = self._waiting + (
+        [] if self.async_rollout is None else self.async_rollout.waiting_results()
+    )
+    arrays, described = in_flight.to_state(waiting)
+    host = {"scheduler": scheduler, "data": self.source.state(), "waiting": described}
+    return {**buffer, **arrays}, host
+
+  def save(self, step: int, metrics: dict[str, float] | None, rollout=None) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
     with it; None: a step cut short, whose line is written already); the seconds it
-    took."""
+    took. `rollout`: the rollout's state (rollout_state), taken where it stood still."""
     start = time.perf_counter()
     arrays, learner = self.learners.checkpoint()
-    buffer, scheduler = self.scheduler.checkpoint()
+    buffer, rollout_host = self.rollout_state() if rollout is None else rollout
     problem = self.checkpointer.room_problem(step, arrays, buffer)
     if distributed.any_process(problem is not None):  # all stop alike, or none does
       raise DiskFull(problem or f"another process found no room for checkpoint {step}")
     host = {
         "step": step,
         "version": step,
-        "data": self.source.state(),
-        "scheduler": scheduler,
+        **rollout_host,
         "learner": learner,
         "config": resume_check.as_json(self.config),
         "model": hf_io.architecture(self.model_cfg),
@@ -195,17 +212,28 @@ class Trainer:
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learners.restore(arrays, host["learner"])
-    self.engine.set_policy(self.learners.policy.decode_params(), step)
+    self._set_policy(step)
+    buffer, self._waiting = in_flight.from_state(buffer, host.get("waiting"))
     self.scheduler.restore(buffer, host["scheduler"])
     self.source.restore(host["data"])
     self.writer.truncate_after(step, host.get("metrics"))
     self.next_step = step  # the loop's index of step step + 1
     if self.primary:
+      drawn = f", {len(self._waiting)} drawn batches to train" if self._waiting else ""
       print(
           f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
-          "buffer)",
+          f"buffer{drawn})",
           flush=True,
       )
+
+  def _set_policy(self, version: int) -> None:
+    """The engine decodes the learner's params from now on (before the rollout's thread
+    starts, or colocated)."""
+    params = self.learners.policy.decode_params()
+    if self.publisher is None:
+      self.engine.set_policy(params, version)
+    else:
+      self.publisher.swap(self.engine, params, version)
 
   def _report(self) -> None:
     """The end-of-run summary on stdout and the progress plot in the workdir."""
@@ -263,13 +291,12 @@ class Trainer:
     """Step step + 1: rollout, learn; its metrics, or None when SIGTERM cut its rollout
     (nothing trained; what it drew is in the partial buffer)."""
     c = self.config
-    version = self.engine.version  # the params after `step` updates
-    assert version == step, (version, step)
-    one_process = jax.process_count() == 1  # waits for rewards end at once only there
-    give_up = (lambda: self.stop.requested) if one_process else None
-    result = self.scheduler.step(step, cut_now=self.stop.cut_now, give_up=give_up)
-    if result.cut:
-      self.stop.cut_drew = result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
+    version = step  # the params after `step` updates
+    result = self._draw(step)
+    if result is None or result.cut:
+      self.stop.cut_drew = result is None or (
+          result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
+      )
       return None
     self._check_failures(result, step + 1)
     start = time.perf_counter()
@@ -285,10 +312,66 @@ class Trainer:
     state, learned = learn_lib.learn(self.learners.state(), batch, self.learners)
     self.learners.put(state)
     metrics.update(learned)
-    self.engine.set_policy(self.learners.policy.decode_params(), version + 1)
     metrics["time/train_s"] = time.perf_counter() - start
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
     return metrics
+
+  def _draw(self, index: int):
+    """Batch `index` (trained by update index + 1): one kept by the checkpoint resumed
+    from, else drawn now (colocated) or taken from the rollout's thread (split)."""
+    if self._waiting:
+      return self._waiting.pop(0)
+    if self.async_rollout is not None:
+      return self.async_rollout.take(index)
+    assert self.engine.version == index, (self.engine.version, index)
+    one_process = jax.process_count() == 1  # waits for rewards end at once only there
+    give_up = (lambda: self.stop.requested) if one_process else None
+    return self.scheduler.step(index, cut_now=self.stop.cut_now, give_up=give_up)
+
+  def _publish(self, step: int, evaluate: bool, save: bool):
+    """The params after `step` updates to the engine; then, where the rollout holds them,
+    the evaluation and the capture of the rollout's state for a checkpoint, when due.
+    Returns (evaluation metrics or {}, rollout state or None)."""
+    wanted = ([self.evaluate] if evaluate else []) + ([self.rollout_state] if save else [])
+    if self.async_rollout is None:
+      self.engine.set_policy(self.learners.policy.decode_params(), step)
+      done = [fn() for fn in wanted]
+    else:
+      made = self.async_rollout.publish(self.learners.policy.decode_params(), step, wanted)
+      done = [r.result() for r in made]
+    return (done.pop(0) if evaluate else {}), (done.pop(0) if save else None)
+
+  def _async_metrics(self) -> dict[str, float]:
+    """Split meshes: each side's wait and the weights' copies since the last step."""
+    a, p = self.async_rollout, self.publisher.stats
+    now = {
+        "async/rollout_wait_s": a.waits.rollout_s,
+        "async/learner_wait_s": a.waits.learner_s,
+        "async/publish_s": p.seconds,
+        "async/publish_bytes": float(p.bytes),
+        "async/weight_swaps": float(a.swaps),
+    }
+    last, self._async_totals = self._async_totals, now
+    return {k: v - last.get(k, 0.0) for k, v in now.items()}
+
+  def _start_rollout_thread(self) -> None:
+    """Split meshes: the rollout draws on its thread from here on (rollout/async_rollout.py)."""
+    c = self.config
+    if self.publisher is None:
+      return
+    self.async_rollout = AsyncRollout(
+        self.scheduler,
+        self.publisher,
+        depth=0 if c.rollout.max_staleness == 0 else 1,
+        in_flight=c.rollout.in_flight_updates,
+        resume_mode=c.rollout.resume_mode,
+        first_batch=self.next_step,
+        version=self.engine.version,
+        waiting=self._waiting,
+        cut_now=self.stop.cut_now,
+    )
+    self._waiting = []
+    self.async_rollout.start()
 
   def run(self) -> None:
     """Compiles, then runs steps next_step + 1 .. num_steps (or until SIGTERM), closes
@@ -296,6 +379,7 @@ class Trainer:
     previous = signal.signal(signal.SIGTERM, self.stop.handle)
     try:
       self._compile()
+      self._start_rollout_thread()
       for index in range(self.next_step, self.config.num_steps):
         if self._one_step(index):
           break
@@ -340,18 +424,26 @@ class Trainer:
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
       if self.stop.save_cut(index, self.checkpointer.latest_step()):
-        self.save(index, None)
+        rollout = None if self.async_rollout is None else self.async_rollout.request(
+            self.rollout_state
+        )  # fmt: skip
+        self.save(index, None, rollout)
       self.stop.stop_during(step)
       return True
-    metrics["time/step_s"] = time.perf_counter() - start  # rollout + learn
     last = step == c.num_steps
     # Decided once per step, and by every process alike (SIGTERM may reach only one); a
     # stopping run skips evaluation to save within the scheduler's grace period.
     stop = self.stop.agreed()
-    if not stop and c.eval_every and (step % c.eval_every == 0 or last):
-      metrics.update(self.evaluate())
-    if stop or last or (c.checkpoint_every and step % c.checkpoint_every == 0):
-      metrics["time/checkpoint_s"] = self.save(step, metrics)
+    evaluate = not stop and bool(c.eval_every) and (step % c.eval_every == 0 or last)
+    save = stop or last or bool(c.checkpoint_every and step % c.checkpoint_every == 0)
+    start_publish = time.perf_counter()
+    evaluated, rollout = self._publish(step, evaluate, save)
+    metrics.update(evaluated)
+    metrics["time/step_s"] = start_publish - start  # rollout (or the wait for it) + learn
+    if self.async_rollout is not None:
+      metrics.update(self._async_metrics())
+    if save:
+      metrics["time/checkpoint_s"] = self.save(step, metrics, rollout)
     self.writer.write(step, metrics)
     if self.primary and c.log_every and (index % c.log_every == 0 or last):
       log_progress(step, c.num_steps, metrics)
@@ -364,6 +456,8 @@ class Trainer:
     After an error, a failure to close is logged: the error that ended the run is the one
     to report (a full disk fails the closing writes too)."""
     closes = [self.rewards.close, self.checkpointer.close, self.writer.close, user_output.stop]
+    if self.async_rollout is not None:
+      closes.insert(0, self.async_rollout.close)
     if self.episodes is not None:
       closes.insert(1, self.episodes.close)
     for close in closes:

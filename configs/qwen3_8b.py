@@ -20,6 +20,9 @@ Variants, joined by '+' (`--config=configs/qwen3_8b.py:baseline`, `...:tis+overl
   overlong   DAPO's overlong shaping over the last 1,024 tokens of the budget
   stale4     the staleness limit: no trained token more than 4 versions old
   ppo        PPO with a learned critic (GAE) instead of GRPO's group advantages
+  async      rollout and learner on their own devices, overlapped (docs/async.md): the
+             rollout on 4 GPUs (tensor parallel 4, 256 slots), the learner on the other
+             4 (FSDP, twice the microbatches), versions at most 2 behind
   lora       LoRA (rank 32 on every projection, the base frozen, decoded unmerged) on
              ONE 80 GB GPU: 64 slots sharing 784 KV pages (`lora+ppo`: 768)
 configs/qwen3_4b.py takes the same variants with the 4B model.
@@ -96,7 +99,25 @@ def _lora_pool(c):
   c.rollout.kv_pages = 768 if c.train.advantage == "gae" else 784
 
 
+def _async(c):
+  # Split 4 + 4: the split `python -m april_jax.plan --config=configs/qwen3_8b.py
+  # --devices=8 --device_memory_gb=80 --rollout_s=R --learn_s=L --rollout_scaling=a`
+  # chooses for this model (4 is the only k that shards its 32 heads and 8 KV heads and
+  # leaves the learner room). Each learner device keeps its 1 row per gradient call: 64
+  # microbatches. The rollout mesh holds only the decode copy (4.1 GB a device), so the
+  # KV pool grows to 6,144 pages of 256 positions (1.6M positions for 256 slots; the plan
+  # allows 7,476, the rest is the compile check's margin). Versions
+  # at most 2 behind: 1 for the pipeline, 1 more for a partial continued next step.
+  c.mesh.rollout_devices = 4
+  c.mesh.rollout_shape = (1, 1, 4)
+  c.train.num_microbatches = 64
+  c.rollout.num_slots = 256
+  c.rollout.kv_pages = 6144
+  c.rollout.max_staleness = 2
+
+
 VARIANTS = {
+    "async": _async,
     "baseline": _baseline,
     "tis": _tis,
     "overlong": _overlong,

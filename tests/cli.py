@@ -90,14 +90,20 @@ def run(*flags: str, timeout: float = 600, **options: Any) -> subprocess.Complet
 
 
 def run_beside_a_killed_one(
-    flags: list[str], config: str, straight, killed, checkpoint: int, timeout: float = 600
+    flags: list[str],
+    config: str,
+    straight,
+    killed,
+    checkpoint: int,
+    timeout: float = 600,
+    **options: Any,
 ) -> None:
   """Runs `flags` to its end in workdir `straight` and, alongside (two cores: each
   compiles mostly on one), in `killed` until its checkpoint `checkpoint` is written,
-  then SIGKILLs that one. Asserts the uninterrupted run succeeded."""
-  uninterrupted = launch(*flags, config=config, workdir=straight)
+  then SIGKILLs that one. Asserts the uninterrupted run succeeded. options: launch's."""
+  uninterrupted = launch(*flags, config=config, workdir=straight, **options)
   try:
-    proc = launch(*flags, config=config, workdir=killed)
+    proc = launch(*flags, config=config, workdir=killed, **options)
     ckpt = Path(killed) / "checkpoints" / str(checkpoint)
     deadline = time.monotonic() + timeout
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
@@ -119,9 +125,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def timing(key: str) -> bool:
-  """Whether a metric is a time or a rate (time/..., ..._per_s): numbers two runs of one
-  seed need not agree on."""
-  return key.startswith("time/") or key.endswith("_per_s")
+  """Whether a metric is a time or a rate (time/..., ..._per_s), or how the rollout's
+  thread met the learner's (async/...: waits, and when weights were taken): numbers two
+  runs of one seed need not agree on."""
+  return key.startswith(("time/", "async/")) or key.endswith("_per_s")
 
 
 def untimed(line: dict) -> dict:

@@ -88,6 +88,11 @@ def _mesh() -> ml_collections.ConfigDict:
   m.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the devices left
   m.rules = sharding.TRAIN_RULES  # the learner: FSDP x tensor
   m.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
+  # Rollout and learner on their own devices (docs/async.md): the first rollout_devices
+  # devices decode (a mesh of rollout_shape), the rest learn (a mesh of `shape`), and the
+  # two overlap. 0: colocated, one mesh taking turns.
+  m.rollout_devices = 0
+  m.rollout_shape = (-1, 1, 1)  # (data, fsdp, tensor) of the rollout mesh
   # Memory per device for the start-up plan; None = ask the device.
   m.device_memory_gb = config_dict.placeholder(float)
   return m
@@ -134,6 +139,9 @@ def _rollout() -> ml_collections.ConfigDict:
   r.partial_rollout = True  # False: the synchronous baseline
   r.resume_mode = "kv"  # kv | recompute
   r.max_staleness = config_dict.placeholder(int)  # policy versions; None = unlimited
+  # Split meshes: False, each batch drawn by one version (reproducible); True, new weights
+  # taken at the next decode call, live slots going on (docs/async.md).
+  r.in_flight_updates = False
   r.num_slots = 32  # sequences the sampler decodes at once
   r.sync_every = 16  # decode steps per host round trip
   # The KV page pool: slots hold pages of page_size positions (a power of two) as their

@@ -27,6 +27,9 @@ RESUMABLE = (
     "eval.",
     "distributed.",
     "mesh.device_memory_gb",
+    "mesh.rollout_devices",  # where the rollout runs: a resume may split or join the meshes
+    "mesh.rollout_shape",
+    "rollout.in_flight_updates",
     "model.path",
     "model.tokenizer_path",
     "train.lora_path",  # read at the start only: a resume takes the checkpoint's adapters

@@ -15,6 +15,7 @@ import ml_collections
 from april_jax import sharding
 from april_jax.configs import base
 from april_jax.configs import validate_lora
+from april_jax.configs import validate_split
 from april_jax.envs import base as env_base
 from april_jax.envs import python_tool
 from april_jax.errors import InputError
@@ -124,6 +125,8 @@ def _checks_mesh(c, err: Callable[[str], None]) -> None:
   gb = c.mesh.device_memory_gb
   if gb is not None and not (math.isfinite(gb) and gb > 0):
     err(f"mesh.device_memory_gb must be a number of GB > 0 (unset: ask the device), got {gb}")
+  for problem in validate_split.problems(c):
+    err(problem)
 
 
 def _checks_top(c, err: Callable[[str], None]) -> None:
@@ -347,9 +350,14 @@ def batch_shards(config, num_devices: int) -> int:
   return out
 
 
-def validate_for_devices(config, num_devices: int) -> None:
-  """The checks that need the device count: the mesh, and microbatches that split evenly
-  over the devices holding the batch (else each would hold every row)."""
+def validate_for_devices(config, num_devices: int, model_cfg=None) -> None:
+  """The checks that need the device count: the mesh (both of a split run's, against
+  the model's heads where `model_cfg` is given), and microbatches that split evenly over
+  the devices holding the batch (else each would hold every row)."""
+  problems = validate_split.device_problems(config, num_devices, model_cfg)
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+  num_devices = validate_split.learner_devices(config, num_devices)
   try:
     shards = batch_shards(config, num_devices)
   except ValueError as e:

@@ -18,6 +18,7 @@ and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
                          that older params computed (resume mode kv); one whose KV was
                          recomputed by the current params does not
   staleness_{max,mean}   per trained sample: current version - its oldest token's tag
+  lag_token_{mean,max}   per trained (drawn) token: current version - its tag
   stale_restarts         samples restarted from the prompt for exceeding max_staleness
   overdue_groups         groups holding such a restart: the step waited for them
   preemptions            live samples moved out of their slots because the KV page pool
@@ -64,6 +65,8 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/stale_token_frac": stat(np.mean, versions < version),
       "rollout/staleness_max": stat(np.max, staleness),
       "rollout/staleness_mean": stat(np.mean, staleness),
+      "rollout/lag_token_mean": stat(np.mean, version - versions),
+      "rollout/lag_token_max": stat(np.max, version - versions),
       "rollout/partial_samples": float(st.get("partial_samples", 0)),
       "rollout/buffer_groups": float(st.get("buffer_groups", 0)),
       "rollout/buffer_bytes": float(st.get("buffer_bytes", 0)),

@@ -194,16 +194,21 @@ class AprilScheduler:
       step: int,
       cut_now: Callable[[], bool] | None = None,
       give_up: Callable[[], bool] | None = None,
+      train_version: int | None = None,
+      between_calls: Callable[[], None] | None = None,
   ) -> RolloutResult:
-    """Generates until the stop rule holds, with the engine's policy (set_policy: its
-    version is the step's, for staleness); returns the training batch and stats.
+    """Generates until the stop rule holds, with the engine's policy; returns the training
+    batch and stats. Staleness is judged against `train_version`, the version that will
+    train on the batch (None: the engine's, as when rollout and learner take turns).
+    `between_calls()` runs before each decode call (an asynchronous rollout takes new
+    weights there: rollout/async_rollout.py).
 
     `cut_now()`, asked before each decode call (the same number of times on every
     process of a run), ends the step early: every unfinished sample goes to the buffer as
     at a step's end, the groups completed stay there whole (unscored ones are scored
     again when next admitted), and the result has no batch (`cut`). `give_up()`, asked at
     any time while waiting for rewards (so on one process only), cuts the step too."""
-    st = self._begin(step)
+    st = self._begin(step, train_version)
     st.give_up = give_up
     while True:
       if cut_now is not None and cut_now():
@@ -219,6 +224,8 @@ class AprilScheduler:
         break
       if self.engine.num_live == 0 and not self.turns.pending:
         break  # nothing live and nothing admissible: the prompts ran out
+      if between_calls is not None:
+        between_calls()
       self._decode(st)
     self._snapshot(st)
     # Every complete group keeps its rewards, buffered ones too (unless told to give up).
@@ -226,11 +233,11 @@ class AprilScheduler:
       st.cut = True
     return self._cut(st) if st.cut else self._end(st)
 
-  def _begin(self, step: int) -> "_Step":
+  def _begin(self, step: int, train_version: int | None = None) -> "_Step":
     r, counters = self.rewards, self.engine.counters
     return _Step(
         step=step,
-        version=self.engine.version,
+        version=self.engine.version if train_version is None else int(train_version),
         budget=self.settings.over_sampling_batch_size,
         start=time.perf_counter(),
         tokens0=counters.tokens_generated,
