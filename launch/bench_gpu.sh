@@ -27,6 +27,10 @@
 #   tail, tail_kernel  the sampler part's long-tailed vs uniform step alone, through the
 #               XLA path or the Pallas kernel
 #   sampler_4b  the sampler part at the Qwen3-4B shape
+#   async       rollout and learner on their own devices vs colocated (ASYNC_CONFIG, the
+#               long-tailed tiny task by default, ASYNC_STEPS steps): on a node both sides
+#               on its GPUs; on one GPU the colocated side alone; either way the split a
+#               node of ASYNC_NODE GPUs would gain, projected from the phase times measured
 # Each part stops after PART_LIMIT seconds (default 300; LIMIT_<part> for one part, e.g.
 # LIMIT_sampler=60; the step part's own default is 480), keeping what its log printed
 # (each sampler stage is named on stderr as it starts), and the next part runs. On an
@@ -121,12 +125,15 @@ for part in $PARTS; do
     # The Qwen3-4B shape alone, without the long-tail rounds (run after the others).
     sampler_4b) run sampler_4b --mode=sampler --models=qwen3_4b --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model= ;;
+    # Overlapped rollout and learner (several GPUs), and the projection to a node.
+    async) run async --mode=async --config="${ASYNC_CONFIG:-configs/tiny_tail.py}" \
+        --steps="${ASYNC_STEPS:-12}" --node_devices="${ASYNC_NODE:-8}" ;;
     scheduler) run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
     *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step step_lora roofline sampler" \
-         "sampler_kernel tail tail_kernel scheduler resume sampler_4b)" >&2
+         "sampler_kernel tail tail_kernel scheduler resume sampler_4b async)" >&2
        exit 2 ;;
   esac
 done
@@ -237,4 +244,14 @@ if "resume" in r:
   res = r["resume"]
   print(f"  resume kv vs recompute     {res['kv_us_per_held_token']:.2f} vs "
         f"{res['recompute_us_per_held_token']:.2f} us per held token")
+if "async" in r:
+  a = r["async"]
+  if "speedup" in a:
+    print(f"async: split vs colocated {a['speedup']:.2f}x per trained batch on {a['devices']}")
+  p = a["projection"]
+  for key, chosen in p.items():
+    if key.startswith("scaling_") and chosen["chosen"]:
+      row = next(x for x in chosen["splits"] if x["rollout_devices"] == chosen["chosen"])
+      print(f"async: projected to {p['node_devices']} GPUs, rollout scaling {key[8:]}: "
+            f"{row['speedup']:.2f}x at rollout_devices={chosen['chosen']}")
 PY

@@ -363,3 +363,26 @@ def test_timed_layer_reports_a_kernel_the_backend_cannot_run(monkeypatch):
   assert out["layer_xla_us"] > 0
   assert out["layer_xla_wide_us"] > 0  # the XLA path's lines stand
   assert all("failed here: RuntimeError" in line for line in roofline.layer_lines(out)[2:])
+
+
+def test_async_bench_summary_and_projection_from_a_runs_lines():
+  from april_jax.benchmarks import async_bench  # pylint: disable=g-import-not-at-top
+
+  line = lambda step, **kw: {
+      "step": step, "time/step_s": 3.0, "time/rollout_s": 2.0, "time/train_s": 1.5,
+      "rollout/lag_token_mean": 1.0, "rollout/lag_token_max": 2.0, "async/rollout_wait_s": 0.5,
+      "async/learner_wait_s": 1.5, "async/publish_s": 0.01, "async/publish_bytes": 4e6, **kw,
+  }  # fmt: skip
+  lines = [line(1, **{"time/step_s": 30.0}), line(2), line(3, **{"eval/pass@1": 0.5})]
+  s = async_bench._summary(lines, {"copy_bytes_per_s": 1e9, "lag_histogram": [0, 3, 1]})
+  assert s["s_per_batch"] == 3.0  # the first step (compiling) left out
+  assert s["learner_busy"] == 0.5 and s["rollout_busy"] == pytest.approx(2 / 3)
+  assert s["publish_floor_s"] == pytest.approx(4e-3) and s["eval_pass@1"] == 0.5
+  # One device's phases (rollout 2 s, learn 1.5 s) projected to 8: the learner in
+  # proportion; the rollout as (1/8)^a. At a = 1 no split beats colocated.
+  p = async_bench.project(load_config("tiny"), 2.0, 1.5, 1, 8)
+  assert all(r.get("speedup", 0) < 1 for r in p["scaling_1.0"]["splits"])
+  assert p["scaling_1.0"]["colocated_seconds_per_batch"] == pytest.approx(3.5 / 8)
+  half = p["scaling_0.5"]
+  assert half["colocated_seconds_per_batch"] == pytest.approx(2 / 8**0.5 + 1.5 / 8)
+  assert half["chosen"] is not None

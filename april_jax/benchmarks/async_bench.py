@@ -15,9 +15,10 @@ token (histogram). Both sides' held-out pass@1 after the last step is printed be
 times: an overlap that did not teach would not be a win.
 
 The projection: a colocated step's rollout and learner seconds on the devices measured
-(one GPU, say), and what each split of a node of --node_devices would take per batch
-(plan.choose_split, each phase scaled to its devices, the rollout as (n / k)^a for a = 1
-and 0.5): what a node would gain, from one device's numbers.
+(one GPU, say: then only the colocated side runs), and what each split of a node of
+--node_devices would take per batch (plan.choose_split, each phase scaled to its devices,
+the rollout as (n / k)^a for a = 1 and 0.5): what a node would gain, from one device's
+numbers.
 """
 
 from __future__ import annotations
@@ -87,65 +88,76 @@ def _summary(lines: list[dict], extra: dict) -> dict:
   return out
 
 
-def project(config, rollout_s: float, learn_s: float, node_devices: int) -> dict:
-  """Each split of a node from one colocated step's phase times on the devices measured,
-  scaled as plan.choose_split does (no memory check: the shapes are the config's)."""
+def project(config, rollout_s: float, learn_s: float, measured: int, node: int) -> dict:
+  """Each split of a node of `node` devices, from a colocated step's phase times on the
+  `measured` devices: each phase scaled to the node's devices (the learner in proportion,
+  the rollout as (measured / node)^a), then split as plan.choose_split does (no memory
+  check here: the shapes are the config's)."""
   cfg = hf_io.model_config(config)
   out = {}
   for a in SCALINGS:
-    chosen = plan_lib.choose_split(config, cfg, node_devices, rollout_s, learn_s, rollout_scaling=a)
-    out[f"scaling_{a}"] = chosen
+    r, l = rollout_s * (measured / node) ** a, learn_s * measured / node
+    out[f"scaling_{a}"] = plan_lib.choose_split(config, cfg, node, r, l, rollout_scaling=a)
   return out
 
 
 def run(config, steps: int = 12, rollout_devices: int = 0, node_devices: int = 8, **unused):
+  """Both sides on these devices (the colocated side alone on one device), then the
+  projection to a node of node_devices."""
   del unused
   n = len(jax.devices())
-  if n < 2:
-    raise ValueError(
-        "--mode=async needs 2 devices or more (on a CPU: "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
-    )
   k = rollout_devices or n // 2
+  if n > 1 and not 0 < k < n:
+    raise ValueError(f"--rollout_devices={k}: the split needs 1 to {n - 1} of the {n} devices")
   with tempfile.TemporaryDirectory(prefix="april_async_") as tmp:
     colocated, c_extra = _side(config, os.path.join(tmp, "colocated"), steps, 0)
-    split, s_extra = _side(config, os.path.join(tmp, "split"), steps, k)
+    split = None
+    if n > 1:  # one device: the projection from its phase times alone
+      split, s_extra = _side(config, os.path.join(tmp, "split"), steps, k)
   out = {
       "mode": "async",
       "steps": steps,
       "devices": n,
-      "rollout_devices": k,
+      "rollout_devices": k if split else 0,
       "machine": common.machine(),
       "colocated": _summary(colocated, c_extra),
-      "split": _summary(split, s_extra),
   }
-  out["speedup"] = out["colocated"]["s_per_batch"] / out["split"]["s_per_batch"]
+  if split is not None:
+    out["split"] = _summary(split, s_extra)
+    out["speedup"] = out["colocated"]["s_per_batch"] / out["split"]["s_per_batch"]
+  c = out["colocated"]
   out["projection"] = {
       "from_devices": n,
       "node_devices": node_devices,
-      **project(config, out["colocated"]["rollout_s"], out["colocated"]["train_s"], node_devices),
+      **project(config, c["rollout_s"], c["train_s"], n, node_devices),
   }
   _print(out)
   return out
 
 
 def _print(out: dict) -> None:
-  c, s = out["colocated"], out["split"]
-  print(f"{out['devices']} devices; split: {out['rollout_devices']} rollout + the rest learner")
-  print(f"{'':<28}{'colocated':>12}{'split':>12}")
-  print(f"{'s per trained batch':<28}{c['s_per_batch']:>12.3f}{s['s_per_batch']:>12.3f}")
-  print(f"{'  rollout s':<28}{c['rollout_s']:>12.3f}{s['rollout_s']:>12.3f}")
-  print(f"{'  learn s':<28}{c['train_s']:>12.3f}{s['train_s']:>12.3f}")
-  print(f"{'token lag mean / max':<28}{c['lag_token_mean']:>8.2f}/{c['lag_token_max']:<3.0f}"
-        f"{s['lag_token_mean']:>8.2f}/{s['lag_token_max']:<3.0f}")  # fmt: skip
-  print(f"{'eval pass@1 after':<28}{c['eval_pass@1']:>12.3f}{s['eval_pass@1']:>12.3f}")
-  print(f"split vs colocated: {out['speedup']:.2f}x per trained batch")
-  print(
-      f"split: learner busy {s['learner_busy']:.0%}, rollout busy {s['rollout_busy']:.0%}; "
-      f"publish {s['publish_s'] * 1e3:.2f} ms for {s['publish_bytes'] / 1e6:.2f} MB "
-      f"(floor {s['publish_floor_s'] * 1e3:.2f} ms)"
-  )
-  print(f"lag histogram (samples by oldest token's lag): split {s['lag_histogram']}")
+  c = out["colocated"]
+  s = out.get("split")
+  if s is None:
+    print(f"{out['devices']} device: the colocated side alone (a split needs two or more)")
+    print(f"s per trained batch {c['s_per_batch']:.3f} (rollout {c['rollout_s']:.3f}, "
+          f"learn {c['train_s']:.3f}); eval pass@1 after {c['eval_pass@1']:.3f}")  # fmt: skip
+  else:
+    print(f"{out['devices']} devices; split: {out['rollout_devices']} rollout + the rest learner")
+    print(f"{'':<28}{'colocated':>12}{'split':>12}")
+    print(f"{'s per trained batch':<28}{c['s_per_batch']:>12.3f}{s['s_per_batch']:>12.3f}")
+    print(f"{'  rollout s':<28}{c['rollout_s']:>12.3f}{s['rollout_s']:>12.3f}")
+    print(f"{'  learn s':<28}{c['train_s']:>12.3f}{s['train_s']:>12.3f}")
+    print(f"{'token lag mean / max':<28}{c['lag_token_mean']:>8.2f}/{c['lag_token_max']:<3.0f}"
+          f"{s['lag_token_mean']:>8.2f}/{s['lag_token_max']:<3.0f}")  # fmt: skip
+    print(f"{'eval pass@1 after':<28}{c['eval_pass@1']:>12.3f}{s['eval_pass@1']:>12.3f}")
+    print(f"split vs colocated: {out['speedup']:.2f}x per trained batch")
+    print(
+        f"split: learner busy {s['learner_busy']:.0%}, rollout busy {s['rollout_busy']:.0%}; "
+        f"publish {s['publish_s'] * 1e3:.2f} ms for {s['publish_bytes'] / 1e6:.2f} MB "
+        f"(floor {s['publish_floor_s'] * 1e3:.2f} ms)"
+    )
+    print(f"lag histogram (samples by oldest token's lag): split {s['lag_histogram']}")
   p = out["projection"]
   for key, chosen in p.items():
     if not key.startswith("scaling_"):
