@@ -336,7 +336,7 @@ def choose_split(
     # on fewer learner devices.
     samples = config.rollout.batch_size * config.rollout.n_samples_per_prompt
     learners = n - int(config.mesh.rollout_devices)  # the config's own learner devices
-    micro = config.train.num_microbatches * learners // (n - k)
+    micro = max(1, config.train.num_microbatches * learners // (n - k))
     if samples % (micro * config.train.num_minibatches) == 0:
       c.train.num_microbatches = micro
     problems = validate_split.device_problems(c, n, cfg)

@@ -293,8 +293,8 @@ class Trainer:
     c = self.config
     version = step  # the params after `step` updates
     result = self._draw(step)
-    if result is None or result.cut:
-      self.stop.cut_drew = result is None or (
+    if result is None or result.cut:  # None: the rollout's thread closed before a batch
+      self.stop.cut_drew = result is not None and (
           result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
       )
       return None
@@ -328,17 +328,26 @@ class Trainer:
     give_up = (lambda: self.stop.requested) if one_process else None
     return self.scheduler.step(index, cut_now=self.stop.cut_now, give_up=give_up)
 
-  def _publish(self, step: int, evaluate: bool, save: bool):
+  def _publish(self, step: int, evaluate: bool, save: bool, stop: bool):
     """The params after `step` updates to the engine; then, where the rollout holds them,
     the evaluation and the capture of the rollout's state for a checkpoint, when due.
-    Returns (evaluation metrics or {}, rollout state or None)."""
+    Returns (evaluation metrics or {}, rollout state or None). A split run that stops
+    publishes nothing: the rollout's thread is cut, and what it holds is captured where
+    it stands (the batches drawn ahead with it)."""
     wanted = ([self.evaluate] if evaluate else []) + ([self.rollout_state] if save else [])
     if self.async_rollout is None:
       self.engine.set_policy(self.learners.policy.decode_params(), step)
       done = [fn() for fn in wanted]
     else:
-      made = self.async_rollout.publish(self.learners.policy.decode_params(), step, wanted)
-      done = [r.result() for r in made]
+      if stop:
+        start = time.perf_counter()
+        done = [self.async_rollout.request(self.rollout_state)] if save else []
+      else:
+        params = self.learners.policy.decode_params()
+        start = time.perf_counter()
+        done = [r.result() for r in self.async_rollout.publish(params, step, wanted)]
+      # Waiting for the rollout's boundary (and its evaluation) is the learner waiting.
+      self.async_rollout.waits.learner_s += time.perf_counter() - start
     return (done.pop(0) if evaluate else {}), (done.pop(0) if save else None)
 
   def _async_metrics(self) -> dict[str, float]:
@@ -437,7 +446,7 @@ class Trainer:
     evaluate = not stop and bool(c.eval_every) and (step % c.eval_every == 0 or last)
     save = stop or last or bool(c.checkpoint_every and step % c.checkpoint_every == 0)
     start_publish = time.perf_counter()
-    evaluated, rollout = self._publish(step, evaluate, save)
+    evaluated, rollout = self._publish(step, evaluate, save, stop)
     metrics.update(evaluated)
     metrics["time/step_s"] = start_publish - start  # rollout (or the wait for it) + learn
     if self.async_rollout is not None:

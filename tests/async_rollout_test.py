@@ -7,6 +7,8 @@ recomputed (against a forward of the new params); nothing is lost or doubled; th
 batches a checkpoint holds come back exactly."""
 
 import dataclasses
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +50,11 @@ def _perturbed(params, scale=0.05, seed=1):
 
 
 # ------------------------------------------------------------------------- publishing
-def test_a_publish_lands_in_the_rollout_layout_and_copies_only_changed_weights(sampler_params):
+def test_a_publish_lands_in_the_rollout_layout_and_lets_the_old_weights_go(sampler_params):
   rollout_mesh, learner_mesh = _meshes()
   publisher = WeightPublisher(CFG, rollout_mesh, sharding.DECODE_RULES, "float32")
   engine = SlotEngine(CFG, None, EngineConfig(num_slots=4, max_len=32), mesh=rollout_mesh)
-  learner_copy = _on(learner_mesh, sampler_params)
-  publisher.swap(engine, learner_copy, 3)
+  publisher.swap(engine, _on(learner_mesh, sampler_params), 3)
   want = qwen3.param_shardings(CFG, rollout_mesh, sharding.DECODE_RULES)
   got_leaves = jax.tree.leaves(engine.params)
   for got, sh, src in zip(got_leaves, jax.tree.leaves(want), jax.tree.leaves(sampler_params)):
@@ -62,14 +63,15 @@ def test_a_publish_lands_in_the_rollout_layout_and_copies_only_changed_weights(s
     np.testing.assert_array_equal(np.asarray(got), np.asarray(src))
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sampler_params))
   assert engine.version == 3 and publisher.stats.bytes == total and publisher.stats.copies == 1
-  publisher.swap(engine, learner_copy, 4)  # the same arrays: nothing crosses again
-  assert publisher.stats.bytes == total and engine.version == 4
-  changed = dict(learner_copy, final_norm=learner_copy["final_norm"] + 1.0)
-  publisher.swap(engine, changed, 5)
-  norm = learner_copy["final_norm"]
-  assert publisher.stats.bytes == total + norm.size * norm.dtype.itemsize
+  old = [weakref.ref(x) for x in got_leaves]
+  del got_leaves, got
+  moved = _perturbed(sampler_params)
+  publisher.swap(engine, _on(learner_mesh, moved), 4)
+  gc.collect()
+  assert all(r() is None for r in old)  # the engine's old copies are gone: one set held
+  assert engine.version == 4 and publisher.stats.bytes == 2 * total
   np.testing.assert_array_equal(
-      np.asarray(engine.params["final_norm"]), np.asarray(sampler_params["final_norm"]) + 1.0
+      np.asarray(engine.params["final_norm"]), np.asarray(moved["final_norm"])
   )
 
 
@@ -203,3 +205,88 @@ def test_the_batches_waiting_for_the_learner_come_back_exactly():
         np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
         np.testing.assert_array_equal(sa.versions, sb.versions)
   assert in_flight.from_state(own, None) == (own, [])
+
+
+# --------------------------------------------------------- the thread and the learner
+class _Engine:
+  """The engine as AsyncRollout sees it: its params and version."""
+
+  def __init__(self):
+    self.params, self.version = None, 0
+
+  def set_policy(self, params, version):
+    self.params, self.version = params, version
+
+
+class _Publisher:
+
+  def swap(self, engine, tree, version):
+    engine.set_policy(tree, version)
+
+
+class _Scheduler:
+  """Draws batch i at once, noting the version it holds; cuts batch `cut_at` (as
+  SIGTERM does) and raises at batch `fail_at`."""
+
+  def __init__(self, cut_at=None, fail_at=None):
+    self.engine, self.drawn = _Engine(), []
+    self.cut_at, self.fail_at = cut_at, fail_at
+
+  def step(self, batch, cut_now, give_up, train_version, between_calls):
+    del give_up
+    self.drawn.append((batch, self.engine.version, train_version))
+    if batch == self.fail_at:
+      raise RuntimeError("the reward server went away")
+    if batch == self.cut_at or cut_now():
+      return RolloutResult(groups=[], rejected=[], stats={"new_tokens": 3}, cut=True)
+    return RolloutResult(groups=[], rejected=[], stats={"batch": batch})
+
+
+def _started(depth=1, **scheduler):
+  s = _Scheduler(**scheduler)
+  rollout = AsyncRollout(
+      s, _Publisher(), depth=depth, in_flight=False, resume_mode="kv", first_batch=0, version=0
+  )
+  rollout.start()
+  return s, rollout
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_batch_i_is_drawn_by_version_i_minus_depth_and_requests_see_that_version(depth):
+  s, rollout = _started(depth)
+  seen = []
+  for i in range(5):
+    assert rollout.take(i).stats == {"batch": i}
+    capture = lambda: (s.engine.version, len(rollout.waiting_results()))
+    (req,) = rollout.publish(f"params {i + 1}", i + 1, [capture])
+    seen.append(req.result())
+  rollout.close()
+  # Batch j by version max(j - depth, 0), its staleness judged at j (the version training it).
+  assert [(j, v, t) for j, v, t in s.drawn[:6]] == [(j, max(j - depth, 0), j) for j in range(6)]
+  # At step k's boundary the engine holds version k and batches k .. k + depth - 1 wait.
+  assert seen == [(k, depth) for k in range(1, 6)]
+
+
+def test_a_cut_rollout_parks_and_still_answers_a_checkpoints_request():
+  s, rollout = _started(cut_at=2)
+  rollout.take(0)
+  rollout.publish("params 1", 1)
+  rollout.take(1)
+  cut = rollout.take(2)
+  assert cut.cut and cut.stats["new_tokens"] == 3
+  assert rollout.request(lambda: ("captured", s.engine.version)) == ("captured", 1)
+  (late,) = rollout.publish("params 2", 2, [lambda: s.engine.version])
+  assert late.result() == 2  # an evaluation of version 2 scores version 2
+  rollout.close()
+  assert [j for j, _, _ in s.drawn] == [0, 1, 2]  # nothing drawn after the cut
+
+
+def test_a_failed_rollout_fails_the_learners_requests_and_takes_with_its_error():
+  _, rollout = _started(fail_at=1)
+  rollout.take(0)
+  (capture,) = rollout.publish("params 1", 1, [lambda: "a checkpoint of a failed batch"])
+  with pytest.raises(RuntimeError, match="reward server went away"):
+    capture.result()
+  with pytest.raises(RuntimeError, match="reward server went away"):
+    rollout.take(1)
+  rollout.close()

@@ -97,6 +97,7 @@ class AsyncRollout:
     self._closing = False
     self.parked = False  # drew its last batch (cut, error, or closed)
     self.error: BaseException | None = None
+    self._cut: RolloutResult | None = None  # the batch a stop cut, if one did
     self.waits = Waits()
     self.swaps = 0  # weight sets taken, at batch starts and in flight
     self._thread = threading.Thread(target=self._run, name="april-rollout", daemon=True)
@@ -125,8 +126,9 @@ class AsyncRollout:
     return made.result()
 
   def take(self, index: int) -> RolloutResult | None:
-    """Batch `index` once drawn (the learner waits: counted); None when the rollout was
-    cut before drawing it. Re-raises the rollout's error."""
+    """Batch `index` once drawn (the learner waits: counted); the cut result (`cut`:
+    nothing to train) when a stop cut it, None when the rollout closed first. Re-raises
+    the rollout's error."""
     assert index == self._taken, (index, self._taken)
     start = time.perf_counter()
     with self._cond:
@@ -140,7 +142,7 @@ class AsyncRollout:
         return result
       if self.error is not None:
         raise self.error
-      return None
+      return self._cut
 
   def waiting_results(self) -> list[RolloutResult]:
     """The batches drawn and not yet taken (a checkpoint keeps them), oldest first."""
@@ -227,7 +229,7 @@ class AsyncRollout:
         )
         with self._cond:
           if result.cut:
-            self.parked = True
+            self.parked, self._cut = True, result
           else:
             self._results.append(result)
             self._next += 1
@@ -239,12 +241,22 @@ class AsyncRollout:
       self._serve_parked()
 
   def _serve_parked(self) -> None:
-    """After the last batch: answers requests until closed."""
+    """After the last batch: answers requests until closed. A request made at a version
+    runs with that version taken (an evaluation then scores it); after an error, every
+    request fails with it (no checkpoint of a rollout that failed mid-batch)."""
     with self._cond:
       self.parked = True
       self._cond.notify_all()
       while True:
-        self._run_requests(1 << 62)
+        for version in sorted(self._requests):
+          for req in self._requests.pop(version):
+            if self.error is not None:
+              req.error = self.error
+              req.done.set()
+              continue
+            if version > self.engine.version and version in self._published:
+              self._take_version(version)
+            req.run()
         if self._closing:
           return
         self._cond.wait()

@@ -5,9 +5,7 @@ decode weights (the learner's `decode_params()`, on the learner's mesh) are copi
 rollout mesh in the sampler's layout there (qwen3.param_shardings under the decode
 rules). A bucket is one weight (a layer-stacked projection, the embedding): the engine's
 old copy of that weight is dropped as its new one lands, so the rollout mesh holds one
-set of weights plus one bucket, never two sets. A weight the learner did not change (the
-same array as last time: LoRA's frozen base when its adapters decode unmerged) is not
-copied again.
+set of weights plus one bucket, never two sets.
 
 The copy is `jax.device_put` between the two meshes' shardings (XLA's device-to-device
 transfer within a process). It runs on the rollout's thread, between two of its calls,
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 
 import jax
 import numpy as np
@@ -48,13 +45,11 @@ class WeightPublisher:
         )[0]
     }
     self._replicated = NamedSharding(mesh, PartitionSpec())
-    # path -> (the source, weakly: the learner may drop it; the engine's copy of it)
-    self._last: dict[str, tuple[weakref.ref, jax.Array]] = {}
     self.stats = PublishStats()
 
   def target(self, path: str) -> NamedSharding:
-    """Where a weight goes: its decode sharding, replicated for what the model's tree
-    does not name (LoRA's adapters)."""
+    """Where a weight goes: its decode sharding (replicated for a leaf the model's tree
+    does not name)."""
     return self._by_path.get(path, self._replicated)
 
   def swap(self, engine, tree, version: int) -> None:
@@ -66,19 +61,11 @@ class WeightPublisher:
     engine.set_policy(None, engine.version)  # the engine's references go with its tree
     new, copied = [], 0
     for i, (path, src) in enumerate(leaves):
-      key = jax.tree_util.keystr(path)
-      kept = self._last.pop(key, None)
-      if kept is not None and kept[0]() is src:
-        new.append(kept[1])
-        self._last[key] = kept
-        continue
-      kept = None
       if i < len(old):
         old[i] = None  # this bucket's old copy, released before its new one lands
-      dst = jax.device_put(src, self.target(key))
+      dst = jax.device_put(src, self.target(jax.tree_util.keystr(path)))
       dst.block_until_ready()
       new.append(dst)
-      self._last[key] = (weakref.ref(src), dst)
       copied += int(np.prod(src.shape)) * src.dtype.itemsize
     del old
     engine.set_policy(jax.tree_util.tree_unflatten(treedef, new), version)
@@ -92,7 +79,8 @@ class WeightPublisher:
     src = jax.device_put(np.ones(nbytes // 4, np.float32), jax.devices()[-1])
     dst = jax.device_put(src, self._replicated)  # warm: the transfer's first use
     dst.block_until_ready()
+    src = (src + 1).block_until_ready()  # a fresh array, not yet on this mesh
     start = time.perf_counter()
-    dst = jax.device_put(src + 1, self._replicated)
+    dst = jax.device_put(src, self._replicated)
     dst.block_until_ready()
     return nbytes / max(time.perf_counter() - start, 1e-9)
