@@ -522,6 +522,8 @@ class SplitReport:
 
   rollout: Report
   learner: Report
+  rollout_shape: tuple = ()  # the meshes' (axis, size) pairs
+  learner_shape: tuple = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -536,9 +538,6 @@ class SplitReport:
         f"rollout mesh {dict(self.rollout_shape)}\n{self.rollout.table()}\n"
         f"learner mesh {dict(self.learner_shape)}\n{self.learner.table()}"
     )
-
-  rollout_shape: tuple = ()
-  learner_shape: tuple = ()
 
   def to_json(self) -> dict:
     return {
