@@ -78,14 +78,32 @@ def _pack_buffer(buffer_state: dict[str, np.ndarray]):
 
 class Checkpointer:
   """A run's checkpoints. `read_only` (export, inspection) creates nothing on disk and
-  refuses a workdir without checkpoints/ with FileNotFoundError."""
+  refuses a workdir without checkpoints/ with FileNotFoundError. `alone`: this process
+  writes and reads them without the run's other processes (a split run's learner, whose
+  rollout's state reaches it as host arrays); arrays it holds whole go as numpy."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3, read_only: bool = False):
+  def __init__(
+      self, workdir: str, max_to_keep: int = 3, read_only: bool = False, alone: bool = False
+  ):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if read_only and not os.path.isdir(self.directory):
       raise FileNotFoundError(f"no checkpoints/ folder in {os.path.abspath(workdir)}")
+    self.alone = alone and jax.process_count() > 1
+    processes = {}
+    if self.alone:
+      me = jax.process_index()
+      processes = dict(
+          multiprocessing_options=ocp.options.MultiprocessingOptions(
+              primary_host=me, active_processes={me}
+          )
+      )
+      if not read_only:
+        os.makedirs(self.directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=not read_only, read_only=read_only
+        max_to_keep=max_to_keep,
+        create=not read_only and not self.alone,
+        read_only=read_only,
+        **processes,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -144,6 +162,8 @@ class Checkpointer:
   ) -> None:
     arrays, specs = _pack_buffer(buffer_state)
     host = dict(host, buffer_specs=specs)
+    if self.alone:  # Orbax writes no array one process holds whole in a multi-process run
+      state = jax.tree.map(np.asarray, state)
     # Asynchronous: save returns once the arrays are copied off the devices (they may be
     # donated next) and writes on in the background; the next save or close() waits for
     # it. A checkpoint only counts once committed, so a kill mid-write resumes from the
@@ -165,17 +185,23 @@ class Checkpointer:
     target = {
         k: np.zeros(shape, dtype) for k, (shape, dtype) in specs.items() if int(np.prod(shape))
     }
+    wanted = abstract_state
+    if self.alone:  # written as numpy (save): read so, then placed
+      wanted = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), buffer=ocp.args.StandardRestore(target)
+            state=ocp.args.StandardRestore(wanted), buffer=ocp.args.StandardRestore(target)
         ),
     )
+    state = restored.state
+    if self.alone:
+      state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, abstract_state)
     buffer_state = {
         k: (np.asarray(restored.buffer[k]) if k in target else np.zeros(shape, dtype))
         for k, (shape, dtype) in specs.items()
     }
-    return restored.state, buffer_state, host
+    return state, buffer_state, host
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """The params alone of checkpoint `step` (no optimizer state is read)."""

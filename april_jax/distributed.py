@@ -18,6 +18,10 @@ and read by all processes together (the workdir must be shared between hosts).
   to_host(tree)               numpy copies of device arrays, whichever devices hold them
   agree(values)               process 0's numpy array, on every process
   any_process(flag)           True on every process if it is True on any one
+  process_count(), process_index()
+                              the processes that run this one's loop: all of them, or
+                              only itself when rollout and learner are on different
+                              processes (`work_alone`, docs/async.md)
 
 A process that loses a peer fails in bounded time: the next collective errors when the
 peer's connection drops (main.py then exits with status 4 and says so), and JAX's
@@ -103,8 +107,64 @@ def _cluster_params(local_device_ids, timeout):
   return address, int(n), int(pid)
 
 
+_alone = False  # a split run across processes: this process runs its side's loop alone
+
+
+def work_alone() -> None:
+  """This process runs its own loop, apart from the others (the rollout on one process,
+  the learner on another): its collectives involve only itself."""
+  global _alone
+  _alone = True
+
+
+def working_alone() -> bool:
+  """Whether this process runs its side of a split run apart from the others."""
+  return _alone
+
+
+def coordinator_host() -> str:
+  """The host part of the coordinator's address (process 0's host: a split run's
+  learner), where other processes reach it."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+
+  address = jax_distributed.global_state.coordinator_address or "localhost:0"
+  return address.rpartition(":")[0].strip("[]") or "localhost"
+
+
+def process_count() -> int:
+  """How many processes run this process's loop (and join its collectives)."""
+  return 1 if _alone else jax.process_count()
+
+
+def process_index() -> int:
+  """This process's place among those that run its loop."""
+  return 0 if _alone else jax.process_index()
+
+
 def is_primary() -> bool:
+  """Process 0: the learner's process, which writes the run's files."""
   return jax.process_index() == 0
+
+
+def split_sides(rollout_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """(learner processes, rollout processes) of a run whose rollout has the last
+  `rollout_devices` devices, when the two sides are on different processes; None when
+  one process holds both (or the run is colocated). Raises ValueError for a split that
+  gives a process devices of both sides."""
+  if not rollout_devices or jax.process_count() == 1:
+    return None
+  devices = jax.devices()
+  cut = len(devices) - int(rollout_devices)
+  learner = sorted({d.process_index for d in devices[:cut]})
+  rollout = sorted({d.process_index for d in devices[cut:]})
+  if set(learner) & set(rollout):
+    both = sorted(set(learner) & set(rollout))
+    raise ValueError(
+        f"mesh.rollout_devices={rollout_devices} gives process {both[0]} devices of both the "
+        f"learner and the rollout ({len(devices)} devices, {jax.local_device_count()} a "
+        "process): across processes it must give whole processes to each side"
+    )
+  return tuple(learner), tuple(rollout)
 
 
 def _local(x) -> bool:
@@ -144,13 +204,15 @@ def to_host(tree):
 def gather(values: np.ndarray) -> np.ndarray:
   """Every process's `values` (same shape everywhere), stacked in process order
   [processes, ...] (a collective)."""
+  if _alone:
+    return np.asarray(values)[None]
   return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
 
 
 def agree(values: np.ndarray) -> np.ndarray:
   """Process 0's values on every process (a collective); the values themselves when
   there is one process."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return values
   values = np.ascontiguousarray(values)
   # As raw 32-bit words: device arrays are 32-bit unless x64 is on, and values stay exact.
@@ -161,7 +223,7 @@ def agree(values: np.ndarray) -> np.ndarray:
 def agree_json(value):
   """Process 0's JSON value on every process (two collectives; every process must call
   it at the same point). Other processes pass anything: it is not read."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return value
   data = json.dumps(value).encode() if jax.process_index() == 0 else b""
   (n,) = agree(np.array([len(data)], np.int32))
@@ -173,7 +235,7 @@ def agree_json(value):
 
 def any_process(flag: bool) -> bool:
   """True on every process when `flag` is True on at least one (a collective)."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return bool(flag)
   return bool(gather(np.array([flag], np.int32)).any())
 

@@ -18,6 +18,7 @@ import shutil
 import jax
 from jax.experimental import multihost_utils
 
+from april_jax import distributed
 from april_jax.errors import InputError
 from april_jax.models import hf_io, lora, peft_io
 
@@ -48,7 +49,7 @@ def save(workdir: str, cfg, params) -> str:
   if primary:
     shutil.rmtree(path, ignore_errors=True)
     os.rename(staging, path)
-  if jax.process_count() > 1:
+  if distributed.process_count() > 1:
     multihost_utils.sync_global_devices("lora_base saved")
   return path
 

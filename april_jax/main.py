@@ -42,6 +42,7 @@ from april_jax import process_tree
 from april_jax.models import hf_io
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
+from april_jax.rollout_server import RolloutServer
 from april_jax.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -131,6 +132,44 @@ def _model_shape(config):
     return None
 
 
+def _split_across_processes(config) -> bool:
+  """For a split run whose sides are on different processes: each process runs its own
+  side's loop from here on (distributed.work_alone). True on the rollout's process."""
+  try:
+    sides = distributed.split_sides(config.mesh.rollout_devices)
+  except ValueError as e:
+    _fail(str(e))
+  if sides is None:
+    return False
+  learner, rollout = sides
+  if len(learner) > 1 or len(rollout) > 1:
+    _fail(
+        f"mesh.rollout_devices={config.mesh.rollout_devices} puts the learner on "
+        f"{len(learner)} processes and the rollout on {len(rollout)}: a split run across "
+        "processes gives each side one process (docs/async.md)"
+    )
+  distributed.work_alone()
+  return jax.process_index() in rollout
+
+
+def _train() -> bool:
+  """The run (a split run's learner); whether SIGTERM stopped it."""
+  try:
+    trainer = Trainer(_CONFIG.value, _WORKDIR.value)
+  except MemoryError as e:  # the start-up memory plan refused the config
+    print(f"april_jax: {e}", file=sys.stderr)
+    sys.exit(3)
+  trainer.run()
+  return trainer.stopped
+
+
+def _serve_rollout() -> bool:
+  """A split run's rollout process; whether a stop ended it early."""
+  server = RolloutServer(_CONFIG.value, _WORKDIR.value, host="0.0.0.0")
+  server.run()
+  return server.stopped
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -153,14 +192,10 @@ def main(argv):
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)
   logging.info("config:\n%s", _CONFIG.value)
+  serving = _split_across_processes(_CONFIG.value)
   try:
-    try:
-      trainer = Trainer(_CONFIG.value, _WORKDIR.value)
-    except MemoryError as e:  # the start-up memory plan refused the config
-      print(f"april_jax: {e}", file=sys.stderr)
-      sys.exit(3)
-    trainer.run()
-    if trainer.stopped:
+    stopped = _serve_rollout() if serving else _train()
+    if stopped:
       sys.exit(STOPPED_EXIT)
   except InputError as e:  # a file, field, flag or workdir the user can fix: one line
     logging.info("traceback of the error below", exc_info=True)

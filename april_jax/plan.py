@@ -648,8 +648,10 @@ def _compiled(f, cfg, devices: int, capacity: float) -> bool:
 
   k = f.config.mesh.rollout_devices
   if k:
-    rollout_mesh = sharding.make_mesh(tuple(f.config.mesh.rollout_shape), jax.devices()[:k])
-    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[k:devices])
+    rollout_mesh = sharding.make_mesh(
+        tuple(f.config.mesh.rollout_shape), jax.devices()[devices - k : devices]
+    )
+    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[: devices - k])
     report = compile_check.check_split(f.config, cfg, rollout_mesh, mesh, capacity)
     print(report.table())
   else:

@@ -25,7 +25,7 @@ from april_jax import distributed
 from april_jax import lora_base
 from april_jax import plan as plan_lib
 from april_jax import sharding
-from april_jax.models import hf_io, paged_attention_kernel, qwen3
+from april_jax.models import hf_io, paged_attention_kernel, path_check, qwen3
 from april_jax.rewards import longtail_task
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
@@ -43,8 +43,9 @@ from april_jax.tokenizer import Tokenizer
 class Placement:
   """Where a run's arrays live: the learner's mesh and axis rules, the rollout's mesh and
   the sampler's rules. Colocated (mesh.rollout_devices = 0) the two meshes are one; split,
-  the rollout has the first rollout_devices devices (its shape mesh.rollout_shape) and
-  the learner the rest (its shape mesh.shape)."""
+  the rollout has the last rollout_devices devices (its shape mesh.rollout_shape) and
+  the learner the rest (its shape mesh.shape): process 0, which writes the run's files,
+  is a learner wherever the sides are on different processes."""
 
   mesh: Any
   rules: tuple
@@ -65,8 +66,8 @@ class Placement:
     devices = jax.devices()
     rollout_mesh = None
     if k:
-      rollout_mesh = sharding.make_mesh(tuple(config.mesh.rollout_shape), devices[:k])
-      devices = devices[k:]
+      rollout_mesh = sharding.make_mesh(tuple(config.mesh.rollout_shape), devices[-k:])
+      devices = devices[:-k]
     return cls(
         sharding.make_mesh(tuple(config.mesh.shape), devices),
         tuple(tuple(r) for r in config.mesh.rules),
@@ -89,6 +90,16 @@ class Rollout:
   publisher: WeightPublisher | None  # split meshes: the learner's weights to the engine's
 
 
+def checked_model(config):
+  """(the model's config, the fast attention paths this device takes): each path is
+  held to the portable one first (path_check.py), and process 0 says which it took."""
+  model_cfg = hf_io.model_config(config)
+  paths = path_check.check(path_check.Settings.of(config, model_cfg), agree=distributed.any_process)
+  if distributed.is_primary():
+    path_check.announce(paths)
+  return paths.model_config(model_cfg), paths
+
+
 def check_memory(config, model_cfg: qwen3.Qwen3Config) -> None:
   """Refuses, with the planner's numbers, a config that cannot fit on these devices."""
   capacity = (config.mesh.device_memory_gb or 0) * 1e9
@@ -104,6 +115,14 @@ def check_memory(config, model_cfg: qwen3.Qwen3Config) -> None:
     )
 
 
+def load_tokenizer(config) -> Tokenizer:
+  """The run's tokenizer alone (a split run's rollout process loads no weights)."""
+  c = config
+  if c.model.path:
+    return Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+  return longtail_task.tokenizer(c.data.task.ring_size)
+
+
 def load_params(config, model_cfg, lora, place: Placement):
   """(params, tokenizer): the model's params (float32 masters, whatever the compute
   dtype: see rl/update.py; with LoRA the frozen base, in the compute dtype) from
@@ -111,11 +130,10 @@ def load_params(config, model_cfg, lora, place: Placement):
   c = config
   # LoRA's base is frozen in the compute dtype, unless a warm start trains it first.
   dtype = "float32" if lora is None or c.train.sft_steps > 0 else c.model.dtype
-  if c.model.path:  # the tokenizer first: its files fail in a second, the weights in minutes
-    tokenizer = Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+  tokenizer = load_tokenizer(c)  # first: its files fail in a second, the weights in minutes
+  if c.model.path:
     _, params = hf_io.load_pretrained(c.model.path, dtype, place.mesh, place.rules)
     return params, tokenizer
-  tokenizer = longtail_task.tokenizer(c.data.task.ring_size)
   key = jax.random.key(c.seed)
   # Drawn in float32 and cast, so a LoRA run's base is the full run's start, rounded.
   params = qwen3.init_params_sharded(
@@ -221,7 +239,7 @@ def make_rollout(config, model_cfg, paths, decode_params, tokenizer, task, place
       mesh=place.decode_mesh,
       rules=place.decode_rules,
   )
-  if publisher is not None:
+  if publisher is not None and decode_params is not None:
     publisher.swap(engine, decode_params, 0)
   described = paged_attention_kernel.describe(r.decode_attention, r.page_size, model_cfg.head_dim)
   if engine_config.decode_attention != r.decode_attention:
@@ -234,7 +252,7 @@ def make_rollout(config, model_cfg, paths, decode_params, tokenizer, task, place
       num_workers=r.reward_workers,
       timeout_s=r.reward_timeout_s,
       fallback=r.reward_fallback,
-      agree=distributed.agree if jax.process_count() > 1 else None,
+      agree=distributed.agree if distributed.process_count() > 1 else None,
       # In worker processes, killed at the time limit: any reward may parse model text
       # with a symbolic library. The built-in task's is a bounded comparison of short
       # strings, scored on threads (no worker start-up).

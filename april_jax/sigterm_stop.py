@@ -11,7 +11,6 @@ trainer records which happened (`save_cut` and `stop_during`, or `stop_after`), 
 from __future__ import annotations
 
 from absl import logging
-import jax
 
 from april_jax import distributed
 
@@ -38,7 +37,7 @@ class SigtermStop:
   def cut_now(self) -> bool:
     """Asked before each decode call: True once SIGTERM reached any process (agreed every
     few calls on several hosts, where it is a collective)."""
-    if jax.process_count() == 1:
+    if distributed.process_count() == 1:
       return self.requested
     self._polls += 1
     return self._polls % 8 == 0 and distributed.any_process(self.requested)

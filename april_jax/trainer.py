@@ -39,16 +39,20 @@ from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
 from april_jax.rollout import run_episodes
 from april_jax.errors import DiskFull, InputError
-from april_jax.evaluation import evaluate
 from april_jax.metrics import MetricsWriter, log_progress
-from april_jax.models import hf_io, path_check
+from april_jax.models import hf_io
 from april_jax.models import lora as lora_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import learn as learn_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rollout import in_flight
+from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout import rollout_metrics
 from april_jax.rollout.async_rollout import AsyncRollout
+from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
+from april_jax.rollout.remote_rollout import RemoteRollout
+from april_jax.rollout.remote_weights import WeightServer
+from april_jax.rollout_side import RolloutSide
 from april_jax.rollout import failures as failures_lib
 from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
@@ -68,15 +72,9 @@ class Trainer:
       checkpoint_lib.remove_unfinished(workdir)
     self.user_output = self._relay_user_output()
     self.place = run_parts.Placement.from_config(c)
-    self.model_cfg = hf_io.model_config(c)
-    # The fast attention paths this device would take, each held to the portable one first.
-    settings = path_check.Settings.of(c, self.model_cfg)
-    self.paths = path_check.check(settings, agree=distributed.any_process)
-    self.model_cfg = self.paths.model_config(self.model_cfg)
-    if distributed.is_primary():
-      path_check.announce(self.paths)
+    self.model_cfg, self.paths = run_parts.checked_model(c)
     self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
-    self.checkpointer = Checkpointer(workdir)
+    self.checkpointer = Checkpointer(workdir, alone=distributed.working_alone())
     resuming = self.checkpointer.latest_step() is not None
     # The adapters a fresh LoRA run starts from, read before any weight, warm start or
     # compile: a missing or damaged train.lora_path is one line at once.
@@ -86,8 +84,6 @@ class Trainer:
     run_parts.check_memory(c, self.model_cfg)  # before any weight is allocated
     params, self.tokenizer = run_parts.load_params(c, self.model_cfg, self.lora, self.place)
     self.task = make_task(c, self.tokenizer)
-    # Every process reads all of the data and walks the same seeded order: one stream.
-    self.source = self.task.prompts
     self._check_same_checkpoints()
     params = run_parts.starting_params(
         c, self.model_cfg, params, self.lora, resuming, workdir, self.task, self.place
@@ -100,13 +96,16 @@ class Trainer:
       critic = run_parts.make_critic(c, self.model_cfg, params, self.lora, self.place)
     self.learners = learn_lib.Learners(learner, critic)
     del params  # the learner's masters are the params now
-    rollout = run_parts.make_rollout(
+    # The rollout's half: here, or (a split run across processes) in the rollout's own
+    # process (rollout_server.py), reached through async_rollout.
+    self.remote = distributed.working_alone()
+    self.side = None if self.remote else RolloutSide(
         c, self.model_cfg, self.paths, learner.decode_params(), self.tokenizer, self.task,
         self.place,
     )  # fmt: skip
-    self.engine, self.rewards, self.scheduler = rollout.engine, rollout.rewards, rollout.scheduler
-    self.episodes, self.decode, self.publisher = rollout.episodes, rollout.decode, rollout.publisher
-    self.async_rollout: AsyncRollout | None = None  # split meshes: started by run()
+    self.publisher = None if self.side is None else self.side.publisher
+    self.async_rollout: AsyncRollout | RemoteRollout | None = None  # split: started by run()
+    self._rollout_restore = None  # a remote rollout's state from the checkpoint resumed
     self._waiting: list = []  # batches drawn before a checkpoint and not trained yet
     self._async_totals: dict[str, float] = {}  # the split run's counts at the last step
     self.primary = distributed.is_primary()  # the one process that writes and prints
@@ -154,7 +153,7 @@ class Trainer:
 
   def _check_same_checkpoints(self) -> None:
     """Every process must see the same latest checkpoint (a workdir they all share)."""
-    if jax.process_count() == 1:
+    if distributed.process_count() == 1:
       return
     mine = self.checkpointer.latest_step()
     steps = distributed.gather(np.array([-1 if mine is None else mine], np.int32))
@@ -171,13 +170,10 @@ class Trainer:
     of its batches): the partial buffer with the batches drawn and not yet trained
     (rollout/in_flight.py), and as JSON the scheduler's counters, the data position and
     those batches' shape."""
-    buffer, scheduler = self.scheduler.checkpoint()
     waiting = self._waiting + (
         [] if self.async_rollout is None else self.async_rollout.waiting_results()
     )
-    arrays, described = in_flight.to_state(waiting)
-    host = {"scheduler": scheduler, "data": self.source.state(), "waiting": described}
-    return {**buffer, **arrays}, host
+    return self.side.capture(waiting)
 
   def save(self, step: int, metrics: dict[str, float] | None, rollout=None) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
@@ -212,18 +208,21 @@ class Trainer:
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learners.restore(arrays, host["learner"])
-    self._set_policy(step)
-    buffer, self._waiting = in_flight.from_state(buffer, host.get("waiting"))
-    self.scheduler.restore(buffer, host["scheduler"])
-    self.source.restore(host["data"])
+    if self.remote:  # the rollout's process takes its part when it starts
+      own, self._waiting = in_flight.from_state(buffer, host.get("waiting"))
+      kept = {k: host[k] for k in ("scheduler", "data")}
+      self._rollout_restore = own, kept
+      buffered = str(PartialBuffer.groups_in(own))
+    else:
+      self._set_policy(step)
+      self._waiting = self.side.restore(buffer, host)
+      buffered = str(len(self.side.scheduler.buffer))
     self.writer.truncate_after(step, host.get("metrics"))
     self.next_step = step  # the loop's index of step step + 1
     if self.primary:
       drawn = f", {len(self._waiting)} drawn batches to train" if self._waiting else ""
       print(
-          f"resumed from step {step} ({len(self.scheduler.buffer)} groups in the partial "
-          f"buffer{drawn})",
-          flush=True,
+          f"resumed from step {step} ({buffered} groups in the partial buffer{drawn})", flush=True
       )
 
   def _set_policy(self, version: int) -> None:
@@ -231,9 +230,9 @@ class Trainer:
     starts, or colocated)."""
     params = self.learners.policy.decode_params()
     if self.publisher is None:
-      self.engine.set_policy(params, version)
+      self.side.engine.set_policy(params, version)
     else:
-      self.publisher.swap(self.engine, params, version)
+      self.publisher.swap(self.side.engine, params, version)
 
   def _report(self) -> None:
     """The end-of-run summary on stdout and the progress plot in the workdir."""
@@ -247,23 +246,13 @@ class Trainer:
   # ---------------------------------------------------------------------------- eval
   def evaluate(self) -> dict[str, float]:
     """On the run's own engine (empty between steps) and its current params."""
-    c = self.config
-    return evaluate(
-        self.engine,
-        self.task.eval_items(),
-        self.rewards,
-        k=c.eval.k,
-        max_new_tokens=c.rollout.max_response_len,
-        temperature=c.eval.temperature,
-        top_p=c.eval.top_p,
-        seed=c.seed,
-        episodes=self.episodes,
-    )
+    return self.side.evaluate()
 
-  def _evaluate_before_training(self) -> None:
-    """The warm-started (or loaded) policy's score, as the line of step 0: step k's line
-    holds the params after k updates."""
-    metrics = self.evaluate()
+  def _evaluate_before_training(self, metrics: dict[str, float] | None = None) -> None:
+    """The warm-started (or loaded) policy's score (`metrics`, where the rollout's
+    process gave it), as the line of step 0: step k's line holds the params after k
+    updates."""
+    metrics = self.evaluate() if metrics is None else metrics
     self.writer.write(0, metrics)
     if self.primary:
       logging.info("evaluation before training: %s", metrics)
@@ -283,7 +272,7 @@ class Trainer:
       print(f"april_jax: warning: {tally.line(step)}", file=sys.stderr, flush=True)
     why = self._failures.see(tally, step)
     # Process 0's verdict and words for every process (their rewards are its rewards).
-    why = distributed.agree_json(why) if jax.process_count() > 1 else why
+    why = distributed.agree_json(why) if distributed.process_count() > 1 else why
     if why is not None:
       raise failures_lib.StepsFailed(why)
 
@@ -323,10 +312,10 @@ class Trainer:
       return self._waiting.pop(0)
     if self.async_rollout is not None:
       return self.async_rollout.take(index)
-    assert self.engine.version == index, (self.engine.version, index)
-    one_process = jax.process_count() == 1  # waits for rewards end at once only there
+    assert self.side.engine.version == index, (self.side.engine.version, index)
+    one_process = distributed.process_count() == 1  # waits for rewards end at once only there
     give_up = (lambda: self.stop.requested) if one_process else None
-    return self.scheduler.step(index, cut_now=self.stop.cut_now, give_up=give_up)
+    return self.side.scheduler.step(index, cut_now=self.stop.cut_now, give_up=give_up)
 
   def _publish(self, step: int, evaluate: bool, save: bool, stop: bool):
     """The params after `step` updates to the engine; then, where the rollout holds them,
@@ -334,25 +323,37 @@ class Trainer:
     Returns (evaluation metrics or {}, rollout state or None). A split run that stops
     publishes nothing: the rollout's thread is cut, and what it holds is captured where
     it stands (the batches drawn ahead with it)."""
-    wanted = ([self.evaluate] if evaluate else []) + ([self.rollout_state] if save else [])
+    wanted = (["evaluate"] if evaluate else []) + (["capture"] if save else [])
     if self.async_rollout is None:
-      self.engine.set_policy(self.learners.policy.decode_params(), step)
-      done = [fn() for fn in wanted]
+      self.side.engine.set_policy(self.learners.policy.decode_params(), step)
+      done = [self._service(name)() for name in wanted]
     else:
       if stop:
         start = time.perf_counter()
-        done = [self.async_rollout.request(self.rollout_state)] if save else []
+        done = [self._ask_rollout("capture")] if save else []
       else:
         params = self.learners.policy.decode_params()
         start = time.perf_counter()
-        done = [r.result() for r in self.async_rollout.publish(params, step, wanted)]
+        asked = wanted if self.remote else [self._service(name) for name in wanted]
+        done = [r.result() for r in self.async_rollout.publish(params, step, asked)]
       # Waiting for the rollout's boundary (and its evaluation) is the learner waiting.
       self.async_rollout.waits.learner_s += time.perf_counter() - start
     return (done.pop(0) if evaluate else {}), (done.pop(0) if save else None)
 
+  def _service(self, name: str):
+    """A request the learner makes of its own rollout, by name."""
+    return {"evaluate": self.evaluate, "capture": self.rollout_state}[name]
+
+  def _ask_rollout(self, name: str):
+    """A named request of the rollout's thread (here or in its process), answered."""
+    if self.remote:
+      return self.async_rollout.request(name)
+    return self.async_rollout.request(self._service(name))
+
   def _async_metrics(self) -> dict[str, float]:
     """Split meshes: each side's wait and the weights' copies since the last step."""
-    a, p = self.async_rollout, self.publisher.stats
+    a = self.async_rollout
+    p = a.publish_stats if self.remote else self.publisher.stats
     now = {
         "async/rollout_wait_s": a.waits.rollout_s,
         "async/learner_wait_s": a.waits.learner_s,
@@ -366,21 +367,51 @@ class Trainer:
   def _start_rollout_thread(self) -> None:
     """Split meshes: the rollout draws on its thread from here on (rollout/async_rollout.py)."""
     c = self.config
+    if self.remote:
+      self._start_remote_rollout()
+      return
     if self.publisher is None:
       return
     self.async_rollout = AsyncRollout(
-        self.scheduler,
+        self.side.scheduler,
         self.publisher,
         depth=0 if c.rollout.max_staleness == 0 else 1,
         in_flight=c.rollout.in_flight_updates,
         resume_mode=c.rollout.resume_mode,
         first_batch=self.next_step,
-        version=self.engine.version,
+        version=self.side.engine.version,
         waiting=self._waiting,
         cut_now=self.stop.cut_now,
     )
     self._waiting = []
     self.async_rollout.start()
+
+  def _start_remote_rollout(self) -> None:
+    """A split run across processes: the rollout's process starts drawing with these
+    weights (and the checkpoint's rollout state); the batches the checkpoint holds drawn
+    stay here, trained first."""
+    c = self.config
+    self.async_rollout = RemoteRollout(
+        Channel(send_on=TO_ROLLOUT, receive_on=TO_LEARNER),
+        WeightServer(
+            distributed.coordinator_host(),
+            self.place.mesh.devices.flat,
+            self.place.rollout_mesh.devices.size,
+        ),
+        first_batch=self.next_step + len(self._waiting),
+        cut_now=self.stop.cut_now,
+    )
+    evaluate_first = (
+        self.next_step == 0 and bool(c.eval_every) and c.eval.before_training and not self.resumed
+    )
+    metrics = self.async_rollout.start(
+        self.learners.policy.decode_params(),
+        self.next_step,
+        rollout=self._rollout_restore,
+        evaluate_first=evaluate_first,
+    )
+    if evaluate_first:
+      self._evaluate_before_training(metrics)
 
   def run(self) -> None:
     """Compiles, then runs steps next_step + 1 .. num_steps (or until SIGTERM), closes
@@ -414,8 +445,8 @@ class Trainer:
           "the compilation cache keeps them for the next)",
           flush=True,
       )
-    if self.next_step == 0:
-      self.engine.warm_up()
+    if self.next_step == 0 and not self.remote:  # the rollout's process compiles its own
+      self.side.engine.warm_up()
       if c.eval_every and c.eval.before_training and not self.resumed:
         self._evaluate_before_training()
     if c.train.warm_up:
@@ -433,9 +464,7 @@ class Trainer:
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
       if self.stop.save_cut(index, self.checkpointer.latest_step()):
-        rollout = None if self.async_rollout is None else self.async_rollout.request(
-            self.rollout_state
-        )  # fmt: skip
+        rollout = None if self.async_rollout is None else self._ask_rollout("capture")
         self.save(index, None, rollout)
       self.stop.stop_during(step)
       return True
@@ -464,11 +493,11 @@ class Trainer:
     """Ends the workers, the checkpoint writer and the metric files; releases the lock.
     After an error, a failure to close is logged: the error that ended the run is the one
     to report (a full disk fails the closing writes too)."""
-    closes = [self.rewards.close, self.checkpointer.close, self.writer.close, user_output.stop]
+    closes = [self.checkpointer.close, self.writer.close, user_output.stop]
+    if self.side is not None:
+      closes = self.side.closers() + closes
     if self.async_rollout is not None:
       closes.insert(0, self.async_rollout.close)
-    if self.episodes is not None:
-      closes.insert(1, self.episodes.close)
     for close in closes:
       try:
         close()

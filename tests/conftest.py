@@ -248,7 +248,7 @@ SLOW_FILES = (
     "main_test.py", "multihost_test.py", "lora_run_test.py", "interrupt_test.py",
     "bench_test.py", "stops_test.py", "resume_faults_test.py", "packing_test.py",
     "sampler_test.py", "async_run_test.py", "step_bench_test.py", "async_resume_test.py",
-    "real_data_test.py", "export_test.py",
+    "real_data_test.py", "export_test.py", "split_processes_test.py",
     "user_code_failures_test.py", "disk_full_test.py", "plan_test.py", "rl_update_test.py",
 )  # fmt: skip
 

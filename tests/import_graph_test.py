@@ -18,7 +18,8 @@ LAYERS = [
     {"rollout", "task"},
     {"evaluation"},  # scores through the rollout's reward runner
     {"rl"},
-    {"configs", "compile_check", "plan", "resume", "run_parts", "trainer"},
+    {"configs", "compile_check", "plan", "resume", "run_parts", "rollout_side", "trainer"},
+    {"rollout_server"},  # a split run's rollout process, beside the trainer
     {"main", "bench", "benchmarks", "export", "envs.replay"},
 ]
 # Commands that live beside what they drive, placed as components of their own.

@@ -88,7 +88,7 @@ def _mesh() -> ml_collections.ConfigDict:
   m.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the devices left
   m.rules = sharding.TRAIN_RULES  # the learner: FSDP x tensor
   m.decode_rules = sharding.DECODE_RULES  # the sampler: tensor parallel, slots over data
-  # Rollout and learner on their own devices (docs/async.md): the first rollout_devices
+  # Rollout and learner on their own devices (docs/async.md): the last rollout_devices
   # devices decode (a mesh of rollout_shape), the rest learn (a mesh of `shape`), and the
   # two overlap. 0: colocated, one mesh taking turns.
   m.rollout_devices = 0

@@ -26,11 +26,6 @@ def problems(c) -> list[str]:
     )
   if k == 0:
     return out
-  if c.distributed.coordinator_address or c.distributed.auto:
-    out.append(
-        "mesh.rollout_devices > 0 runs in one process: split meshes across several hosts "
-        "are not supported yet (docs/async.md)"
-    )
   if c.train.lora.rank and c.train.lora.decode == "unmerged":
     out.append(
         'train.lora.decode "unmerged" decodes on the learner\'s own base: it needs '

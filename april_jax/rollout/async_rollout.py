@@ -83,6 +83,7 @@ class AsyncRollout:
       version: int,
       waiting: list[RolloutResult] | None = None,
       cut_now: Callable[[], bool] | None = None,
+      deliver: Callable[[Any], None] | None = None,
   ):
     self.scheduler, self.engine, self.publisher = scheduler, scheduler.engine, publisher
     self.depth, self.in_flight, self.resume_mode = int(depth), bool(in_flight), resume_mode
@@ -91,6 +92,10 @@ class AsyncRollout:
     self._results = collections.deque(waiting or [])  # finished, not yet taken
     self._taken = int(first_batch)  # the batch the learner takes next
     self._cut_now = cut_now or (lambda: False)
+    # Set when the learner is in another process: each batch (the cut one too), or the
+    # error that ended the rollout, is handed to it on this thread, in order with the
+    # requests' own work, instead of waiting here to be taken.
+    self._deliver = deliver
     self._published: dict[int, Any] = {}  # version -> decode weights on the learner mesh
     self._requests: dict[int, list[_Request]] = collections.defaultdict(list)
     self._cond = threading.Condition()
@@ -119,11 +124,15 @@ class AsyncRollout:
   def request(self, fn: Callable[[], Any]) -> Any:
     """Runs `fn` on the rollout thread at its next boundary (now, if it is parked or
     waiting for weights); its value."""
+    return self.ask(fn).result()
+
+  def ask(self, fn: Callable[[], Any]) -> _Request:
+    """`request` without the wait."""
     made = _Request(fn)
     with self._cond:
       self._requests[-1].append(made)
       self._cond.notify_all()
-    return made.result()
+    return made
 
   def take(self, index: int) -> RolloutResult | None:
     """Batch `index` once drawn (the learner waits: counted); the cut result (`cut`:
@@ -227,17 +236,22 @@ class AsyncRollout:
             train_version=batch,
             between_calls=self._between_calls if self.in_flight else None,
         )
+        if self._deliver is not None:
+          self._deliver(result)
         with self._cond:
           if result.cut:
             self.parked, self._cut = True, result
           else:
-            self._results.append(result)
+            if self._deliver is None:
+              self._results.append(result)
             self._next += 1
           self._cond.notify_all()
     except BaseException as e:  # pylint: disable=broad-except
       with self._cond:
         self.error, self.parked = e, True
         self._cond.notify_all()
+      if self._deliver is not None:
+        self._deliver(e)
       self._serve_parked()
 
   def _serve_parked(self) -> None:

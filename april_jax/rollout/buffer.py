@@ -50,6 +50,13 @@ class PartialBuffer:
     return sum(g.host_bytes() for g in self._groups.values())
 
   # ------------------------------------------------------------------ serialisation
+  @staticmethod
+  def groups_in(state: dict[str, np.ndarray]) -> int:
+    """How many groups a `to_state` holds (without rebuilding them)."""
+    if "meta_json" not in state or not state["meta_json"].size:
+      return 0
+    return len(json.loads(np.asarray(state["meta_json"], np.uint8).tobytes().decode()))
+
   def to_state(self) -> dict[str, np.ndarray]:
     groups = list(self)
     samples = [s for g in groups for s in g.samples]

@@ -7,14 +7,17 @@ rules). A bucket is one weight (a layer-stacked projection, the embedding): the 
 old copy of that weight is dropped as its new one lands, so the rollout mesh holds one
 set of weights plus one bucket, never two sets.
 
-The copy is `jax.device_put` between the two meshes' shardings (XLA's device-to-device
-transfer within a process). It runs on the rollout's thread, between two of its calls,
-so no decode reads a weight while it is replaced.
+Within a process the copy is `jax.device_put` between the two meshes' shardings (XLA's
+device-to-device transfer); from the learner's process to the rollout's it is a pull by
+JAX's transfer API (rollout/remote_weights.py: `connect`, then `swap` with an `Offered`
+tree). It runs on the rollout's thread, between two of its calls, so no decode reads a
+weight while it is replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -22,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax.models import qwen3
+from april_jax.rollout.remote_weights import Offered, WeightPuller
 
 
 @dataclasses.dataclass
@@ -38,14 +42,18 @@ class WeightPublisher:
 
   def __init__(self, cfg: qwen3.Qwen3Config, mesh, rules, dtype: str):
     self.mesh = mesh
-    self._by_path = {
-        jax.tree_util.keystr(path): sh
-        for path, sh in jax.tree_util.tree_flatten_with_path(
-            qwen3.param_shardings(cfg, mesh, rules, dtype)
-        )[0]
-    }
+    leaves, self._treedef = jax.tree_util.tree_flatten_with_path(
+        qwen3.param_shardings(cfg, mesh, rules, dtype)
+    )
+    self._by_path = {jax.tree_util.keystr(path): sh for path, sh in leaves}
     self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._puller: WeightPuller | None = None
+    self.on_pulled = lambda version: None  # told after each version pulled
     self.stats = PublishStats()
+
+  def connect(self, host: str, address: str) -> None:
+    """Pulls offered weights from the learner's process at `address` from now on."""
+    self._puller = WeightPuller(host, address, self.mesh.devices.flat)
 
   def target(self, path: str) -> NamedSharding:
     """Where a weight goes: its decode sharding (replicated for a leaf the model's tree
@@ -56,22 +64,42 @@ class WeightPublisher:
     """Makes `tree` the engine's policy at `version`, a weight at a time: each old copy
     is released before the next weight is copied."""
     start = time.perf_counter()
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if isinstance(tree, Offered):  # in another process: pulled
+      treedef, names = self._treedef, [leaf[0] for leaf in tree.leaves]
+      if names != list(self._by_path):
+        raise ValueError(
+            f"the learner offers weights {names}, the decode model has {list(self._by_path)}"
+        )
+      leaves = [
+          (path, functools.partial(self._pull, version, i, shape, dtype, m))
+          for i, (path, shape, dtype, m) in enumerate(tree.leaves)
+      ]
+    else:
+      flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+      leaves = [(jax.tree_util.keystr(p), functools.partial(jax.device_put, x)) for p, x in flat]
     old = jax.tree_util.tree_leaves(engine.params) if engine.params is not None else []
     engine.set_policy(None, engine.version)  # the engine's references go with its tree
     new, copied = [], 0
-    for i, (path, src) in enumerate(leaves):
+    for i, (path, fetch) in enumerate(leaves):
       if i < len(old):
         old[i] = None  # this bucket's old copy, released before its new one lands
-      dst = jax.device_put(src, self.target(jax.tree_util.keystr(path)))
+      dst = fetch(self.target(path))
       dst.block_until_ready()
       new.append(dst)
-      copied += int(np.prod(src.shape)) * src.dtype.itemsize
+      copied += int(np.prod(dst.shape)) * dst.dtype.itemsize
     del old
     engine.set_policy(jax.tree_util.tree_unflatten(treedef, new), version)
     self.stats.copies += 1
     self.stats.bytes += copied
     self.stats.seconds += time.perf_counter() - start
+    if isinstance(tree, Offered):
+      self.on_pulled(version)
+
+  def _pull(self, version, leaf, shape, dtype, m, sharding):
+    if self._puller is None:
+      raise RuntimeError("weights offered by another process, and no connection to it")
+    array = self._puller.pull(version, leaf, shape, dtype, m, sharding)
+    return array.reshape(()) if not shape else array
 
   def copy_rate(self, nbytes: int = 1 << 24) -> float:
     """Bytes per second of one device-to-device copy of `nbytes` onto this mesh (the

@@ -6,7 +6,6 @@ import functools
 import sys
 from typing import Any
 
-import jax
 
 from april_jax import distributed
 from april_jax.envs import in_workers
@@ -42,7 +41,7 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
     env = in_workers.load(e.name, e.timeout_s, e.workers, options={"isolation": e.isolation})
   except in_workers.EnvError as problem:
     raise InputError(str(problem)) from None
-  if e.isolation == "none" and jax.process_index() == 0:
+  if e.isolation == "none" and distributed.process_index() == 0:
     print(f"april_jax: warning: {NO_ISOLATION}", file=sys.stderr, flush=True)
   try:
     observations = observation_format.from_config(e, tok, config.data.enable_thinking, tok.stop_ids)
@@ -55,8 +54,8 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
       EpisodeSettings.from_config(e),
       end_of_turn_ids=tok.stop_ids,
       # Every process runs the same episodes: process 0's environment answers for all.
-      agree=distributed.agree_json if jax.process_count() > 1 else None,
-      leader=jax.process_index() == 0,
+      agree=distributed.agree_json if distributed.process_count() > 1 else None,
+      leader=distributed.process_index() == 0,
       render=functools.partial(  # reset's messages, rendered as the data's prompts are
           tok.apply_chat_template,
           add_generation_prompt=True,

@@ -1,0 +1,190 @@
+"""The rollout's process of a split run across processes (mesh.rollout_devices > 0, the
+rollout's devices on processes of their own; docs/async.md).
+
+It builds the rollout's half of the run (rollout_side.py) on its devices, waits for the
+learner's start (the first weights, a checkpoint's rollout state), and runs the
+AsyncRollout (rollout/async_rollout.py) there: every batch, as it is drawn, goes to
+the learner; every published version is pulled between two decode calls; requests
+(an evaluation, a capture for a checkpoint) run at their boundary and their answers
+follow, all in one ordered stream (rollout/channel.py). The learner's process writes
+every file of the run; this one writes only what user code prints.
+
+Messages from the learner: start, publish (weights and requests), request, cut (a stop),
+close. To it: batch, pulled, answer, error, closed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import traceback
+
+from absl import logging
+import jax
+
+from april_jax import run_parts
+from april_jax import user_output
+from april_jax.rollout import wire
+from april_jax.rollout.async_rollout import AsyncRollout
+from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
+from april_jax.rollout.remote_weights import Offered
+from april_jax.rollout_side import RolloutSide
+from april_jax.sigterm_stop import SigtermStop
+from april_jax.task import make_task
+
+POLL_S = 1.0
+
+
+class RolloutServer:
+  """One split run's rollout, driven by its learner's messages."""
+
+  def __init__(self, config, workdir: str, host: str):
+    c = self.config = config
+    self.host = host  # this process's address for the weights' transfers
+    os.makedirs(workdir, exist_ok=True)
+    self.user_output = user_output.start(workdir, f"user_output.{jax.process_index()}.log")
+    place = run_parts.Placement.from_config(c)
+    model_cfg, paths = run_parts.checked_model(c)
+    tokenizer = run_parts.load_tokenizer(c)
+    self.side = RolloutSide(c, model_cfg, paths, None, tokenizer, make_task(c, tokenizer), place)
+    self.channel = Channel(send_on=TO_LEARNER, receive_on=TO_ROLLOUT)
+    self.stop = SigtermStop()
+    self._cut = threading.Event()  # the learner asked for a stop
+    self._outbox: queue.Queue = queue.Queue()
+    self.rollout: AsyncRollout | None = None
+
+  @property
+  def stopped(self) -> bool:
+    """Whether a stop (SIGTERM here, or the learner's) ended the run early."""
+    return self.stop.requested or self._cut.is_set()
+
+  # ------------------------------------------------------------------------------ run
+  def run(self) -> None:
+    previous = signal.signal(signal.SIGTERM, self.stop.handle)
+    sender = threading.Thread(target=self._send_all, name="april-rollout-tx", daemon=True)
+    sender.start()
+    try:
+      self._serve()
+    except BaseException as e:  # pylint: disable=broad-except
+      self._outbox.put(({"kind": "error", "message": _words(e)}, None))
+      raise
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+      for close in ([self.rollout.close] if self.rollout else []) + self.side.closers():
+        try:
+          close()
+        except Exception as e:  # pylint: disable=broad-except
+          logging.info("while closing: %s", e, exc_info=True)
+      self._outbox.put(({"kind": "closed"}, None))
+      self._outbox.put(None)
+      sender.join(timeout=60)
+      user_output.stop()
+
+  def _serve(self) -> None:
+    header, arrays = self._next()
+    assert header["kind"] == "start", header
+    self._start(header, arrays)
+    while True:
+      header, arrays = self._next()
+      kind = header["kind"]
+      if kind == "close":
+        return
+      if kind == "cut":
+        self._cut.set()
+      elif kind == "publish":
+        offered = Offered.from_json(header["weights"])
+        self.rollout.publish(
+            offered,
+            offered.version,
+            [self._answering(rid, name) for rid, name in header["requests"]],
+        )
+      elif kind == "request":
+        self.rollout.ask(self._answering(header["id"], header["name"]))
+      else:
+        raise ValueError(f"unknown message from the learner: {kind!r}")
+
+  def _start(self, header: dict, arrays: dict) -> None:
+    c, side = self.config, self.side
+    side.publisher.connect(self.host, header["address"])
+    side.publisher.on_pulled = lambda v: self._outbox.put(
+        ({"kind": "pulled", "version": int(v), "counts": self._counts()}, None)
+    )
+    first = Offered.from_json(header["weights"])
+    side.publisher.swap(side.engine, first, first.version)
+    if header["rollout"] is not None:  # a checkpoint's (its drawn batches stay with the learner)
+      side.restore(arrays, dict(header["rollout"], waiting=[]))
+    side.engine.warm_up()
+    if header["evaluate_first"] is not None:
+      self._answering(header["evaluate_first"], "evaluate")()
+    self.rollout = AsyncRollout(
+        side.scheduler,
+        side.publisher,
+        depth=0 if c.rollout.max_staleness == 0 else 1,
+        in_flight=c.rollout.in_flight_updates,
+        resume_mode=c.rollout.resume_mode,
+        first_batch=int(header["first_batch"]),
+        version=first.version,
+        cut_now=lambda: self._cut.is_set() or self.stop.cut_now(),
+        deliver=self._deliver,
+    )
+    self.rollout.start()
+
+  def _next(self) -> tuple[dict, dict]:
+    while True:
+      message = self.channel.receive(POLL_S)
+      if message is not None:
+        return message
+
+  # ------------------------------------------------------------------------ answers
+  def _answering(self, rid: int, name: str):
+    """The request's work, run on the rollout's thread: its answer goes out in order
+    with the batches."""
+    services = {"evaluate": self.side.evaluate, "capture": lambda: self.side.capture([])}
+    if name not in services:
+      raise ValueError(f"unknown request from the learner: {name!r}")
+
+    def run():
+      try:
+        value = services[name]()
+      except Exception as e:  # pylint: disable=broad-except
+        self._outbox.put(({"kind": "answer", "id": rid, "name": name, "error": _words(e)}, None))
+        raise
+      arrays = None
+      if name == "capture":
+        value, arrays = value[1], value[0]
+      self._outbox.put(({"kind": "answer", "id": rid, "name": name, "value": value}, arrays))
+
+    return run
+
+  def _deliver(self, result) -> None:
+    if isinstance(result, BaseException):
+      self._outbox.put(({"kind": "error", "message": _words(result)}, None))
+      return
+    header, arrays = wire.batch_message(result)
+    self._outbox.put(({"kind": "batch", **header, "counts": self._counts()}, arrays))
+
+  def _counts(self) -> dict:
+    r, p = self.rollout, self.side.publisher.stats
+    return {
+        "rollout_wait_s": r.waits.rollout_s if r else 0.0,
+        "swaps": r.swaps if r else 0,
+        "copies": p.copies,
+        "bytes": p.bytes,
+        "publish_s": p.seconds,
+    }
+
+  def _send_all(self) -> None:
+    while (item := self._outbox.get()) is not None:
+      try:
+        self.channel.send(*item)
+      except Exception as e:  # pylint: disable=broad-except  # the learner is gone
+        logging.warning("cannot reach the learner: %s", e)
+        return
+
+
+def _words(error: BaseException) -> str:
+  """An error as the learner will print it."""
+  last = traceback.format_exception_only(type(error), error)[-1].strip()
+  return last
