@@ -330,6 +330,8 @@ class Trainer:
     else:
       if stop:
         start = time.perf_counter()
+        if self.remote:  # in one process the rollout's thread sees the stop itself
+          self.async_rollout.cut()
         done = [self._ask_rollout("capture")] if save else []
       else:
         params = self.learners.policy.decode_params()

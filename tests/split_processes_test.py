@@ -3,11 +3,14 @@ another (2), joined by jax.distributed (a local coordinator); batches, requests 
 checkpoint captures cross by the coordination service's store, weights by JAX's transfer
 API (docs/async.md).
 
-Against the same split in one process (4 devices, the same meshes): the same tokens,
-groups and rewards, the same updates, the same evaluation, through a checkpoint the pair
-is restarted from (which holds a batch drawn and not yet trained). A split that gives a
+Against the same split in one process (4 devices, the same meshes): the pair, stopped by
+a SIGTERM to the learner and restarted from its checkpoint, gives the same tokens,
+groups and rewards, the same updates and the same evaluations. A split that gives a
 process devices of both sides is one line and exit 2. Short runs, mostly compiling:
 XLA's optimisations off (cli.launch)."""
+
+import signal
+import time
 
 from async_run_test import _assert_same_runs
 import cli
@@ -15,17 +18,19 @@ from multihost_test import _free_port
 
 FLAGS = [
     "--config.train.sft_steps=10",
-    "--config.eval_every=2",
+    "--config.eval_every=5",  # before training and at the end: a stopping step skips its own
     "--config.eval.num_prompts=8",
     "--config.checkpoint_every=1",
     "--config.mesh.rollout_devices=2",
+    "--config.num_steps=5",
 ]
+STOPPED = 143  # main.STOPPED_EXIT
 
 
 def _pair(workdir, *flags):
-  """The learner (process 0) and the rollout (process 1), finished: their outputs."""
+  """The learner (process 0) and the rollout (process 1), started."""
   port = _free_port()
-  procs = [
+  return [
       cli.launch(
           *FLAGS, *flags,
           f"--config.distributed.coordinator_address=localhost:{port}",
@@ -36,42 +41,54 @@ def _pair(workdir, *flags):
       )  # fmt: skip
       for i in range(2)
   ]
+
+
+def _finish(procs):
+  """(exit status, stdout, stderr) of each."""
   outs = [p.communicate(timeout=900) for p in procs]
   return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
-def test_rollout_and_learner_in_two_processes_run_and_resume_as_in_one(tmp_path):
-  one = cli.run(
-      *FLAGS, "--config.num_steps=3", config="tiny_tail.py", workdir=tmp_path / "one",
-      devices=4, optimised=False,
-  )  # fmt: skip
-  assert one.returncode == 0, one.stderr[-3000:]
-  first = _pair(tmp_path / "two", "--config.num_steps=2")
-  for code, _, err in first:
-    assert code == 0, err[-3000:]
-  learner_out, rollout_out = first[0][1], first[1][1]
-  assert "before training: eval pass@1" in learner_out
-  assert "compiling" not in rollout_out  # the learner's process alone speaks for the run
-  # Restarted for a third step: it trains the batch the checkpoint holds drawn first.
-  second = _pair(tmp_path / "two", "--config.num_steps=3")
-  for code, _, err in second:
-    assert code == 0, err[-3000:]
-  assert "resumed from step 2" in second[0][1] and "1 drawn batches to train" in second[0][1]
-  _assert_same_runs(tmp_path / "one", tmp_path / "two", rtol=1e-5)
-  metrics = cli.read_jsonl(tmp_path / "two" / "metrics.jsonl")
-  assert [m["step"] for m in metrics] == [0, 1, 2, 3]
-  assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[2]
+def test_rollout_and_learner_in_two_processes_stop_and_resume_as_one_process_runs(tmp_path):
+  one = cli.launch(
+      *FLAGS, config="tiny_tail.py", workdir=tmp_path / "one", devices=4, optimised=False
+  )
+  two = tmp_path / "two"
+  try:
+    pair = _pair(two)
+    deadline = time.monotonic() + 600
+    while not (two / "checkpoints" / "1").is_dir() and time.monotonic() < deadline:
+      assert all(p.poll() is None for p in pair), _finish(pair)
+      time.sleep(0.2)
+    pair[0].send_signal(signal.SIGTERM)  # the learner's: it stops the rollout too
+    stopped = _finish(pair)
+    for code, _, err in stopped:
+      assert code == STOPPED, err[-3000:]
+    learner_out, rollout_out = stopped[0][1], stopped[1][1]
+    assert "before training: eval pass@1" in learner_out
+    assert "stopped by SIGTERM after step" in learner_out
+    assert "compiling" not in rollout_out  # the learner's process alone speaks for the run
+    resumed = _finish(_pair(two))
+    for code, _, err in resumed:
+      assert code == 0, err[-3000:]
+    assert "resumed from step" in resumed[0][1]
+    out, err = one.communicate(timeout=900)
+  finally:
+    one.kill()  # a no-op once it has ended
+  assert one.returncode == 0, err[-3000:]
+  _assert_same_runs(tmp_path / "one", two, rtol=1e-5)
+  metrics = cli.read_jsonl(two / "metrics.jsonl")
+  assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5]
+  assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[5]
   # The rollout's counts reach the learner with its messages: the weights did cross.
   assert sum(m["async/publish_bytes"] for m in metrics[1:]) > 0
-  assert sum(m["async/weight_swaps"] for m in metrics[1:]) >= 1
-  assert not (tmp_path / "two" / "user_output.1.log").read_text().strip()
+  assert not (two / "user_output.1.log").read_text().strip()
 
 
 def test_a_split_that_gives_a_process_both_sides_is_refused(tmp_path):
-  results = _pair(
-      tmp_path / "mixed", "--config.num_steps=1", "--config.mesh.rollout_devices=3",
-      "--config.rollout.num_slots=48",
-  )  # fmt: skip
+  results = _finish(
+      _pair(tmp_path / "mixed", "--config.mesh.rollout_devices=3", "--config.rollout.num_slots=48")
+  )
   for code, _, err in results:
     assert code == 2, err[-2000:]
     assert err.strip().splitlines()[-1] == (

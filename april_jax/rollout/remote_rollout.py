@@ -114,9 +114,8 @@ class RemoteRollout:
     start = time.perf_counter()
     with self._cond:
       while not self._batches and not self.parked and self.error is None:
-        if not self._sent_cut and self._cut_now():
-          self._sent_cut = True
-          self._channel.send({"kind": "cut"})
+        if self._cut_now():
+          self.cut()
         self._cond.wait(POLL_S)
       self.waits.learner_s += time.perf_counter() - start
       if self._batches:
@@ -124,6 +123,12 @@ class RemoteRollout:
         return self._batches.popleft()
       self._raise()
       return self._cut
+
+  def cut(self) -> None:
+    """Asks the rollout to cut its batch and park (a stop), once."""
+    if not self._sent_cut:
+      self._sent_cut = True
+      self._channel.send({"kind": "cut"})
 
   def waiting_results(self) -> list[RolloutResult]:
     return list(self._batches)
