@@ -42,7 +42,8 @@ from april_jax import process_tree
 from april_jax.models import hf_io
 from april_jax.configs.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
-from april_jax.rollout_server import RolloutServer
+from april_jax.rollout import remote_rollout
+from april_jax.rollout_server import LearnerEnded, RolloutServer
 from april_jax.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -154,19 +155,32 @@ def _split_across_processes(config) -> bool:
 
 def _train() -> bool:
   """The run (a split run's learner); whether SIGTERM stopped it."""
+  trainer = None
   try:
-    trainer = Trainer(_CONFIG.value, _WORKDIR.value)
-  except MemoryError as e:  # the start-up memory plan refused the config
-    print(f"april_jax: {e}", file=sys.stderr)
-    sys.exit(3)
-  trainer.run()
+    try:
+      trainer = Trainer(_CONFIG.value, _WORKDIR.value)
+    except MemoryError as e:  # the start-up memory plan refused the config
+      print(f"april_jax: {e}", file=sys.stderr)
+      sys.exit(3)
+    trainer.run()
+  except BaseException:
+    if distributed.working_alone() and (trainer is None or trainer.async_rollout is None):
+      try:  # its rollout's process waits for a start that never comes
+        remote_rollout.abandon()
+      except Exception:  # pylint: disable=broad-except  # the error being raised says more
+        logging.info("could not tell the rollout's process to close", exc_info=True)
+    raise
   return trainer.stopped
 
 
 def _serve_rollout() -> bool:
   """A split run's rollout process; whether a stop ended it early."""
   server = RolloutServer(_CONFIG.value, _WORKDIR.value, host="0.0.0.0")
-  server.run()
+  try:
+    server.run()
+  except LearnerEnded as e:
+    print(f"april_jax: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   return server.stopped
 
 

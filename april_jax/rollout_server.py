@@ -30,6 +30,7 @@ from april_jax.rollout import wire
 from april_jax.rollout.async_rollout import AsyncRollout
 from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
 from april_jax.rollout.remote_weights import Offered
+from april_jax.errors import InputError
 from april_jax.rollout_side import RolloutSide
 from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
@@ -37,23 +38,31 @@ from april_jax.task import make_task
 POLL_S = 1.0
 
 
+class LearnerEnded(Exception):
+  """The learner's process ended before the rollout started."""
+
+
 class RolloutServer:
   """One split run's rollout, driven by its learner's messages."""
 
   def __init__(self, config, workdir: str, host: str):
-    c = self.config = config
+    self.config, self.workdir = config, workdir
     self.host = host  # this process's address for the weights' transfers
-    os.makedirs(workdir, exist_ok=True)
-    self.user_output = user_output.start(workdir, f"user_output.{jax.process_index()}.log")
-    place = run_parts.Placement.from_config(c)
-    model_cfg, paths = run_parts.checked_model(c)
-    tokenizer = run_parts.load_tokenizer(c)
-    self.side = RolloutSide(c, model_cfg, paths, None, tokenizer, make_task(c, tokenizer), place)
     self.channel = Channel(send_on=TO_LEARNER, receive_on=TO_ROLLOUT)
     self.stop = SigtermStop()
     self._cut = threading.Event()  # the learner asked for a stop
     self._outbox: queue.Queue = queue.Queue()
+    self.side: RolloutSide | None = None  # built by run(), which reports a failure
     self.rollout: AsyncRollout | None = None
+
+  def _build(self) -> None:
+    c = self.config
+    os.makedirs(self.workdir, exist_ok=True)
+    user_output.start(self.workdir, f"user_output.{jax.process_index()}.log")
+    place = run_parts.Placement.from_config(c)
+    model_cfg, paths = run_parts.checked_model(c)
+    tokenizer = run_parts.load_tokenizer(c)
+    self.side = RolloutSide(c, model_cfg, paths, None, tokenizer, make_task(c, tokenizer), place)
 
   @property
   def stopped(self) -> bool:
@@ -66,13 +75,15 @@ class RolloutServer:
     sender = threading.Thread(target=self._send_all, name="april-rollout-tx", daemon=True)
     sender.start()
     try:
+      self._build()
       self._serve()
     except BaseException as e:  # pylint: disable=broad-except
-      self._outbox.put(({"kind": "error", "message": _words(e)}, None))
+      self._outbox.put((_error(e), None))
       raise
     finally:
       signal.signal(signal.SIGTERM, previous)
-      for close in ([self.rollout.close] if self.rollout else []) + self.side.closers():
+      closers = [] if self.side is None else self.side.closers()
+      for close in ([self.rollout.close] if self.rollout else []) + closers:
         try:
           close()
         except Exception as e:  # pylint: disable=broad-except
@@ -80,11 +91,15 @@ class RolloutServer:
       self._outbox.put(({"kind": "closed"}, None))
       self._outbox.put(None)
       sender.join(timeout=60)
-      user_output.stop()
+      if self.side is not None:
+        user_output.stop()
 
   def _serve(self) -> None:
     header, arrays = self._next()
-    assert header["kind"] == "start", header
+    if header["kind"] == "close":  # the learner failed before it could start us
+      raise LearnerEnded(
+          "the learner's process ended before it started the rollout: its output says why"
+      )
     self._start(header, arrays)
     while True:
       header, arrays = self._next()
@@ -132,10 +147,14 @@ class RolloutServer:
     self.rollout.start()
 
   def _next(self) -> tuple[dict, dict]:
+    told = False
     while True:
       message = self.channel.receive(POLL_S)
       if message is not None:
         return message
+      if self.stop.requested and not told:  # our SIGTERM: the learner stops at its step's end
+        told = True
+        self._outbox.put(({"kind": "stopping"}, None))
 
   # ------------------------------------------------------------------------ answers
   def _answering(self, rid: int, name: str):
@@ -160,7 +179,7 @@ class RolloutServer:
 
   def _deliver(self, result) -> None:
     if isinstance(result, BaseException):
-      self._outbox.put(({"kind": "error", "message": _words(result)}, None))
+      self._outbox.put((_error(result), None))
       return
     header, arrays = wire.batch_message(result)
     self._outbox.put(({"kind": "batch", **header, "counts": self._counts()}, arrays))
@@ -182,6 +201,17 @@ class RolloutServer:
       except Exception as e:  # pylint: disable=broad-except  # the learner is gone
         logging.warning("cannot reach the learner: %s", e)
         return
+
+
+def _error(error: BaseException) -> dict:
+  """The message that tells the learner what ended the rollout (bad input: the user's to
+  fix, said in one line there too)."""
+  bad_input = isinstance(error, InputError)
+  return {
+      "kind": "error",
+      "message": str(error) if bad_input else _words(error),
+      "input": bad_input,
+  }
 
 
 def _words(error: BaseException) -> str:

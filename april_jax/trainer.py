@@ -473,7 +473,7 @@ class Trainer:
     last = step == c.num_steps
     # Decided once per step, and by every process alike (SIGTERM may reach only one); a
     # stopping run skips evaluation to save within the scheduler's grace period.
-    stop = self.stop.agreed()
+    stop = self.stop.agreed() or (self.remote and self.async_rollout.stopping)
     evaluate = not stop and bool(c.eval_every) and (step % c.eval_every == 0 or last)
     save = stop or last or bool(c.checkpoint_every and step % c.checkpoint_every == 0)
     start_publish = time.perf_counter()

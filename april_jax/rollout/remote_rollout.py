@@ -19,10 +19,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from april_jax.errors import InputError
 from april_jax.rollout import in_flight
 from april_jax.rollout import wire
 from april_jax.rollout.async_rollout import Waits
-from april_jax.rollout.channel import Channel
+from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
 from april_jax.rollout.publish import PublishStats
 from april_jax.rollout.remote_weights import WeightServer
 from april_jax.rollout.scheduler import RolloutResult
@@ -32,6 +33,16 @@ POLL_S = 0.2  # how often a wait looks at a stop, and the receiving thread at a 
 
 class RolloutProcessFailed(RuntimeError):
   """The rollout's process reported an error (its words)."""
+
+
+class RolloutInputError(InputError):
+  """The rollout's process stopped at bad input the user can fix (its words)."""
+
+
+def abandon() -> None:
+  """Tells a rollout process that was never started to close (the learner failed
+  first): the first message of its stream."""
+  Channel(send_on=TO_ROLLOUT, receive_on=TO_LEARNER).send({"kind": "close"})
 
 
 class _Pending:
@@ -69,6 +80,7 @@ class RemoteRollout:
     self._sent_cut = False
     self._closing = False
     self.parked = False
+    self.stopping = False  # the rollout's process was asked to stop (its SIGTERM)
     self.error: BaseException | None = None
     self.waits = Waits()
     self.swaps = 0
@@ -94,7 +106,7 @@ class RemoteRollout:
     them. Waits until the rollout pulled the last version offered (or parked)."""
     with self._cond:
       while self._pulled != self._offered and not self.parked and self.error is None:
-        self._cond.wait(POLL_S)
+        self._wait()
       self._raise()
     offered = self._offer(tree, version)
     named = [[self._rid(), name] for name in requests]
@@ -114,9 +126,7 @@ class RemoteRollout:
     start = time.perf_counter()
     with self._cond:
       while not self._batches and not self.parked and self.error is None:
-        if self._cut_now():
-          self.cut()
-        self._cond.wait(POLL_S)
+        self._wait()
       self.waits.learner_s += time.perf_counter() - start
       if self._batches:
         self._taken += 1
@@ -135,7 +145,7 @@ class RemoteRollout:
 
   def close(self, timeout_s: float = 60.0) -> None:
     """Tells the rollout to close, and waits (bounded) for it to say it has."""
-    if self._thread.is_alive() and self.error is None:
+    if self._thread.is_alive():
       try:
         self._channel.send({"kind": "close"})
       except Exception:  # pylint: disable=broad-except  # the peer is gone: nothing to close
@@ -159,6 +169,13 @@ class RemoteRollout:
       self._offered = int(version)
     return offered
 
+  def _wait(self) -> None:
+    """One wait for the rollout (the lock held); a stop here cuts the rollout first, as
+    the rollout's thread in one process would see it at its next call."""
+    if self._cut_now():
+      self.cut()
+    self._cond.wait(POLL_S)
+
   def _raise(self) -> None:
     if self.error is not None:
       raise self.error
@@ -166,7 +183,7 @@ class RemoteRollout:
   def _answer(self, rid: int):
     with self._cond:
       while rid not in self._answers and self.error is None:
-        self._cond.wait(POLL_S)
+        self._wait()
       if rid in self._answers:
         value = self._answers.pop(rid)
         if isinstance(value, BaseException):
@@ -199,12 +216,17 @@ class RemoteRollout:
           self._cut, self.parked = result, True
         else:
           self._batches.append(result)
+      elif kind == "stopping":
+        self.stopping = True
       elif kind == "pulled":
         self._pulled = int(header["version"])
       elif kind == "answer":
         self._answers[int(header["id"])] = self._value(header, arrays)
       elif kind == "error":
-        self.error = RolloutProcessFailed(f"the rollout's process failed: {header['message']}")
+        if header.get("input"):
+          self.error = RolloutInputError(f"the rollout's process: {header['message']}")
+        else:
+          self.error = RolloutProcessFailed(f"the rollout's process failed: {header['message']}")
         self.parked = True
       elif kind == "closed":
         self._closing = True

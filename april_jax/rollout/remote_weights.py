@@ -71,6 +71,7 @@ class WeightServer:
 
   def offer(self, tree, version: int) -> Offered:
     """Offers `tree`; the caller offers the next version only once this one was pulled."""
+    self._held = []  # pulled (or never to be): let it go before the next set is copied
     described, held = [], []
     for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
       m = pieces(leaf.shape[0] if leaf.ndim else 1, self._most)
