@@ -39,7 +39,7 @@ POLL_S = 1.0
 
 
 class LearnerEnded(Exception):
-  """The learner's process ended before the rollout started."""
+  """The learner's process ended before it started the rollout, or failed."""
 
 
 class RolloutServer:
@@ -54,6 +54,8 @@ class RolloutServer:
     self._outbox: queue.Queue = queue.Queue()
     self.side: RolloutSide | None = None  # built by run(), which reports a failure
     self.rollout: AsyncRollout | None = None
+    self._told_error = False  # the learner knows what ended the rollout
+    self._told_stopping = False  # the learner knows of our SIGTERM
 
   def _build(self) -> None:
     c = self.config
@@ -77,8 +79,12 @@ class RolloutServer:
     try:
       self._build()
       self._serve()
+    except LearnerEnded:
+      raise
     except BaseException as e:  # pylint: disable=broad-except
-      self._outbox.put((_error(e), None))
+      if not self._told_error:
+        self._outbox.put((_error(e), None))
+        self._await_close()  # leaving first would hold the learner at JAX's shutdown
       raise
     finally:
       signal.signal(signal.SIGTERM, previous)
@@ -105,6 +111,11 @@ class RolloutServer:
       header, arrays = self._next()
       kind = header["kind"]
       if kind == "close":
+        if self.rollout.error is not None:  # told already; this process ends with it too
+          self._told_error = True
+          raise self.rollout.error
+        if header.get("failed"):
+          raise LearnerEnded("the learner's process failed: its output says why")
         return
       if kind == "cut":
         self._cut.set()
@@ -147,14 +158,25 @@ class RolloutServer:
     self.rollout.start()
 
   def _next(self) -> tuple[dict, dict]:
-    told = False
     while True:
       message = self.channel.receive(POLL_S)
       if message is not None:
         return message
-      if self.stop.requested and not told:  # our SIGTERM: the learner stops at its step's end
-        told = True
-        self._outbox.put(({"kind": "stopping"}, None))
+      self._tell_stopping()  # a SIGTERM while the rollout waits for weights
+
+  def _tell_stopping(self) -> None:
+    """Our SIGTERM, told once: the learner stops at the end of its step."""
+    if self.stop.requested and not self._told_stopping:
+      self._told_stopping = True
+      self._outbox.put(({"kind": "stopping"}, None))
+
+  def _await_close(self) -> None:
+    """After telling the learner of an error: its close (or its loss) ends the wait."""
+    try:
+      while self._next()[0]["kind"] != "close":
+        pass
+    except Exception:  # pylint: disable=broad-except  # the learner is gone
+      pass
 
   # ------------------------------------------------------------------------ answers
   def _answering(self, rid: int, name: str):
@@ -181,6 +203,8 @@ class RolloutServer:
     if isinstance(result, BaseException):
       self._outbox.put((_error(result), None))
       return
+    if result.cut:  # before the cut batch: the learner stops at its step's end
+      self._tell_stopping()
     header, arrays = wire.batch_message(result)
     self._outbox.put(({"kind": "batch", **header, "counts": self._counts()}, arrays))
 

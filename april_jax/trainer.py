@@ -498,7 +498,9 @@ class Trainer:
     closes = [self.checkpointer.close, self.writer.close, user_output.stop]
     if self.side is not None:
       closes = self.side.closers() + closes
-    if self.async_rollout is not None:
+    if self.remote and self.async_rollout is not None:
+      closes.insert(0, lambda: self.async_rollout.close(failing=failing))
+    elif self.async_rollout is not None:
       closes.insert(0, self.async_rollout.close)
     for close in closes:
       try:

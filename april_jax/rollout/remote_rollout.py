@@ -143,11 +143,12 @@ class RemoteRollout:
   def waiting_results(self) -> list[RolloutResult]:
     return list(self._batches)
 
-  def close(self, timeout_s: float = 60.0) -> None:
-    """Tells the rollout to close, and waits (bounded) for it to say it has."""
+  def close(self, failing: bool = False, timeout_s: float = 60.0) -> None:
+    """Tells the rollout to close (`failing`: the learner's own error ends the run), and
+    waits (bounded) for it to say it has."""
     if self._thread.is_alive():
       try:
-        self._channel.send({"kind": "close"})
+        self._channel.send({"kind": "close", "failed": bool(failing)})
       except Exception:  # pylint: disable=broad-except  # the peer is gone: nothing to close
         pass
     with self._cond:
