@@ -355,7 +355,7 @@ class Trainer:
   def _async_metrics(self) -> dict[str, float]:
     """Split meshes: each side's wait and the weights' copies since the last step."""
     a = self.async_rollout
-    p = a.publish_stats if self.remote else self.publisher.stats
+    p = a.publish_stats
     now = {
         "async/rollout_wait_s": a.waits.rollout_s,
         "async/learner_wait_s": a.waits.learner_s,
@@ -498,10 +498,8 @@ class Trainer:
     closes = [self.checkpointer.close, self.writer.close, user_output.stop]
     if self.side is not None:
       closes = self.side.closers() + closes
-    if self.remote and self.async_rollout is not None:
+    if self.async_rollout is not None:
       closes.insert(0, lambda: self.async_rollout.close(failing=failing))
-    elif self.async_rollout is not None:
-      closes.insert(0, self.async_rollout.close)
     for close in closes:
       try:
         close()

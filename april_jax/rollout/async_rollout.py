@@ -157,8 +157,15 @@ class AsyncRollout:
     """The batches drawn and not yet taken (a checkpoint keeps them), oldest first."""
     return list(self._results)
 
-  def close(self) -> None:
-    """Parks the thread and waits for it (its current batch is cut first)."""
+  @property
+  def publish_stats(self):
+    """What the weights' copies have cost so far (publish.py)."""
+    return self.publisher.stats
+
+  def close(self, failing: bool = False) -> None:
+    """Parks the thread and waits for it (its current batch is cut first). `failing`:
+    the learner's own error ends the run (no one else to tell, in one process)."""
+    del failing
     with self._cond:
       self._closing = True
       self._cond.notify_all()
