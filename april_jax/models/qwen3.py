@@ -463,14 +463,17 @@ def chunk_kv(
     attend,
     adapters=None,
     adapter_scale: float = 1.0,
-) -> KVCache:
+    logits: bool = False,
+):
   """The KV [L, B, T, K, H] of a chunk of T tokens per row that continues a cached
   sequence (a slot's given tokens, written into its pages in one call, not one decode
   step a token): row b's tokens sit at positions_BxT[b]. `attend(q_BxTxKxGxH,
   k_BxTxKxH, v_BxTxKxH, layer)` gives each query's attention over the row's cache and,
   causally, over the chunk itself (the sampler's: paged_attention.paged_chunk_attention
-  over its pool). No logits: the chunk's last token stays pending, as a decode step
-  leaves it. adapters: as in decode_step."""
+  over its pool). adapters: as in decode_step. Returns the KVCache; with `logits`,
+  (logits [B, T, V] float32, KVCache): the next-token logits after every position (a
+  speculative verify pass). Without, the chunk's last token stays pending, as a decode
+  step leaves it."""
   x = sharding.constrain(params["embed"][tokens_BxT], _X)
 
   def body(x, layer):
@@ -484,8 +487,11 @@ def chunk_kv(
     return _attn_out_and_mlp(cfg, lp, x, attn), (k, v)
 
   layers = (_layers(params, adapters), jnp.arange(cfg.num_layers))
-  _, (k, v) = jax.lax.scan(body, x, layers)
-  return KVCache(k, v)
+  x, (k, v) = jax.lax.scan(body, x, layers)
+  if not logits:
+    return KVCache(k, v)
+  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return logits_from_hidden(cfg, params, h), KVCache(k, v)
 
 
 def write_positions(

@@ -72,6 +72,9 @@ from typing import Protocol
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.records import SampleRecord
 
+# Where a speculative pass's drafts come from (drafts.py), as counters and metrics name them.
+DRAFT_SOURCES = ("suggested", "own", "group")
+
 
 @dataclasses.dataclass
 class EngineCounters:
@@ -87,6 +90,18 @@ class EngineCounters:
   feeds: int = 0  # chunked-prefill calls that wrote given tokens into slots' pages
   tokens_fed: int = 0  # given tokens those calls wrote
   feed_rows: int = 0  # rows those calls computed (a power of two, at most insert_width)
+  # Speculation (speculative_tokens > 0), by draft source (DRAFT_SOURCES): tokens
+  # guessed and checked by a verify pass, those the pass drew the same, and the slots'
+  # passes that checked any.
+  drafted: dict[str, int] = dataclasses.field(default_factory=dict)
+  accepted: dict[str, int] = dataclasses.field(default_factory=dict)
+  draft_passes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def count_drafts(self, stats) -> None:
+    """A speculative call's stats [3, sources] (speculative.decode) added in."""
+    for row, totals in zip(stats, (self.drafted, self.accepted, self.draft_passes)):
+      for name, n in zip(DRAFT_SOURCES, row):
+        totals[name] = totals.get(name, 0) + int(n)
 
 
 class Engine(Protocol):

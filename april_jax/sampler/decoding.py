@@ -39,14 +39,16 @@ class Decoding:
     leave_after = min(config.refill_batch, self.num_decoding()) if refill else 0
     decoding = {s for s, r in slots.owned() if r.engine_status is Status.LIVE}
     params, version = parts.policy.params, parts.policy.version
-    done, lengths, steps, drawn = parts.device.decode(
+    done, lengths, steps, drawn, stats = parts.device.decode(
         params, version, self.stop_ids, leave_after, parts.kv.table()
     )
-    grown = np.array(lengths) - slots.lengths  # a live slot gains one token per step
+    grown = np.array(lengths) - slots.lengths  # one token per step (1 to K + 1 speculating)
     slots.lengths[:] = lengths
     counters.decode_steps += int(steps)
     counters.tokens_generated += int(drawn)
-    # In the order they finished (the step each finished at, then slot): with refill off
+    if stats is not None:
+      counters.count_drafts(np.asarray(stats))
+    # In the order they finished (the tokens each gained, then slot): with refill off
     # several finish within one window, and callers rely on completion order.
     finished = sorted(
         ((slot, r) for slot, r in slots.owned() if done[slot] and slot in decoding),

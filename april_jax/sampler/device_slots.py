@@ -33,6 +33,10 @@ class DeviceSlots:
   def __init__(self, cfg: qwen3.Qwen3Config, config: EngineConfig, fns, counters: EngineCounters):
     self.cfg, self.config, self.fns, self.counters = cfg, config, fns, counters
     self.state = fns.init()
+    # Speculation's suggested tokens per slot and position (-1: none; suggest()), sent
+    # with the next decode call after a change.
+    self.suggested = np.full((config.num_slots, config.max_len), -1, np.int32)
+    self._suggested_arg = None
 
   # ----------------------------------------------------------------- writes
   def insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows, table) -> None:
@@ -65,12 +69,33 @@ class DeviceSlots:
       self.state = self.fns.write_rows(self.state, rows, _padded(slots[i : i + W], W))
 
   def decode(self, params, version: int, stop_ids, leave_after: int, table, read=True):
-    """One decode call; on the host: (done [S], lengths [S], steps run, tokens drawn),
-    unless not `read` (warm-up: nothing is read back, None)."""
-    self.state, steps, drawn = self.fns.decode(
-        params, self.state, np.int32(version), stop_ids, np.int32(leave_after), table
-    )
-    return to_host((self.state.done, self.state.length, steps, drawn)) if read else None
+    """One decode call (speculative with speculative_tokens > 0); on the host: (done
+    [S], lengths [S], steps run, tokens drawn, speculation's stats [3, sources] or
+    None), unless not `read` (warm-up: nothing is read back, None)."""
+    args = (np.int32(version), stop_ids, np.int32(leave_after), table)
+    stats = None
+    if self.fns.speculate is None:
+      self.state, steps, drawn = self.fns.decode(params, self.state, *args)
+    else:
+      if self._suggested_arg is None:
+        self._suggested_arg = jax.device_put(self.suggested)
+      self.state, steps, drawn, stats = self.fns.speculate(
+          params, self.state, *args, self._suggested_arg
+      )
+    return to_host((self.state.done, self.state.length, steps, drawn, stats)) if read else None
+
+  def suggest(self, slot: int, start: int, tokens) -> None:
+    """Tokens a slot's drafts take from position `start` on (speculation's `suggested`
+    source); none past max_len."""
+    tokens = np.asarray(tokens, np.int32)[: max(self.config.max_len - start, 0)]
+    self.suggested[slot, start : start + len(tokens)] = tokens
+    self._suggested_arg = None
+
+  def forget_suggested(self, slot: int) -> None:
+    """No suggested tokens for the slot (it is free again)."""
+    if (self.suggested[slot] >= 0).any():
+      self.suggested[slot] = -1
+      self._suggested_arg = None
 
   def feed(self, params, slots: np.ndarray, ends: np.ndarray, T: int, table) -> None:
     """Given tokens into the slots' pages up to `ends` (one chunked prefill, slot_ops.feed)."""

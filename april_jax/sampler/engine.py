@@ -241,6 +241,17 @@ class SlotEngine:
     if self.config.feed_given == "prefill":
       self.given.add(slot)
 
+  def suggest(self, record: SampleRecord, tokens) -> None:
+    """The response the live sample is guessed to draw, from its first response token
+    on (a benchmark's controlled acceptance, or a caller that knows a likely
+    continuation): with speculative_tokens > 0, its drafts take them first (drafts.py).
+    Only how many tokens a call yields changes, never which; forgotten when the slot
+    is freed. ValueError if no slot holds the record."""
+    slot = self.slots.slot_of(record)
+    if slot is None:
+      raise ValueError("the sample is in no slot: suggest needs a live sample")
+    self.device.suggest(slot, len(record.prompt), tokens)
+
   def set_aside(self, record: SampleRecord) -> None:
     """A sample held at a stop leaves its slot to another while its environment
     answers: its KV stays in its pages, kept for it (keeps), as a snapshot with keep

@@ -20,6 +20,8 @@ from april_jax.sampler import pages
 RESUME_MODES = ("kv", "recompute")
 FEED_GIVEN = ("prefill", "decode")
 DECODE_ATTENTION = ("auto", "xla", "pallas")
+MAX_SPECULATIVE_TOKENS = 32  # a pass's positions grow with it, and its logits [S, K+1, V]
+MAX_SPECULATIVE_NGRAM = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class EngineConfig:
   # Given tokens one feed call writes per slot at most (longer ones go in several calls):
   # its length bucket caps the feed programs a run compiles and the memory each takes.
   feed_len: int = 512
+  # Speculative decoding (sampler/speculative.py): up to this many tokens guessed per
+  # live slot and checked in one pass, the tokens drawn being plain decoding's; 0: off.
+  speculative_tokens: int = 0
+  speculative_ngram: int = 3  # the longest suffix a guess matches (drafts.py)
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -85,6 +91,8 @@ class EngineConfig:
         page_size=self.page_size,
         usable_pages=self.usable_pages,
         decode_attention=self.decode_attention,
+        speculative_tokens=self.speculative_tokens,
+        speculative_ngram=self.speculative_ngram,
     )
 
   @property
@@ -113,11 +121,14 @@ class DeviceSettings:
   page_size: int
   usable_pages: int
   decode_attention: str
+  speculative_tokens: int = 0
+  speculative_ngram: int = 3
 
 
 # EngineConfig fields that a run's config sets under the same name in `rollout`.
 _ROLLOUT_FIELDS = ("num_slots", "sync_every", "decode_block", "decode_attention", "page_size")
 _ROLLOUT_FIELDS += ("kv_pages", "resume_mode", "refill_batch", "prefill_width")
+_ROLLOUT_FIELDS += ("speculative_tokens", "speculative_ngram")
 
 
 def run_config_fields(c, stop_ids=()) -> dict:
@@ -179,6 +190,16 @@ def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:
     )
   if f["feed_given"] not in FEED_GIVEN:
     out.append(f"{name('feed_given')} must be one of {FEED_GIVEN}, got {f['feed_given']!r}")
+  if not 0 <= f["speculative_tokens"] <= MAX_SPECULATIVE_TOKENS:
+    out.append(
+        f"{name('speculative_tokens')} must be in [0, {MAX_SPECULATIVE_TOKENS}] "
+        f"(tokens guessed per slot and pass; 0: off), got {f['speculative_tokens']}"
+    )
+  if not 1 <= f["speculative_ngram"] <= MAX_SPECULATIVE_NGRAM:
+    out.append(
+        f"{name('speculative_ngram')} must be in [1, {MAX_SPECULATIVE_NGRAM}], "
+        f"got {f['speculative_ngram']}"
+    )
   if f["resume_mode"] not in RESUME_MODES:
     out.append(f"{name('resume_mode')} must be one of {RESUME_MODES}, got {f['resume_mode']!r}")
   return out

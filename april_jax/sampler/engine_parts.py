@@ -85,5 +85,6 @@ class EngineParts:
   def release(self, slot: int) -> None:
     """The slot free again: no sample, no pages, nothing to feed."""
     self.given.discard(slot)
+    self.device.forget_suggested(slot)
     self.slots.release(slot)
     self.kv.release(slot)

@@ -53,8 +53,11 @@ class KVManager:
 
   def window(self, length: int, limit: int) -> int:
     """Positions a slot at `length` may write within one decode call (its KV then
-    covers them): the pending token's and sync_every - 1 more, never past limit - 1."""
-    return int(min(length - 1 + self.config.sync_every, limit - 1))
+    covers them): the pending token's and sync_every - 1 more, never past limit - 1.
+    With speculation, speculative_tokens more: room for a pass's drafts (a slot that
+    used its window stops for the call; speculative.py)."""
+    reach = self.config.sync_every + self.config.speculative_tokens
+    return int(min(length - 1 + reach, limit - 1))
 
   def record_window(self, record: SampleRecord) -> int:
     return self.window(record.length, len(record.prompt) + record.max_new_tokens)

@@ -1,7 +1,7 @@
 """SampleRecords as slot rows: what an insert or a rewrite writes into the slot state.
 
 Built on the host in numpy for one device call of up to W records, and sent as two int32
-arrays (PackedRows: the per-position fields [W, 3, M] and the per-slot ones [W, 10],
+arrays (PackedRows: the per-position fields [W, 3, M] and the per-slot ones [W, 11],
 float32 and uint32 fields as their bits, each at the columns SEQ and VALS name) rather than one array per SlotRows field:
 every array a call takes from the host is a transfer of its own, and an insert runs at
 each refill. `unpack` turns them back into SlotRows inside the device call.
@@ -19,7 +19,7 @@ from april_jax.sampler.state import SlotRows
 
 # PackedRows.vals, per slot: each field's columns (float32 fields as their bits; rng is
 # the key's two words). Defined once: the host packs by these names, the device unpacks.
-_INTS = ("length", "prompt_len", "kv_version", "limit", "forced_end", "top_k")
+_INTS = ("length", "prompt_len", "kv_version", "limit", "forced_end", "top_k", "group")
 _FLOATS = ("temperature", "top_p")
 VALS = {name: slice(i, i + 1) for i, name in enumerate(_INTS + _FLOATS)}
 VALS["rng"] = slice(len(VALS), len(VALS) + 2)
@@ -79,7 +79,8 @@ def rows_from_records(
     P = len(r.prompt)
     tokens[j, : r.length] = np.concatenate([r.prompt, r.response])
     versions[j, P : r.length], logprobs[j, P : r.length] = r.versions, r.logprobs
-    fields = dict(length=length, prompt_len=P, kv_version=kv_version, top_k=r.top_k)
+    group = -1 if r.group_id is None else r.group_id
+    fields = dict(length=length, prompt_len=P, kv_version=kv_version, top_k=r.top_k, group=group)
     fields.update(limit=P + r.max_new_tokens, forced_end=r.length)
     for name, value in fields.items():
       col(name)[j] = value

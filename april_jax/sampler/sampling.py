@@ -86,23 +86,28 @@ def sample_tokens(
   """Draws one token per row; returns (tokens int32 [S], behavior logprobs float32 [S]).
 
   keys_S are typed PRNG keys, one per row. The sort needed for top-k / top-p only runs
-  when some row asks for truncation, and the draw only when some row samples.
+  when some row asks for truncation, and the draw only when some row samples; a row's
+  result never depends on the other rows.
   """
   logits_SxV = logits_SxV.astype(jnp.float32)
   greedy_S = temperature_S <= 0.0
   # Greedy rows keep T = 1 and no truncation, so their masked row is the raw logits.
   safe_t = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
   scaled_SxV = logits_SxV / safe_t
-  truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
+  truncates_S = ((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S
   keep_SxV = jax.lax.cond(
-      truncate,
+      jnp.any(truncates_S),
       _truncation_mask,
       lambda s, k, p: jnp.ones(s.shape, bool),
       scaled_SxV,
       top_k_S,
       top_p_S,
   )
-  masked_SxV = jnp.where(keep_SxV | greedy_S[:, None], scaled_SxV, -jnp.inf)
+  # A row that asks for no truncation keeps every token whatever its neighbours ask
+  # (the nucleus's float cumsum could reach 1 before its last tokens), so a row's draw
+  # never depends on the batch it is drawn in.
+  keep_SxV = keep_SxV | ~truncates_S[:, None]
+  masked_SxV = jnp.where(keep_SxV, scaled_SxV, -jnp.inf)
   drawn_S = jax.lax.cond(
       jnp.all(greedy_S),
       lambda m, k: jnp.zeros(m.shape[:1], jnp.int32),

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
 from april_jax.models import paged_attention, paged_attention_kernel, qwen3
+from april_jax.sampler import speculative
 from april_jax.sampler.engine_config import DeviceSettings
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.rows import READOUT, PackedRows, unpack
@@ -493,6 +494,7 @@ class DeviceFns:
   write_rows: Any
   mark_done: Any
   feed: Any
+  speculate: Any = None  # speculative.decode, with speculative_tokens > 0
   shards: int = 1  # the slot axes' devices: slots and pages split this many ways
   pages_per_shard: int = 0  # pool pages of each shard, its scratch page included
   state_sharding: Any = None  # SlotState of NamedShardings (None without a mesh)
@@ -560,7 +562,21 @@ def device_fns(
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
+  speculate = None
+  if s.speculative_tokens:
+    verify = functools.partial(
+        speculative.decode,
+        layout,
+        cfg,
+        s.sync_every,
+        s.speculative_tokens,
+        s.speculative_ngram,
+        feed_pages,
+    )
+    pin_four = {} if state_sh is None else {"out_shardings": (state_sh, None, None, None)}
+    speculate = jax.jit(traced(verify), donate_argnums=1, **pin_four)
   return DeviceFns(
+      speculate=speculate,
       shards=shards,
       pages_per_shard=per_shard,
       state_sharding=state_sh,

@@ -32,6 +32,9 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
                                  with fold_in(rng, t), so a sample's draws do not depend
                                  on its slot, its neighbours or on interruptions
   done[s]                        no decoding: finished, or the slot is free
+  group[s]                       the prompt group of the sample it holds or held last
+                                 (-1: none): a speculative decode call drafts from its
+                                 group's rows (drafts.py)
 Slots and pool pages are sharded over the batch axes of the sampler's rules
 (sharding.DECODE_RULES: `data`), KV heads over its tensor-parallel axes, so each device
 holds the KV of its own heads for its own slots, in its own pages.
@@ -64,6 +67,7 @@ class SlotState:
   rng: jax.Array  # uint32 [S, 2], raw threefry key data (typed where it is used: plain
   # arrays cost nothing to rebuild on the host after each device call)
   done: jax.Array  # bool [S]
+  group: jax.Array  # int32 [S]; -1 = no group
 
 
 @flax.struct.dataclass
@@ -83,6 +87,7 @@ class SlotRows:
   top_k: jax.Array  # int32 [W]
   top_p: jax.Array  # float32 [W]
   rng: jax.Array  # uint32 [W, 2], raw key data
+  group: jax.Array  # int32 [W]
 
 
 def init_state(
@@ -116,6 +121,7 @@ def init_state(
       top_p=jnp.ones((S,), jnp.float32),
       rng=jnp.zeros((S, 2), jnp.uint32),
       done=jnp.ones((S,), bool),
+      group=jnp.full((S,), -1, jnp.int32),
   )
 
 
@@ -139,4 +145,5 @@ def state_logical_axes() -> SlotState:
       top_p=vec,
       rng=("batch", None),
       done=vec,
+      group=vec,
   )

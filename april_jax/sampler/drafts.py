@@ -1,0 +1,124 @@
+"""Speculation's two pure rules on the device: where a slot's drafts come from, and how
+many of them a verify pass keeps.
+
+  propose(tokens, length, group, suggested, K, ngram) -> Drafts
+  accepted(drafts, drawn, count, stop)               -> e: tokens kept are drawn[:e + 1]
+
+Drafts need no draft model. A slot's next tokens are guessed, in this order, from
+  suggested  tokens a caller wrote for the slot's next positions (SlotEngine.suggest: a
+             benchmark's controlled acceptance, or a caller that knows a continuation),
+  own        the slot's own tokens: its last `ngram` tokens (or fewer, down to one) are
+             found earlier in its row, prompt included, and what followed them there is
+             the guess (prompt-lookup / n-gram decoding),
+  group      the rows of the other slots of its prompt group (state.group): samples of
+             the same prompt, drawn at the same time, or finished and still in their
+             slot, matched the same way.
+The longest match wins (own before group on a tie, the latest position last). A guess is
+only a guess: the verify pass draws every position with that position's own key
+(sampler/speculative.py), so which source guessed, or whether one did, changes how many
+tokens a call yields, never which tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from april_jax.sampler.contract import DRAFT_SOURCES as SOURCES  # Drafts.source: index + 1
+
+PEERS = 16  # a slot's group rows searched for drafts, at most
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafts:
+  tokens: jax.Array  # int32 [S, K]: the guessed tokens at positions length .. length+K-1
+  count: jax.Array  # int32 [S]: how many of them are guesses (0 .. K)
+  source: jax.Array  # int32 [S]: 1 + SOURCES index, 0 where count is 0
+
+
+def _suggested(suggested_SxM, length_S, K: int):
+  """The caller's tokens at positions length .. length+K-1, up to the first unset (-1)."""
+  S, M = suggested_SxM.shape
+  pos = length_S[:, None] + jnp.arange(K)[None, :]
+  tokens = jnp.take_along_axis(suggested_SxM, jnp.minimum(pos, M - 1), axis=1)
+  ok = (tokens >= 0) & (pos < M)
+  count = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+  return jnp.maximum(tokens, 0), count
+
+
+def _peers(group_S, S: int, G: int):
+  """[S, G] slots sharing each slot's group (not itself; -1 past the last)."""
+  rows = jnp.arange(S)
+  same = (group_S[:, None] == group_S[None, :]) & (group_S[:, None] >= 0)
+  same = same & (rows[:, None] != rows[None, :])
+  score = jnp.where(same, S - rows[None, :], 0)  # lowest slots first
+  top, idx = jax.lax.top_k(score, G)
+  return jnp.where(top > 0, idx, -1).astype(jnp.int32)
+
+
+def _lookup(tokens_SxM, length_S, group_S, K: int, ngram: int):
+  """n-gram drafts from each slot's own row and its group's rows: (tokens [S, K],
+  count [S], from_own [S])."""
+  S, M = tokens_SxM.shape
+  G = min(PEERS, S - 1)
+  peers = _peers(group_S, S, G) if G > 0 else jnp.zeros((S, 0), jnp.int32)
+  cand = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)  # [S, C]
+  rows = tokens_SxM[jnp.maximum(cand, 0)]  # [S, C, M]
+  lens = jnp.where(cand >= 0, length_S[jnp.maximum(cand, 0)], 0)  # [S, C]
+  L = length_S
+  j = jnp.arange(M)
+  # run[s, c, j]: how many of the slot's last tokens (up to ngram) end at position j of
+  # row c, consecutively.
+  run = jnp.zeros(rows.shape, jnp.int32)
+  still = jnp.ones(rows.shape, bool)
+  for i in range(ngram):
+    want = jnp.take_along_axis(tokens_SxM, jnp.maximum(L - 1 - i, 0)[:, None], axis=1)[:, 0]
+    shifted = jnp.pad(rows, ((0, 0), (0, 0), (i, 0)), constant_values=-1)[:, :, :M]
+    still = still & (shifted == want[:, None, None]) & (j >= i)[None, None] & (L > i)[:, None, None]
+    run = run + still
+  # A match needs a token after it in its row (j <= len - 2); in the slot's own row that
+  # is also what keeps the suffix from matching itself.
+  valid = (run > 0) & (j[None, None, :] <= lens[:, :, None] - 2)
+  C = cand.shape[1]
+  own = (jnp.arange(C) == 0)[None, :, None]
+  score = jnp.where(valid, run * (2 * M) + own * M + j[None, None, :], -1).reshape(S, C * M)
+  best = jnp.argmax(score, axis=1)
+  found = jnp.max(score, axis=1) >= 0
+  c, at = best // M, best % M
+  pos = at[:, None] + 1 + jnp.arange(K)[None, :]
+  row = rows[jnp.arange(S), c]  # [S, M]
+  tokens = jnp.take_along_axis(row, jnp.minimum(pos, M - 1), axis=1)
+  count = jnp.where(found, jnp.minimum(K, lens[jnp.arange(S), c] - 1 - at), 0)
+  return tokens, jnp.maximum(count, 0).astype(jnp.int32), c == 0
+
+
+def propose(tokens_SxM, length_S, group_S, suggested_SxM, K: int, ngram: int) -> Drafts:
+  """Up to K drafts per slot for positions length .. length+K-1 (module docstring).
+  The caller bounds `count` further (pages, budget, given tokens)."""
+  s_tokens, s_count = _suggested(suggested_SxM, length_S, K)
+  n_tokens, n_count, from_own = _lookup(tokens_SxM, length_S, group_S, K, ngram)
+  use_s = s_count > 0
+  count = jnp.where(use_s, s_count, n_count)
+  source = jnp.where(use_s, 1, jnp.where(from_own, 2, 3))
+  return Drafts(
+      tokens=jnp.where(use_s[:, None], s_tokens, n_tokens),
+      count=count,
+      source=jnp.where(count > 0, source, 0).astype(jnp.int32),
+  )
+
+
+def accepted(drafts_SxK, drawn_SxK1, count_S, stop_SxK1):
+  """The verify pass's rule: e [S], the index of the last token kept, so drawn[:e + 1]
+  are the tokens a slot gains. drawn[:, j] is the token drawn at the j-th new position
+  with that position's key; it is kept while every earlier draft equalled its draw and
+  was no stop token. So e is the first j < count where the draw differs from the draft
+  or is a stop token, else count: the token drawn where the drafts ran out (or were
+  refused) is kept too, which is what plain decoding would have drawn there."""
+  K = drafts_SxK.shape[1]
+  j = jnp.arange(K)[None, :]
+  ends = (drawn_SxK1[:, :K] != drafts_SxK) | stop_SxK1[:, :K] | (j >= count_S[:, None])
+  ends = jnp.concatenate([ends, jnp.ones_like(ends[:, :1])], axis=1)  # j = K always ends
+  return jnp.argmax(ends, axis=1).astype(jnp.int32)

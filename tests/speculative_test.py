@@ -1,0 +1,299 @@
+"""Speculative decoding: the accept rule, where drafts come from, and that every sample
+draws the tokens plain decoding draws (float32), through refills, stops, preemption,
+snapshots, given tokens, unmerged LoRA and a mesh, with fewer decode calls."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from april_jax.models import lora, qwen3
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts
+from april_jax.sampler.records import Status
+from conftest import mesh_or_skip, sampler_qwen3
+
+CFG = sampler_qwen3()
+STOPS = (3, 17)
+
+
+# ------------------------------------------------------------------ the accept rule
+def _accepted(draft, drawn, count, stops=(9,)):
+  draft, drawn = jnp.array([draft]), jnp.array([drawn])
+  e = drafts.accepted(draft, drawn, jnp.array([count]), jnp.isin(drawn, jnp.array(stops)))
+  return int(e[0])
+
+
+def test_drafts_that_agree_keep_every_draw_and_the_one_after_them():
+  assert _accepted([4, 5, 6], [4, 5, 6, 7], 3) == 3  # 4 tokens: 3 drafts + the next draw
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2])
+def test_the_first_disagreement_is_kept_as_drawn_and_ends_the_pass(wrong_at):
+  draft = [4, 5, 6]
+  drawn = [4, 5, 6, 7]
+  drawn[wrong_at] = 40
+  assert _accepted(draft, drawn, 3) == wrong_at
+
+
+def test_a_drawn_stop_token_ends_the_pass_even_where_the_draft_guessed_it():
+  assert _accepted([4, 9, 6], [4, 9, 6, 7], 3) == 1  # the stop is kept, nothing after it
+  assert _accepted([9, 5, 6], [9, 5, 6, 7], 3) == 0
+
+
+def test_drafts_past_the_count_are_never_taken():
+  # The budget (or the pages) allowed one draft: the second, though right, is not used.
+  assert _accepted([4, 5, 6], [4, 5, 6, 7], 1) == 1
+  assert _accepted([4, 5, 6], [4, 5, 6, 7], 0) == 0
+
+
+# ------------------------------------------------------------------- draft sources
+def _row(tokens, M=16):
+  out = np.zeros(M, np.int32)
+  out[: len(tokens)] = tokens
+  return out
+
+
+def _propose(rows, lengths, groups, K=3, ngram=3, suggested=None):
+  tokens = jnp.array(np.stack([_row(r) for r in rows]))
+  S, M = tokens.shape
+  sug = np.full((S, M), -1, np.int32) if suggested is None else suggested
+  d = drafts.propose(tokens, jnp.array(lengths), jnp.array(groups), jnp.array(sug), K, ngram)
+  return np.asarray(d.tokens), np.asarray(d.count), np.asarray(d.source)
+
+
+def test_own_tokens_continue_the_longest_latest_match_of_the_suffix():
+  # Suffix "1 2 3": matched at positions 0-2 (then 7) and 4-6 (then 8); the later wins.
+  tokens, count, source = _propose([[1, 2, 3, 7, 1, 2, 3, 8, 5, 1, 2, 3]], [12], [-1])
+  assert tokens[0].tolist() == [8, 5, 1] and count[0] == 3
+  assert drafts.SOURCES[source[0] - 1] == "own"
+  # A three-token match beats a later one-token match.
+  tokens, count, _ = _propose([[1, 2, 3, 6, 3, 4, 1, 2, 3]], [9], [-1])
+  assert tokens[0, 0] == 6 and count[0] == 3
+
+
+def test_a_match_near_the_row_s_end_drafts_only_what_follows_it():
+  # "5 6" ends at position 1, and only positions 2-3 follow it in the row: two drafts.
+  tokens, count, _ = _propose([[5, 6, 5, 6]], [4], [-1])
+  assert count[0] == 2 and tokens[0, :2].tolist() == [5, 6]
+
+
+def test_a_group_row_drafts_when_the_own_row_has_no_match_and_other_groups_never_do():
+  rows = [[1, 2, 3, 4], [1, 2, 3, 4, 8, 9, 10, 11], [3, 4, 7, 7, 7, 7]]
+  # Slot 0 ("... 3 4") finds "3 4" in slot 1's row (same group) and takes "8 9 10";
+  # slot 2, of another group, holds "3 4 7 7 ..." but is not searched.
+  tokens, count, source = _propose(rows, [4, 8, 6], [5, 5, 6])
+  assert tokens[0].tolist() == [8, 9, 10] and count[0] == 3
+  assert drafts.SOURCES[source[0] - 1] == "group"
+  _, count, source = _propose(rows, [4, 8, 6], [5, 7, 6])
+  assert count[0] == 0 and source[0] == 0
+
+
+def test_suggested_tokens_come_first_up_to_the_first_unset_position():
+  sug = np.full((1, 16), -1, np.int32)
+  sug[0, 4:6] = [30, 31]  # positions 4, 5 suggested, 6 not
+  tokens, count, source = _propose([[1, 2, 1, 2]], [4], [-1], suggested=sug)
+  assert tokens[0, :2].tolist() == [30, 31] and count[0] == 2
+  assert drafts.SOURCES[source[0] - 1] == "suggested"
+
+
+# --------------------------------------------------- same tokens as plain decoding
+def _engine(params, K, mesh=None, **kw):
+  config = dict(num_slots=4, max_len=96, sync_every=4, stop_ids=STOPS, page_size=8)
+  return SlotEngine(CFG, params, EngineConfig(**config, **kw, speculative_tokens=K), mesh=mesh)
+
+
+def _grouped(n=6, budget=60, seed=0, **kw):
+  rng = np.random.default_rng(seed)
+  phrase = [rng.integers(20, CFG.vocab_size, 4) for _ in range(3)]
+  keys = np.random.default_rng(seed + 1).integers(0, 2**32, (n, 2), dtype=np.uint32)
+  return [
+      SampleRecord(
+          prompt=np.tile(phrase[i // 2], 3).astype(np.int32),
+          max_new_tokens=budget,
+          rng=keys[i],
+          index=i,
+          group_id=i // 2,
+          **kw,
+      )
+      for i in range(n)
+  ]
+
+
+def _drain(engine, records, cut_every=0, mode="kv"):
+  """Runs the records through the engine, refilling freed slots; with cut_every, every
+  that many steps each unfinished sample is snapshotted and put back (mode). Returns
+  the records by index."""
+  queue, out, steps = list(records), {}, 0
+  while queue or engine.num_live:
+    if queue and engine.num_free:
+      n = engine.room_for(queue)
+      engine.admit(queue[:n])
+      queue = queue[n:]
+    for r in engine.step():
+      out[r.index] = r
+    queue = engine.take_preempted() + queue
+    steps += 1
+    if cut_every and steps % cut_every == 0 and engine.num_live:
+      queue = engine.snapshot(with_kv=mode == "kv") + queue
+  return out
+
+
+def _assert_same_draws(a, b):
+  assert sorted(a) == sorted(b)
+  for i in a:
+    np.testing.assert_array_equal(a[i].response, b[i].response)
+    np.testing.assert_allclose(a[i].logprobs, b[i].logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a[i].versions, b[i].versions)
+    assert a[i].finish_reason == b[i].finish_reason
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=20)],
+)
+def test_speculation_draws_the_tokens_plain_decoding_draws(sampler_params, sampling):
+  plain = _engine(sampler_params, 0)
+  spec = _engine(sampler_params, 4)
+  a = _drain(plain, _grouped(**sampling))
+  b = _drain(spec, _grouped(**sampling))
+  _assert_same_draws(a, b)
+  c, d = plain.counters, spec.counters
+  assert d.tokens_generated == c.tokens_generated
+  assert sum(d.drafted.values()) > 0  # the repeated phrases gave drafts
+  assert 0 <= sum(d.accepted.values()) <= sum(d.drafted.values())
+  if sampling["temperature"] == 0.0:  # greedy text repeats itself: drafts are taken
+    assert sum(d.accepted.values()) > 0 and d.decode_steps < c.decode_steps
+  assert spec.kv.book.used() == 0 and spec.num_live == 0
+
+
+def test_right_suggestions_make_several_tokens_a_pass_and_wrong_ones_change_nothing(sampler_params):
+  truth = _drain(_engine(sampler_params, 0), _grouped())
+  plain_steps = sum(len(r.response) for r in truth.values())
+  for wrong_rate, seed in ((0.0, 1), (0.3, 2), (1.0, 3)):
+    spec = _engine(sampler_params, 4)
+    records = _grouped()
+    rng = np.random.default_rng(seed)
+    spec.admit(records[:4])
+    queue, out = records[4:], {}
+    for r in records[:4]:
+      spec.suggest(r, _corrupted(truth[r.index].response, wrong_rate, rng))
+    while queue or spec.num_live:
+      for r in spec.step():
+        out[r.index] = r
+      if queue and spec.num_free:
+        spec.admit([queue[0]])
+        spec.suggest(queue[0], _corrupted(truth[queue[0].index].response, wrong_rate, rng))
+        queue = queue[1:]
+    _assert_same_draws(truth, out)
+    c = spec.counters
+    if wrong_rate == 0.0:
+      # Every suggested draft is right up to the sample's end: 5 tokens a pass at best.
+      assert c.accepted["suggested"] == c.drafted["suggested"] > 0
+      assert c.tokens_generated / c.decode_steps > 2.0
+    if wrong_rate == 1.0:
+      assert c.accepted["suggested"] == 0
+    assert c.tokens_generated == plain_steps
+
+
+def _corrupted(tokens, rate, rng):
+  """tokens with each replaced by another token at `rate`."""
+  tokens = np.array(tokens)
+  wrong = rng.random(len(tokens)) < rate
+  tokens[wrong] = (tokens[wrong] + 1 + rng.integers(0, CFG.vocab_size - 1, wrong.sum())) % (
+      CFG.vocab_size
+  )
+  return tokens
+
+
+@pytest.mark.parametrize("mode", ["kv", "recompute"])
+def test_preemption_and_snapshots_keep_the_same_draws(sampler_params, mode):
+  truth = _drain(_engine(sampler_params, 0), _grouped())
+  # A pool of 16 pages of 8: four samples growing past 70 tokens cannot all stay.
+  tight = _engine(sampler_params, 3, kv_pages=16, resume_mode=mode)
+  _assert_same_draws(truth, _drain(tight, _grouped()))
+  assert tight.counters.preemptions > 0
+  cut = _engine(sampler_params, 3)
+  _assert_same_draws(truth, _drain(cut, _grouped(), cut_every=3, mode=mode))
+
+
+def _episodes(engine, records, turns=2):
+  """Each sample's stops answered with an observation of 6 tokens (given, never
+  drafted), `turns` times; the records by index."""
+  queue, out, turn = list(records), {}, {}
+  while queue or engine.num_live:
+    if queue and engine.num_free:
+      n = min(engine.num_free, len(queue))
+      engine.admit(queue[:n])
+      queue = queue[n:]
+    for r in engine.step():
+      if r.status is not Status.HELD:
+        out[r.index] = r
+        continue
+      turn[r.index] = turn.get(r.index, 0) + 1
+      obs = (np.arange(6) * 7 + int(r.response.sum())) % 50 + 20  # never a stop token
+      if turn[r.index] > turns or r.budget_left < len(obs) + 1:
+        engine.release(r)
+        out[r.index] = r
+      else:
+        engine.extend(r, obs.astype(np.int32))
+  return out
+
+
+@pytest.mark.parametrize("feed_given", ["prefill", "decode"])
+def test_given_tokens_of_a_multi_turn_episode_keep_the_same_draws(sampler_params, feed_given):
+  kw = dict(hold_stopped=True, feed_given=feed_given)
+  truth = _episodes(_engine(sampler_params, 0, **kw), _grouped(budget=80))
+  spec = _engine(sampler_params, 4, **kw)
+  ours = _episodes(spec, _grouped(budget=80))
+  _assert_same_draws(truth, ours)
+  assert any((r.logprobs == 0).any() for r in ours.values())  # observations were given
+
+
+def test_unmerged_lora_adapters_keep_the_same_draws(sampler_params):
+  spec = lora.LoraSpec(4, 8.0, lora.TARGETS)
+  adapters = lora.init(CFG, spec, jax.random.key(5))
+  for i, ab in enumerate(adapters["layers"].values()):
+    ab["b"] = 0.05 * jax.random.normal(jax.random.key(i), ab["b"].shape, jnp.float32)
+  params = lora.decode_view(sampler_params, lora.decode_adapters(adapters, spec, jnp.float32))
+  _assert_same_draws(_drain(_engine(params, 0), _grouped()), _drain(_engine(params, 4), _grouped()))
+
+
+def test_on_a_mesh_speculation_draws_what_one_device_draws(sampler_params):
+  mesh = mesh_or_skip((2, 2, 2))
+  sharded = jax.device_put(sampler_params, qwen3.param_shardings(CFG, mesh))
+  truth = _drain(_engine(sampler_params, 0), _grouped())
+  spec = _engine(sharded, 4, mesh=mesh)
+  _assert_same_draws(truth, _drain(spec, _grouped()))
+  assert sum(spec.counters.drafted.values()) > 0
+
+
+def test_after_warm_up_speculation_compiles_nothing(sampler_params, compiles):
+  engine = SlotEngine(
+      CFG,
+      sampler_params,
+      EngineConfig(num_slots=3, max_len=72, sync_every=3, stop_ids=STOPS, speculative_tokens=2),
+  )
+  engine.warm_up()
+  before = len(compiles)
+  _drain(engine, _grouped(), cut_every=2)
+  assert compiles[before:] == []
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("speculative_tokens", -1, r"speculative_tokens must be in \[0, 32\].*got -1"),
+        ("speculative_tokens", 33, r"speculative_tokens must be in \[0, 32\].*got 33"),
+        ("speculative_ngram", 0, r"speculative_ngram must be in \[1, 8\], got 0"),
+    ],
+)
+def test_bad_speculation_settings_are_refused_by_name(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    EngineConfig(num_slots=2, max_len=32, **{field: value})
+
+
+def test_the_sample_must_be_in_a_slot_to_be_suggested_tokens(sampler_params):
+  engine = _engine(sampler_params, 2)
+  record = _grouped()[0]
+  with pytest.raises(ValueError, match="suggest needs a live sample"):
+    engine.suggest(record, [1, 2, 3])
