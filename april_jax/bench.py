@@ -30,6 +30,7 @@ stdout line, one JSON object with every number.
   python -m april_jax.bench --mode=multiturn
   python -m april_jax.bench --mode=rewards [--corpus=tests/data/dapo_corpus.jsonl]
   python -m april_jax.bench --mode=python_tool [--repeats=3]
+  python -m april_jax.bench --mode=speculative --config=configs/tiny.py [--spec_tokens=4]
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       python -m april_jax.bench --mode=async --config=configs/tiny.py --steps=12
 """
@@ -59,6 +60,7 @@ from april_jax.benchmarks import (
     roofline,
     sampler_bench,
     scheduler_bench,
+    speculative_bench,
     step_bench,
     tool_bench,
 )
@@ -82,6 +84,7 @@ _MODE = flags.DEFINE_enum(
         "multiturn",
         "rewards",
         "python_tool",
+        "speculative",
     ],
     "What to measure.",
 )
@@ -126,7 +129,9 @@ _RESPONSE_LEN = flags.DEFINE_integer(
 )
 _MODELS = flags.DEFINE_list("models", ["tiny", "small"], "sampler: model sizes to run.")
 _HF = flags.DEFINE_bool("hf", True, "sampler: also time transformers' generate (CPU torch).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "sampler: params.")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "sampler, speculative (controlled part): params."
+)
 _HBM = flags.DEFINE_float(
     "hbm_gbps",
     0.0,
@@ -166,6 +171,19 @@ _LORA_SHAPE = flags.DEFINE_enum(
     "lora_shape", "qwen3_8b", sorted(QWEN3_SHAPES), "lora_decode: the compiled side's model."
 )
 _LORA_ROWS = flags.DEFINE_integer("lora_rows", 64, "lora_decode: rows decoded together.")
+_SPEC_TOKENS = flags.DEFINE_integer(
+    "spec_tokens",
+    4,
+    "speculative: tokens drafted per slot and pass.",
+    lower_bound=1,
+    upper_bound=32,
+)
+_SPEC_MODEL = flags.DEFINE_string(
+    "spec_model", "", "speculative: the controlled part's model shape ('' = the config's)."
+)
+_SPEC_LIVE = flags.DEFINE_list(
+    "spec_live", ["1", "4", "16"], "speculative: live slot counts of the controlled part."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and prompts.")
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "bench_out", "Markdown report and PNG plots go " "here ('' = none)."
@@ -188,6 +206,7 @@ def _numbers(name: str, kind: type, low: float):
 
 
 flags.register_validator("seeds", _numbers("seeds", int, 0))
+flags.register_validator("spec_live", _numbers("spec_live", int, 1))
 flags.register_validator("ratios", _numbers("ratios", float, 1))
 flags.register_validator(
     "out_dir",
@@ -244,7 +263,7 @@ def main(argv):
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
     config = _CONFIG.value
-    if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout"):
+    if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout", "speculative"):
       with config.unlocked():
         config.rollout.max_response_len = _RESPONSE_LEN.value
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
@@ -264,6 +283,12 @@ def main(argv):
       )  # fmt: skip
     elif _MODE.value == "step":
       result = step_bench.run(config, ratio=_RATIO.value, **common_args)
+    elif _MODE.value == "speculative":
+      live = [int(x) for x in _SPEC_LIVE.value]
+      result = speculative_bench.run(
+          config, K=_SPEC_TOKENS.value, model=_SPEC_MODEL.value, live=live, seed=_SEED.value,
+          dtype=_DTYPE.value,
+      )  # fmt: skip
     elif _RATIOS.value:
       result = scheduler_bench.sweep(
           config, ratios=[float(r) for r in _RATIOS.value], **common_args

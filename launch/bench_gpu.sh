@@ -31,6 +31,10 @@
 #               long-tailed tiny task by default, ASYNC_STEPS steps): on a node both sides
 #               on its GPUs; on one GPU the colocated side alone; either way the split a
 #               node of ASYNC_NODE GPUs would gain, projected from the phase times measured
+#   speculative speculative decoding vs plain decoding, the same keys (0 token mismatches
+#               expected in float32): on the tiny task (SPEC_CONFIG), then at the Qwen3-1.7B
+#               shape in bfloat16 with drafts from the true continuation wrong at a set rate,
+#               at 1, 8 and 32 live slots (SPEC_LIVE): the speedup against acceptance
 # Each part stops after PART_LIMIT seconds (default 300; LIMIT_<part> for one part, e.g.
 # LIMIT_sampler=60; the step part's own default is 480), keeping what its log printed
 # (each sampler stage is named on stderr as it starts), and the next part runs. On an
@@ -42,6 +46,8 @@
 #   PARTS="roofline sampler" bash launch/bench_gpu.sh   # some parts only, in this order
 #   PARTS="roofline sampler scheduler resume" SAMPLER_MODELS=tiny TAIL_MODEL=tiny \
 #       CONFIG=configs/tiny.py MAX_RESPONSE_LEN=64 bash launch/bench_gpu.sh   # CPU smoke run
+#   PARTS=speculative SPEC_MODEL=small SPEC_LIVE=1,2 SPEC_RESPONSE_LEN=32 \
+#       bash launch/bench_gpu.sh                                       # the speculative part, on a CPU
 #   PARTS=step STEP_CONFIG=configs/tiny.py STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 \
 #       bash launch/bench_gpu.sh                                       # the step part, on a CPU
 #   PARTS=step_lora STEP_LORA_CONFIG=configs/tiny.py STEP_LORA_FLAGS=--config.train.lora.rank=4 \
@@ -71,7 +77,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-step step_lora scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
+PARTS=${PARTS:-step speculative step_lora scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -128,12 +134,16 @@ for part in $PARTS; do
     # Overlapped rollout and learner (several GPUs), and the projection to a node.
     async) run async --mode=async --config="${ASYNC_CONFIG:-configs/tiny_tail.py}" \
         --steps="${ASYNC_STEPS:-12}" --node_devices="${ASYNC_NODE:-8}" ;;
+    speculative) run speculative --mode=speculative --config="${SPEC_CONFIG:-configs/tiny.py}" \
+        --spec_model="${SPEC_MODEL:-qwen3_1_7b}" --spec_live="${SPEC_LIVE:-1,8,32}" \
+        --spec_tokens="${SPEC_TOKENS:-4}" --dtype=bfloat16 \
+        --config.rollout.max_response_len="${SPEC_RESPONSE_LEN:-256}" ;;
     scheduler) run scheduler --mode=scheduler --config="$CONFIG" --dist=deepmath --steps=4 \
         --max_response_len="$MAX_RESPONSE_LEN" ;;
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
     *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step step_lora roofline sampler" \
-         "sampler_kernel tail tail_kernel scheduler resume sampler_4b async)" >&2
+         "sampler_kernel tail tail_kernel scheduler resume sampler_4b async speculative)" >&2
        exit 2 ;;
   esac
 done
@@ -244,6 +254,16 @@ if "resume" in r:
   res = r["resume"]
   print(f"  resume kv vs recompute     {res['kv_us_per_held_token']:.2f} vs "
         f"{res['recompute_us_per_held_token']:.2f} us per held token")
+if "speculative" in r:
+  sp = r["speculative"]
+  t = sp["task"]
+  print(f"speculative (K={sp['K']}): task {t['speculative']['ms_per_token']:.3f} vs plain "
+        f"{t['plain']['ms_per_token']:.3f} ms/token, {t['mismatches']['samples_differing']} "
+        f"samples differ (float32); bfloat16 {sp['bfloat16']['samples_differing']} differ")
+  for row in sp["controlled"]:
+    print(f"  {sp['controlled_model']}: {row['live']:>3} live, wrong {row['wrong_rate']:.1f}: "
+          f"acceptance {row['acceptance']:.2f}, {row['tokens_per_pass']:.2f} tokens a pass, "
+          f"{row['speedup']:.2f}x ({row['faster']})")
 if "async" in r:
   a = r["async"]
   if "speedup" in a:

@@ -386,3 +386,21 @@ def test_async_bench_summary_and_projection_from_a_runs_lines():
   half = p["scaling_0.5"]
   assert half["colocated_seconds_per_batch"] == pytest.approx(2 / 8**0.5 + 1.5 / 8)
   assert half["chosen"] is not None
+
+
+def test_speculative_bench_draws_the_same_tokens_and_maps_acceptance_to_tokens_per_pass():
+  from april_jax.benchmarks import speculative_bench  # pylint: disable=g-import-not-at-top
+
+  config = load_config("tiny")
+  out = speculative_bench.run(config, K=3, live=(2,), budget=24, rates=(0.0, 1.0))
+  task = out["task"]
+  assert task["mismatches"]["samples_differing"] == 0
+  assert task["mismatches"]["max_logprob_diff_equal_samples"] <= 1e-5
+  assert task["plain"]["tokens"] == task["speculative"]["tokens"] > 0
+  assert sum(task["speculative"]["drafted"].values()) > 0
+  assert out["faster"] in ("plain", "speculative")
+  right, wrong = out["controlled"]
+  # Right drafts: K + 1 tokens a pass until the budget's last pass; wrong ones: 1.
+  assert right["acceptance"] == 1.0 and right["tokens_per_pass"] > 2.5
+  assert wrong["acceptance"] == 0.0 and wrong["tokens_per_pass"] == 1.0
+  assert right["mismatches"] == wrong["mismatches"] == 0

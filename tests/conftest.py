@@ -250,6 +250,7 @@ SLOW_FILES = (
     "sampler_test.py", "async_run_test.py", "step_bench_test.py", "async_resume_test.py",
     "real_data_test.py", "export_test.py", "split_processes_test.py",
     "user_code_failures_test.py", "disk_full_test.py", "plan_test.py", "rl_update_test.py",
+    "speculative_run_test.py", "speculative_test.py",
 )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import pytest
 from april_jax.models import lora, qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts
 from april_jax.sampler.records import Status
+from april_jax.sampler.speculation_choice import SpeculationChoice, live_bucket
 from conftest import mesh_or_skip, sampler_qwen3
 
 CFG = sampler_qwen3()
@@ -297,3 +298,43 @@ def test_the_sample_must_be_in_a_slot_to_be_suggested_tokens(sampler_params):
   record = _grouped()[0]
   with pytest.raises(ValueError, match="suggest needs a live sample"):
     engine.suggest(record, [1, 2, 3])
+
+
+# ------------------------------------------------------------------ speculative_auto
+def test_the_choice_measures_both_modes_then_takes_the_faster_and_probes_the_other():
+  choice = SpeculationChoice(probe_every=4, decay=0.5)
+  assert choice.choose(3) is True  # unmeasured: speculation first
+  choice.record(3, True, tokens=40, seconds=1.0)  # 40 / 3 tokens a second a slot
+  assert choice.choose(4) is False  # 4 shares 3's bucket: plain is unmeasured
+  choice.record(4, False, tokens=8, seconds=1.0)
+  picks = [choice.choose(3) for _ in range(8)]
+  # Calls 3..10 of the bucket: the faster (speculation), the other every 4th call.
+  assert picks == [True, False, True, True, True, False, True, True]
+  # Acceptance drops: speculation's rate decays below plain's, and plain is chosen.
+  for _ in range(4):
+    choice.record(3, True, tokens=3, seconds=1.0)
+  assert choice.rates[(4, True)] < choice.rates[(4, False)]
+  assert choice.choose(3) is False
+  # Another count of live slots is measured on its own.
+  assert choice.choose(20) is True and live_bucket(20) == 32
+
+
+def test_auto_draws_the_tokens_plain_decoding_draws_and_compiles_both_at_warm_up(
+    sampler_params, compiles
+):
+  plain = _drain(_engine(sampler_params, 0), _grouped(temperature=0.0))
+  engine = _engine(sampler_params, 3, speculative_auto=True)
+  engine.warm_up()
+  before = len(compiles)
+  _assert_same_draws(plain, _drain(engine, _grouped(temperature=0.0)))
+  assert compiles[before:] == []
+  c = engine.counters
+  assert 0 < c.speculative_calls  # it tried speculating
+  assert engine.decoding.choice.rates  # and measured
+
+
+def test_auto_needs_drafts_to_speculate_with():
+  with pytest.raises(
+      ValueError, match=r"speculative_auto .* needs EngineConfig.speculative_tokens >= 1"
+  ):
+    EngineConfig(num_slots=2, max_len=32, speculative_auto=True)

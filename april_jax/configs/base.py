@@ -155,6 +155,15 @@ def _rollout() -> ml_collections.ConfigDict:
   # place (GPUs, through Triton; a CPU interprets it, slowly); auto: pallas on NVIDIA GPUs,
   # xla elsewhere. The same attention either way.
   r.decode_attention = "auto"
+  # Speculative decoding (docs/speculative.md): up to this many tokens a live slot is
+  # guessed to draw next (n-gram matches in its own tokens and its group's) are checked
+  # in one pass, each position drawn with its own key: the same tokens as plain decoding,
+  # in fewer passes when guesses are right. 0: off.
+  r.speculative_tokens = 0
+  r.speculative_ngram = 3  # the longest suffix of a slot's tokens a guess matches (1-8)
+  # Each decode call speculates or not, whichever has drawn more tokens per second at
+  # about as many live slots, measured as the run goes (needs speculative_tokens >= 1).
+  r.speculative_auto = False
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
   r.max_response_len = 256  # tokens a response may draw (a multi-turn one: with observations)

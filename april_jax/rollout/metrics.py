@@ -6,7 +6,15 @@ and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
   tokens_per_s           new tokens drawn this step by all slots (including tokens
                          of samples that finish in a later step) / rollout wall time
   trained_tokens_per_s   response tokens in the training batch / rollout wall time
-  slot_occupancy         kept tokens / (num_slots x decode steps)
+  slot_occupancy         kept tokens / (num_slots x decode steps); with speculation a
+                         step (a verify pass) may yield several tokens a slot, so it
+                         may pass 1
+  tokens_per_decode_step new tokens / decode steps (passes over the slots)
+  spec/*                 with speculation (rollout.speculative_tokens > 0), this step's
+                         drafts checked (spec/drafted), accepted (spec/accepted), the
+                         accepted drafts per slot pass that checked any
+                         (spec/accepted_per_verify), and by source (drafts.py: own,
+                         group, suggested) spec/acceptance/<source> = accepted / drafted
   off_policy_token_frac  the APRIL paper's measure (its Figure 4): batch response tokens
                          of samples cut at an earlier step's end and continued / all
                          batch response tokens
@@ -61,6 +69,9 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
       "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
       "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
+      "rollout/tokens_per_decode_step": (
+          st.get("new_tokens", 0) / st["decode_steps"] if st.get("decode_steps") else 0.0
+      ),
       "rollout/off_policy_token_frac": continued / drawn_total if drawn_total else 0.0,
       "rollout/stale_token_frac": stat(np.mean, versions < version),
       "rollout/staleness_max": stat(np.max, staleness),
@@ -90,11 +101,30 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "rollout/reward_errors": float(st.get("reward_errors", 0)),
       "rollout/reward_timeouts": float(st.get("reward_timeouts", 0)),
       **{f"rollout/{k}": float(v) for k, v in st.items() if k.startswith("env/")},
+      **_speculation(st),
       "rollout/observation_token_frac": 1.0 - drawn_total / lengths.sum() if lengths.sum() else 0.0,
       "time/rollout_s": float(st.get("rollout_s", 0.0)),
       "time/reward_s": float(st.get("reward_s", 0.0)),
       "time/env_wait_s": float(st.get("env_wait_s", 0.0)),
   }
+
+
+def _speculation(st: dict) -> dict[str, float]:
+  """rollout/spec/*: the step's drafts, acceptance, and acceptance by source (only when
+  the step drafted: runs without speculation log none)."""
+  by = lambda kind: {k.split("/")[2]: v for k, v in st.items() if k.startswith(f"spec/{kind}/")}
+  drafted, accepted, passes = by("drafted"), by("accepted"), by("draft_passes")
+  if not drafted:
+    return {}
+  total, right = sum(drafted.values()), sum(accepted.values())
+  out = {
+      "rollout/spec/drafted": float(total),
+      "rollout/spec/accepted": float(right),
+      "rollout/spec/accepted_per_verify": right / max(sum(passes.values()), 1),
+  }
+  for source, n in drafted.items():
+    out[f"rollout/spec/acceptance/{source}"] = accepted.get(source, 0) / n if n else 0.0
+  return out
 
 
 def _reward_extras(groups) -> dict[str, float]:

@@ -21,6 +21,10 @@
              drawn in this step by the current params: on-policy.
   5. Snapshot every unfinished slot goes back to its group on the host (with its KV in
              resume mode kv). The groups not trained stay in the buffer, whole.
+The batch is the first batch_size accepted groups (overdue ones first), in the order of
+their group ids: which groups train may depend on how fast they finished, their order
+does not (a run with speculation, whose groups finish in fewer calls, then trains its
+synchronous baseline's batches alike).
 
 Staleness (max_staleness set): a token's version tag is the oldest policy version its
 forward pass saw (sampler/state.py), so a sample's staleness is `version` minus its
@@ -242,6 +246,7 @@ class AprilScheduler:
         start=time.perf_counter(),
         tokens0=counters.tokens_generated,
         steps0=counters.decode_steps,
+        drafts0=_draft_counts(counters),
         rewards0=(r.errors, r.timeouts, r.seconds),
         turns0=self.turns.mark(),
     )
@@ -432,11 +437,12 @@ class AprilScheduler:
 
   def _end(self, st: "_Step") -> RolloutResult:
     """Takes the batch out of the buffer (overdue groups first, oldest first; then the
-    rest in completion order); the step's stats."""
+    rest in completion order), in group id order; the step's stats."""
     counters, r = self.engine.counters, self.rewards
     st.accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in st.overdue else (1, 0))
     N = self.settings.batch_size
     batch, surplus = st.accepted[:N], st.accepted[N:]
+    batch.sort(key=lambda g: g.group_id)
     for group in batch:
       self.buffer.pop(group.group_id)
     self.totals["trained"] += len(batch)
@@ -455,6 +461,7 @@ class AprilScheduler:
         reward_s=r.seconds - st.rewards0[2],
     )
     st.stats.update(self.turns.stats_since(st.turns0))  # env/turns, ... (multi-turn runs)
+    st.stats.update(_draft_counts(counters, since=st.drafts0))  # spec/* (speculation)
     return RolloutResult(groups=batch, rejected=st.rejected, stats=dict(st.stats))
 
   def _cut(self, st: "_Step") -> RolloutResult:
@@ -479,6 +486,7 @@ class _Step:
   start: float
   tokens0: int
   steps0: int
+  drafts0: dict
   rewards0: tuple
   turns0: tuple  # the turn hook's counts at the step's start
   active: list[Group] = dataclasses.field(default_factory=list)  # admitted
@@ -497,3 +505,14 @@ class _Step:
   def accept(self, group: Group) -> None:
     self.accepted.append(group)
     self.decided.add(group.group_id)
+
+
+def _draft_counts(counters, since: dict | None = None) -> dict[str, int]:
+  """Speculation's counters by source (EngineCounters: drafted, accepted, draft_passes)
+  as spec/<counter>/<source>, less `since`'s."""
+  out = {}
+  for kind in ("drafted", "accepted", "draft_passes"):
+    for source, n in getattr(counters, kind).items():
+      key = f"spec/{kind}/{source}"
+      out[key] = n - (since or {}).get(key, 0)
+  return out

@@ -11,9 +11,12 @@ its slot (an environment's turn).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from april_jax.sampler.records import SampleRecord, Status
+from april_jax.sampler.speculation_choice import SpeculationChoice
 
 
 class Decoding:
@@ -23,6 +26,8 @@ class Decoding:
   def __init__(self, parts, stop_ids):
     self.parts, self.stop_ids = parts, stop_ids
     self.preempted: list[SampleRecord] = []  # moved out for pages; callers put them back
+    # speculative_auto: each call speculates or not by the measured rates of both
+    self.choice = SpeculationChoice() if parts.config.speculative_auto else None
 
   def num_decoding(self) -> int:
     """Slots that decode at the next step: live, not held at a stop."""
@@ -39,9 +44,17 @@ class Decoding:
     leave_after = min(config.refill_batch, self.num_decoding()) if refill else 0
     decoding = {s for s, r in slots.owned() if r.engine_status is Status.LIVE}
     params, version = parts.policy.params, parts.policy.version
+    live = len(decoding)
+    speculate = config.speculative_tokens > 0
+    if self.choice is not None:
+      speculate = self.choice.choose(live)
+    began = time.perf_counter()
     done, lengths, steps, drawn, stats = parts.device.decode(
-        params, version, self.stop_ids, leave_after, parts.kv.table()
+        params, version, self.stop_ids, leave_after, parts.kv.table(), speculate=speculate
     )
+    if self.choice is not None:
+      self.choice.record(live, speculate, int(drawn), time.perf_counter() - began)
+    counters.speculative_calls += int(speculate)
     grown = np.array(lengths) - slots.lengths  # one token per step (1 to K + 1 speculating)
     slots.lengths[:] = lengths
     counters.decode_steps += int(steps)

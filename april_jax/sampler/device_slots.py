@@ -68,13 +68,16 @@ class DeviceSlots:
       )
       self.state = self.fns.write_rows(self.state, rows, _padded(slots[i : i + W], W))
 
-  def decode(self, params, version: int, stop_ids, leave_after: int, table, read=True):
-    """One decode call (speculative with speculative_tokens > 0); on the host: (done
-    [S], lengths [S], steps run, tokens drawn, speculation's stats [3, sources] or
-    None), unless not `read` (warm-up: nothing is read back, None)."""
+  def decode(
+      self, params, version: int, stop_ids, leave_after: int, table, read=True, speculate=False
+  ):
+    """One decode call (speculative.decode with `speculate`, which needs
+    speculative_tokens > 0); on the host: (done [S], lengths [S], steps run, tokens
+    drawn, speculation's stats [3, sources] or None), unless not `read` (warm-up:
+    nothing is read back, None)."""
     args = (np.int32(version), stop_ids, np.int32(leave_after), table)
     stats = None
-    if self.fns.speculate is None:
+    if not speculate:
       self.state, steps, drawn = self.fns.decode(params, self.state, *args)
     else:
       if self._suggested_arg is None:

@@ -62,6 +62,9 @@ class EngineConfig:
   # live slot and checked in one pass, the tokens drawn being plain decoding's; 0: off.
   speculative_tokens: int = 0
   speculative_ngram: int = 3  # the longest suffix a guess matches (drafts.py)
+  # Each call speculates or decodes plainly, whichever has drawn more tokens per second
+  # at about as many live slots (speculation_choice.py); needs speculative_tokens > 0.
+  speculative_auto: bool = False
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -128,7 +131,7 @@ class DeviceSettings:
 # EngineConfig fields that a run's config sets under the same name in `rollout`.
 _ROLLOUT_FIELDS = ("num_slots", "sync_every", "decode_block", "decode_attention", "page_size")
 _ROLLOUT_FIELDS += ("kv_pages", "resume_mode", "refill_batch", "prefill_width")
-_ROLLOUT_FIELDS += ("speculative_tokens", "speculative_ngram")
+_ROLLOUT_FIELDS += ("speculative_tokens", "speculative_ngram", "speculative_auto")
 
 
 def run_config_fields(c, stop_ids=()) -> dict:
@@ -194,6 +197,11 @@ def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:
     out.append(
         f"{name('speculative_tokens')} must be in [0, {MAX_SPECULATIVE_TOKENS}] "
         f"(tokens guessed per slot and pass; 0: off), got {f['speculative_tokens']}"
+    )
+  if f["speculative_auto"] and f["speculative_tokens"] < 1:
+    out.append(
+        f"{name('speculative_auto')} chooses per call between speculating and not: it "
+        f"needs {name('speculative_tokens')} >= 1 (the drafts when it speculates)"
     )
   if not 1 <= f["speculative_ngram"] <= MAX_SPECULATIVE_NGRAM:
     out.append(

@@ -3,7 +3,8 @@
 Per length bucket: prefill and its insert (one prompt, and prefill_rows prompts where
 that is more), the insert of restored KV, the KV extract and (hold_stopped, feed_given
 "prefill") the feed of given tokens; then decode, mark_done, the row extract and the row
-write. Each runs on the engine's own state, as a no-op (no slot is named, so nothing is
+write (the speculative decode too, with speculation; both with speculative_auto). Each
+runs on the engine's own state, as a no-op (no slot is named, so nothing is
 written and no memory is spent on a second state), so the engine must be empty.
 """
 
@@ -25,7 +26,9 @@ def warm_up(parts, stop_ids, lengths: list[int]) -> int:
     _warm_bucket(parts, b)
   device, config, policy = parts.device, parts.config, parts.policy
   params, version = policy.params, policy.version
-  device.decode(params, version, stop_ids, 1, parts.kv.table(), read=False)
+  modes = {config.speculative_tokens > 0} | ({False} if config.speculative_auto else set())
+  for speculate in sorted(modes):  # speculative_auto: both programs
+    device.decode(params, version, stop_ids, 1, parts.kv.table(), read=False, speculate=speculate)
   device.mark_done(np.zeros(config.num_slots, bool))
   no_slots = np.full(config.insert_width, -1, np.int32)
   jax.block_until_ready(device.fns.extract_rows(device.state, no_slots))
