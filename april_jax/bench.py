@@ -287,7 +287,7 @@ def main(argv):
       live = [int(x) for x in _SPEC_LIVE.value]
       result = speculative_bench.run(
           config, K=_SPEC_TOKENS.value, model=_SPEC_MODEL.value, live=live, seed=_SEED.value,
-          dtype=_DTYPE.value,
+          dtype=_DTYPE.value, repeats=_REPEATS.value,
       )  # fmt: skip
     elif _RATIOS.value:
       result = scheduler_bench.sweep(

@@ -392,7 +392,7 @@ def test_speculative_bench_draws_the_same_tokens_and_maps_acceptance_to_tokens_p
   from april_jax.benchmarks import speculative_bench  # pylint: disable=g-import-not-at-top
 
   config = load_config("tiny")
-  out = speculative_bench.run(config, K=3, live=(2,), budget=24, rates=(0.0, 1.0))
+  out = speculative_bench.run(config, K=3, live=(2,), budget=24, rates=(0.0, 1.0), repeats=1)
   task = out["task"]
   assert task["mismatches"]["samples_differing"] == 0
   assert task["mismatches"]["max_logprob_diff_equal_samples"] <= 1e-5

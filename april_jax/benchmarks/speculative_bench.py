@@ -19,8 +19,10 @@ timed):
   bfloat16    the task's records in bfloat16: the verify pass sums attention in another
               order than a decode step, so a near tie may draw another token; counted
               (samples that differ, and where they first do).
-The last line is JSON; its `faster` names the side with the lower time per token in the
-task part, and each controlled row names its own.
+The task part runs a third side, `auto` (rollout.speculative_auto: each call speculates
+or not by the measured rates). The last line is JSON; its `faster` names the side with
+the lower time per token in the task part (plain or speculative), and each controlled
+row names its own. Times are the best of `repeats` runs after one that compiles.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ def _records(prompts, n, budget, sampling, seed):
   ]
 
 
-def _decode(cfg, params, make_records, config: EngineConfig, suggest=None):
-  """Every record to its end on a fresh engine (refilled as slots free): the records,
-  the seconds of the second of two runs (the first compiles), and its counters."""
-  for _ in range(2):
+def _decode(cfg, params, make_records, config: EngineConfig, suggest=None, repeats: int = 3):
+  """Every record to its end on a fresh engine (refilled as slots free), 1 + `repeats`
+  times: the records, the fastest of the timed runs' seconds (the first run compiles),
+  and the counters of the last run."""
+  times = []
+  for _ in range(1 + repeats):
     engine = SlotEngine(cfg, params, config)
     records = make_records()
     queue = list(records)
@@ -72,8 +76,8 @@ def _decode(cfg, params, make_records, config: EngineConfig, suggest=None):
             engine.suggest(r, suggest[r.index])
         queue = queue[n:]
       engine.step(refill=bool(queue))
-    seconds = time.perf_counter() - start
-  return records, seconds, engine.counters
+    times.append(time.perf_counter() - start)
+  return records, min(times[1:] or times), engine.counters
 
 
 def _side(records, seconds, counters) -> dict:
@@ -87,6 +91,8 @@ def _side(records, seconds, counters) -> dict:
       "seconds": seconds,
       "acceptance": {s: accepted[s] / drafted[s] for s in drafted if drafted[s]},
       "drafted": dict(drafted),
+      "speculative_calls": counters.speculative_calls,
+      "calls": counters.decode_calls,
   }
 
 
@@ -123,7 +129,7 @@ def _model(name: str | None, config, seed: int, dtype=jnp.float32):
   return cfg, params
 
 
-def _engine(config, num_slots, max_len, K, stop_ids=(), kv_dtype="float32") -> EngineConfig:
+def _engine(config, num_slots, max_len, K, stop_ids=(), auto=False) -> EngineConfig:
   r = config.rollout
   return EngineConfig(
       num_slots=num_slots,
@@ -131,15 +137,15 @@ def _engine(config, num_slots, max_len, K, stop_ids=(), kv_dtype="float32") -> E
       sync_every=r.sync_every,
       page_size=r.page_size,
       stop_ids=stop_ids,
-      kv_dtype=kv_dtype,
       speculative_tokens=K,
+      speculative_auto=auto,
       speculative_ngram=r.speculative_ngram,
   )
 
 
 def run(
     config, K: int = 4, model: str = "", live=(1, 4, 16), budget: int = 0, seed: int = 0,
-    rates=RATES, dtype: str = "float32",
+    rates=RATES, dtype: str = "float32", repeats: int = 3,
 ):  # fmt: skip
   log = common.stage_logger("speculative")
   r = config.rollout
@@ -157,20 +163,27 @@ def run(
   make = lambda: _records(prompts, r.n_samples_per_prompt, budget, sampling, seed)
   stops = (int(cfg.vocab_size - 1),)  # a stop token, so lengths vary
   sides = {}
-  for name, k in (("plain", 0), ("speculative", K)):
+  for name, k, auto in (("plain", 0, False), ("speculative", K, False), ("auto", K, True)):
     log(f"task, {name}")
-    engine_config = _engine(config, r.num_slots, prompt_len + budget, k, stops)
-    sides[name] = _decode(cfg, params, make, engine_config)
+    engine_config = _engine(config, r.num_slots, prompt_len + budget, k, stops, auto=auto)
+    sides[name] = _decode(cfg, params, make, engine_config, repeats=repeats)
   out["task"] = {name: _side(*side) for name, side in sides.items()}
   out["task"]["mismatches"] = _mismatches(sides["plain"][0], sides["speculative"][0])
-  ms = {name: out["task"][name]["ms_per_token"] for name in sides}
+  out["task"]["auto_mismatches"] = _mismatches(sides["plain"][0], sides["auto"][0])
+  ms = {name: out["task"][name]["ms_per_token"] for name in ("plain", "speculative")}
   out["faster"] = min(ms, key=ms.get)
 
   # -- bfloat16: where the verify pass's sums may flip a near tie
   log("bfloat16")
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   b16 = [
-      _decode(cfg, params16, make, _engine(config, r.num_slots, prompt_len + budget, k, stops))[0]
+      _decode(
+          cfg,
+          params16,
+          make,
+          _engine(config, r.num_slots, prompt_len + budget, k, stops),
+          repeats=0,
+      )[0]
       for k in (0, K)
   ]
   out["bfloat16"] = _mismatches(*b16)
@@ -193,7 +206,8 @@ def run(
       rng = np.random.default_rng([seed, int(rate * 1000)])
       suggest = {t.index: _corrupt(t.response, rate, rng, cfg.vocab_size) for t in truth}
       log(f"controlled, {n_live} live, wrong rate {rate}")
-      spec = _decode(cfg, params, make, _engine(config, n_live, prompt_len + budget, K), suggest)
+      spec_config = _engine(config, n_live, prompt_len + budget, K)
+      spec = _decode(cfg, params, make, spec_config, suggest, repeats=repeats)
       side = _side(*spec)
       rows.append({
           "live": n_live,
@@ -227,7 +241,7 @@ def _print(out: dict) -> None:
   )
   print("task (the config's model and sampling, float32):")
   print(f"  {'side':<12} {'tokens':>7} {'passes':>7} {'tok/pass':>9} {'ms/token':>9}  acceptance")
-  for name in ("plain", "speculative"):
+  for name in ("plain", "speculative", "auto"):
     s = t[name]
     acc = ", ".join(f"{k} {v:.2f}" for k, v in s["acceptance"].items()) or "-"
     print(
@@ -237,7 +251,9 @@ def _print(out: dict) -> None:
   m = t["mismatches"]
   print(
       f"  token mismatches: {m['samples_differing']} samples (expected 0); logprobs within "
-      f"{m['max_logprob_diff_equal_samples']:.1e}; faster: {out['faster']}"
+      f"{m['max_logprob_diff_equal_samples']:.1e}; faster: {out['faster']}; auto: "
+      f"{t['auto_mismatches']['samples_differing']} samples differ, "
+      f"{t['auto']['speculative_calls']} of {t['auto']['calls']} calls speculated"
   )
   b = out["bfloat16"]
   print(

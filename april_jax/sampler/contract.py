@@ -93,7 +93,8 @@ class EngineCounters:
   # Speculation (speculative_tokens > 0), by draft source (DRAFT_SOURCES): tokens
   # guessed and checked by a verify pass, those the pass drew the same, and the slots'
   # passes that checked any.
-  speculative_calls: int = 0  # decode calls that speculated
+  decode_calls: int = 0  # device calls of decoding (each up to sync_every steps)
+  speculative_calls: int = 0  # those that speculated
   drafted: dict[str, int] = dataclasses.field(default_factory=dict)
   accepted: dict[str, int] = dataclasses.field(default_factory=dict)
   draft_passes: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -54,6 +54,7 @@ class Decoding:
     )
     if self.choice is not None:
       self.choice.record(live, speculate, int(drawn), time.perf_counter() - began)
+    counters.decode_calls += 1
     counters.speculative_calls += int(speculate)
     grown = np.array(lengths) - slots.lengths  # one token per step (1 to K + 1 speculating)
     slots.lengths[:] = lengths
