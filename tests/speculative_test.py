@@ -54,11 +54,18 @@ def _row(tokens, M=16):
   return out
 
 
-def _propose(rows, lengths, groups, K=3, ngram=3, suggested=None):
+def _propose(rows, lengths, groups, K=3, ngram=3, suggested=None, history=()):
+  """drafts.propose over rows of 16 tokens; history: per slot, its rows (or none)."""
   tokens = jnp.array(np.stack([_row(r) for r in rows]))
   S, M = tokens.shape
+  H = max([len(h) for h in history], default=0)
+  hist, hist_len = np.full((S, H, M), -1, np.int32), np.zeros((S, H), np.int32)
+  for s, slot_rows in enumerate(history):
+    for i, row in enumerate(slot_rows):
+      hist[s, i, : len(row)], hist_len[s, i] = row, len(row)
   sug = np.full((S, M), -1, np.int32) if suggested is None else suggested
-  d = drafts.propose(tokens, jnp.array(lengths), jnp.array(groups), jnp.array(sug), K, ngram)
+  inputs = drafts.DraftInputs(jnp.array(sug), jnp.array(hist), jnp.array(hist_len))
+  d = drafts.propose(tokens, jnp.array(lengths), jnp.array(groups), inputs, K, ngram)
   return np.asarray(d.tokens), np.asarray(d.count), np.asarray(d.source)
 
 
@@ -89,6 +96,16 @@ def test_a_group_row_drafts_when_the_own_row_has_no_match_and_other_groups_never
   assert count[0] == 0 and source[0] == 0
 
 
+def test_history_rows_draft_and_a_longer_match_beats_an_own_row_tie():
+  # Slot 0 ends "4 5 6"; its own row holds "5 6" then 1, its history "4 5 6" then 7 8 9.
+  tokens, count, source = _propose([[5, 6, 1, 4, 5, 6]], [6], [-1], history=[[[4, 5, 6, 7, 8, 9]]])
+  assert tokens[0].tolist() == [7, 8, 9] and count[0] == 3
+  assert drafts.SOURCES[source[0] - 1] == "history"
+  # An equally long match in the own row wins over the history's.
+  tokens, _, source = _propose([[4, 5, 6, 1, 4, 5, 6]], [7], [-1], history=[[[4, 5, 6, 7]]])
+  assert tokens[0, 0] == 1 and drafts.SOURCES[source[0] - 1] == "own"
+
+
 def test_suggested_tokens_come_first_up_to_the_first_unset_position():
   sug = np.full((1, 16), -1, np.int32)
   sug[0, 4:6] = [30, 31]  # positions 4, 5 suggested, 6 not
@@ -103,7 +120,7 @@ def _engine(params, K, mesh=None, **kw):
   return SlotEngine(CFG, params, EngineConfig(**config, **kw, speculative_tokens=K), mesh=mesh)
 
 
-def _grouped(n=6, budget=60, seed=0, **kw):
+def _grouped(n=6, budget=60, seed=0, offset=0, **kw):
   rng = np.random.default_rng(seed)
   phrase = [rng.integers(20, CFG.vocab_size, 4) for _ in range(3)]
   keys = np.random.default_rng(seed + 1).integers(0, 2**32, (n, 2), dtype=np.uint32)
@@ -112,8 +129,8 @@ def _grouped(n=6, budget=60, seed=0, **kw):
           prompt=np.tile(phrase[i // 2], 3).astype(np.int32),
           max_new_tokens=budget,
           rng=keys[i],
-          index=i,
-          group_id=i // 2,
+          index=offset + i,
+          group_id=offset + i // 2,
           **kw,
       )
       for i in range(n)
@@ -286,6 +303,7 @@ def test_after_warm_up_speculation_compiles_nothing(sampler_params, compiles):
         ("speculative_tokens", -1, r"speculative_tokens must be in \[0, 32\].*got -1"),
         ("speculative_tokens", 33, r"speculative_tokens must be in \[0, 32\].*got 33"),
         ("speculative_ngram", 0, r"speculative_ngram must be in \[1, 8\], got 0"),
+        ("speculative_history", -1, r"speculative_history must be in \[0, 16\].*got -1"),
     ],
 )
 def test_bad_speculation_settings_are_refused_by_name(field, value, message):
@@ -298,6 +316,22 @@ def test_the_sample_must_be_in_a_slot_to_be_suggested_tokens(sampler_params):
   record = _grouped()[0]
   with pytest.raises(ValueError, match="suggest needs a live sample"):
     engine.suggest(record, [1, 2, 3])
+
+
+def test_a_prompt_s_past_samples_draft_for_its_later_ones(sampler_params):
+  """Greedy samples of the same prompts a second time: their prompts' first samples,
+  remembered, draft all of the second ones; the tokens are still plain decoding's."""
+  first, again = _grouped(temperature=0.0), _grouped(temperature=0.0, offset=100)
+  truth = _drain(_engine(sampler_params, 0), first + again)
+  engine = _engine(sampler_params, 4, speculative_history=2)
+  ours = _drain(engine, _grouped(temperature=0.0))
+  c0 = dict(engine.counters.accepted)
+  ours |= _drain(engine, _grouped(temperature=0.0, offset=100))
+  _assert_same_draws(truth, ours)
+  c = engine.counters
+  from_history = c.accepted["history"] - c0.get("history", 0)
+  assert from_history > 0
+  assert len(engine.parts.history) == 3  # three prompts remembered
 
 
 # ------------------------------------------------------------------ speculative_auto

@@ -164,6 +164,9 @@ def _rollout() -> ml_collections.ConfigDict:
   # Each decode call speculates or not, whichever has drawn more tokens per second at
   # about as many live slots, measured as the run goes (needs speculative_tokens >= 1).
   r.speculative_auto = False
+  # Past samples of each prompt the sampler keeps (host memory, 4,096 prompts at most) to
+  # draft from: a group's samples finished in an earlier step, an earlier epoch's. 0: none.
+  r.speculative_history = 0
   r.refill_batch = 1  # slots that finish before the host refills (when samples wait)
   r.prefill_width = 4  # prompts of one length bucket that start together share a prefill
   r.max_response_len = 256  # tokens a response may draw (a multi-turn one: with observations)

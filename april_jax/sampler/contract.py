@@ -73,7 +73,7 @@ from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.records import SampleRecord
 
 # Where a speculative pass's drafts come from (drafts.py), as counters and metrics name them.
-DRAFT_SOURCES = ("suggested", "own", "group")
+DRAFT_SOURCES = ("suggested", "own", "group", "history")
 
 
 @dataclasses.dataclass

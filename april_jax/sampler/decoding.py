@@ -76,6 +76,7 @@ class Decoding:
       else:
         parts.release(slot)
         record.finish("stop" if stopped else "length")
+        parts.remember(record)
     return [record for _, record in finished]
 
   def reserve(self) -> None:

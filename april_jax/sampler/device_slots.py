@@ -16,6 +16,7 @@ import numpy as np
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
 from april_jax.sampler.contract import EngineCounters
+from april_jax.sampler.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.records import SampleRecord
 from april_jax.sampler.rows import kv_positions, readout, rows_from_records
@@ -33,10 +34,16 @@ class DeviceSlots:
   def __init__(self, cfg: qwen3.Qwen3Config, config: EngineConfig, fns, counters: EngineCounters):
     self.cfg, self.config, self.fns, self.counters = cfg, config, fns, counters
     self.state = fns.init()
-    # Speculation's suggested tokens per slot and position (-1: none; suggest()), sent
-    # with the next decode call after a change.
-    self.suggested = np.full((config.num_slots, config.max_len), -1, np.int32)
-    self._suggested_arg = None
+    # What speculation drafts from besides the slots' rows (drafts.DraftInputs: suggested
+    # tokens, each slot's prompt's past samples), on the host; sent with the next decode
+    # call after a change.
+    S, M, H = config.num_slots, config.max_len, config.speculative_history
+    self.draft_inputs = DraftInputs(
+        suggested=np.full((S, M), -1, np.int32),
+        history=np.full((S, H, M), -1, np.int32),
+        history_len=np.zeros((S, H), np.int32),
+    )
+    self._draft_inputs_arg = None
 
   # ----------------------------------------------------------------- writes
   def insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows, table) -> None:
@@ -80,10 +87,10 @@ class DeviceSlots:
     if not speculate:
       self.state, steps, drawn = self.fns.decode(params, self.state, *args)
     else:
-      if self._suggested_arg is None:
-        self._suggested_arg = jax.device_put(self.suggested)
+      if self._draft_inputs_arg is None:
+        self._draft_inputs_arg = jax.device_put(self.draft_inputs)
       self.state, steps, drawn, stats = self.fns.speculate(
-          params, self.state, *args, self._suggested_arg
+          params, self.state, *args, self._draft_inputs_arg
       )
     return to_host((self.state.done, self.state.length, steps, drawn, stats)) if read else None
 
@@ -91,14 +98,29 @@ class DeviceSlots:
     """Tokens a slot's drafts take from position `start` on (speculation's `suggested`
     source); none past max_len."""
     tokens = np.asarray(tokens, np.int32)[: max(self.config.max_len - start, 0)]
-    self.suggested[slot, start : start + len(tokens)] = tokens
-    self._suggested_arg = None
+    self.draft_inputs.suggested[slot, start : start + len(tokens)] = tokens
+    self._draft_inputs_arg = None
 
-  def forget_suggested(self, slot: int) -> None:
-    """No suggested tokens for the slot (it is free again)."""
-    if (self.suggested[slot] >= 0).any():
-      self.suggested[slot] = -1
-      self._suggested_arg = None
+  def set_history(self, slot: int, rows: list[np.ndarray]) -> None:
+    """A slot's `history` rows (its prompt's past samples, most recent first; as many
+    as speculative_history holds, each cut to max_len)."""
+    inputs, M = self.draft_inputs, self.config.max_len
+    if not rows and not inputs.history_len[slot].any():
+      return
+    inputs.history[slot] = -1
+    inputs.history_len[slot] = 0
+    for i, row in enumerate(rows[: inputs.history.shape[1]]):
+      inputs.history[slot, i, : min(len(row), M)] = row[:M]
+      inputs.history_len[slot, i] = min(len(row), M)
+    self._draft_inputs_arg = None
+
+  def forget_drafts(self, slot: int) -> None:
+    """No suggested tokens or history rows for the slot (it is free again)."""
+    inputs = self.draft_inputs
+    if (inputs.suggested[slot] >= 0).any():
+      inputs.suggested[slot] = -1
+      self._draft_inputs_arg = None
+    self.set_history(slot, [])
 
   def feed(self, params, slots: np.ndarray, ends: np.ndarray, T: int, table) -> None:
     """Given tokens into the slots' pages up to `ends` (one chunked prefill, slot_ops.feed)."""

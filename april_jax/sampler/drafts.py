@@ -1,7 +1,7 @@
 """Speculation's two pure rules on the device: where a slot's drafts come from, and how
 many of them a verify pass keeps.
 
-  propose(tokens, length, group, suggested, K, ngram) -> Drafts
+  propose(tokens, length, group, inputs, K, ngram)   -> Drafts
   accepted(drafts, drawn, count, stop)               -> e: tokens kept are drawn[:e + 1]
 
 Drafts need no draft model. A slot's next tokens are guessed, in this order, from
@@ -12,8 +12,12 @@ Drafts need no draft model. A slot's next tokens are guessed, in this order, fro
              the guess (prompt-lookup / n-gram decoding),
   group      the rows of the other slots of its prompt group (state.group): samples of
              the same prompt, drawn at the same time, or finished and still in their
-             slot, matched the same way.
-The longest match wins (own before group on a tie, the latest position last). A guess is
+             slot, matched the same way;
+  history    its prompt's earlier samples, which the host remembers (draft_history.py)
+             and sends with the slot: its group's samples that finished in an earlier
+             step, the prompt's rollouts of an earlier epoch.
+The longest match wins (then own, group, history in that order; then the latest
+position). A guess is
 only a guess: the verify pass draws every position with that position's own key
 (sampler/speculative.py), so which source guessed, or whether one did, changes how many
 tokens a call yields, never which tokens.
@@ -59,15 +63,29 @@ def _peers(group_S, S: int, G: int):
   return jnp.where(top > 0, idx, -1).astype(jnp.int32)
 
 
-def _lookup(tokens_SxM, length_S, group_S, K: int, ngram: int):
-  """n-gram drafts from each slot's own row and its group's rows: (tokens [S, K],
-  count [S], from_own [S])."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftInputs:
+  """What the host sends for drafting (DeviceSlots keeps it, sent again after a change)."""
+
+  suggested: jax.Array  # int32 [S, M]: a caller's tokens per position, -1 where none
+  history: jax.Array  # int32 [S, H, M]: each slot's prompt's past samples, -1 padded
+  history_len: jax.Array  # int32 [S, H]: their lengths (0: no row)
+
+
+def _lookup(tokens_SxM, length_S, group_S, history, history_len, K: int, ngram: int):
+  """n-gram drafts from each slot's own row, its group's rows and its history rows:
+  (tokens [S, K], count [S], source [S]: 1 + SOURCES index)."""
   S, M = tokens_SxM.shape
   G = min(PEERS, S - 1)
   peers = _peers(group_S, S, G) if G > 0 else jnp.zeros((S, 0), jnp.int32)
-  cand = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)  # [S, C]
-  rows = tokens_SxM[jnp.maximum(cand, 0)]  # [S, C, M]
-  lens = jnp.where(cand >= 0, length_S[jnp.maximum(cand, 0)], 0)  # [S, C]
+  cand = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)  # [S, 1+G]
+  rows = jnp.concatenate([tokens_SxM[jnp.maximum(cand, 0)], history], axis=1)  # [S, C, M]
+  lens = jnp.concatenate([jnp.where(cand >= 0, length_S[jnp.maximum(cand, 0)], 0), history_len], 1)
+  C, H = rows.shape[1], history.shape[1]
+  # Each candidate row's source (own, group, history) and its rank on a tie.
+  source = jnp.array([2] + [3] * G + [4] * H, jnp.int32)
+  rank = jnp.array([2] + [1] * G + [0] * H, jnp.int32)
   L = length_S
   j = jnp.arange(M)
   # run[s, c, j]: how many of the slot's last tokens (up to ngram) end at position j of
@@ -82,9 +100,8 @@ def _lookup(tokens_SxM, length_S, group_S, K: int, ngram: int):
   # A match needs a token after it in its row (j <= len - 2); in the slot's own row that
   # is also what keeps the suffix from matching itself.
   valid = (run > 0) & (j[None, None, :] <= lens[:, :, None] - 2)
-  C = cand.shape[1]
-  own = (jnp.arange(C) == 0)[None, :, None]
-  score = jnp.where(valid, run * (2 * M) + own * M + j[None, None, :], -1).reshape(S, C * M)
+  score = run * (4 * M) + rank[None, :, None] * M + j[None, None, :]
+  score = jnp.where(valid, score, -1).reshape(S, C * M)
   best = jnp.argmax(score, axis=1)
   found = jnp.max(score, axis=1) >= 0
   c, at = best // M, best % M
@@ -92,17 +109,19 @@ def _lookup(tokens_SxM, length_S, group_S, K: int, ngram: int):
   row = rows[jnp.arange(S), c]  # [S, M]
   tokens = jnp.take_along_axis(row, jnp.minimum(pos, M - 1), axis=1)
   count = jnp.where(found, jnp.minimum(K, lens[jnp.arange(S), c] - 1 - at), 0)
-  return tokens, jnp.maximum(count, 0).astype(jnp.int32), c == 0
+  return tokens, jnp.maximum(count, 0).astype(jnp.int32), source[c]
 
 
-def propose(tokens_SxM, length_S, group_S, suggested_SxM, K: int, ngram: int) -> Drafts:
+def propose(tokens_SxM, length_S, group_S, inputs: DraftInputs, K: int, ngram: int) -> Drafts:
   """Up to K drafts per slot for positions length .. length+K-1 (module docstring).
   The caller bounds `count` further (pages, budget, given tokens)."""
-  s_tokens, s_count = _suggested(suggested_SxM, length_S, K)
-  n_tokens, n_count, from_own = _lookup(tokens_SxM, length_S, group_S, K, ngram)
+  s_tokens, s_count = _suggested(inputs.suggested, length_S, K)
+  n_tokens, n_count, n_source = _lookup(
+      tokens_SxM, length_S, group_S, inputs.history, inputs.history_len, K, ngram
+  )
   use_s = s_count > 0
   count = jnp.where(use_s, s_count, n_count)
-  source = jnp.where(use_s, 1, jnp.where(from_own, 2, 3))
+  source = jnp.where(use_s, 1, n_source)
   return Drafts(
       tokens=jnp.where(use_s[:, None], s_tokens, n_tokens),
       count=count,

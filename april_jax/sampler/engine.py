@@ -46,6 +46,7 @@ from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.admission import Admission
 from april_jax.sampler.decoding import Decoding
 from april_jax.sampler.device_slots import DeviceSlots
+from april_jax.sampler.draft_history import DraftHistory
 from april_jax.sampler.engine_parts import EngineParts, Policy
 from april_jax.sampler.given_tokens import GivenTokens
 from april_jax.sampler.engine_config import EngineConfig
@@ -96,6 +97,7 @@ class SlotEngine:
         self._counters,
         self.events,
         Policy(params, int(version)),
+        _history(config),
     )
     self.admission = Admission(self.parts)
     self._stop_ids = jnp.asarray(config.stop_ids, jnp.int32).reshape(-1)
@@ -191,7 +193,11 @@ class SlotEngine:
     """Starts the records in free slots (as many as room_for counts: more is an error):
     the partial samples first, then the fresh ones (admission.py says how). Returns
     their slots, in the records' order. mode None: the config's resume_mode."""
-    return self.admission.admit(records, mode)
+    slots = self.admission.admit(records, mode)
+    if self.parts.history is not None:  # their prompts' past samples, to draft from
+      for slot, record in zip(slots, records):
+        self.device.set_history(slot, self.parts.history.rows(record.prompt))
+    return slots
 
   # ----------------------------------------------------------------- decode, harvest
   def step(self, refill: bool = True) -> list[SampleRecord]:
@@ -266,6 +272,7 @@ class SlotEngine:
     """Ends a sample that stopped and was held (hold_stopped): finished, slot freed."""
     self.parts.release(self._held_slot(record))
     record.finish("stop")
+    self.parts.remember(record)
 
   @reported("snapshot")
   def snapshot(self, with_kv: bool = True, keep: bool = False) -> list[SampleRecord]:
@@ -298,3 +305,10 @@ class SlotEngine:
     """Every kept record's KV to the host, its pages then plain free pages (before a
     checkpoint keeps the records)."""
     self.kv.copy_out_all(self.parts.read_kv)
+
+
+def _history(config: EngineConfig) -> DraftHistory | None:
+  """The past samples speculation drafts from (speculative_history), if it speculates."""
+  if config.speculative_tokens and config.speculative_history:
+    return DraftHistory(config.speculative_history)
+  return None

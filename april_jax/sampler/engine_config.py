@@ -22,6 +22,7 @@ FEED_GIVEN = ("prefill", "decode")
 DECODE_ATTENTION = ("auto", "xla", "pallas")
 MAX_SPECULATIVE_TOKENS = 32  # a pass's positions grow with it, and its logits [S, K+1, V]
 MAX_SPECULATIVE_NGRAM = 8
+MAX_SPECULATIVE_HISTORY = 16  # rows of max_len a slot sends with each change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ class EngineConfig:
   # Each call speculates or decodes plainly, whichever has drawn more tokens per second
   # at about as many live slots (speculation_choice.py); needs speculative_tokens > 0.
   speculative_auto: bool = False
+  # Past samples of a prompt kept to draft from (draft_history.py; 0: none).
+  speculative_history: int = 0
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -132,6 +135,7 @@ class DeviceSettings:
 _ROLLOUT_FIELDS = ("num_slots", "sync_every", "decode_block", "decode_attention", "page_size")
 _ROLLOUT_FIELDS += ("kv_pages", "resume_mode", "refill_batch", "prefill_width")
 _ROLLOUT_FIELDS += ("speculative_tokens", "speculative_ngram", "speculative_auto")
+_ROLLOUT_FIELDS += ("speculative_history",)
 
 
 def run_config_fields(c, stop_ids=()) -> dict:
@@ -197,6 +201,11 @@ def problems(fields: dict, names: dict[str, str] | None = None) -> list[str]:
     out.append(
         f"{name('speculative_tokens')} must be in [0, {MAX_SPECULATIVE_TOKENS}] "
         f"(tokens guessed per slot and pass; 0: off), got {f['speculative_tokens']}"
+    )
+  if not 0 <= f["speculative_history"] <= MAX_SPECULATIVE_HISTORY:
+    out.append(
+        f"{name('speculative_history')} must be in [0, {MAX_SPECULATIVE_HISTORY}] (past "
+        f"samples of a prompt kept to draft from), got {f['speculative_history']}"
     )
   if f["speculative_auto"] and f["speculative_tokens"] < 1:
     out.append(

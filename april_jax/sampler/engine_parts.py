@@ -18,6 +18,7 @@ from april_jax import buckets
 from april_jax.models import qwen3
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.device_slots import DeviceSlots
+from april_jax.sampler.draft_history import DraftHistory
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.engine_events import Events
 from april_jax.sampler.given_tokens import GivenTokens
@@ -56,6 +57,7 @@ class EngineParts:
   counters: EngineCounters
   events: Events
   policy: Policy
+  history: DraftHistory | None = None  # finished samples to draft from (speculation)
 
   def bucket(self, n: int) -> int:
     return bucket(n, self.config)
@@ -82,9 +84,14 @@ class EngineParts:
       ):
         record.set_kv(k, v, record.kv_version)
 
+  def remember(self, record: SampleRecord) -> None:
+    """A finished sample's tokens kept for its prompt's later samples to draft from."""
+    if self.history is not None:
+      self.history.add(record)
+
   def release(self, slot: int) -> None:
     """The slot free again: no sample, no pages, nothing to feed."""
     self.given.discard(slot)
-    self.device.forget_suggested(slot)
+    self.device.forget_drafts(slot)
     self.slots.release(slot)
     self.kv.release(slot)

@@ -1,6 +1,6 @@
 """Speculative decoding that draws exactly the tokens plain decoding draws.
 
-  decode(params, state, version, stop_ids, leave_after, table, suggested)
+  decode(params, state, version, stop_ids, leave_after, table, draft_inputs)
       -> (state, verify passes run, tokens drawn, stats [3, len(drafts.SOURCES)])
 
 The decode call of slot_ops.decode, with up to K tokens guessed per live slot and
@@ -123,7 +123,7 @@ def _draws(logits_SxTxV, state: SlotState, positions_SxT):
   return tokens.reshape(S, T), logprobs.reshape(S, T)
 
 
-def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E, suggested):
+def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E, inputs):
   """One verify pass of every movable slot: (state, tokens drawn [S], finished [S],
   stats [3, sources]: drafts verified, drafts accepted, passes with drafts)."""
   S, M = state.tokens.shape
@@ -131,7 +131,7 @@ def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E
   L = state.length
   live = _movable(state)
   given = L < state.forced_end
-  guess = drafts.propose(state.tokens, L, state.group, suggested, K, ngram)
+  guess = drafts.propose(state.tokens, L, state.group, inputs, K, ngram)
   room = jnp.minimum(_held_end(state) - L, state.limit - 1 - L)
   n = jnp.where(live & ~given, jnp.clip(jnp.minimum(guess.count, room), 0, K), 0)
   j = jnp.arange(K + 1)[None, :]
@@ -183,11 +183,11 @@ def decode(
     stop_ids_E: jax.Array,
     leave_after: jax.Array,
     table_SxJ: jax.Array,
-    suggested_SxM: jax.Array,
+    inputs: drafts.DraftInputs,
 ):
   """Up to sync_every verify passes (module docstring); leaves early once leave_after
-  slots finished in this call (0: only when no slot can move). suggested_SxM: the
-  caller's guesses per position (-1: none). Returns (state, passes run, tokens drawn,
+  slots finished in this call (0: only when no slot can move). inputs: what the host
+  sends for drafting (drafts.DraftInputs: suggested tokens, history rows). Returns (state, passes run, tokens drawn,
   stats int32 [3, len(drafts.SOURCES)]: drafts verified, accepted, and passes that
   verified any, by source)."""
   state = state.replace(page_table=table_SxJ)
@@ -195,7 +195,7 @@ def decode(
 
   def step(carry):
     state, i, drawn_n, finished_n, stats = carry
-    state, drawn, finished, st = one(state, version, stop_ids_E, suggested_SxM)
+    state, drawn, finished, st = one(state, version, stop_ids_E, inputs)
     return state, i + 1, drawn_n + jnp.sum(drawn), finished_n + jnp.sum(finished), stats + st
 
   def keep_going(carry):
