@@ -42,6 +42,7 @@ from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
 from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
+from april_jax.sampler.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler import rows as rows_lib
 from april_jax.sampler import slot_ops
@@ -273,17 +274,22 @@ def _insert_programs(cfg: qwen3.Qwen3Config, econf, fns, state, mesh, B, prompt)
 
 
 def _decode_programs(econf, fns, state, mesh, decode_params) -> list:
-  """decode (one call of sync_every steps) and a snapshot's KV copy at the longest
-  length."""
+  """decode (one call of sync_every steps; the speculative one too, with speculation)
+  and a snapshot's KV copy at the longest length."""
   rep = functools.partial(_replicated, mesh)
   i32, Wr = jnp.int32, econf.snapshot_width
+  args = (decode_params, state, rep((), i32), rep((1,), i32), rep((), i32), state.page_table)
+  resident = (True, True, False, False, False, False)
+  speculate = []
+  if fns.speculate is not None:
+    S, M, H = econf.num_slots, econf.max_len, econf.speculative_history
+    inputs = DraftInputs(rep((S, M), i32), rep((S, H, M), i32), rep((S, H), i32))
+    speculate.append(
+        compile_program("decode (speculative)", fns.speculate, args + (inputs,), resident + (False,))
+    )
   return [
-      compile_program(
-          "decode",
-          fns.decode,
-          (decode_params, state, rep((), i32), rep((1,), i32), rep((), i32), state.page_table),
-          (True, True, False, False, False, False),
-      ),
+      compile_program("decode", fns.decode, args, resident),
+      *speculate,
       compile_program(
           "extract_kv (snapshot)",
           fns.extract_kv,
