@@ -285,7 +285,9 @@ def _decode_programs(econf, fns, state, mesh, decode_params) -> list:
     S, M, H = econf.num_slots, econf.max_len, econf.speculative_history
     inputs = DraftInputs(rep((S, M), i32), rep((S, H, M), i32), rep((S, H), i32))
     speculate.append(
-        compile_program("decode (speculative)", fns.speculate, args + (inputs,), resident + (False,))
+        compile_program(
+            "decode (speculative)", fns.speculate, args + (inputs,), resident + (False,)
+        )
     )
   return [
       compile_program("decode", fns.decode, args, resident),

@@ -372,3 +372,22 @@ def test_auto_needs_drafts_to_speculate_with():
       ValueError, match=r"speculative_auto .* needs EngineConfig.speculative_tokens >= 1"
   ):
     EngineConfig(num_slots=2, max_len=32, speculative_auto=True)
+
+
+def test_without_refill_samples_come_back_in_the_pass_they_finished_at(sampler_params):
+  # A (9 tokens, every draft right) finishes at the second pass; B (6 tokens, every
+  # draft wrong) at the sixth: A first, though it gained more tokens in the call.
+  kw = dict(num_slots=2, max_len=48, sync_every=8, page_size=8)
+  a, b = _grouped(n=2, budget=9, temperature=0.0)
+  b = _grouped(n=2, budget=6, temperature=0.0, offset=10)[1]
+  truth = _drain(
+      SlotEngine(CFG, sampler_params, EngineConfig(**kw)), _grouped(n=2, budget=9, temperature=0.0)
+  )
+  engine = SlotEngine(CFG, sampler_params, EngineConfig(**kw, speculative_tokens=4))
+  engine.admit([a, b])
+  engine.suggest(a, truth[0].response)
+  engine.suggest(b, (truth[1].response[:6] + 1) % CFG.vocab_size)
+  finished = engine.step(refill=False)
+  assert [r.index for r in finished] == [a.index, b.index]
+  assert len(a.response) == 9 and len(b.response) == 6
+  np.testing.assert_array_equal(a.response, truth[0].response)

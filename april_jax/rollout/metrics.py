@@ -14,7 +14,7 @@ and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
                          drafts checked (spec/drafted), accepted (spec/accepted), the
                          accepted drafts per slot pass that checked any
                          (spec/accepted_per_verify), and by source (drafts.py: own,
-                         group, suggested) spec/acceptance/<source> = accepted / drafted
+                         group, history, suggested) spec/acceptance/<source> = accepted / drafted
   off_policy_token_frac  the APRIL paper's measure (its Figure 4): batch response tokens
                          of samples cut at an earlier step's end and continued / all
                          batch response tokens

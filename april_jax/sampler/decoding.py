@@ -49,24 +49,25 @@ class Decoding:
     if self.choice is not None:
       speculate = self.choice.choose(live)
     began = time.perf_counter()
-    done, lengths, steps, drawn, stats = parts.device.decode(
+    done, lengths, steps, drawn, stats, finished_at = parts.device.decode(
         params, version, self.stop_ids, leave_after, parts.kv.table(), speculate=speculate
     )
     if self.choice is not None:
       self.choice.record(live, speculate, int(drawn), time.perf_counter() - began)
     counters.decode_calls += 1
     counters.speculative_calls += int(speculate)
-    grown = np.array(lengths) - slots.lengths  # one token per step (1 to K + 1 speculating)
+    # The step (or verify pass) each slot finished at: a step draws one token a slot.
+    at = np.array(lengths) - slots.lengths if finished_at is None else np.asarray(finished_at)
     slots.lengths[:] = lengths
     counters.decode_steps += int(steps)
     counters.tokens_generated += int(drawn)
     if stats is not None:
       counters.count_drafts(np.asarray(stats))
-    # In the order they finished (the tokens each gained, then slot): with refill off
+    # In the order they finished (the step each finished at, then slot): with refill off
     # several finish within one window, and callers rely on completion order.
     finished = sorted(
         ((slot, r) for slot, r in slots.owned() if done[slot] and slot in decoding),
-        key=lambda x: (grown[x[0]], x[0]),
+        key=lambda x: (at[x[0]], x[0]),
     )
     parts.read_back(finished, with_kv=False)
     for slot, record in finished:

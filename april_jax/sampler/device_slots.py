@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
@@ -44,6 +45,12 @@ class DeviceSlots:
         history_len=np.zeros((S, H), np.int32),
     )
     self._draft_inputs_arg = None
+    # Where they go on a mesh: split over the slots as the state's rows are.
+    self._slot_rows = None
+    if fns.state_sharding is not None:
+      sh = fns.state_sharding.length  # NamedSharding of [S]
+      row = lambda n: NamedSharding(sh.mesh, PartitionSpec(sh.spec[0], *([None] * n)))
+      self._slot_rows = DraftInputs(row(1), row(2), row(1))
 
   # ----------------------------------------------------------------- writes
   def insert(self, kv, width, slots, records, kv_versions, lengths, kv_rows, table) -> None:
@@ -80,19 +87,20 @@ class DeviceSlots:
   ):
     """One decode call (speculative.decode with `speculate`, which needs
     speculative_tokens > 0); on the host: (done [S], lengths [S], steps run, tokens
-    drawn, speculation's stats [3, sources] or None), unless not `read` (warm-up:
-    nothing is read back, None)."""
+    drawn, speculation's stats [3, sources] and the pass each slot finished at [S], or
+    None, None), unless not `read` (warm-up: nothing is read back, None)."""
     args = (np.int32(version), stop_ids, np.int32(leave_after), table)
-    stats = None
+    stats = finished_at = None
     if not speculate:
       self.state, steps, drawn = self.fns.decode(params, self.state, *args)
     else:
       if self._draft_inputs_arg is None:
-        self._draft_inputs_arg = jax.device_put(self.draft_inputs)
-      self.state, steps, drawn, stats = self.fns.speculate(
+        self._draft_inputs_arg = jax.device_put(self.draft_inputs, self._slot_rows)
+      self.state, steps, drawn, stats, finished_at = self.fns.speculate(
           params, self.state, *args, self._draft_inputs_arg
       )
-    return to_host((self.state.done, self.state.length, steps, drawn, stats)) if read else None
+    out = (self.state.done, self.state.length, steps, drawn, stats, finished_at)
+    return to_host(out) if read else None
 
   def suggest(self, slot: int, start: int, tokens) -> None:
     """Tokens a slot's drafts take from position `start` on (speculation's `suggested`

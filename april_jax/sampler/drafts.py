@@ -75,41 +75,74 @@ class DraftInputs:
 
 def _lookup(tokens_SxM, length_S, group_S, history, history_len, K: int, ngram: int):
   """n-gram drafts from each slot's own row, its group's rows and its history rows:
-  (tokens [S, K], count [S], source [S]: 1 + SOURCES index)."""
+  (tokens [S, K], count [S], source [S]: 1 + SOURCES index). The candidate rows are
+  searched one at a time (a loop), so a pass holds a few [S, M] arrays, not one per
+  candidate."""
   S, M = tokens_SxM.shape
-  G = min(PEERS, S - 1)
+  G, H = min(PEERS, S - 1), history.shape[1]
   peers = _peers(group_S, S, G) if G > 0 else jnp.zeros((S, 0), jnp.int32)
-  cand = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)  # [S, 1+G]
-  rows = jnp.concatenate([tokens_SxM[jnp.maximum(cand, 0)], history], axis=1)  # [S, C, M]
-  lens = jnp.concatenate([jnp.where(cand >= 0, length_S[jnp.maximum(cand, 0)], 0), history_len], 1)
-  C, H = rows.shape[1], history.shape[1]
-  # Each candidate row's source (own, group, history) and its rank on a tie.
-  source = jnp.array([2] + [3] * G + [4] * H, jnp.int32)
-  rank = jnp.array([2] + [1] * G + [0] * H, jnp.int32)
+  in_slots = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)
   L = length_S
   j = jnp.arange(M)
-  # run[s, c, j]: how many of the slot's last tokens (up to ngram) end at position j of
-  # row c, consecutively.
-  run = jnp.zeros(rows.shape, jnp.int32)
-  still = jnp.ones(rows.shape, bool)
-  for i in range(ngram):
-    want = jnp.take_along_axis(tokens_SxM, jnp.maximum(L - 1 - i, 0)[:, None], axis=1)[:, 0]
-    shifted = jnp.pad(rows, ((0, 0), (0, 0), (i, 0)), constant_values=-1)[:, :, :M]
-    still = still & (shifted == want[:, None, None]) & (j >= i)[None, None] & (L > i)[:, None, None]
-    run = run + still
-  # A match needs a token after it in its row (j <= len - 2); in the slot's own row that
-  # is also what keeps the suffix from matching itself.
-  valid = (run > 0) & (j[None, None, :] <= lens[:, :, None] - 2)
-  score = run * (4 * M) + rank[None, :, None] * M + j[None, None, :]
-  score = jnp.where(valid, score, -1).reshape(S, C * M)
-  best = jnp.argmax(score, axis=1)
-  found = jnp.max(score, axis=1) >= 0
-  c, at = best // M, best % M
-  pos = at[:, None] + 1 + jnp.arange(K)[None, :]
-  row = rows[jnp.arange(S), c]  # [S, M]
-  tokens = jnp.take_along_axis(row, jnp.minimum(pos, M - 1), axis=1)
-  count = jnp.where(found, jnp.minimum(K, lens[jnp.arange(S), c] - 1 - at), 0)
-  return tokens, jnp.maximum(count, 0).astype(jnp.int32), source[c]
+  suffix = [
+      jnp.take_along_axis(tokens_SxM, jnp.maximum(L - 1 - i, 0)[:, None], axis=1)[:, 0]
+      for i in range(ngram)
+  ]
+
+  def candidate(c):
+    """Row c of every slot's candidates (own, then group, then history): [S, M], its
+    lengths [S], its source and its rank on a tie."""
+    slot = jax.lax.dynamic_index_in_dim(in_slots, jnp.minimum(c, G), 1, keepdims=False)
+    row = tokens_SxM[jnp.maximum(slot, 0)]
+    length = jnp.where(slot >= 0, L[jnp.maximum(slot, 0)], 0)
+    if H:
+      h = jnp.clip(c - 1 - G, 0, H - 1)
+      from_history = c > G
+      row = jnp.where(from_history, jax.lax.dynamic_index_in_dim(history, h, 1, False), row)
+      length = jnp.where(
+          from_history, jax.lax.dynamic_index_in_dim(history_len, h, 1, False), length
+      )
+    source = jnp.where(c == 0, 2, jnp.where(c <= G, 3, 4))
+    rank = jnp.where(c == 0, 2, jnp.where(c <= G, 1, 0))
+    return row, length, source, rank
+
+  def search(c, best):
+    best_score, best_tokens, best_count, best_source = best
+    row, length, source, rank = candidate(c)
+    # run[s, j]: how many of the slot's last tokens (up to ngram) end at position j of
+    # the row, consecutively.
+    run = jnp.zeros((S, M), jnp.int32)
+    still = jnp.ones((S, M), bool)
+    for i in range(ngram):
+      shifted = jnp.pad(row, ((0, 0), (i, 0)), constant_values=-1)[:, :M]
+      still = still & (shifted == suffix[i][:, None]) & (j >= i)[None] & (L > i)[:, None]
+      run = run + still
+    # A match needs a token after it in its row (j <= len - 2); in the slot's own row
+    # that is also what keeps the suffix from matching itself.
+    valid = (run > 0) & (j[None, :] <= length[:, None] - 2)
+    score = jnp.where(valid, run * (4 * M) + rank * M + j[None, :], -1)
+    at = jnp.argmax(score, axis=1)
+    top = jnp.max(score, axis=1)
+    pos = jnp.minimum(at[:, None] + 1 + jnp.arange(K)[None, :], M - 1)
+    tokens = jnp.take_along_axis(row, pos, axis=1)
+    count = jnp.clip(jnp.minimum(K, length - 1 - at), 0, K)
+    better = top > best_score  # the first of equal scores stays
+    pick = lambda new, old: jnp.where(better.reshape((S,) + (1,) * (new.ndim - 1)), new, old)
+    return (
+        jnp.maximum(top, best_score),
+        pick(tokens, best_tokens),
+        pick(count, best_count),
+        pick(jnp.broadcast_to(source, (S,)), best_source),
+    )
+
+  none = (
+      jnp.full((S,), -1, jnp.int32),
+      jnp.zeros((S, K), jnp.int32),
+      jnp.zeros((S,), jnp.int32),
+      jnp.zeros((S,), jnp.int32),
+  )
+  _, tokens, count, source = jax.lax.fori_loop(0, 1 + G + H, search, none)
+  return tokens, count.astype(jnp.int32), source.astype(jnp.int32)
 
 
 def propose(tokens_SxM, length_S, group_S, inputs: DraftInputs, K: int, ngram: int) -> Drafts:

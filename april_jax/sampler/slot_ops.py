@@ -573,8 +573,8 @@ def device_fns(
         s.speculative_ngram,
         feed_pages,
     )
-    pin_four = {} if state_sh is None else {"out_shardings": (state_sh, None, None, None)}
-    speculate = jax.jit(traced(verify), donate_argnums=1, **pin_four)
+    pin_five = {} if state_sh is None else {"out_shardings": (state_sh,) + (None,) * 4}
+    speculate = jax.jit(traced(verify), donate_argnums=1, **pin_five)
   return DeviceFns(
       speculate=speculate,
       shards=shards,

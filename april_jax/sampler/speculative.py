@@ -1,7 +1,8 @@
 """Speculative decoding that draws exactly the tokens plain decoding draws.
 
   decode(params, state, version, stop_ids, leave_after, table, draft_inputs)
-      -> (state, verify passes run, tokens drawn, stats [3, len(drafts.SOURCES)])
+      -> (state, verify passes run, tokens drawn, stats [3, len(drafts.SOURCES)],
+          the pass each slot finished at [S] (-1: none))
 
 The decode call of slot_ops.decode, with up to K tokens guessed per live slot and
 checked in one pass. Each pass (one iteration of the call's loop):
@@ -139,7 +140,9 @@ def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E
   pos0 = jnp.maximum(L - 1, 0)
   chunk = jnp.concatenate([state.tokens[rows, pos0][:, None], draft_tokens], axis=1)
   positions = pos0[:, None] + j  # the chunk's positions: pending token, then drafts
-  attend = _attend(layout, state, pos0, block_pages)
+  # A slot that cannot move reads nothing of the pool (its length may be a freed
+  # sample's): the pass's blocks follow the longest live slot.
+  attend = _attend(layout, state, jnp.where(live, pos0, 0), block_pages)
   logits, kv = qwen3.chunk_kv(cfg, params, chunk, positions, attend, logits=True)
   kv = _write(layout, state, kv.k, kv.v, positions, live[:, None] & (j <= n[:, None]))
   drawn, logprobs = _draws(logits, state, positions + 1)
@@ -187,25 +190,28 @@ def decode(
 ):
   """Up to sync_every verify passes (module docstring); leaves early once leave_after
   slots finished in this call (0: only when no slot can move). inputs: what the host
-  sends for drafting (drafts.DraftInputs: suggested tokens, history rows). Returns (state, passes run, tokens drawn,
-  stats int32 [3, len(drafts.SOURCES)]: drafts verified, accepted, and passes that
-  verified any, by source)."""
+  sends for drafting (drafts.DraftInputs: suggested tokens, history rows). Returns
+  (state, passes run, tokens drawn, stats int32 [3, len(drafts.SOURCES)]: drafts
+  verified, accepted, and passes that verified any, by source; finished_at int32 [S]:
+  the pass each slot finished at in this call, -1 for none: the order they finished)."""
   state = state.replace(page_table=table_SxJ)
   one = functools.partial(_pass, layout, cfg, K, ngram, block_pages, params)
 
   def step(carry):
-    state, i, drawn_n, finished_n, stats = carry
+    state, i, drawn_n, finished_at, stats = carry
     state, drawn, finished, st = one(state, version, stop_ids_E, inputs)
-    return state, i + 1, drawn_n + jnp.sum(drawn), finished_n + jnp.sum(finished), stats + st
+    finished_at = jnp.where(finished, i, finished_at)
+    return state, i + 1, drawn_n + jnp.sum(drawn), finished_at, stats + st
 
   def keep_going(carry):
-    state, i, _, finished_n, _ = carry
-    enough = (leave_after > 0) & (finished_n >= leave_after)
+    state, i, _, finished_at, _ = carry
+    enough = (leave_after > 0) & (jnp.sum(finished_at >= 0) >= leave_after)
     return (i < sync_every) & ~enough & jnp.any(_movable(state))
 
   zero = jnp.zeros((), jnp.int32)
   stats = jnp.zeros((3, len(drafts.SOURCES)), jnp.int32)
-  state, passes, drawn_n, _, stats = jax.lax.while_loop(
-      keep_going, step, (state, zero, zero, zero, stats)
+  never = jnp.full(state.length.shape, -1, jnp.int32)
+  state, passes, drawn_n, finished_at, stats = jax.lax.while_loop(
+      keep_going, step, (state, zero, zero, never, stats)
   )
-  return state, passes, drawn_n, stats
+  return state, passes, drawn_n, stats, finished_at
