@@ -27,6 +27,9 @@ SPECULATE = ["--config.rollout.speculative_tokens=4"]
 # passes, and what a cut and resume count (samples continued).
 HOW_IT_RAN = ("rollout/slot_occupancy", "rollout/tokens_per_decode_step", "rollout/spec/")
 CUT = ("rollout/partial_samples", "rollout/off_policy_token_frac", "rollout/buffer_")
+# Slots set aside while their environment answered: how long a turn's call took against
+# the other slots' decoding.
+HELD = ("rollout/env/set_aside", "rollout/partial_samples")
 
 
 def _launch(workdir, *flags):
@@ -75,3 +78,29 @@ def test_the_synchronous_baseline_with_speculation_cut_and_resumed_trains_what_i
   assert sum(m["rollout/spec/accepted"] for m in ours) > 0
   assert drawn(ours) > drawn(theirs)
   assert not any(k.startswith("rollout/spec/") for m in theirs for k in m)
+
+
+def test_the_multi_turn_config_with_speculation_draws_and_trains_what_it_does_without(tmp_path):
+  # Tool turns: the observations are given tokens, never drafted; the model's turns are.
+  flags = [*SYNC[:-1], "--config.num_steps=1"]
+  runs = {
+      name: cli.launch(*flags, *extra, config="tiny_lookup.py", workdir=tmp_path / name,
+                       optimised=False)
+      for name, extra in (("plain", []), ("spec", SPECULATE))
+  }  # fmt: skip
+  for name, proc in runs.items():
+    _wait(proc, name)
+  plain, spec = (cli.read_jsonl(tmp_path / n / "rollouts.jsonl") for n in ("plain", "spec"))
+  assert spec == plain and len(plain) == 4
+  ours = [cli.untimed(m) for m in cli.read_jsonl(tmp_path / "spec" / "metrics.jsonl")]
+  theirs = [cli.untimed(m) for m in cli.read_jsonl(tmp_path / "plain" / "metrics.jsonl")]
+  assert theirs[0]["rollout/env/turns"] > 0
+  differ = [
+      (x["step"], key, x[key], y[key])
+      for x, y in zip(ours, theirs, strict=True)
+      for key in y
+      if not key.startswith(HOW_IT_RAN + HELD)
+      and not math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-5)
+  ]
+  assert not differ
+  assert sum(m["rollout/spec/drafted"] for m in ours) > 0
