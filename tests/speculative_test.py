@@ -9,6 +9,7 @@ import pytest
 
 from april_jax.models import lora, qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts
+from april_jax.sampler.draft_history import DraftHistory
 from april_jax.sampler.records import Status
 from april_jax.sampler.speculation_choice import SpeculationChoice, live_bucket
 from conftest import mesh_or_skip, sampler_qwen3
@@ -391,3 +392,15 @@ def test_without_refill_samples_come_back_in_the_pass_they_finished_at(sampler_p
   assert [r.index for r in finished] == [a.index, b.index]
   assert len(a.response) == 9 and len(b.response) == 6
   np.testing.assert_array_equal(a.response, truth[0].response)
+
+
+def test_a_failing_history_is_counted_and_the_samples_draw_as_ever(sampler_params, monkeypatch):
+  def broken(*_):
+    raise OSError("the history failed")
+
+  monkeypatch.setattr(DraftHistory, "add", broken)
+  monkeypatch.setattr(DraftHistory, "rows", broken)
+  truth = _drain(_engine(sampler_params, 0), _grouped())
+  engine = _engine(sampler_params, 4, speculative_history=2)
+  _assert_same_draws(truth, _drain(engine, _grouped()))
+  assert engine.counters.draft_failures == 12  # 6 admissions, 6 finished samples

@@ -14,7 +14,9 @@ and trained_tokens_per_s, nowhere else (they are given, not drawn or trained).
                          drafts checked (spec/drafted), accepted (spec/accepted), the
                          accepted drafts per slot pass that checked any
                          (spec/accepted_per_verify), and by source (drafts.py: own,
-                         group, history, suggested) spec/acceptance/<source> = accepted / drafted
+                         group, history, suggested) spec/acceptance/<source> = accepted / drafted;
+                         spec/draft_failures: a draft source that failed on the host
+                         (counted; the slot drafted without it)
   off_policy_token_frac  the APRIL paper's measure (its Figure 4): batch response tokens
                          of samples cut at an earlier step's end and continued / all
                          batch response tokens
@@ -114,10 +116,12 @@ def _speculation(st: dict) -> dict[str, float]:
   the step drafted: runs without speculation log none)."""
   by = lambda kind: {k.split("/")[2]: v for k, v in st.items() if k.startswith(f"spec/{kind}/")}
   drafted, accepted, passes = by("drafted"), by("accepted"), by("draft_passes")
-  if not drafted:
+  failures = st.get("spec/draft_failures", 0)
+  if not drafted and not failures:
     return {}
   total, right = sum(drafted.values()), sum(accepted.values())
   out = {
+      "rollout/spec/draft_failures": float(failures),
       "rollout/spec/drafted": float(total),
       "rollout/spec/accepted": float(right),
       "rollout/spec/accepted_per_verify": right / max(sum(passes.values()), 1),

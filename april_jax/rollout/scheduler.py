@@ -510,7 +510,9 @@ class _Step:
 def _draft_counts(counters, since: dict | None = None) -> dict[str, int]:
   """Speculation's counters by source (EngineCounters: drafted, accepted, draft_passes)
   as spec/<counter>/<source>, less `since`'s."""
-  out = {}
+  out = {
+      "spec/draft_failures": counters.draft_failures - (since or {}).get("spec/draft_failures", 0)
+  }
   for kind in ("drafted", "accepted", "draft_passes"):
     for source, n in getattr(counters, kind).items():
       key = f"spec/{kind}/{source}"

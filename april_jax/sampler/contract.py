@@ -98,6 +98,7 @@ class EngineCounters:
   drafted: dict[str, int] = dataclasses.field(default_factory=dict)
   accepted: dict[str, int] = dataclasses.field(default_factory=dict)
   draft_passes: dict[str, int] = dataclasses.field(default_factory=dict)
+  draft_failures: int = 0  # a draft source's failures on the host (the slot drafted less)
 
   def count_drafts(self, stats) -> None:
     """A speculative call's stats [3, sources] (speculative.decode) added in."""

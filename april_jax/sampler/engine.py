@@ -196,7 +196,7 @@ class SlotEngine:
     slots = self.admission.admit(records, mode)
     if self.parts.history is not None:  # their prompts' past samples, to draft from
       for slot, record in zip(slots, records):
-        self.device.set_history(slot, self.parts.history.rows(record.prompt))
+        self.device.set_history(slot, self.parts.history_rows(record))
     return slots
 
   # ----------------------------------------------------------------- decode, harvest

@@ -85,9 +85,25 @@ class EngineParts:
         record.set_kv(k, v, record.kv_version)
 
   def remember(self, record: SampleRecord) -> None:
-    """A finished sample's tokens kept for its prompt's later samples to draft from."""
+    """A finished sample's tokens kept for its prompt's later samples to draft from. A
+    history that fails is counted (draft_failures), never the step's failure: drafts
+    only change how fast tokens come."""
     if self.history is not None:
-      self.history.add(record)
+      try:
+        self.history.add(record)
+      except Exception:  # pylint: disable=broad-except
+        self.counters.draft_failures += 1
+
+  def history_rows(self, record: SampleRecord) -> list:
+    """The record's prompt's past samples to draft from (none if the history fails:
+    counted, as in remember)."""
+    if self.history is None:
+      return []
+    try:
+      return self.history.rows(record.prompt)
+    except Exception:  # pylint: disable=broad-except
+      self.counters.draft_failures += 1
+      return []
 
   def release(self, slot: int) -> None:
     """The slot free again: no sample, no pages, nothing to feed."""
