@@ -147,83 +147,86 @@ def run(
     config, K: int = 4, model: str = "", live=(1, 4, 16), budget: int = 0, seed: int = 0,
     rates=RATES, dtype: str = "float32", repeats: int = 3,
 ):  # fmt: skip
+  """The three parts (module docstring); prints their tables, returns the JSON result."""
   log = common.stage_logger("speculative")
-  r = config.rollout
-  budget = budget or r.max_response_len
-  sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-  prompt_len = config.data.max_prompt_len
+  budget = budget or config.rollout.max_response_len
   out = {"machine": common.machine(), "K": K, "budget": budget}
+  out.update(_task_and_bfloat16(config, K, budget, seed, repeats, log))
+  cfg, params = _model(model, config, seed, jnp.dtype(dtype))
+  out["controlled"] = [
+      row
+      for n_live in live
+      for row in _controlled(config, cfg, params, K, n_live, budget, rates, seed, repeats, log)
+  ]
+  out["controlled_model"] = f"{model or 'config'}, {dtype}"
+  _print(out)
+  return out
 
-  # -- task: the config's model, groups, stop tokens
+
+def _sampling(config) -> dict:
+  r = config.rollout
+  return dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def _task_and_bfloat16(config, K, budget, seed, repeats, log) -> dict:
+  """The task part (plain, speculative, auto on the config's model, float32) and the
+  bfloat16 part (plain and speculative on the same records)."""
+  r, prompt_len = config.rollout, config.data.max_prompt_len
   cfg, params = _model("", config, seed)
   prompts = [
       np.random.default_rng([seed, i]).integers(1, cfg.vocab_size, prompt_len).astype(np.int32)
       for i in range(max(r.num_slots // r.n_samples_per_prompt, 1) * 2)
   ]
-  make = lambda: _records(prompts, r.n_samples_per_prompt, budget, sampling, seed)
+  make = lambda: _records(prompts, r.n_samples_per_prompt, budget, _sampling(config), seed)
   stops = (int(cfg.vocab_size - 1),)  # a stop token, so lengths vary
+  engine = lambda k, auto=False: _engine(config, r.num_slots, prompt_len + budget, k, stops, auto)
   sides = {}
   for name, k, auto in (("plain", 0, False), ("speculative", K, False), ("auto", K, True)):
     log(f"task, {name}")
-    engine_config = _engine(config, r.num_slots, prompt_len + budget, k, stops, auto=auto)
-    sides[name] = _decode(cfg, params, make, engine_config, repeats=repeats)
-  out["task"] = {name: _side(*side) for name, side in sides.items()}
-  out["task"]["mismatches"] = _mismatches(sides["plain"][0], sides["speculative"][0])
-  out["task"]["auto_mismatches"] = _mismatches(sides["plain"][0], sides["auto"][0])
-  ms = {name: out["task"][name]["ms_per_token"] for name in ("plain", "speculative")}
-  out["faster"] = min(ms, key=ms.get)
-
-  # -- bfloat16: where the verify pass's sums may flip a near tie
+    sides[name] = _decode(cfg, params, make, engine(k, auto), repeats=repeats)
+  task = {name: _side(*side) for name, side in sides.items()}
+  task["mismatches"] = _mismatches(sides["plain"][0], sides["speculative"][0])
+  task["auto_mismatches"] = _mismatches(sides["plain"][0], sides["auto"][0])
+  ms = {name: task[name]["ms_per_token"] for name in ("plain", "speculative")}
+  # bfloat16: where the verify pass's sums may flip a near tie
   log("bfloat16")
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  b16 = [
-      _decode(
-          cfg,
-          params16,
-          make,
-          _engine(config, r.num_slots, prompt_len + budget, k, stops),
-          repeats=0,
-      )[0]
-      for k in (0, K)
-  ]
-  out["bfloat16"] = _mismatches(*b16)
+  b16 = [_decode(cfg, params16, make, engine(k), repeats=0)[0] for k in (0, K)]
+  return {"task": task, "faster": min(ms, key=ms.get), "bfloat16": _mismatches(*b16)}
 
-  # -- controlled acceptance: one wave of `live` samples, drafts from the true continuation
-  cfg, params = _model(model, config, seed, jnp.dtype(dtype))
+
+def _controlled(config, cfg, params, K, n_live, budget, rates, seed, repeats, log) -> list:
+  """One wave of n_live samples, plain and then with drafts from the true continuation
+  wrong at each rate: a row each."""
+  prompt_len = config.data.max_prompt_len
+  lone = [
+      np.random.default_rng([seed, 99, i]).integers(1, cfg.vocab_size, prompt_len)
+      for i in range(n_live)
+  ]
+  make = lambda: _records([p.astype(np.int32) for p in lone], 1, budget, _sampling(config), seed)
+  engine = lambda k: _engine(config, n_live, prompt_len + budget, k)
+  log(f"controlled, {n_live} live, plain")
+  truth, plain_s, plain_c = _decode(cfg, params, make, engine(0), repeats=repeats)
+  plain_ms = 1e3 * plain_s / max(plain_c.tokens_generated, 1)
   rows = []
-  for n_live in live:
-    lone = [
-        np.random.default_rng([seed, 99, i]).integers(1, cfg.vocab_size, prompt_len)
-        for i in range(n_live)
-    ]
-    make = lambda: _records([p.astype(np.int32) for p in lone], 1, budget, sampling, seed)
-    log(f"controlled, {n_live} live, plain")
-    truth, plain_s, plain_c = _decode(
-        cfg, params, make, _engine(config, n_live, prompt_len + budget, 0)
-    )
-    plain_ms = 1e3 * plain_s / max(plain_c.tokens_generated, 1)
-    for rate in rates:
-      rng = np.random.default_rng([seed, int(rate * 1000)])
-      suggest = {t.index: _corrupt(t.response, rate, rng, cfg.vocab_size) for t in truth}
-      log(f"controlled, {n_live} live, wrong rate {rate}")
-      spec_config = _engine(config, n_live, prompt_len + budget, K)
-      spec = _decode(cfg, params, make, spec_config, suggest, repeats=repeats)
-      side = _side(*spec)
-      rows.append({
-          "live": n_live,
-          "wrong_rate": rate,
-          "plain_ms_per_token": plain_ms,
-          "spec_ms_per_token": side["ms_per_token"],
-          "tokens_per_pass": side["tokens_per_pass"] / n_live,
-          "acceptance": side["acceptance"].get("suggested", 0.0),
-          "speedup": plain_ms / side["ms_per_token"],
-          "mismatches": _mismatches(truth, spec[0])["samples_differing"],
-          "faster": "speculative" if side["ms_per_token"] < plain_ms else "plain",
-      })  # fmt: skip
-  out["controlled"] = rows
-  out["controlled_model"] = f"{model or 'config'}, {dtype}"
-  _print(out)
-  return out
+  for rate in rates:
+    rng = np.random.default_rng([seed, int(rate * 1000)])
+    suggest = {t.index: _corrupt(t.response, rate, rng, cfg.vocab_size) for t in truth}
+    log(f"controlled, {n_live} live, wrong rate {rate}")
+    spec = _decode(cfg, params, make, engine(K), suggest, repeats=repeats)
+    side = _side(*spec)
+    rows.append({
+        "live": n_live,
+        "wrong_rate": rate,
+        "plain_ms_per_token": plain_ms,
+        "spec_ms_per_token": side["ms_per_token"],
+        "tokens_per_pass": side["tokens_per_pass"] / n_live,
+        "acceptance": side["acceptance"].get("suggested", 0.0),
+        "speedup": plain_ms / side["ms_per_token"],
+        "mismatches": _mismatches(truth, spec[0])["samples_differing"],
+        "faster": "speculative" if side["ms_per_token"] < plain_ms else "plain",
+    })  # fmt: skip
+  return rows
 
 
 def _corrupt(tokens, rate: float, rng, vocab: int) -> np.ndarray:

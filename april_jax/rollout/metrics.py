@@ -65,15 +65,11 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
   rewards = np.array([r for g in result.groups for r in (g.rewards or [])], np.float64)
   in_group_std = [np.std([len(s.response) for s in g.samples]) for g in result.groups]
   wall = max(st.get("rollout_s", 0.0), 1e-9)
-  slot_steps = st.get("num_slots", 0) * st.get("decode_steps", 0)
   stat = lambda fn, a: float(fn(a)) if len(a) else 0.0
   return _reward_extras(result.groups) | {
       "rollout/tokens_per_s": st.get("new_tokens", 0) / wall,
       "rollout/trained_tokens_per_s": float(lengths.sum()) / wall,
-      "rollout/slot_occupancy": st.get("new_tokens", 0) / slot_steps if slot_steps else 0.0,
-      "rollout/tokens_per_decode_step": (
-          st.get("new_tokens", 0) / st["decode_steps"] if st.get("decode_steps") else 0.0
-      ),
+      **_decoding(st),
       "rollout/off_policy_token_frac": continued / drawn_total if drawn_total else 0.0,
       "rollout/stale_token_frac": stat(np.mean, versions < version),
       "rollout/staleness_max": stat(np.max, staleness),
@@ -108,6 +104,16 @@ def rollout_metrics(result: RolloutResult, version: int) -> dict[str, float]:
       "time/rollout_s": float(st.get("rollout_s", 0.0)),
       "time/reward_s": float(st.get("reward_s", 0.0)),
       "time/env_wait_s": float(st.get("env_wait_s", 0.0)),
+  }
+
+
+def _decoding(st: dict) -> dict[str, float]:
+  """rollout/slot_occupancy and rollout/tokens_per_decode_step."""
+  tokens, steps = st.get("new_tokens", 0), st.get("decode_steps", 0)
+  slot_steps = st.get("num_slots", 0) * steps
+  return {
+      "rollout/slot_occupancy": tokens / slot_steps if slot_steps else 0.0,
+      "rollout/tokens_per_decode_step": tokens / steps if steps else 0.0,
   }
 
 

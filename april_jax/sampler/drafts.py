@@ -73,74 +73,70 @@ class DraftInputs:
   history_len: jax.Array  # int32 [S, H]: their lengths (0: no row)
 
 
+def _candidate(c, tokens_SxM, length_S, in_slots, history, history_len):
+  """Candidate row c of every slot (0: its own; 1..G: its group's, in_slots' columns;
+  then its history rows): the rows [S, M], their lengths [S], their source (1 +
+  SOURCES index) and their rank on a tie (own, group, history)."""
+  G, H = in_slots.shape[1] - 1, history.shape[1]
+  slot = jax.lax.dynamic_index_in_dim(in_slots, jnp.minimum(c, G), 1, keepdims=False)
+  row = tokens_SxM[jnp.maximum(slot, 0)]
+  length = jnp.where(slot >= 0, length_S[jnp.maximum(slot, 0)], 0)
+  if H:
+    h = jnp.clip(c - 1 - G, 0, H - 1)
+    from_history = c > G
+    row = jnp.where(from_history, jax.lax.dynamic_index_in_dim(history, h, 1, False), row)
+    past = jax.lax.dynamic_index_in_dim(history_len, h, 1, False)
+    length = jnp.where(from_history, past, length)
+  source = jnp.where(c == 0, 2, jnp.where(c <= G, 3, 4))
+  rank = jnp.where(c == 0, 2, jnp.where(c <= G, 1, 0))
+  return row, length, source, rank
+
+
+def _best_match(row_SxM, row_len_S, suffix, length_S, rank, K: int):
+  """The latest longest match of each slot's suffix (its last tokens, suffix[i] = the
+  token i before its last) in one candidate row: (score [S], -1 for none; the K tokens
+  after it [S, K]; how many of them the row holds [S])."""
+  S, M = row_SxM.shape
+  j = jnp.arange(M)
+  # run[s, j]: how many of the slot's last tokens end at position j of the row, in a row.
+  run = jnp.zeros((S, M), jnp.int32)
+  still = jnp.ones((S, M), bool)
+  for i, want in enumerate(suffix):
+    shifted = jnp.pad(row_SxM, ((0, 0), (i, 0)), constant_values=-1)[:, :M]
+    still = still & (shifted == want[:, None]) & (j >= i)[None] & (length_S > i)[:, None]
+    run = run + still
+  # A match needs a token after it in its row (j <= len - 2); in the slot's own row that
+  # is also what keeps the suffix from matching itself.
+  valid = (run > 0) & (j[None, :] <= row_len_S[:, None] - 2)
+  score = jnp.where(valid, run * (4 * M) + rank * M + j[None, :], -1)
+  at = jnp.argmax(score, axis=1)
+  pos = jnp.minimum(at[:, None] + 1 + jnp.arange(K)[None, :], M - 1)
+  count = jnp.clip(jnp.minimum(K, row_len_S - 1 - at), 0, K)
+  return jnp.max(score, axis=1), jnp.take_along_axis(row_SxM, pos, axis=1), count
+
+
 def _lookup(tokens_SxM, length_S, group_S, history, history_len, K: int, ngram: int):
   """n-gram drafts from each slot's own row, its group's rows and its history rows:
   (tokens [S, K], count [S], source [S]: 1 + SOURCES index). The candidate rows are
   searched one at a time (a loop), so a pass holds a few [S, M] arrays, not one per
   candidate."""
-  S, M = tokens_SxM.shape
+  S, _ = tokens_SxM.shape
   G, H = min(PEERS, S - 1), history.shape[1]
   peers = _peers(group_S, S, G) if G > 0 else jnp.zeros((S, 0), jnp.int32)
   in_slots = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)
-  L = length_S
-  j = jnp.arange(M)
-  suffix = [
-      jnp.take_along_axis(tokens_SxM, jnp.maximum(L - 1 - i, 0)[:, None], axis=1)[:, 0]
-      for i in range(ngram)
-  ]
-
-  def candidate(c):
-    """Row c of every slot's candidates (own, then group, then history): [S, M], its
-    lengths [S], its source and its rank on a tie."""
-    slot = jax.lax.dynamic_index_in_dim(in_slots, jnp.minimum(c, G), 1, keepdims=False)
-    row = tokens_SxM[jnp.maximum(slot, 0)]
-    length = jnp.where(slot >= 0, L[jnp.maximum(slot, 0)], 0)
-    if H:
-      h = jnp.clip(c - 1 - G, 0, H - 1)
-      from_history = c > G
-      row = jnp.where(from_history, jax.lax.dynamic_index_in_dim(history, h, 1, False), row)
-      length = jnp.where(
-          from_history, jax.lax.dynamic_index_in_dim(history_len, h, 1, False), length
-      )
-    source = jnp.where(c == 0, 2, jnp.where(c <= G, 3, 4))
-    rank = jnp.where(c == 0, 2, jnp.where(c <= G, 1, 0))
-    return row, length, source, rank
+  last = lambda i: jnp.take_along_axis(tokens_SxM, jnp.maximum(length_S - 1 - i, 0)[:, None], 1)
+  suffix = [last(i)[:, 0] for i in range(ngram)]
 
   def search(c, best):
-    best_score, best_tokens, best_count, best_source = best
-    row, length, source, rank = candidate(c)
-    # run[s, j]: how many of the slot's last tokens (up to ngram) end at position j of
-    # the row, consecutively.
-    run = jnp.zeros((S, M), jnp.int32)
-    still = jnp.ones((S, M), bool)
-    for i in range(ngram):
-      shifted = jnp.pad(row, ((0, 0), (i, 0)), constant_values=-1)[:, :M]
-      still = still & (shifted == suffix[i][:, None]) & (j >= i)[None] & (L > i)[:, None]
-      run = run + still
-    # A match needs a token after it in its row (j <= len - 2); in the slot's own row
-    # that is also what keeps the suffix from matching itself.
-    valid = (run > 0) & (j[None, :] <= length[:, None] - 2)
-    score = jnp.where(valid, run * (4 * M) + rank * M + j[None, :], -1)
-    at = jnp.argmax(score, axis=1)
-    top = jnp.max(score, axis=1)
-    pos = jnp.minimum(at[:, None] + 1 + jnp.arange(K)[None, :], M - 1)
-    tokens = jnp.take_along_axis(row, pos, axis=1)
-    count = jnp.clip(jnp.minimum(K, length - 1 - at), 0, K)
-    better = top > best_score  # the first of equal scores stays
+    row, row_len, source, rank = _candidate(c, tokens_SxM, length_S, in_slots, history, history_len)
+    score, tokens, count = _best_match(row, row_len, suffix, length_S, rank, K)
+    better = score > best[0]  # the first of equal scores stays
     pick = lambda new, old: jnp.where(better.reshape((S,) + (1,) * (new.ndim - 1)), new, old)
-    return (
-        jnp.maximum(top, best_score),
-        pick(tokens, best_tokens),
-        pick(count, best_count),
-        pick(jnp.broadcast_to(source, (S,)), best_source),
-    )
+    source = jnp.broadcast_to(source, (S,))
+    return (jnp.maximum(score, best[0]),) + tuple(map(pick, (tokens, count, source), best[1:]))
 
-  none = (
-      jnp.full((S,), -1, jnp.int32),
-      jnp.zeros((S, K), jnp.int32),
-      jnp.zeros((S,), jnp.int32),
-      jnp.zeros((S,), jnp.int32),
-  )
+  none = (jnp.full((S,), -1, jnp.int32), jnp.zeros((S, K), jnp.int32))
+  none += (jnp.zeros((S,), jnp.int32), jnp.zeros((S,), jnp.int32))
   _, tokens, count, source = jax.lax.fori_loop(0, 1 + G + H, search, none)
   return tokens, count.astype(jnp.int32), source.astype(jnp.int32)
 

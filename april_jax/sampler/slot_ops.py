@@ -515,6 +515,17 @@ def chunk_pages_for(decode_block: int, page_size: int, pool_pages: int) -> int:
   return max(1, min(decode_block // page_size, pool_pages))
 
 
+def _speculate(cfg, s: DeviceSettings, layout, state_sh, block_pages: int, traced):
+  """speculative.decode jitted (None without speculation): its verify pass reads the
+  pool as feed does, block_pages pages a block."""
+  if not s.speculative_tokens:
+    return None
+  K, ngram = s.speculative_tokens, s.speculative_ngram
+  verify = functools.partial(speculative.decode, layout, cfg, s.sync_every, K, ngram, block_pages)
+  pin = {} if state_sh is None else {"out_shardings": (state_sh,) + (None,) * 4}
+  return jax.jit(traced(verify), donate_argnums=1, **pin)
+
+
 def _placement(init, mesh, rules):
   """(cache layout, SlotState of shardings, sequences' KV sharding); no mesh: none."""
   if mesh is None:
@@ -562,21 +573,8 @@ def device_fns(
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
   pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
-  speculate = None
-  if s.speculative_tokens:
-    verify = functools.partial(
-        speculative.decode,
-        layout,
-        cfg,
-        s.sync_every,
-        s.speculative_tokens,
-        s.speculative_ngram,
-        feed_pages,
-    )
-    pin_five = {} if state_sh is None else {"out_shardings": (state_sh,) + (None,) * 4}
-    speculate = jax.jit(traced(verify), donate_argnums=1, **pin_five)
   return DeviceFns(
-      speculate=speculate,
+      speculate=_speculate(cfg, s, layout, state_sh, feed_pages, traced),
       shards=shards,
       pages_per_shard=per_shard,
       state_sharding=state_sh,
