@@ -284,9 +284,10 @@ def _decode_programs(econf, fns, state, mesh, decode_params) -> list:
   if fns.speculate is not None:
     S, M, H = econf.num_slots, econf.max_len, econf.speculative_history
     inputs = DraftInputs(rep((S, M), i32), rep((S, H, M), i32), rep((S, H), i32))
+    slots = rep((S,), i32)  # the widest verify pass: every slot
     speculate.append(
         compile_program(
-            "decode (speculative)", fns.speculate, args + (inputs,), resident + (False,)
+            "decode (speculative)", fns.speculate, args + (inputs, slots), resident + (False,) * 2
         )
     )
   return [

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from april_jax.models import lora, qwen3
-from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts, speculative
 from april_jax.sampler.draft_history import DraftHistory
 from april_jax.sampler.records import Status
 from april_jax.sampler.speculation_choice import SpeculationChoice, live_bucket
@@ -286,11 +286,18 @@ def test_on_a_mesh_speculation_draws_what_one_device_draws(sampler_params):
   assert sum(spec.counters.drafted.values()) > 0
 
 
+def test_a_verify_pass_computes_the_narrowest_width_that_holds_the_live_slots():
+  assert speculative.widths(256) == [8, 16, 32, 64, 128, 256]
+  assert speculative.widths(12) == [8, 12] and speculative.widths(3) == [3]
+  assert [speculative.width_for(n, 12) for n in (1, 8, 9, 12)] == [8, 8, 12, 12]
+
+
 def test_after_warm_up_speculation_compiles_nothing(sampler_params, compiles):
+  # 10 slots: verify widths 8 and 10, both compiled by warm-up.
   engine = SlotEngine(
       CFG,
       sampler_params,
-      EngineConfig(num_slots=3, max_len=72, sync_every=3, stop_ids=STOPS, speculative_tokens=2),
+      EngineConfig(num_slots=10, max_len=72, sync_every=3, stop_ids=STOPS, speculative_tokens=2),
   )
   engine.warm_up()
   before = len(compiles)
@@ -404,3 +411,12 @@ def test_a_failing_history_is_counted_and_the_samples_draw_as_ever(sampler_param
   engine = _engine(sampler_params, 4, speculative_history=2)
   _assert_same_draws(truth, _drain(engine, _grouped()))
   assert engine.counters.draft_failures == 12  # 6 admissions, 6 finished samples
+
+
+def test_suggested_tokens_outside_the_vocabulary_are_refused(sampler_params):
+  engine = _engine(sampler_params, 2)
+  record = _grouped()[0]
+  engine.admit([record])
+  for bad in ([1, CFG.vocab_size], [-3], [1.5]):
+    with pytest.raises(ValueError, match=rf"token ids in \[0, {CFG.vocab_size}\)"):
+      engine.suggest(record, bad)

@@ -158,7 +158,7 @@ def _rollout() -> ml_collections.ConfigDict:
   # Speculative decoding (docs/speculative.md): up to this many tokens a live slot is
   # guessed to draw next (n-gram matches in its own tokens and its group's) are checked
   # in one pass, each position drawn with its own key: the same tokens as plain decoding,
-  # in fewer passes when guesses are right. 0: off.
+  # in fewer passes when guesses are right. 0 (off) to 32.
   r.speculative_tokens = 0
   r.speculative_ngram = 3  # the longest suffix of a slot's tokens a guess matches (1-8)
   # Each decode call speculates or not, whichever has drawn more tokens per second at

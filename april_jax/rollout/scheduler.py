@@ -436,8 +436,9 @@ class AprilScheduler:
       self.turns.cut(record)
 
   def _end(self, st: "_Step") -> RolloutResult:
-    """Takes the batch out of the buffer (overdue groups first, oldest first; then the
-    rest in completion order), in group id order; the step's stats."""
+    """Takes the batch out of the buffer: the first batch_size accepted groups (overdue
+    ones first, then the rest in completion order), put in group id order; the step's
+    stats."""
     counters, r = self.engine.counters, self.rewards
     st.accepted.sort(key=lambda g: (0, g.group_id) if g.group_id in st.overdue else (1, 0))
     N = self.settings.batch_size

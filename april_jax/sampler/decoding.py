@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from april_jax import distributed
 from april_jax.sampler.records import SampleRecord, Status
 from april_jax.sampler.speculation_choice import SpeculationChoice
 
@@ -47,10 +48,16 @@ class Decoding:
     live = len(decoding)
     speculate = config.speculative_tokens > 0
     if self.choice is not None:
-      speculate = self.choice.choose(live)
+      # Process 0's choice on every process: they must run the same program.
+      speculate = bool(distributed.agree(np.array([self.choice.choose(live)], np.int32))[0])
     began = time.perf_counter()
     done, lengths, steps, drawn, stats, finished_at = parts.device.decode(
-        params, version, self.stop_ids, leave_after, parts.kv.table(), speculate=speculate
+        params,
+        version,
+        self.stop_ids,
+        leave_after,
+        parts.kv.table(),
+        speculate=sorted(decoding) if speculate else None,
     )
     if self.choice is not None:
       self.choice.record(live, speculate, int(drawn), time.perf_counter() - began)

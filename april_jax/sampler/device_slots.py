@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax.distributed import to_host
 from april_jax.models import qwen3
+from april_jax.sampler import speculative
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
@@ -38,7 +39,8 @@ class DeviceSlots:
     # What speculation drafts from besides the slots' rows (drafts.DraftInputs: suggested
     # tokens, each slot's prompt's past samples), on the host; sent with the next decode
     # call after a change.
-    S, M, H = config.num_slots, config.max_len, config.speculative_history
+    S, M = config.num_slots, config.max_len
+    H = config.speculative_history if config.speculative_tokens else 0
     self.draft_inputs = DraftInputs(
         suggested=np.full((S, M), -1, np.int32),
         history=np.full((S, H, M), -1, np.int32),
@@ -83,24 +85,33 @@ class DeviceSlots:
       self.state = self.fns.write_rows(self.state, rows, _padded(slots[i : i + W], W))
 
   def decode(
-      self, params, version: int, stop_ids, leave_after: int, table, read=True, speculate=False
+      self, params, version: int, stop_ids, leave_after: int, table, read=True, speculate=None
   ):
-    """One decode call (speculative.decode with `speculate`, which needs
-    speculative_tokens > 0); on the host: (done [S], lengths [S], steps run, tokens
-    drawn, speculation's stats [3, sources] and the pass each slot finished at [S], or
-    None, None), unless not `read` (warm-up: nothing is read back, None)."""
+    """One decode call: plain, or with `speculate` (the slots that decode, which needs
+    speculative_tokens > 0) speculative.decode over them, padded to a verify width. On
+    the host: (done [S], lengths [S], steps run, tokens drawn, speculation's stats [3,
+    sources] and the pass each slot finished at [S] (-1: none), or None, None), unless
+    not `read` (warm-up: nothing is read back, None)."""
     args = (np.int32(version), stop_ids, np.int32(leave_after), table)
     stats = finished_at = None
-    if not speculate:
+    if speculate is None:
       self.state, steps, drawn = self.fns.decode(params, self.state, *args)
     else:
       if self._draft_inputs_arg is None:
         self._draft_inputs_arg = jax.device_put(self.draft_inputs, self._slot_rows)
+      S = self.config.num_slots
+      slots = _padded(speculate, speculative.width_for(len(speculate), S))
       self.state, steps, drawn, stats, finished_at = self.fns.speculate(
-          params, self.state, *args, self._draft_inputs_arg
+          params, self.state, *args, self._draft_inputs_arg, slots
       )
-    out = (self.state.done, self.state.length, steps, drawn, stats, finished_at)
-    return to_host(out) if read else None
+    if not read:
+      return None
+    out = to_host((self.state.done, self.state.length, steps, drawn, stats, finished_at))
+    if speculate is not None:  # [W] -> [S]
+      at = np.full(self.config.num_slots, -1, np.int32)
+      at[slots[slots >= 0]] = out[5][slots >= 0]
+      out = out[:5] + (at,)
+    return out
 
   def suggest(self, slot: int, start: int, tokens) -> None:
     """Tokens a slot's drafts take from position `start` on (speculation's `suggested`

@@ -1,7 +1,7 @@
 """Speculation's two pure rules on the device: where a slot's drafts come from, and how
 many of them a verify pass keeps.
 
-  propose(tokens, length, group, inputs, K, ngram)   -> Drafts
+  propose(tokens, length, group, inputs, K, ngram, at) -> Drafts of the slots `at`
   accepted(drafts, drawn, count, stop)               -> e: tokens kept are drawn[:e + 1]
 
 Drafts need no draft model. A slot's next tokens are guessed, in this order, from
@@ -74,9 +74,10 @@ class DraftInputs:
 
 
 def _candidate(c, tokens_SxM, length_S, in_slots, history, history_len):
-  """Candidate row c of every slot (0: its own; 1..G: its group's, in_slots' columns;
-  then its history rows): the rows [S, M], their lengths [S], their source (1 +
-  SOURCES index) and their rank on a tie (own, group, history)."""
+  """Candidate row c of each of W slots (0: its own; 1..G: its group's, in_slots'
+  columns [W, 1 + G]; then its history rows, [W, H, M]): the rows [W, M], their
+  lengths [W], their source (1 + SOURCES index) and their rank on a tie (own, group,
+  history)."""
   G, H = in_slots.shape[1] - 1, history.shape[1]
   slot = jax.lax.dynamic_index_in_dim(in_slots, jnp.minimum(c, G), 1, keepdims=False)
   row = tokens_SxM[jnp.maximum(slot, 0)]
@@ -115,38 +116,46 @@ def _best_match(row_SxM, row_len_S, suffix, length_S, rank, K: int):
   return jnp.max(score, axis=1), jnp.take_along_axis(row_SxM, pos, axis=1), count
 
 
-def _lookup(tokens_SxM, length_S, group_S, history, history_len, K: int, ngram: int):
-  """n-gram drafts from each slot's own row, its group's rows and its history rows:
-  (tokens [S, K], count [S], source [S]: 1 + SOURCES index). The candidate rows are
-  searched one at a time (a loop), so a pass holds a few [S, M] arrays, not one per
-  candidate."""
+def _lookup(tokens_SxM, length_S, group_S, history, history_len, K: int, ngram: int, at_W):
+  """n-gram drafts for the W slots at_W from each one's own row, its group's rows and
+  its history rows (history [W, H, M]): (tokens [W, K], count [W], source [W]: 1 +
+  SOURCES index). The candidate rows are searched one at a time (a loop), so a pass
+  holds a few [W, M] arrays, not one per candidate."""
   S, _ = tokens_SxM.shape
-  G, H = min(PEERS, S - 1), history.shape[1]
-  peers = _peers(group_S, S, G) if G > 0 else jnp.zeros((S, 0), jnp.int32)
-  in_slots = jnp.concatenate([jnp.arange(S, dtype=jnp.int32)[:, None], peers], axis=1)
-  last = lambda i: jnp.take_along_axis(tokens_SxM, jnp.maximum(length_S - 1 - i, 0)[:, None], 1)
-  suffix = [last(i)[:, 0] for i in range(ngram)]
+  W, G, H = at_W.shape[0], min(PEERS, S - 1), history.shape[1]
+  peers = _peers(group_S, S, G)[at_W] if G > 0 else jnp.zeros((W, 0), jnp.int32)
+  in_slots = jnp.concatenate([at_W[:, None].astype(jnp.int32), peers], axis=1)  # [W, 1 + G]
+  length_W = length_S[at_W]
+  own = tokens_SxM[at_W]
+  suffix = [
+      jnp.take_along_axis(own, jnp.maximum(length_W - 1 - i, 0)[:, None], 1)[:, 0]
+      for i in range(ngram)
+  ]
 
   def search(c, best):
     row, row_len, source, rank = _candidate(c, tokens_SxM, length_S, in_slots, history, history_len)
-    score, tokens, count = _best_match(row, row_len, suffix, length_S, rank, K)
+    score, tokens, count = _best_match(row, row_len, suffix, length_W, rank, K)
     better = score > best[0]  # the first of equal scores stays
-    pick = lambda new, old: jnp.where(better.reshape((S,) + (1,) * (new.ndim - 1)), new, old)
-    source = jnp.broadcast_to(source, (S,))
+    pick = lambda new, old: jnp.where(better.reshape((W,) + (1,) * (new.ndim - 1)), new, old)
+    source = jnp.broadcast_to(source, (W,))
     return (jnp.maximum(score, best[0]),) + tuple(map(pick, (tokens, count, source), best[1:]))
 
-  none = (jnp.full((S,), -1, jnp.int32), jnp.zeros((S, K), jnp.int32))
-  none += (jnp.zeros((S,), jnp.int32), jnp.zeros((S,), jnp.int32))
+  none = (jnp.full((W,), -1, jnp.int32), jnp.zeros((W, K), jnp.int32))
+  none += (jnp.zeros((W,), jnp.int32), jnp.zeros((W,), jnp.int32))
   _, tokens, count, source = jax.lax.fori_loop(0, 1 + G + H, search, none)
   return tokens, count.astype(jnp.int32), source.astype(jnp.int32)
 
 
-def propose(tokens_SxM, length_S, group_S, inputs: DraftInputs, K: int, ngram: int) -> Drafts:
-  """Up to K drafts per slot for positions length .. length+K-1 (module docstring).
-  The caller bounds `count` further (pages, budget, given tokens)."""
-  s_tokens, s_count = _suggested(inputs.suggested, length_S, K)
+def propose(tokens_SxM, length_S, group_S, inputs: DraftInputs, K: int, ngram: int, at_W=None):
+  """Up to K drafts for positions length .. length+K-1 of the W slots at_W (default:
+  every slot), [W] rows (module docstring). The caller bounds `count` further (pages,
+  budget, given tokens)."""
+  if at_W is None:
+    at_W = jnp.arange(tokens_SxM.shape[0])
+  length_W = length_S[at_W]
+  s_tokens, s_count = _suggested(inputs.suggested[at_W], length_W, K)
   n_tokens, n_count, n_source = _lookup(
-      tokens_SxM, length_S, group_S, inputs.history, inputs.history_len, K, ngram
+      tokens_SxM, length_S, group_S, inputs.history[at_W], inputs.history_len[at_W], K, ngram, at_W
   )
   use_s = s_count > 0
   count = jnp.where(use_s, s_count, n_count)

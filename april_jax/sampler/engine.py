@@ -256,6 +256,13 @@ class SlotEngine:
     slot = self.slots.slot_of(record)
     if slot is None:
       raise ValueError("the sample is in no slot: suggest needs a live sample")
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.size and not (
+        np.issubdtype(tokens.dtype, np.integer)
+        and 0 <= tokens.min()
+        and tokens.max() < self.cfg.vocab_size
+    ):
+      raise ValueError(f"suggested tokens must be token ids in [0, {self.cfg.vocab_size})")
     self.device.suggest(slot, len(record.prompt), tokens)
 
   def set_aside(self, record: SampleRecord) -> None:

@@ -79,7 +79,9 @@ def rows_from_records(
     P = len(r.prompt)
     tokens[j, : r.length] = np.concatenate([r.prompt, r.response])
     versions[j, P : r.length], logprobs[j, P : r.length] = r.versions, r.logprobs
-    group = -1 if r.group_id is None else r.group_id
+    # The group's id as an int32 (ids past 2^31 wrap: only speculation reads it, to find
+    # a slot's group, and a rare collision only makes a draft less likely right).
+    group = -1 if r.group_id is None else r.group_id & 0x7FFFFFFF
     fields = dict(length=length, prompt_len=P, kv_version=kv_version, top_k=r.top_k, group=group)
     fields.update(limit=P + r.max_new_tokens, forced_end=r.length)
     for name, value in fields.items():

@@ -3,7 +3,8 @@
 Per length bucket: prefill and its insert (one prompt, and prefill_rows prompts where
 that is more), the insert of restored KV, the KV extract and (hold_stopped, feed_given
 "prefill") the feed of given tokens; then decode, mark_done, the row extract and the row
-write (the speculative decode too, with speculation; both with speculative_auto). Each
+write (with speculation, the verify pass at each of its widths instead of decode; both
+with speculative_auto). Each
 runs on the engine's own state, as a no-op (no slot is named, so nothing is
 written and no memory is spent on a second state), so the engine must be empty.
 """
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from april_jax.models import qwen3
-from april_jax.sampler import feeding
+from april_jax.sampler import feeding, speculative
 
 
 def warm_up(parts, stop_ids, lengths: list[int]) -> int:
@@ -26,9 +27,12 @@ def warm_up(parts, stop_ids, lengths: list[int]) -> int:
     _warm_bucket(parts, b)
   device, config, policy = parts.device, parts.config, parts.policy
   params, version = policy.params, policy.version
-  modes = {config.speculative_tokens > 0} | ({False} if config.speculative_auto else set())
-  for speculate in sorted(modes):  # speculative_auto: both programs
-    device.decode(params, version, stop_ids, 1, parts.kv.table(), read=False, speculate=speculate)
+  table = parts.kv.table()
+  if not config.speculative_tokens or config.speculative_auto:
+    device.decode(params, version, stop_ids, 1, table, read=False)
+  if config.speculative_tokens:  # each verify width, its slots padding (none runs)
+    for width in speculative.widths(config.num_slots):
+      device.decode(params, version, stop_ids, 1, table, read=False, speculate=[-1] * width)
   device.mark_done(np.zeros(config.num_slots, bool))
   no_slots = np.full(config.insert_width, -1, np.int32)
   jax.block_until_ready(device.fns.extract_rows(device.state, no_slots))
