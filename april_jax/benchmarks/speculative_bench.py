@@ -11,11 +11,11 @@ timed):
               Token mismatches (expected 0), tokens per decode pass, time per token,
               acceptance by source.
   controlled  `--spec_model`'s shape (default the config's; params in --dtype) at the
-              config's sampling,
-              one wave of `live` samples that all run the whole budget (no stop
-              tokens), drafts suggested from the true continuation (the plain side's
-              tokens) with each token replaced at rate r: the speedup against
-              acceptance and live slots.
+              config's sampling, one wave of `live` samples in an engine of the config's
+              slots (more if more are live: few live is a step's tail) that all run the
+              whole budget (no stop tokens), drafts suggested from the true
+              continuation (the plain side's tokens) with each token replaced at rate
+              r: the speedup against acceptance and live slots.
   bfloat16    the task's records in bfloat16: the verify pass sums attention in another
               order than a decode step, so a near tie may draw another token; counted
               (samples that differ, and where they first do).
@@ -204,7 +204,9 @@ def _controlled(config, cfg, params, K, n_live, budget, rates, seed, repeats, lo
       for i in range(n_live)
   ]
   make = lambda: _records([p.astype(np.int32) for p in lone], 1, budget, _sampling(config), seed)
-  engine = lambda k: _engine(config, n_live, prompt_len + budget, k)
+  # The config's slots (the tail of a step: few of them live), or more if more are live.
+  slots = max(config.rollout.num_slots, n_live)
+  engine = lambda k: _engine(config, slots, prompt_len + budget, k)
   log(f"controlled, {n_live} live, plain")
   truth, plain_s, plain_c = _decode(cfg, params, make, engine(0), repeats=repeats)
   plain_ms = 1e3 * plain_s / max(plain_c.tokens_generated, 1)
