@@ -117,13 +117,15 @@ def test_suggested_tokens_come_first_up_to_the_first_unset_position():
 
 # --------------------------------------------------- same tokens as plain decoding
 def _engine(params, K, mesh=None, **kw):
-  config = dict(num_slots=4, max_len=96, sync_every=4, stop_ids=STOPS, page_size=8)
-  return SlotEngine(CFG, params, EngineConfig(**config, **kw, speculative_tokens=K), mesh=mesh)
+  config = dict(num_slots=4, max_len=96, sync_every=4, stop_ids=STOPS, page_size=8) | kw
+  return SlotEngine(CFG, params, EngineConfig(**config, speculative_tokens=K), mesh=mesh)
 
 
 def _grouped(n=6, budget=60, seed=0, offset=0, **kw):
+  """n samples in groups of two (group ids offset + i // 2), each group's prompt a
+  phrase of 4 random tokens three times, so own-row matches are found."""
   rng = np.random.default_rng(seed)
-  phrase = [rng.integers(20, CFG.vocab_size, 4) for _ in range(3)]
+  phrase = [rng.integers(20, CFG.vocab_size, 4) for _ in range(-(-n // 2))]
   keys = np.random.default_rng(seed + 1).integers(0, 2**32, (n, 2), dtype=np.uint32)
   return [
       SampleRecord(
@@ -284,6 +286,11 @@ def test_on_a_mesh_speculation_draws_what_one_device_draws(sampler_params):
   spec = _engine(sharded, 4, mesh=mesh)
   _assert_same_draws(truth, _drain(spec, _grouped()))
   assert sum(spec.counters.drafted.values()) > 0
+  # 10 slots over 2 shards, 12 samples: passes of 10 rows while 9 or 10 are live, then
+  # of 8 (fewer than the slots, which lie on both shards).
+  wide = _engine(sharded, 4, mesh=mesh, num_slots=10)
+  truth = _drain(_engine(sampler_params, 0, num_slots=10), _grouped(n=12))
+  _assert_same_draws(truth, _drain(wide, _grouped(n=12)))
 
 
 def test_a_verify_pass_computes_the_narrowest_width_that_holds_the_live_slots():
@@ -301,7 +308,7 @@ def test_after_warm_up_speculation_compiles_nothing(sampler_params, compiles):
   )
   engine.warm_up()
   before = len(compiles)
-  _drain(engine, _grouped(), cut_every=2)
+  _drain(engine, _grouped(n=14), cut_every=2)  # 10 live, then fewer: both widths
   assert compiles[before:] == []
 
 
