@@ -39,7 +39,9 @@ class DeviceSlots:
     # What speculation drafts from besides the slots' rows (drafts.DraftInputs: suggested
     # tokens, each slot's prompt's past samples), on the host; sent with the next decode
     # call after a change.
-    S, M = config.num_slots, config.max_len
+    # (Without speculation nothing reads them: no row is held.)
+    S = config.num_slots
+    M = config.max_len if config.speculative_tokens else 0
     H = config.speculative_history if config.speculative_tokens else 0
     self.draft_inputs = DraftInputs(
         suggested=np.full((S, M), -1, np.int32),
@@ -116,6 +118,8 @@ class DeviceSlots:
   def suggest(self, slot: int, start: int, tokens) -> None:
     """Tokens a slot's drafts take from position `start` on (speculation's `suggested`
     source); none past max_len."""
+    if not self.config.speculative_tokens:
+      return  # nothing drafts
     tokens = np.asarray(tokens, np.int32)[: max(self.config.max_len - start, 0)]
     self.draft_inputs.suggested[slot, start : start + len(tokens)] = tokens
     self._draft_inputs_arg = None
