@@ -419,6 +419,8 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
   )
   if packed is not None:
     mb.update(positions=mb["tokens"], segments=mb["tokens"])
+  if update_lib.selects_tokens(config.train):
+    mb.update(selected=mb["mask"])
   return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
 
 

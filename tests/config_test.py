@@ -100,6 +100,9 @@ def test_a_dataset_task_refuses_a_warm_start_and_evaluation_without_eval_path(tm
         ("env.name", "nope", "env.name='nope' is neither a registered environment"),
         ("env.max_turns", 0, "env.max_turns must be >= 1"),
         ("env.observation_template", "{obs}", "env.observation_template must hold"),
+        ("train.whitening", "std", "train.whitening must be one of"),
+        ("train.kl_type", "k5", "kl_type='k5': must be one of"),
+        ("train.cov_ratio", 0.01, "train.cov_ratio set but train.policy_loss is .ppo_clip."),
     ],
 )
 def test_wrong_field_is_named(field, value, message):
@@ -109,6 +112,14 @@ def test_wrong_field_is_named(field, value, message):
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(ConfigError, match=message):
+    validate(config)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused_naming_n(advantage):
+  config = load_config("tiny")
+  config.train.advantage, config.rollout.n_samples_per_prompt = advantage, 1
+  with pytest.raises(ConfigError, match=f"train.advantage '{advantage}' compares a sample"):
     validate(config)
 
 

@@ -15,6 +15,7 @@ from april_jax.configs import base
 from april_jax.models import attention, qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
+from april_jax.rl import cov_tokens
 from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
 from april_jax.rl import update as update_lib
@@ -147,6 +148,12 @@ def _gradients(learner: Learner, batch: dict[str, np.ndarray]):
   batch.update(is_weight=np.ones_like(batch["mask"]), ref_logp=batch["old_logp"] - 0.1)
   batch = {k: v for k, v in batch.items() if k in update_lib.UPDATE_KEYS}
   trained = update_lib.trained_mask(learner.loss_cfg, batch["mask"], batch["stale"])
+  if learner.selects_tokens:
+    rng = np.random.default_rng(0)
+    batch["selected"] = cov_tokens.select(
+        learner.loss_cfg, batch["advantages"], batch["old_logp"], trained, rng
+    )
+    assert batch["selected"].any()
   totals = (np.float32(trained.sum()), np.float32((trained.sum(-1) > 0).sum()))
   grads = learner.programs.zeros(learner.params)
   for p in layout.plan(batch["mask"], learner.train)[0]:
@@ -207,8 +214,20 @@ def test_packed_rows_give_the_losses_and_gradients_of_a_row_per_sample(params, a
   assert metrics[0]["train/grad_norm"] > 0
 
 
-def test_packed_gspo_equals_unpacked(params):
-  _compare_updates(params, _batch(1), policy_loss="gspo", tis_cap=2.0, is_level="sequence")
+@pytest.mark.parametrize(
+    "loss, knobs",
+    [
+        ("gspo", dict(tis_cap=2.0, is_level="sequence")),
+        ("gmpo", dict(tis_cap=2.0)),
+        ("cispo", dict(tis_cap=2.0)),
+        ("clip_cov", dict(cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)),
+        ("kl_cov", dict(cov_ratio=0.2)),
+    ],
+)
+def test_packed_rows_equal_unpacked_for_the_sequence_and_covariance_losses(params, loss, knobs):
+  metrics = _compare_updates(params, _batch(1), policy_loss=loss, **knobs)
+  if loss.endswith("_cov"):
+    assert metrics[0]["train/cov_selected_frac"] > 0
 
 
 @pytest.mark.parametrize("estimator", sorted(advantages_lib.ADVANTAGES))

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from april_jax.rl.advantages import ADVANTAGES, get_advantage, overlong_penalty
-from april_jax.rl.losses import GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH, LossConfig, aggregate
-from april_jax.rl.losses import kl_penalty, policy_loss, validate_loss_config
+from april_jax.rl.aggregation import aggregate
+from april_jax.rl.kl import kl_penalty
+from april_jax.rl.losses import GSPO_EPS_CLIP, GSPO_EPS_CLIP_HIGH, LossConfig
+from april_jax.rl.losses import policy_loss, validate_loss_config
 
 # ---------------------------------------------------------------- a hand-built batch
 # Ratios chosen so both branches occur for both signs of A (eps 0.2, eps_high 0.28):
@@ -444,29 +446,37 @@ def test_stale_tokens_are_excluded_only_when_mask_stale_tokens_is_set():
 # -------------------------------------------------------------------------------- KL
 
 
-def test_kl_estimators_match_numpy():
-  logp = np.array([[-1.0, -2.0, -0.5, -3.0, -1.0]], np.float32)
-  ref = np.array([[-1.5, -1.0, -0.5, -40.0, 25.0]], np.float32)
-  for kl_type in ("k1", "k3", "low_var_kl"):
+def test_kl_estimators_match_numpy_and_k3_is_clamped_as_low_var_kl():
+  logp = np.array([[-1.0, -2.0, -0.5, -3.0, -1.0, -5.0]], np.float32)
+  ref = np.array([[-1.5, -1.0, -0.5, -40.0, 25.0, -2.0]], np.float32)
+  for kl_type in ("k1", "k2", "k3", "low_var_kl", "abs"):
     expected = []
     for lp, rf in zip(logp[0].tolist(), ref[0].tolist()):
       log_ratio = rf - lp
-      k3 = np.exp(log_ratio) - log_ratio - 1
+      k3 = np.exp(min(max(log_ratio, -20.0), 20.0)) - min(max(log_ratio, -20.0), 20.0) - 1
       expected.append(
-          {"k1": -log_ratio, "k3": k3, "low_var_kl": min(max(k3, -10.0), 10.0)}[kl_type]
+          {
+              "k1": -log_ratio,
+              "k2": 0.5 * log_ratio**2,
+              "k3": min(max(k3, -10.0), 10.0),
+              "low_var_kl": min(max(k3, -10.0), 10.0),
+              "abs": abs(log_ratio),
+          }[kl_type]
       )
     got = np.asarray(kl_penalty(jnp.asarray(logp), jnp.asarray(ref), kl_type))[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kl_type", ["k1", "k3", "low_var_kl"])
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl", "abs"])
 def test_kl_term_adds_kl_coef_times_aggregate_and_nothing_at_zero_coef(kl_type):
   ref = (OLD + np.random.default_rng(3).normal(scale=0.3, size=OLD.shape)).astype(np.float32)
   log_ratio = ref.astype(np.float64) - LOGP
   kl_tokens = {
       "k1": -log_ratio,
-      "k3": np.exp(log_ratio) - log_ratio - 1,
+      "k2": 0.5 * log_ratio**2,
+      "k3": np.clip(np.exp(log_ratio) - log_ratio - 1, -10, 10),
       "low_var_kl": np.clip(np.exp(log_ratio) - log_ratio - 1, -10, 10),
+      "abs": np.abs(log_ratio),
   }[kl_type]
   expected_kl = np_token_mean(kl_tokens, MASK)
   base, m_none = run_loss(LossConfig(kl_type=kl_type))
@@ -504,7 +514,12 @@ def test_entropy_bonus_lowers_loss_by_coef_times_aggregate():
     [
         ("policy_loss", dict(policy_loss="reinforce")),
         ("aggregation", dict(aggregation="sum")),
-        ("kl_type", dict(kl_type="k2")),
+        ("kl_type", dict(kl_type="k5")),
+        ("dual_clip_c", dict(policy_loss="cispo", dual_clip_c=3.0)),
+        ("norm_len", dict(aggregation="token_sum_norm")),
+        ("aggregation", dict(policy_loss="gmpo", aggregation="token_mean")),
+        ("cov_ratio", dict(policy_loss="kl_cov", cov_ratio=0.0)),
+        ("clip_cov_lb", dict(policy_loss="clip_cov", clip_cov_lb=5.0)),
         ("eps_clip", dict(eps_clip=0.0)),
         ("eps_clip_high", dict(eps_clip_high=-0.1)),
         ("tis_cap", dict(tis_cap=1.0)),
@@ -519,7 +534,9 @@ def test_validate_loss_config_names_the_field(field, kw):
 
 def test_validate_loss_config_accepts_defaults_and_gspo():
   validate_loss_config(LossConfig(), n_samples=4)
-  validate_loss_config(LossConfig.for_gspo(tis_cap=2.0, dual_clip_c=3.0), n_samples=8)
+  validate_loss_config(LossConfig.for_gspo(tis_cap=2.0), n_samples=8)
+  for name in ("clip_cov", "kl_cov", "gmpo", "cispo"):
+    validate_loss_config(LossConfig.for_loss(name, tis_cap=2.0), n_samples=8)
 
 
 def test_unknown_policy_loss_lists_known_names():

@@ -245,20 +245,34 @@ def _objective(t: ml_collections.ConfigDict) -> None:
   t.gae_gamma = 1.0  # GAE's discount
   t.gae_lambda = 1.0  # GAE's lambda
   t.gae_whiten = True  # advantages whitened over the batch's trained tokens
-  t.policy_loss = "ppo_clip"  # ppo_clip | gspo
-  # Unset (None): the policy loss's own clips and aggregation, PPO's 0.2 / eps_clip /
-  # token_mean or GSPO's 3e-4 / 4e-4 / seq_mean_token_mean.
+  # How REINFORCE++ and GAE whiten over tokens: population ((x - mu) / (sigma + eps), as
+  # OpenRLHF and slime) | bessel (verl's masked_whiten: unbiased variance, eps inside)
+  t.whitening = "population"
+  # ppo_clip | gspo | clip_cov | kl_cov | gmpo | cispo (docs/algorithms.md)
+  t.policy_loss = "ppo_clip"
+  # Unset (None): the policy loss's own clips and aggregation: PPO's 0.2 / eps_clip /
+  # token_mean, GSPO's 3e-4 / 4e-4 / seq_mean_token_mean, GMPO's 0.4 / 0.4 (on the
+  # log-ratio) / seq_mean_token_mean, CISPO's 1.0 / 0.2 (no lower bound).
   t.eps_clip = config_dict.placeholder(float)
   t.eps_clip_high = config_dict.placeholder(float)  # DAPO's clip-higher: 0.28
-  t.dual_clip_c = config_dict.placeholder(float)  # None = off; e.g. 3.0
-  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  # None = off (slime's default); 3.0 is verl's (always on there). ppo_clip and clip_cov.
+  t.dual_clip_c = config_dict.placeholder(float)
+  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+  # (Dr. GRPO as its paper: / (sequences x norm_len)) | token_sum_norm (verl's
+  # seq-mean-token-sum-norm: / norm_len)
   t.aggregation = config_dict.placeholder(str)
   t.norm_len = config_dict.placeholder(int)  # Dr.GRPO's constant normaliser (tokens)
+  # clip_cov / kl_cov (arXiv 2505.22617): the fraction of the step's trained tokens
+  # selected by the covariance of advantage and logprob (at least one)
+  t.cov_ratio = 2e-4
+  t.clip_cov_lb = 1.0  # clip_cov picks among covariances in (clip_cov_lb, clip_cov_ub)
+  t.clip_cov_ub = 5.0  # (above)
+  t.kl_cov_coef = 1.0  # kl_cov: the coefficient of |log ratio| on the selected tokens
   t.kl_coef = 0.0  # the KL loss term; 0 (and reward_kl_coef 0): no reference params held
   # REINFORCE++'s KL in the reward (advantage reinforce_plus_plus only): each drawn token's
   # reward -reward_kl_coef * (logp - ref_logp); 0 = off
   t.reward_kl_coef = 0.0
-  t.kl_type = "low_var_kl"  # k1 | k3 | low_var_kl
+  t.kl_type = "low_var_kl"  # k1 | k2 | k3 (= low_var_kl, clamped) | low_var_kl | abs
   t.entropy_coef = 0.0  # an entropy bonus in the loss; 0 = off
 
 

@@ -23,6 +23,7 @@ from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
 from april_jax.rewards import longtail_task
 from april_jax.rl import advantages, losses
+from april_jax.rl.policy_terms import COVARIANCE_TERMS
 from april_jax.rollout.settings import problems as settings_problems
 from april_jax.sampler import engine_config
 
@@ -216,6 +217,16 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
         f"train.advantage {t.advantage!r} compares a sample with its group: "
         f"rollout.n_samples_per_prompt must be >= 2, got {r.n_samples_per_prompt}"
     )
+  if t.policy_loss not in COVARIANCE_TERMS and (
+      cov_knobs := [k for k in COVARIANCE_KNOBS if t[k] != _DEFAULT_TRAIN[k]]
+  ):
+    err(
+        f"train.{', train.'.join(cov_knobs)} set but train.policy_loss is {t.policy_loss!r}: "
+        f"only {' and '.join(COVARIANCE_TERMS)} select tokens by covariance; leave them at "
+        "their defaults or pick one of those"
+    )
+  if t.whitening not in advantages.WHITENINGS:
+    err(f"train.whitening must be one of {list(advantages.WHITENINGS)}, got {t.whitening!r}")
   if t.reward_kl_coef < 0:
     err(f"train.reward_kl_coef must be >= 0 (0 = off), got {t.reward_kl_coef}")
   elif t.reward_kl_coef > 0 and t.advantage != "reinforce_plus_plus":
@@ -268,6 +279,7 @@ def _checks_batch_split(c, err: Callable[[str], None]) -> None:
 
 
 # The critic's settings: set away from their defaults they mean advantage 'gae'.
+COVARIANCE_KNOBS = ("cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_coef")
 CRITIC_KNOBS = ("critic_path", "critic_lr", "value_clip", "gae_gamma", "gae_lambda", "gae_whiten")
 _DEFAULT_TRAIN = base.get_config().train
 

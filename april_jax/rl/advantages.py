@@ -3,21 +3,21 @@
 An estimator turns the rewards of G groups of n samples (all n answer the same prompt)
 into one advantage per sample:
 
-    fn(rewards_GxN, eps=1e-6, lengths_GxN=None) -> advantages_GxN   (float32)
+    fn(rewards_GxN, eps=1e-6, lengths_GxN=None, whitening="population")
+        -> advantages_GxN   (float32)
 
 lengths_GxN: each sample's trained (drawn) response tokens, for the estimators that
 normalise over the batch's tokens (default: one token each, i.e. over samples).
+whitening: how those estimators whiten (`whiten`).
 
   grpo    (r - group mean) / (group std + eps), std unbiased (ddof=1) as torch.std in
-          verl and slime; needs n >= 2. A group whose rewards are all equal gets zeros.
+          verl and slime. A group whose rewards are all equal gets zeros.
   drgrpo  Dr. GRPO: r - group mean, with no division by the std.
   rloo    REINFORCE leave-one-out: r_i - mean of the group's other n - 1 rewards
-          = n / (n - 1) * (r_i - group mean); needs n >= 2.
+          = n / (n - 1) * (r_i - group mean).
   reinforce_plus_plus
           REINFORCE++ with gamma = 1 and no KL in the reward: every token's return is the
-          sample's reward r, whitened over the batch's response tokens, as slime and
-          OpenRLHF whiten their per-token returns: (r - mu) / (sigma + eps) with
-          mu = sum(L r) / sum(L) and sigma^2 = sum(L (r - mu)^2) / sum(L) (L = lengths).
+          sample's reward r, whitened over the batch's response tokens.
   reinforce_plus_plus_baseline
           r - group mean, then whitened over the batch's tokens as above: the group
           baseline removes the prompt's difficulty, the batch scale keeps steps alike.
@@ -29,6 +29,17 @@ normalise over the batch's tokens (default: one token each, i.e. over samples).
           whitened over the batch's tokens.
   gae     PPO with a learned critic: per-token advantages by GAE over the critic's values
           (rl/critic.py); not in this registry, since it needs the values.
+
+grpo, drgrpo, rloo and reinforce_plus_plus_baseline compare a sample with its group
+(NEED_GROUPS): with one sample per prompt they would train on zeros (or, with verl's
+convention of a lone sample's mean 0 and std 1, on raw rewards without a baseline), so
+they are refused, naming n.
+
+Whitening over the batch's tokens (weights: each value counted once per token):
+  population  (x - mu) / (sigma + eps), sigma^2 = sum w (x - mu)^2 / sum w: slime's and
+              OpenRLHF's scale (eps outside the root)
+  bessel      (x - mu) / sqrt(sigma^2 N / (N - 1) + 1e-8), N = sum w: verl's
+              masked_whiten, exactly
 
 `overlong_penalty` is added to the rewards before the estimator runs.
 """
@@ -48,7 +59,9 @@ AdvantageFn = Callable[..., jax.Array]
 ADVANTAGES = Registry("advantage")
 register_advantage = ADVANTAGES.register
 get_advantage = ADVANTAGES.lookup
-NEED_GROUPS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # need n >= 2
+NEED_GROUPS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")  # need n >= 2
+WHITENINGS = ("population", "bessel")
+BESSEL_EPS = 1e-8  # inside the root, as verl's masked_whiten
 # Per-token advantages from a learned critic (rl/critic.py), not from rewards alone.
 CRITIC_ADVANTAGES = ("gae",)
 
@@ -65,68 +78,86 @@ def _group_size(rewards_GxN, name: str) -> int:
   return n
 
 
-def _token_whitened(x_GxN: jax.Array, lengths_GxN, eps: float) -> jax.Array:
-  """(x - mu) / (sigma + eps), mu and sigma over the batch's tokens: each sample's x
-  counted once per token (lengths; None: once per sample)."""
-  x_GxN = jnp.asarray(x_GxN, jnp.float32)
-  w_GxN = jnp.ones_like(x_GxN) if lengths_GxN is None else jnp.asarray(lengths_GxN, jnp.float32)
-  total = jnp.maximum(jnp.sum(w_GxN), 1.0)
-  mu = jnp.sum(w_GxN * x_GxN) / total
-  sigma = jnp.sqrt(jnp.sum(w_GxN * (x_GxN - mu) ** 2) / total)
-  return (x_GxN - mu) / (sigma + eps)
+def whiten(x, weights, whitening: str, eps: float) -> np.ndarray:
+  """x whitened over the values counted by `weights` (float64 NumPy; see the module
+  docstring): "population" (x - mu) / (sigma + eps), "bessel" verl's
+  (x - mu) / sqrt(var_unbiased + 1e-8), where eps is not used."""
+  x, w = np.asarray(x, np.float64), np.asarray(weights, np.float64)
+  total = w.sum()
+  if total <= 0:
+    return np.zeros_like(x)
+  mu = (w * x).sum() / total
+  var = (w * (x - mu) ** 2).sum() / total
+  if whitening == "population":
+    return (x - mu) / (np.sqrt(var) + eps)
+  if whitening == "bessel":
+    bessel = total / (total - 1.0) if total > 1 else 0.0
+    return (x - mu) / np.sqrt(var * bessel + BESSEL_EPS)
+  raise ValueError(f"whitening must be one of {WHITENINGS}, got {whitening!r}")
+
+
+def _token_whitened(x_GxN, lengths_GxN, eps: float, whitening: str) -> jax.Array:
+  """x whitened over the batch's tokens: each sample's x counted once per token (lengths;
+  None: once per sample)."""
+  w_GxN = np.ones(np.shape(x_GxN)) if lengths_GxN is None else lengths_GxN
+  return jnp.asarray(whiten(x_GxN, w_GxN, whitening, eps), jnp.float32)
 
 
 @register_advantage("grpo")
-def grpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
-  del lengths_GxN
-  n = jnp.shape(rewards_GxN)[-1]
-  if n < 2:
-    raise ValueError(
-        f"grpo advantages need n >= 2 samples per group (an unbiased std); " f"got n={n}"
-    )
+def grpo_advantages(rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening=None) -> jax.Array:
+  del lengths_GxN, whitening
+  n = _group_size(rewards_GxN, "grpo")
   centered_GxN = _centered(rewards_GxN)
   std_Gx1 = jnp.sqrt(jnp.sum(centered_GxN**2, axis=-1, keepdims=True) / (n - 1))
   return centered_GxN / (std_Gx1 + eps)
 
 
 @register_advantage("drgrpo")
-def drgrpo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
-  del eps, lengths_GxN  # No std division, so nothing to guard.
+def drgrpo_advantages(rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening=None):
+  del eps, lengths_GxN, whitening  # No std division, so nothing to guard.
+  _group_size(rewards_GxN, "drgrpo")
   return _centered(rewards_GxN)
 
 
 @register_advantage("rloo")
-def rloo_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None) -> jax.Array:
-  del eps, lengths_GxN
+def rloo_advantages(rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening=None):
+  del eps, lengths_GxN, whitening
   n = _group_size(rewards_GxN, "rloo")
   return _centered(rewards_GxN) * (n / (n - 1))
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_pp_advantages(rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None):
-  return _token_whitened(rewards_GxN, lengths_GxN, eps)
+def reinforce_pp_advantages(
+    rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="population"
+):
+  return _token_whitened(rewards_GxN, lengths_GxN, eps, whitening)
 
 
 @register_advantage("reinforce_plus_plus_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards_GxN: jax.Array, eps: float = 1e-6, lengths_GxN=None
+    rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="population"
 ) -> jax.Array:
   _group_size(rewards_GxN, "reinforce_plus_plus_baseline")
-  return _token_whitened(_centered(rewards_GxN), lengths_GxN, eps)
+  return _token_whitened(_centered(rewards_GxN), lengths_GxN, eps, whitening)
 
 
-def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8) -> np.ndarray:
-  """(x - mean) / (std + eps) over the masked tokens, 0 off them (NumPy, float32)."""
+def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8, whitening="population") -> np.ndarray:
+  """x whitened over the masked tokens (`whiten`), 0 off them (NumPy, float32)."""
   mask = np.asarray(mask_BxT) > 0
   if not mask.any():
     return np.zeros(np.shape(x_BxT), np.float32)
-  x = np.asarray(x_BxT, np.float64)
-  live = x[mask]
-  return np.where(mask, (x - live.mean()) / (live.std() + eps), 0.0).astype(np.float32)
+  return np.where(mask, whiten(x_BxT, mask, whitening, eps), 0.0).astype(np.float32)
 
 
 def reinforce_pp_kl_advantages(
-    rewards_B, logp_BxT, ref_logp_BxT, mask_BxT, kl_coef: float, eps: float = 1e-6, whiten_mask=None
+    rewards_B,
+    logp_BxT,
+    ref_logp_BxT,
+    mask_BxT,
+    kl_coef: float,
+    eps: float = 1e-6,
+    whiten_mask=None,
+    whitening="population",
 ) -> np.ndarray:
   """REINFORCE++ with the KL in the reward: per-token advantages [B, T] (see the module
   docstring). logp are the policy's before the update, ref_logp the reference's; the KL is
@@ -141,7 +172,7 @@ def reinforce_pp_kl_advantages(
   rows = np.flatnonzero(mask.any(axis=1))
   r[rows, last[rows]] += np.asarray(rewards_B, np.float64)[rows]
   returns = np.cumsum(r[:, ::-1], axis=1)[:, ::-1]  # G_t = sum over s >= t
-  return whiten_tokens(returns, mask if whiten_mask is None else whiten_mask, eps)
+  return whiten_tokens(returns, mask if whiten_mask is None else whiten_mask, eps, whitening)
 
 
 def overlong_penalty(

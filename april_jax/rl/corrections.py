@@ -31,6 +31,7 @@ Metrics (over the trained tokens, before the weight is applied, `train/` in the 
   is_weight_mean / is_weight_min / is_weight_max   the raw weights (at their level)
   is_outside_frac    tokens whose weight was truncated or masked
   is_masked_frac     tokens that left the loss (mask mode)
+  is_clamped_frac    tokens whose log-weight (at its level) passed +-20 and was clamped
   prox_behav_kl      KL(pi_behav || pi_prox), the k3 estimate r - 1 - log r averaged over
                      the drawn tokens with r = pi_prox / pi_behav (0 when they agree)
 """
@@ -47,7 +48,9 @@ MODES = ("truncate", "mask")
 # update, as the old-logprob pass computes them), or the sampler's recorded logprobs
 # (coupled PPO: no old-logprob pass, and no weight).
 ANCHORS = ("proximal", "behavior")
-_MAX_LOG = 80.0  # exp(80) is finite in float32; a weight past it is "far outside" anyway
+# log w is clamped to [-20, 20] before its exp, as verl's rollout correction does
+# (SAFETY_BOUND): a weight of e^20 (4.9e8) is far outside any bound already.
+LOG_WEIGHT_CLAMP = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +93,15 @@ def importance_weights(
   if mode not in MODES:
     raise ValueError(f"importance weight mode must be one of {MODES}, got {mode!r}")
   mask = np.asarray(mask_BxT) > 0
-  log_w = np.clip(log_weights(level, prox_logp_BxT, behavior_logp_BxT, mask), -_MAX_LOG, _MAX_LOG)
-  raw = np.exp(log_w)
-  token_log_w = log_weights("token", prox_logp_BxT, behavior_logp_BxT, mask)
-  kl = np.expm1(np.clip(token_log_w, -_MAX_LOG, _MAX_LOG)) - token_log_w
+  log_w = log_weights(level, prox_logp_BxT, behavior_logp_BxT, mask)
+  clamped = mask & (np.abs(log_w) > LOG_WEIGHT_CLAMP)
+  raw = np.exp(np.clip(log_w, -LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP))
+  token_log_w = np.clip(
+      log_weights("token", prox_logp_BxT, behavior_logp_BxT, mask),
+      -LOG_WEIGHT_CLAMP,
+      LOG_WEIGHT_CLAMP,
+  )
+  kl = np.expm1(token_log_w) - token_log_w
   if not high:
     weight, outside = np.ones_like(raw), np.zeros_like(mask)
   elif mode == "truncate":
@@ -112,6 +120,7 @@ def importance_weights(
       "is_weight_max": float(live.max()),
       "is_outside_frac": float(outside.sum() / n),
       "is_masked_frac": float((mask & ~keep).sum() / n),
+      "is_clamped_frac": float(clamped.sum() / n),
       "prox_behav_kl": float(kl[mask].sum() / n),
   }
   return Weights(weight.astype(np.float32), keep, metrics)

@@ -15,12 +15,17 @@ observation tokens are skipped: the environment wrote them, they are not actions
                                            V_{K+1} = 0: the episode ends)
   A_k = delta_k + gamma lambda A_{k+1}    R_k = A_k + V_k, the value target.
 With gamma = lambda = 1, A_k = r - V_k. The advantages the policy loss uses are whitened
-over the batch's trained tokens when train.gae_whiten (as OpenRLHF and verl do): the drawn
-tokens, less the stale ones when train.mask_stale_tokens (a mask-mode importance weight
-drops its tokens later, as a rejection).
+over the batch's trained tokens when train.gae_whiten: the drawn tokens, less the stale
+ones when train.mask_stale_tokens (a mask-mode importance weight drops its tokens later,
+as a rejection). train.whitening picks the scale (rl/advantages.py `whiten`): the
+population std with eps outside the root (OpenRLHF's, the default), or "bessel", verl's
+masked_whiten exactly.
 
 Value loss, a token mean over the trained tokens (c = train.value_clip, 0 = no clip):
-  0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
+  0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+critic/value_clipfrac counts the tokens where the second term is the larger, as verl's
+vf_clipfrac: clip(V, V_old - c, V_old + c) is V itself inside the window, so float
+rounding is never counted as clipping (V_old + (V - V_old) need not be V).
 
 Values are computed by the current critic, for the whole batch the step trains, at the
 start of the update (V_old above). A partial sample's values from the step that began it
@@ -153,7 +158,7 @@ def value_loss(values_BxT, old_values_BxT, returns_BxT, mask_BxT, clip: float, t
   mask = jnp.asarray(mask_BxT, jnp.float32)
   err = jnp.square(values_BxT - returns_BxT)
   if clip > 0:
-    clipped_v = old_values_BxT + jnp.clip(values_BxT - old_values_BxT, -clip, clip)
+    clipped_v = jnp.clip(values_BxT, old_values_BxT - clip, old_values_BxT + clip)
     err_clipped = jnp.square(clipped_v - returns_BxT)
     loss_BxT, clipped = jnp.maximum(err, err_clipped), err_clipped > err
   else:

@@ -85,12 +85,16 @@ class Advantages:
 
 def critic_advantages(train, rewards_B, mask_BxT, old_values_BxT, stale_BxT=None) -> Advantages:
   """GAE over the critic's values (rl/critic.py), whitened over the trained tokens when
-  train.gae_whiten; critic/* metrics on the drawn tokens."""
+  train.gae_whiten (by train.whitening); critic/* metrics on the drawn tokens."""
   adv, returns = critic_lib.gae(
       rewards_B, old_values_BxT, mask_BxT, train.gae_gamma, train.gae_lambda
   )
   trained = trained_mask(train, mask_BxT, stale_BxT)
-  whitened = advantages_lib.whiten_tokens(adv, trained) if train.gae_whiten else adv
+  whitened = (
+      advantages_lib.whiten_tokens(adv, trained, whitening=train.whitening)
+      if train.gae_whiten
+      else adv
+  )
   live = mask_BxT > 0
   v, r = old_values_BxT[live], returns[live]
   explained = 1.0 - np.var(r - v) / np.var(r) if r.size and np.var(r) > 0 else 0.0
@@ -120,10 +124,11 @@ def advantages(train, batch: TrainBatch, passes: Passes, old_values_BxT=None) ->
         drawn,
         train.reward_kl_coef,
         whiten_mask=trained_mask(train, drawn, batch.stale),
+        whitening=train.whitening,
     )
     return Advantages(per_token)
   estimator = advantages_lib.get_advantage(train.advantage)
-  per_sample = estimator(batch.rewards, lengths_GxN=batch.lengths)
+  per_sample = estimator(batch.rewards, lengths_GxN=batch.lengths, whitening=train.whitening)
   return Advantages(np.asarray(per_sample).reshape(-1))
 
 

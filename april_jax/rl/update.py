@@ -57,9 +57,11 @@ from april_jax.models import qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import corrections
+from april_jax.rl import cov_tokens
 from april_jax.rl import layout
 from april_jax.rl import losses
 from april_jax.rl import step
+from april_jax.rl.policy_terms import COVARIANCE_TERMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +116,7 @@ def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
       total_tokens=total_tokens,
       total_seqs=total_seqs,
       segments_BxT=micro.get("segments"),
+      selected_BxT=micro.get("selected"),
   )
 
 
@@ -126,6 +129,12 @@ def trained_mask(train, mask_BxT: np.ndarray, stale_BxT=None) -> np.ndarray:
   if train.mask_stale_tokens and stale_BxT is not None:
     mask_BxT = mask_BxT & ~np.asarray(stale_BxT, bool)
   return mask_BxT
+
+
+def selects_tokens(train) -> bool:
+  """Whether the policy term treats tokens selected by covariance apart (clip_cov,
+  kl_cov): the updates then read a `selected` array [B, T] (rl/cov_tokens.py)."""
+  return train.policy_loss in COVARIANCE_TERMS
 
 
 def _totals(loss_cfg: losses.LossConfig, mask_BxT: np.ndarray, stale_BxT: np.ndarray):
@@ -272,10 +281,13 @@ UPDATE_KEYS = (
     "stale",
     "advantages",
     "ref_logp",
+    "selected",
 )
 
 
-def _dummy_batch(B: int, T: int, with_ref: bool, token_advantages: bool) -> dict[str, np.ndarray]:
+def _dummy_batch(
+    B: int, T: int, with_ref: bool, token_advantages: bool, with_selected: bool = False
+) -> dict[str, np.ndarray]:
   """A batch [B, T] of the update's arrays whose rows are all full length, so every
   microbatch is cut at T."""
   mask = np.zeros((B, T), np.float32)
@@ -290,6 +302,8 @@ def _dummy_batch(B: int, T: int, with_ref: bool, token_advantages: bool) -> dict
       "stale": np.zeros((B, T), bool),
       "advantages": mask if token_advantages else np.zeros((B,), np.float32),
   }
+  if with_selected:
+    batch["selected"] = mask
   return dict(batch, ref_logp=mask) if with_ref else batch
 
 
@@ -386,6 +400,8 @@ class Learner(step.TrainedModel):
     # base is the reference (the trained params None).
     self.ref_params = p.to_compute(self.params) if self.has_reference and lora is None else None
     self.token_advantages = token_advantages(train)
+    self.selects_tokens = selects_tokens(train)
+    self.seed = int(seed)
 
   def state(self) -> tuple[dict[str, Any], dict]:
     """What a checkpoint keeps: the device arrays (masters, optimizer state with its
@@ -436,7 +452,9 @@ class Learner(step.TrainedModel):
     if budget is not None:  # packed rows: one budget, its few row lengths
       lengths = [max(budget, max(lengths))]
     for T in lengths:
-      batch = _dummy_batch(batch_size, T, self.has_reference, self.token_advantages)
+      batch = _dummy_batch(
+          batch_size, T, self.has_reference, self.token_advantages, self.selects_tokens
+      )
       inputs = {k: batch[k] for k in FORWARD_KEYS}
       for pieces in layout.every_shape_plan(batch["mask"], self.train, self.min_rows):
         acc = None
@@ -506,6 +524,9 @@ class Learner(step.TrainedModel):
     }
     if passes.ref_logp is not None:
       arrays["ref_logp"] = passes.ref_logp
+    selection = {}
+    if self.selects_tokens:
+      arrays["selected"], selection = self._selected(state, arrays)
     totals = lambda rows: _totals(cfg, arrays["mask"][rows], arrays["stale"][rows])
     state, metrics = self.epochs(state, arrays, plan, totals)
     metrics, skipped = to_host((metrics, state.opt_state.total_notfinite))
@@ -514,16 +535,31 @@ class Learner(step.TrainedModel):
         "train/loss": mean("loss"),
         "train/pg_loss": mean("pg_loss"),
         "train/pg_clipfrac": mean("pg_clipfrac"),
+        "train/pg_clipfrac_lower": mean("pg_clipfrac_lower"),
+        "train/log_ratio_clamped_frac": mean("log_ratio_clamped_frac"),
         "train/kl": mean("kl"),
         "train/entropy": mean("entropy"),
         "train/grad_norm": mean("grad_norm"),
         "train/lr": mean("lr"),
         "train/ratio_mean": mean("ratio_mean"),
         **passes.metrics,
+        **selection,
         "train/padded_per_real": counts["padded_per_real"],  # positions computed / tokens
         "train/skipped_updates": float(skipped),
         "train/updates": float(state.attempted - int(skipped)),
     }
+
+  def _selected(self, state: step.ModelState, arrays: dict[str, np.ndarray]):
+    """clip_cov's or kl_cov's tokens [B, T] over the step's trained tokens, on the
+    proximal logprobs (rl/cov_tokens.py), drawn from (seed, updates tried) so a resumed
+    run draws the same; and train/cov_selected_frac."""
+    trained = trained_mask(self.loss_cfg, arrays["mask"], arrays["stale"])
+    rng = np.random.default_rng([self.seed, state.attempted])
+    selected = cov_tokens.select(
+        self.loss_cfg, arrays["advantages"], arrays["old_logp"], trained, rng
+    )
+    frac = float(selected.sum() / max(int(trained.sum()), 1))
+    return selected, {"train/cov_selected_frac": frac}
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """One RL step's updates of the held state on rows whose advantages are given
