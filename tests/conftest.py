@@ -86,7 +86,7 @@ def _tool_isolation() -> str:
   barrier: python_tool_isolation_test.py)."""
   from april_jax.envs import kernel_isolation  # pylint: disable=g-import-not-at-top
 
-  return "kernel" if kernel_isolation.problem() is None else "none"
+  return "none" if kernel_isolation.kernel_refuses() else "kernel"
 
 
 TOOL_ISOLATION = _tool_isolation()
@@ -252,6 +252,21 @@ SLOW_FILES = (
     "user_code_failures_test.py", "disk_full_test.py", "plan_test.py", "rl_update_test.py",
     "speculative_run_test.py", "speculative_test.py",
 )  # fmt: skip
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line on the Python tool's sandbox: its tests ran, or why they were skipped (only
+  where the kernel itself refuses it), or that it fails on this machine."""
+  from april_jax.envs import kernel_isolation  # pylint: disable=g-import-not-at-top
+
+  why = kernel_isolation.problem()
+  if why is None:
+    line = "kernel isolation: available here; the sandbox's tests ran"
+  elif kernel_isolation.kernel_refuses():
+    line = f"kernel isolation: the kernel refuses it here, its tests were skipped ({why})"
+  else:
+    line = f"kernel isolation: FAILS on this machine ({why})"
+  terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(items):

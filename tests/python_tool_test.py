@@ -372,6 +372,27 @@ def no_user_namespaces(tmp_path, monkeypatch):
   kernel_isolation.problem.cache_clear()
 
 
+def test_a_sandbox_that_cannot_see_python_names_that_not_the_kernel(tmp_path, monkeypatch):
+  fake = tmp_path / "bin" / "bwrap"
+  fake.parent.mkdir()
+  fake.write_text(
+      "#!/bin/sh\necho 'bwrap: execvp /opt/env/bin/python: No such file or directory' >&2\n"
+      "exit 1\n"
+  )
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+  kernel_isolation.problem.cache_clear()
+  try:
+    with pytest.raises(base.EnvError) as refusal:
+      base.load("python_tool", {"isolation": "kernel"})
+    line = str(refusal.value)
+    assert "the sandbox cannot start Python at" in line and "execvp" in line, line
+    assert "env.isolation=none" not in line and "kernel refuses" not in line
+    assert not kernel_isolation.kernel_refuses()
+  finally:
+    kernel_isolation.problem.cache_clear()
+
+
 def test_without_user_namespaces_the_tool_refuses_in_one_line_and_none_runs(no_user_namespaces):
   with pytest.raises(base.EnvError) as refusal:
     base.load("python_tool", {"isolation": "kernel"})

@@ -6,17 +6,26 @@ kernel_isolation.py, inside a sandbox of namespaces). The child reads the code f
 stdin, then, before any of it runs:
 
   * starts a thread that ends the process when its caller's end of a pipe closes (the
-    caller died, whatever stood between them);
+    caller died, whatever stood between them): the last thread it ever starts;
+  * under kernel isolation, makes its scratch folder (`make_scratch`): a mount namespace
+    of its own, a tmpfs bounded in bytes and in inodes (files and folders, however they
+    are made: sqlite3 makes them with no audit event) at the working folder, Python's
+    folders that lay under it put back read-only, then every capability dropped (the
+    sandbox gave it CAP_SYS_ADMIN for this alone). A failure ends the child (status 4);
   * limits itself (setrlimit, soft and hard): address space, CPU seconds, the size of any
-    file it writes (its stdout included), open files, no new processes, no core dumps;
+    file it writes (its stdout included), open files, locked memory, POSIX message
+    queues, no new processes, no core dumps;
   * loads a seccomp filter (libseccomp, through ctypes) that refuses, with EPERM, the
-    system calls math code never needs: new processes and programs (fork, vfork, clone
-    without CLONE_THREAD, execve), sockets of every family, ptrace and process_vm_*,
-    kill and signals to any other process, another process's limits, affinity, priority
-    or scheduling, fallocate (which grows a file's blocks past
-    the file size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
-    userfaultfd, kernel modules and the like (clone3 answers ENOSYS, so that threads fall
-    back to clone, whose flags the filter can read). It binds every later line of the
+    system calls math code never needs: new processes, threads and programs (fork, vfork,
+    clone of any kind, execve; clone3 answers ENOSYS), sockets of every family, ptrace
+    and process_vm_*, kill and signals to any other process, another process's limits,
+    affinity, priority or scheduling, fallocate (which grows a file's blocks past the
+    file size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
+    userfaultfd, kernel modules and the like, and what takes from budgets the whole host
+    shares: SysV shared memory, semaphores and message queues, POSIX message queues, aio
+    contexts (io_setup), inotify instances, POSIX timers, memfd_secret, sync and syncfs.
+    So one call adds a fixed number of tasks to the host (bwrap, its init, this process
+    and its one thread), whatever the code does. It binds every later line of the
     process, C code included. Under `seccomp: "required"` a filter that cannot load ends
     the child (status 3);
   * takes away what math code has no use for and no audit event covers: fork_exec of
@@ -33,8 +42,9 @@ stdin, then, before any of it runs:
     outside it but Python's own stdlib and site-packages; opening a directory outside it,
     or a device other than /dev/null, /dev/zero and /dev/urandom.
 
-It then runs the code as `__main__` and, like a notebook, prints the repr of a last
-expression when nothing else was printed. An exception becomes the last lines of its
+It then runs the code as `__main__` (a fresh module in sys.modules: this file's own
+module, and the hook's objects with it, are not reachable from there) and, like a
+notebook, prints the repr of a last expression when nothing else was printed. An exception becomes the last lines of its
 traceback on stderr (the runner's own frames left out) and exit status 1; a MemoryError
 one line naming the memory limit.
 
@@ -114,7 +124,14 @@ REFUSED_SYSCALLS = (
     "memfd_create", "fanotify_init", "lookup_dcookie", "sethostname", "setdomainname",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioperm", "iopl",
     "vhangup", "personality", "uselib", "nfsservctl", "fallocate", "process_mrelease",
-    "setpriority",
+    "setpriority", "clone",
+    # Host-wide budgets: SysV IPC (and the multiplexer some ABIs have), POSIX message
+    # queues, aio contexts, inotify instances, POSIX timers, secret memory, sync.
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "ipc", "mq_open", "mq_unlink", "mq_timedsend",
+    "mq_timedreceive", "mq_notify", "mq_getsetattr", "io_setup", "io_destroy", "io_submit",
+    "io_cancel", "io_getevents", "io_pgetevents", "inotify_init", "inotify_init1",
+    "inotify_add_watch", "timer_create", "memfd_secret", "sync", "syncfs",
 )  # fmt: skip
 SIGNAL_OWNER_FCNTLS = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
 # Refused unless their first argument is 0, this process (prlimit64 could set another
@@ -125,6 +142,13 @@ SELF_ONLY_BY_PID = (
 # Refused unless their first argument is this process: signals to another process.
 SELF_ONLY_SYSCALLS = ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 SECCOMP_FAILED_EXIT = 3
+SCRATCH_FAILED_EXIT = 4
+# make_scratch's system calls: a mount namespace, a tmpfs, binds cloned and put back
+# (open_tree and move_mount have these numbers on every architecture).
+CLONE_NEWNS, MS_NOSUID, MS_NODEV = 0x00020000, 0x2, 0x4
+SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
+AT_FDCWD, OPEN_TREE_CLONE, AT_RECURSIVE, MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 0x8000, 4
+LINUX_CAPABILITY_VERSION_3, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 0x20080522, 47, 4
 # Frames (and through them the hook's own objects) are read by format_error's code alone;
 # functions' code is never replaced.
 FRAME_READS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -146,6 +170,8 @@ def limit_resources(settings: dict) -> None:
       (resource.RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES),
       (resource.RLIMIT_NPROC, 0, 0),
       (resource.RLIMIT_CORE, 0, 0),
+      (resource.RLIMIT_MEMLOCK, 0, 0),
+      (resource.RLIMIT_MSGQUEUE, 0, 0),
   ):
     _, current = resource.getrlimit(which)
     if current != resource.RLIM_INFINITY:
@@ -166,8 +192,8 @@ class _ArgCompare(ctypes.Structure if ctypes else object):
 
 
 def confine_syscalls() -> str | None:
-  """Loads the seccomp filter REFUSED_SYSCALLS names (and clone without CLONE_THREAD,
-  clone3 as ENOSYS); None when it holds, else why it could not be loaded."""
+  """Loads the seccomp filter REFUSED_SYSCALLS names (clone3 as ENOSYS); None when it
+  holds, else why it could not be loaded."""
   if ctypes is None:
     return "ctypes is missing"
   try:
@@ -195,7 +221,7 @@ def confine_syscalls() -> str | None:
     array = (_ArgCompare * len(compare))(*compare) if compare else None
     return lib.seccomp_rule_add_array(context, action, number, len(compare), array) == 0
 
-  clone_thread, masked_eq, not_equal, equal = 0x00010000, 7, 1, 4  # CLONE_THREAD, SCMP_CMP_*
+  not_equal, equal = 1, 4  # SCMP_CMP_NE, SCMP_CMP_EQ
   rules = [refuse(name, eperm) for name in REFUSED_SYSCALLS]
   me = os.getpid()
   rules += [refuse(name, eperm, _ArgCompare(0, not_equal, me, 0)) for name in SELF_ONLY_SYSCALLS]
@@ -206,7 +232,6 @@ def confine_syscalls() -> str | None:
   # fcntl's signal-on-I/O owner: a way to signal any process without kill.
   rules += [refuse("fcntl", eperm, _ArgCompare(1, equal, cmd, 0)) for cmd in SIGNAL_OWNER_FCNTLS]
   rules.append(refuse("clone3", enosys))
-  rules.append(refuse("clone", eperm, _ArgCompare(0, masked_eq, clone_thread, 0)))
   if not all(rules):
     return "a seccomp rule could not be added"
   # A system call of another ABI (x32, int 0x80) ends the whole process, not one thread.
@@ -216,6 +241,74 @@ def confine_syscalls() -> str | None:
   if lib.seccomp_load(context) != 0:
     return f"seccomp_load failed (errno {ctypes.get_errno()})"
   return None
+
+
+class _CapHeader(ctypes.Structure if ctypes else object):
+  """struct __user_cap_header_struct."""
+
+  _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)] if ctypes else []
+
+
+class _CapData(ctypes.Structure if ctypes else object):
+  """struct __user_cap_data_struct (two of them: version 3's 64 bits)."""
+
+  _fields_ = [
+      ("effective", ctypes.c_uint32),
+      ("permitted", ctypes.c_uint32),
+      ("inheritable", ctypes.c_uint32),
+  ] if ctypes else []  # fmt: skip
+
+
+def drop_capabilities(libc) -> str | None:
+  """Every capability gone, ambient, effective, permitted and inheritable (no way back:
+  the bounding set, which only limits what an execve could gain, may keep
+  CAP_SYS_ADMIN, and execve is refused); None when /proc says so, else what failed."""
+  libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+  header, data = _CapHeader(LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+  if libc.capset(ctypes.byref(header), data) != 0:
+    return f"capset: {os.strerror(ctypes.get_errno())}"
+  with open("/proc/self/status", encoding="ascii") as f:
+    held = [
+        line.strip()
+        for line in f
+        if line.startswith(("CapInh", "CapPrm", "CapEff", "CapAmb")) and line.split()[1].strip("0")
+    ]
+  return f"capabilities still held: {held}" if held else None
+
+
+def make_scratch(spec: dict) -> str | None:
+  """The working folder under kernel isolation (kernel_isolation.Scratch): a mount
+  namespace of its own; binds under the folder cloned; a tmpfs of spec["mb"] MB and
+  spec["inodes"] inodes mounted there; the binds put back (read-only, as they were) and
+  the links made again; the folder made current; every capability dropped. None when all
+  of it holds, else what failed."""
+  if ctypes is None:
+    return "ctypes is missing"
+  libc = ctypes.CDLL(None, use_errno=True)
+  failed = lambda what: f"{what}: {os.strerror(ctypes.get_errno())}"
+  if libc.unshare(CLONE_NEWNS) != 0:
+    return failed("unshare(CLONE_NEWNS)")
+  clones = []
+  for path in spec["mounts"]:
+    flags = OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
+    fd = libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), flags)
+    if fd < 0:
+      return failed(f"open_tree {path}")
+    clones.append((path, fd))
+  folder, options = spec["path"], f"size={spec['mb']}m,nr_inodes={spec['inodes']},mode=0700"
+  if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()):
+    return failed(f"mount a tmpfs at {folder}")
+  for path, fd in clones:
+    os.makedirs(path, exist_ok=True)
+    moved = libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+    if moved != 0:
+      return failed(f"move_mount {path}")
+    os.close(fd)
+  for target, path in spec["links"]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.symlink(target, path)
+  os.chdir(folder)
+  return drop_capabilities(libc)
 
 
 def die_with_parent() -> None:
@@ -397,8 +490,10 @@ def make_hook(work: str, read_roots: tuple[str, ...], formatter_code):
   `formatter_code` (_frame_entries's), run with this module's globals, alone."""
   check_open, check_listing, check_change = _path_rules(work, read_roots)
   kind, str_, len_, refused = type, str, len, PermissionError
-  events, prefixes, listings = REFUSED_EVENTS, REFUSED_PREFIXES, LISTINGS
-  imports, import_prefixes, changes = REFUSED_IMPORTS, REFUSED_IMPORT_PREFIXES, dict(CHANGES)
+  # Copies of the module's constants, held by the hook alone (nothing else refers to them).
+  events, prefixes = frozenset(list(REFUSED_EVENTS)), tuple(list(REFUSED_PREFIXES))
+  imports, import_prefixes = frozenset(list(REFUSED_IMPORTS)), tuple(list(REFUSED_IMPORT_PREFIXES))
+  listings, changes = tuple(list(LISTINGS)), dict(CHANGES)
   frame_reads, code_writes, caller = FRAME_READS, CODE_WRITES, sys._getframe
   runner_globals = globals()
 
@@ -512,7 +607,12 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
   out_of_memory = f"error: MemoryError: ran past the {memory_mb} MB memory limit\n".encode()
   file_too_big = f"error: a file (or stdout) ran past the {max_file_mb} MB size limit\n"
   write_error = os.write
-  namespace = {"__name__": "__main__", "__builtins__": builtins}
+  # The code's own __main__: this file's module leaves sys.modules, so the hook's objects
+  # and the runner's globals are not reachable by name from the code.
+  main_module = types.ModuleType("__main__")
+  sys.modules["__main__"] = main_module
+  namespace = main_module.__dict__
+  namespace["__builtins__"] = builtins
   linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
   try:
     tree = ast.parse(code, CODE_FILENAME)
@@ -547,6 +647,11 @@ def main() -> None:
   null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin
   os.dup2(null, 0)
   os.close(null)
+  if settings.get("scratch"):
+    why = make_scratch(settings["scratch"])
+    if why is not None:
+      os.write(2, f"error: the sandbox's scratch folder could not be made: {why}\n".encode())
+      os._exit(SCRATCH_FAILED_EXIT)  # pylint: disable=protected-access
   limit_resources(settings)
   if settings.get("seccomp"):
     why = confine_syscalls()

@@ -13,8 +13,8 @@ on its stdin, a minimal environment, and its stdout and stderr in unlinked files
 
   isolation="kernel" (the default): in a bubblewrap sandbox (kernel_isolation.py): its
       own user, pid, mount, network and IPC namespaces, a read-only view of Python and the
-      system's libraries, a size-limited tmpfs as its working folder, nothing of the
-      host's files, processes or network. IsolationUnavailable (one line) where the kernel
+      system's libraries, a tmpfs bounded in bytes and files as its working folder, no
+      thread but its own, nothing of the host's files, processes or network. IsolationUnavailable (one line) where the kernel
       allows no such sandbox.
   isolation="none": in a temporary folder of the host's, removed afterwards, under
       `unshare -rn` where that works (no network). Not a barrier: the audit hook below
@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from april_jax import process_tree
@@ -53,7 +52,6 @@ from april_jax.envs.base import EnvError, EnvReset, EnvStep, register
 from april_jax.envs.kernel_isolation import IsolationUnavailable
 from april_jax.envs.tool_calls import ToolCall, tool_results
 
-RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
 ISOLATIONS = ("kernel", "none")  # env.isolation
 # A wait for the killed child (already dead in practice) and for the unshare probe.
 KILL_WAIT_S = 5.0
@@ -70,11 +68,7 @@ class Limits:
   max_output_chars: int = 4000  # stdout (and the error) shown, at most
   max_file_mb: int = 16  # RLIMIT_FSIZE: each file the code writes, its stdout included
   scratch_mb: int = 64  # isolation="kernel": the size of its working folder (a tmpfs)
-
-
-@functools.cache
-def _runner_source() -> str:
-  return RUNNER_PATH.read_text(encoding="utf-8")
+  scratch_inodes: int = 256  # isolation="kernel": files and folders that folder can hold
 
 
 @functools.cache
@@ -104,12 +98,15 @@ def check_isolation(isolation: str) -> None:
     raise ValueError(f"isolation={isolation!r}: one of {ISOLATIONS}")
   if isolation == "kernel":
     why = kernel_isolation.problem()
-    if why is not None:
+    if why is None:
+      return
+    if kernel_isolation.kernel_refuses():
       raise IsolationUnavailable(
           f"the Python tool cannot isolate model code here: {why}. Set "
           "env.isolation=none to run it under the audit hook only (not a barrier: "
           "docs/environments.md)"
       )
+    raise IsolationUnavailable(f"the Python tool's sandbox does not start: {why}")
 
 
 def _child_environment(work: str) -> dict[str, str]:
@@ -119,7 +116,7 @@ def _child_environment(work: str) -> dict[str, str]:
       "TMPDIR": work,
       "PATH": "/usr/bin:/bin",
       "LANG": "C.UTF-8",
-      # One thread each: no new processes are allowed, and threads count as processes.
+      # One thread each: the sandbox refuses new threads (and processes).
       "OPENBLAS_NUM_THREADS": "1",
       "OMP_NUM_THREADS": "1",
       "MKL_NUM_THREADS": "1",
@@ -143,13 +140,16 @@ def _run_child(
       "max_file_mb": int(limits.max_file_mb),
       "seccomp": "required" if isolation == "kernel" else "where_possible",
   }
+  if isolation == "kernel":
+    scratch = kernel_isolation.scratch(limits.scratch_mb, limits.scratch_inodes)
+    settings["scratch"] = scratch.settings()
   # The child ends when this end closes: when the call is over, or this process dies
   # (even while bwrap starts, before its --die-with-parent holds).
   lifeline, keep = os.pipe()
   settings["lifeline_fd"] = lifeline
-  python = [sys.executable, "-I", "-c", _runner_source(), json.dumps(settings)]
+  python = [sys.executable, "-I", "-c", kernel_isolation.runner_source(), json.dumps(settings)]
   if isolation == "kernel":
-    command, cwd = kernel_isolation.command(python, limits.scratch_mb), None
+    command, cwd = kernel_isolation.command(python), None
   else:
     command, cwd = [*_network_isolation(), *python], work
   try:
