@@ -160,3 +160,48 @@ def test_the_tool_runs_from_a_virtual_environment_under_tmp(tmp_path_factory, ho
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.splitlines() == [f"{venv} None", f"3.0 {venv}", "1"], proc.stdout
+
+
+def test_every_thread_holds_the_filter_and_no_capability():
+  # The lifeline thread was started before the capabilities were dropped and the filter
+  # loaded, which are a thread's own: code that got into it could fork and mount.
+  out = kernel_alone("""
+      for task in sorted(os.listdir('/proc/self/task')):
+          status = dict(line.split(':', 1) for line in open(f'/proc/self/task/{task}/status'))
+          print(status['Seccomp'].strip(), status['CapEff'].strip(), status['CapPrm'].strip())
+      """)
+  assert out.splitlines() == ["2 0000000000000000 0000000000000000"] * 2, out
+
+
+def test_ptys_and_open_file_description_locks_are_refused():
+  out = kernel_alone("""
+      try:
+          os.open('/dev/ptmx', os.O_RDWR)
+          print('a pty')
+      except OSError as e:
+          print('ptmx', errno.errorcode[e.errno])
+      fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '.', os.O_RDONLY)
+      lock = (ctypes.c_char * 32)()
+      said('F_OFD_SETLK', libc.fcntl(fd, 37, lock))
+      """)
+  assert out.splitlines() == ["ptmx EACCES", "F_OFD_SETLK EPERM"], out
+
+
+def test_the_hook_does_not_read_the_strings_its_module_holds():
+  # The runner's globals are reachable through frames; the hook reads copies of its
+  # strings, so rewriting the module's ("ctypes." -> "Xtypes.") in memory changes nothing.
+  code = textwrap.dedent("""
+      import sys
+      ctypes = sys.modules['ctypes']
+      runner = sys._getframe().f_back.f_globals
+      s = next(p for p in runner['REFUSED_PREFIXES'] if p.startswith('ctypes'))
+      x = ctypes.c_uint8(0)
+      y = ctypes.c_uint64(0)
+      base = id(x) + (ctypes.pointer(y)[-8] - id(y))
+      ctypes.pointer(x)[id(s) + 48 - base] = ord('X')
+      print(runner['REFUSED_PREFIXES'][1])
+      ctypes.CDLL(None)
+      """)
+  out = run_python(code, LIMITS)
+  assert out.splitlines()[0] == "Xtypes.", out  # the module's string was rewritten
+  assert out.rstrip().endswith("PermissionError: ctypes.dlopen is not allowed here"), out

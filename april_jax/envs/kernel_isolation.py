@@ -57,11 +57,16 @@ PROBE_TIMEOUT_S = 30.0
 HOST_ONLY_FILE = "/etc/passwd"  # on every Linux host; never bound
 # The probe runs the real child on this code: what every call needs (Python starts, the
 # seccomp filter loads, the scratch mounts) and what isolation means (no process of the
-# host is visible; no file of the host's but the binds; the scratch is writable).
+# host is visible; every thread filtered and without capabilities; no file of the host's
+# but the binds; the scratch is writable).
 PROBE_CODE = (
     "import os\n"
     "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
     "assert len(pids) <= 2, pids\n"
+    "for task in os.listdir('/proc/self/task'):\n"
+    "  status = dict(l.split(':', 1) for l in open(f'/proc/self/task/{task}/status'))\n"
+    "  assert status['Seccomp'].strip() == '2', ('a thread without the filter', task)\n"
+    "  assert not status['CapEff'].strip().strip('0'), ('a capability held', task)\n"
     f"assert not os.path.exists({HOST_ONLY_FILE!r}), 'the host is visible'\n"
     "open('probe', 'w').write('ok')\n"
     "print(open('probe').read())\n"
@@ -185,6 +190,8 @@ def command(argv: list[str]) -> list[str]:
       "--dir", SCRATCH_DIR,
       *view,
       "--dev", "/dev",
+      # No pseudo-terminals: each would take from the host's kernel.pty.max.
+      "--ro-bind", "/dev/null", "/dev/pts/ptmx",
       "--proc", "/proc",
       # Everything read-only: the root and /dev are tmpfs mounts of no set size (writing
       # there would fill the host's memory), and a writable /proc would let the code

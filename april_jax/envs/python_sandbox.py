@@ -5,13 +5,14 @@ python_tool.run_python starts a fresh interpreter with this file's source,
 kernel_isolation.py, inside a sandbox of namespaces). The child reads the code from its
 stdin, then, before any of it runs:
 
-  * starts a thread that ends the process when its caller's end of a pipe closes (the
-    caller died, whatever stood between them): the last thread it ever starts;
   * under kernel isolation, makes its scratch folder (`make_scratch`): a mount namespace
     of its own, a tmpfs bounded in bytes and in inodes (files and folders, however they
     are made: sqlite3 makes them with no audit event) at the working folder, Python's
     folders that lay under it put back read-only, then every capability dropped (the
     sandbox gave it CAP_SYS_ADMIN for this alone). A failure ends the child (status 4);
+  * starts a thread that ends the process when its caller's end of a pipe closes (the
+    caller died, whatever stood between them): the one thread it ever starts, after the
+    capabilities are gone (a thread's are its own);
   * limits itself (setrlimit, soft and hard): address space, CPU seconds, the size of any
     file it writes (its stdout included), open files, locked memory, POSIX message
     queues, no new processes, no core dumps;
@@ -21,12 +22,12 @@ stdin, then, before any of it runs:
     and process_vm_*, kill and signals to any other process, another process's limits,
     affinity, priority or scheduling, fallocate (which grows a file's blocks past the
     file size limit), mounts and namespaces, bpf, keyrings, io_uring, perf events,
-    userfaultfd, kernel modules and the like, and what takes from budgets the whole host
-    shares: SysV shared memory, semaphores and message queues, POSIX message queues, aio
+    userfaultfd, kernel modules, open file description locks and the like, and what
+    takes from budgets the whole host shares: SysV shared memory, semaphores and message queues, POSIX message queues, aio
     contexts (io_setup), inotify instances, POSIX timers, memfd_secret, sync and syncfs.
     So one call adds a fixed number of tasks to the host (bwrap, its init, this process
-    and its one thread), whatever the code does. It binds every later line of the
-    process, C code included. Under `seccomp: "required"` a filter that cannot load ends
+    and its one thread), whatever the code does. It binds every thread of the process
+    (TSYNC) and every later line, C code included. Under `seccomp: "required"` a filter that cannot load ends
     the child (status 3);
   * takes away what math code has no use for and no audit event covers: fork_exec of
     `_posixsubprocess`, mkfifo, mknod, memfd_create, pidfd_open and pidfd_send_signal;
@@ -134,6 +135,9 @@ REFUSED_SYSCALLS = (
     "inotify_add_watch", "timer_create", "memfd_secret", "sync", "syncfs",
 )  # fmt: skip
 SIGNAL_OWNER_FCNTLS = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
+# Open file description locks: held by a mapping after close, on files of the host's
+# (the read-only binds), past the open-files limit; sqlite3 uses F_SETLK, not these.
+OFD_LOCK_FCNTLS = (37, 38)  # F_OFD_SETLK, F_OFD_SETLKW
 # Refused unless their first argument is 0, this process (prlimit64 could set another
 # process's CPU limit to zero, which kills it).
 SELF_ONLY_BY_PID = (
@@ -169,7 +173,9 @@ def limit_resources(settings: dict) -> None:
       (resource.RLIMIT_FSIZE, settings["max_file_mb"] * mb, settings["max_file_mb"] * mb),
       (resource.RLIMIT_NOFILE, MAX_OPEN_FILES, MAX_OPEN_FILES),
       (resource.RLIMIT_NPROC, 0, 0),
-      (resource.RLIMIT_CORE, 0, 0),
+      # 1, not 0: a core pattern that pipes to a helper (apport, systemd-coredump) is
+      # skipped only at 1; a dump of 1 byte is none.
+      (resource.RLIMIT_CORE, 1, 1),
       (resource.RLIMIT_MEMLOCK, 0, 0),
       (resource.RLIMIT_MSGQUEUE, 0, 0),
   ):
@@ -230,7 +236,8 @@ def confine_syscalls() -> str | None:
   other = _ArgCompare(0, not_equal, 0, 0)
   rules += [refuse(name, eperm, other) for name in SELF_ONLY_BY_PID]
   # fcntl's signal-on-I/O owner: a way to signal any process without kill.
-  rules += [refuse("fcntl", eperm, _ArgCompare(1, equal, cmd, 0)) for cmd in SIGNAL_OWNER_FCNTLS]
+  fcntls = SIGNAL_OWNER_FCNTLS + OFD_LOCK_FCNTLS
+  rules += [refuse("fcntl", eperm, _ArgCompare(1, equal, cmd, 0)) for cmd in fcntls]
   rules.append(refuse("clone3", enosys))
   if not all(rules):
     return "a seccomp rule could not be added"
@@ -238,6 +245,9 @@ def confine_syscalls() -> str | None:
   lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
   if lib.seccomp_attr_set(context, 2, 0x80000000) != 0:  # ACT_BADARCH, ACT_KILL_PROCESS
     return "seccomp's bad-architecture action could not be set"
+  # Every thread of the process, the lifeline's included, gets the filter (TSYNC).
+  if lib.seccomp_attr_set(context, 4, 1) != 0:  # SCMP_FLTATR_CTL_TSYNC
+    return "seccomp's thread synchronisation could not be set"
   if lib.seccomp_load(context) != 0:
     return f"seccomp_load failed (errno {ctypes.get_errno()})"
   return None
@@ -490,11 +500,14 @@ def make_hook(work: str, read_roots: tuple[str, ...], formatter_code):
   `formatter_code` (_frame_entries's), run with this module's globals, alone."""
   check_open, check_listing, check_change = _path_rules(work, read_roots)
   kind, str_, len_, refused = type, str, len, PermissionError
-  # Copies of the module's constants, held by the hook alone (nothing else refers to them).
-  events, prefixes = frozenset(list(REFUSED_EVENTS)), tuple(list(REFUSED_PREFIXES))
-  imports, import_prefixes = frozenset(list(REFUSED_IMPORTS)), tuple(list(REFUSED_IMPORT_PREFIXES))
-  listings, changes = tuple(list(LISTINGS)), dict(CHANGES)
-  frame_reads, code_writes, caller = FRAME_READS, CODE_WRITES, sys._getframe
+  # Copies of the module's constants, strings included, held by the hook alone: the
+  # module's own (reachable from a frame's globals) are not the ones it reads.
+  copy = lambda names: tuple("".join(list(name)) for name in names)
+  events, prefixes = frozenset(copy(REFUSED_EVENTS)), copy(REFUSED_PREFIXES)
+  imports, import_prefixes = frozenset(copy(REFUSED_IMPORTS)), copy(REFUSED_IMPORT_PREFIXES)
+  listings, changes = copy(LISTINGS), {e: v for e, v in zip(copy(CHANGES), CHANGES.values())}
+  frame_reads, code_writes = frozenset(copy(FRAME_READS)), frozenset(copy(CODE_WRITES))
+  caller = sys._getframe
   runner_globals = globals()
 
   def hook(event, args):
@@ -642,7 +655,6 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
 def main() -> None:
   settings = json.loads(sys.argv[1])
   die_with_parent()
-  end_with_caller(settings.get("lifeline_fd"))
   code = sys.stdin.buffer.read().decode("utf-8", "replace")
   null = os.open(os.devnull, os.O_RDONLY)  # the code reads an empty stdin
   os.dup2(null, 0)
@@ -652,6 +664,9 @@ def main() -> None:
     if why is not None:
       os.write(2, f"error: the sandbox's scratch folder could not be made: {why}\n".encode())
       os._exit(SCRATCH_FAILED_EXIT)  # pylint: disable=protected-access
+  # The one thread, started with no capability left; the filter below covers it too
+  # (capabilities and filters are a thread's own).
+  end_with_caller(settings.get("lifeline_fd"))
   limit_resources(settings)
   if settings.get("seccomp"):
     why = confine_syscalls()

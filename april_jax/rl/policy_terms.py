@@ -17,7 +17,7 @@ r = exp(logp - old_logp) and A the advantage:
             (arXiv 2505.22617)
   kl_cov    -A r (no clip), plus kl_cov_coef |log r| on the selected tokens (same paper;
             0 within float32 rounding of r = 1, where |x| has no gradient)
-  gmpo      per sequence -mean_t(A) exp(mean_t sg'(log r)), the log-ratio clipped to
+  gmpo      per sequence -mean_t(A) exp(mean_t m_t), m_t the log-ratio clipped to
             [-eps, eps_high] on the side its advantage's sign makes pessimistic: the
             geometric mean of the token ratios (arXiv 2507.20673)
   cispo     -sg(clip(r, 1 - eps, 1 + eps_high)) A logp: every token keeps its gradient,
