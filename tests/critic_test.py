@@ -66,10 +66,11 @@ def test_value_loss_clips_around_the_old_values_by_hand():
 def test_whitened_advantages_have_zero_mean_unit_std_on_the_trained_tokens():
   mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
   x = np.array([[1.0, 3.0, 99.0], [5.0, -7.0, 0.0]])
-  w = advantages.whiten_tokens(x, mask)
-  live = w[mask > 0]
-  np.testing.assert_allclose([live.mean(), live.std()], [0.0, 1.0], atol=1e-6)
-  assert not w[mask == 0].any()
+  for whitening, ddof in (("bessel", 1), ("population", 0)):  # verl's and slime's; the other
+    w = advantages.whiten_tokens(x, mask, whitening=whitening)
+    live = w[mask > 0]
+    np.testing.assert_allclose([live.mean(), live.std(ddof=ddof)], [0.0, 1.0], atol=1e-6)
+    assert not w[mask == 0].any()
 
 
 def _train(**overrides):

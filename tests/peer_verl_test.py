@@ -66,13 +66,14 @@ def test_group_advantages_equal_verls(name):
 
 
 @pytest.mark.parametrize("name, key", [("reinforce_plus_plus", "rpp"), ("reinforce_plus_plus_baseline", "rpp_baseline")])  # fmt: skip
-def test_reinforce_pp_with_bessel_whitening_equals_verls_and_population_is_its_scale(name, key):
+def test_reinforce_pp_whitening_equals_verls_and_population_is_its_scale(name, key):
   fn = adv_lib.get_advantage(name)
-  bessel = np.asarray(fn(X["rewards"], lengths_GxN=LENGTHS_GxN, whitening="bessel")).reshape(-1)
+  bessel = np.asarray(fn(X["rewards"], lengths_GxN=LENGTHS_GxN)).reshape(-1)  # the default
   close(on_mask(np.broadcast_to(bessel[:, None], MASK.shape)), REF[f"adv/{key}"])
-  # The default (slime's and OpenRLHF's): the population std, eps outside the root.
-  # It differs from verl's by sqrt(N / (N - 1)) over N = 523 tokens, by design.
-  population = np.asarray(fn(X["rewards"], lengths_GxN=LENGTHS_GxN)).reshape(-1)
+  # train.whitening=population: the population std, eps outside the root. It differs
+  # by sqrt(N / (N - 1)) over N = 523 tokens.
+  population = np.asarray(fn(X["rewards"], lengths_GxN=LENGTHS_GxN, whitening="population"))
+  population = population.reshape(-1)
   tokens = MASK.sum()
   assert not np.allclose(population, bessel, rtol=1e-5)
   close(population, bessel * np.sqrt(tokens / (tokens - 1)), rtol=1e-4)
@@ -82,7 +83,7 @@ def test_gae_returns_and_bessel_whitened_advantages_equal_verls():
   rewards_B = X["rewards"].reshape(-1)
   adv, returns = critic_lib.gae(rewards_B, X["old_values"], MASK, gamma=0.99, lam=0.95)
   close(returns, on_mask(REF["adv/gae_returns"]))
-  whitened = adv_lib.whiten_tokens(adv, MASK, whitening="bessel")
+  whitened = adv_lib.whiten_tokens(adv, MASK)  # the default, bessel
   close(whitened, on_mask(REF["adv/gae"]))
 
 
@@ -145,7 +146,6 @@ def test_gspo_equals_verls():
 
 def test_clip_cov_selects_every_candidate_and_equals_verl():
   cfg = LossConfig.for_loss("clip_cov", cov_ratio=0.08)
-  _, metrics, _ = loss_and_grad(LossConfig())
   ratio = np.exp(X["logp"].astype(np.float64) - X["old"])
   adv = ADV_B[:, None]
   clipped = (-adv * np.clip(ratio, 0.8, 1.2) > -adv * ratio) & LIVE
@@ -252,6 +252,27 @@ def test_ppo_and_gspo_clamp_extreme_log_ratios_as_verl():
     assert metrics["log_ratio_clamped_frac"] == pytest.approx(clamped)
 
 
+def test_cispo_clamps_extreme_log_ratios_as_verl():
+  logp = (CLAMP["old"] + CLAMP["log_ratio"]).astype(np.float32)
+  args = (logp, CLAMP["old"].astype(np.float32), CLAMP["adv"].astype(np.float32), CLAMP["mask"])
+  loss, metrics, grad = loss_and_grad(LossConfig.for_loss("cispo"), *args)
+  close(loss, REF["clamp/cispo/loss"])
+  close(grad, REF["clamp/cispo/grad"])
+  assert metrics["log_ratio_clamped_frac"] == pytest.approx(3 / 12)
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
+def test_k3_is_clamped_as_low_var_kl_at_both_clamps_as_verls(kind):
+  # ref - logp = -25 (clamped to -20 before the exp), 25, 3 (16.09 unclamped, gradient
+  # -19.09), all three estimates past 10; -3 inside (2.05).
+  logp = jnp.asarray([[-1.0, -30.0, -5.0, -2.0]])
+  ref = jnp.asarray([[-26.0, -5.0, -2.0, -5.0]])
+  grad = jax.grad(lambda lp: kl_penalty(lp, ref, kind).sum())(logp)
+  close(np.asarray(kl_penalty(logp, ref, kind)), REF[f"clamp/kl_{kind}/value"])
+  close(np.asarray(grad), REF[f"clamp/kl_{kind}/grad"])
+  np.testing.assert_allclose(REF[f"clamp/kl_{kind}/value"][0, :3], 10.0)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_importance_log_weights_are_clamped_at_20_as_verls(level):
   prox = CLAMP["old"] + CLAMP["log_ratio"]
@@ -260,3 +281,22 @@ def test_importance_log_weights_are_clamped_at_20_as_verls(level):
   )
   close(weights.weight_BxT, REF[f"clamp/is_{level}/weights"])
   assert weights.metrics["is_clamped_frac"] > 0
+
+
+# ------------------------------------------------------------- a row of padding only
+
+PAD = {k.split("/")[1]: REF[k] for k in REF.files if k.startswith("pad/") and k.count("/") == 1}
+
+
+def test_gmpo_skips_a_row_of_padding_where_verls_mean_counts_it_by_design():
+  args = (PAD["logp"], PAD["old"], PAD["adv"], PAD["mask"])
+  loss, _, grad = loss_and_grad(LossConfig.for_loss("gmpo"), *args)
+  rows, live_rows = PAD["mask"].shape[0], int((PAD["mask"].sum(-1) > 0).sum())  # 4, 3
+  close(loss, REF["pad/gmpo/loss"] * rows / live_rows)
+  close(grad, REF["pad/gmpo/grad"] * rows / live_rows)
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum"])
+def test_sequence_means_leave_a_row_of_padding_out_as_verls(mode):
+  got = aggregate(jnp.asarray(PAD["logp"]), jnp.asarray(PAD["mask"]), mode)
+  close(float(got), REF["pad/" + mode.replace("_", "-")])

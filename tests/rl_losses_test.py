@@ -131,13 +131,18 @@ def test_reinforce_plus_plus_whitens_rewards_over_the_batch_s_tokens():
   # Tokens: 1, 1, 0, 0, 0, 0, 0, 0 -> mean 1/4, var 3/16, std sqrt(3)/4.
   std = 3**0.5 / 4
   expected = [[(1 - 0.25) / std, -0.25 / std], [-0.25 / std, -0.25 / std]]
-  got = get_advantage("reinforce_plus_plus")(jnp.asarray(rewards), lengths_GxN=lengths)
+  rpp = functools.partial(get_advantage("reinforce_plus_plus"), whitening="population")
+  got = rpp(jnp.asarray(rewards), lengths_GxN=lengths)
   np.testing.assert_allclose(got, expected, rtol=1e-5)
   # Without lengths every sample counts once: 1, 0, 0, 0 -> mean 1/4, std sqrt(3)/4 too.
-  by_sample = get_advantage("reinforce_plus_plus")(jnp.asarray(rewards))
-  np.testing.assert_allclose(by_sample, expected, rtol=1e-5)
+  np.testing.assert_allclose(rpp(jnp.asarray(rewards)), expected, rtol=1e-5)
+  # The default, verl's and slime's: the unbiased variance over the 8 tokens, eps inside.
+  bessel = get_advantage("reinforce_plus_plus")(jnp.asarray(rewards), lengths_GxN=lengths)
+  np.testing.assert_allclose(
+      bessel, np.array(expected) * std / (3 / 16 * 8 / 7 + 1e-8) ** 0.5, rtol=1e-5
+  )
   # A group's shared difficulty stays in the advantage (no group baseline) ...
-  easy = get_advantage("reinforce_plus_plus")(jnp.asarray([[1.0, 1.0], [0.0, 0.0]]))
+  easy = rpp(jnp.asarray([[1.0, 1.0], [0.0, 0.0]]))
   np.testing.assert_allclose(easy, [[1.0, 1.0], [-1.0, -1.0]], rtol=1e-5)
   # ... and the baseline form removes it first.
   base = get_advantage("reinforce_plus_plus_baseline")(jnp.asarray([[1.0, 1.0], [0.0, 0.0]]))
@@ -153,7 +158,8 @@ def test_reinforce_plus_plus_baseline_centres_groups_then_whitens_over_tokens():
   mean = (centred * lengths).sum() / lengths.sum()
   std = (((centred - mean) ** 2 * lengths).sum() / lengths.sum()) ** 0.5
   assert mean == pytest.approx(-0.1)
-  got = get_advantage("reinforce_plus_plus_baseline")(jnp.asarray(rewards), lengths_GxN=lengths)
+  rpp_baseline = get_advantage("reinforce_plus_plus_baseline")
+  got = rpp_baseline(jnp.asarray(rewards), lengths_GxN=lengths, whitening="population")
   np.testing.assert_allclose(got, (centred - mean) / (std + 1e-6), rtol=1e-5)
 
 
@@ -392,9 +398,12 @@ def test_reinforce_pp_with_the_kl_in_the_reward_matches_a_hand_computation():
   returns = [[0.8, 0.9, 0.0, 0.85], [-0.1, -0.1, -0.05, 0.0]]
   live = np.array([0.8, 0.9, 0.85, -0.1, -0.1, -0.05])
   expected = np.where(mask > 0, (np.array(returns) - live.mean()) / (live.std() + 1e-6), 0.0)
-  got = reinforce_pp_kl_advantages(np.array([1.0, 0.0]), logp, ref, mask, kl_coef=0.5)
+  got = reinforce_pp_kl_advantages(
+      np.array([1.0, 0.0]), logp, ref, mask, kl_coef=0.5, whitening="population"
+  )
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(whiten_tokens(returns, mask), expected, rtol=1e-4, atol=1e-5)
+  population = whiten_tokens(returns, mask, whitening="population")
+  np.testing.assert_allclose(population, expected, rtol=1e-4, atol=1e-5)
   # Without the KL every token's return is its sample's reward: plain REINFORCE++.
   plain = get_advantage("reinforce_plus_plus")(
       jnp.array([[1.0, 0.0]]), lengths_GxN=jnp.array([[3.0, 3.0]])
@@ -542,3 +551,35 @@ def test_validate_loss_config_accepts_defaults_and_gspo():
 def test_unknown_policy_loss_lists_known_names():
   with pytest.raises(KeyError, match="ppo_clip"):
     run_loss(LossConfig(policy_loss="nope"))
+
+
+# ----------------------------------------------------------------------- kl_cov's kink
+
+
+def test_kl_cov_penalty_has_no_gradient_at_r_1_and_coef_times_sign_past_it():
+  """|log r| has no gradient at r = 1: within float32 rounding of it, and in a step of one
+  update (where r is 1 but for rounding), the penalty adds nothing, as verl's on-policy
+  step does; past it, kl_cov_coef x sign(log r) per selected token, over the tokens."""
+  selected = jnp.asarray(MASK)
+  drift = np.where(np.arange(MASK.size).reshape(MASK.shape) % 2, 0.1, -0.1).astype(np.float32)
+
+  def penalty_grad(cfg, logp):
+    grad = lambda sel: jax.grad(
+        lambda lp: policy_loss(
+            cfg, lp, jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK), selected_BxT=sel
+        )[0]
+    )(jnp.asarray(logp))
+    return np.asarray(grad(selected) - grad(jnp.zeros_like(selected)))
+
+  cfg = LossConfig.for_loss("kl_cov", kl_cov_coef=0.5)
+  assert not penalty_grad(cfg, OLD + np.float32(1e-7)).any()  # rounding of r = 1
+  one_update = LossConfig.for_loss("kl_cov", kl_cov_coef=0.5, one_update=True)
+  assert not penalty_grad(one_update, OLD + drift).any()
+  expected = np.where(MASK > 0, 0.5 * np.sign(drift) / MASK.sum(), 0.0)
+  np.testing.assert_allclose(penalty_grad(cfg, OLD + drift), expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_a_covariance_loss_without_its_selection_says_so(name):
+  with pytest.raises(ValueError, match=f"{name} needs selected_BxT"):
+    run_loss(LossConfig.for_loss(name))

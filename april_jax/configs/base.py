@@ -245,9 +245,10 @@ def _objective(t: ml_collections.ConfigDict) -> None:
   t.gae_gamma = 1.0  # GAE's discount
   t.gae_lambda = 1.0  # GAE's lambda
   t.gae_whiten = True  # advantages whitened over the batch's trained tokens
-  # How REINFORCE++ and GAE whiten over tokens: population ((x - mu) / (sigma + eps), as
-  # OpenRLHF and slime) | bessel (verl's masked_whiten: unbiased variance, eps inside)
-  t.whitening = "population"
+  # How REINFORCE++ and GAE whiten over tokens: bessel (verl's and slime's: the unbiased
+  # variance, 1e-8 inside the root) | population ((x - mu) / (sigma + eps), the population
+  # std, eps outside the root)
+  t.whitening = "bessel"
   # ppo_clip | gspo | clip_cov | kl_cov | gmpo | cispo (docs/algorithms.md)
   t.policy_loss = "ppo_clip"
   # Unset (None): the policy loss's own clips and aggregation: PPO's 0.2 / eps_clip /
@@ -267,7 +268,7 @@ def _objective(t: ml_collections.ConfigDict) -> None:
   t.cov_ratio = 2e-4
   t.clip_cov_lb = 1.0  # clip_cov picks among covariances in (clip_cov_lb, clip_cov_ub)
   t.clip_cov_ub = 5.0  # (above)
-  t.kl_cov_coef = 1.0  # kl_cov: the coefficient of |log ratio| on the selected tokens
+  t.kl_cov_coef = 0.1  # kl_cov: the coefficient of |log ratio| on the selected tokens
   t.kl_coef = 0.0  # the KL loss term; 0 (and reward_kl_coef 0): no reference params held
   # REINFORCE++'s KL in the reward (advantage reinforce_plus_plus only): each drawn token's
   # reward -reward_kl_coef * (logp - ref_logp); 0 = off

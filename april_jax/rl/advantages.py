@@ -3,7 +3,7 @@
 An estimator turns the rewards of G groups of n samples (all n answer the same prompt)
 into one advantage per sample:
 
-    fn(rewards_GxN, eps=1e-6, lengths_GxN=None, whitening="population")
+    fn(rewards_GxN, eps=1e-6, lengths_GxN=None, whitening="bessel")
         -> advantages_GxN   (float32)
 
 lengths_GxN: each sample's trained (drawn) response tokens, for the estimators that
@@ -36,10 +36,10 @@ convention of a lone sample's mean 0 and std 1, on raw rewards without a baselin
 they are refused, naming n.
 
 Whitening over the batch's tokens (weights: each value counted once per token):
-  population  (x - mu) / (sigma + eps), sigma^2 = sum w (x - mu)^2 / sum w: slime's and
-              OpenRLHF's scale (eps outside the root)
   bessel      (x - mu) / sqrt(sigma^2 N / (N - 1) + 1e-8), N = sum w: verl's
-              masked_whiten, exactly
+              masked_whiten and slime's distributed_masked_whiten, exactly (the default)
+  population  (x - mu) / (sigma + eps), sigma^2 = sum w (x - mu)^2 / sum w: the
+              population std, eps outside the root
 
 `overlong_penalty` is added to the rewards before the estimator runs.
 """
@@ -60,7 +60,7 @@ ADVANTAGES = Registry("advantage")
 register_advantage = ADVANTAGES.register
 get_advantage = ADVANTAGES.lookup
 NEED_GROUPS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")  # need n >= 2
-WHITENINGS = ("population", "bessel")
+WHITENINGS = ("bessel", "population")
 BESSEL_EPS = 1e-8  # inside the root, as verl's masked_whiten
 # Per-token advantages from a learned critic (rl/critic.py), not from rewards alone.
 CRITIC_ADVANTAGES = ("gae",)
@@ -80,8 +80,8 @@ def _group_size(rewards_GxN, name: str) -> int:
 
 def whiten(x, weights, whitening: str, eps: float) -> np.ndarray:
   """x whitened over the values counted by `weights` (float64 NumPy; see the module
-  docstring): "population" (x - mu) / (sigma + eps), "bessel" verl's
-  (x - mu) / sqrt(var_unbiased + 1e-8), where eps is not used."""
+  docstring): "bessel" verl's and slime's (x - mu) / sqrt(var_unbiased + 1e-8), where eps
+  is not used; "population" (x - mu) / (sigma + eps)."""
   x, w = np.asarray(x, np.float64), np.asarray(weights, np.float64)
   total = w.sum()
   if total <= 0:
@@ -127,21 +127,19 @@ def rloo_advantages(rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening=
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_pp_advantages(
-    rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="population"
-):
+def reinforce_pp_advantages(rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="bessel"):
   return _token_whitened(rewards_GxN, lengths_GxN, eps, whitening)
 
 
 @register_advantage("reinforce_plus_plus_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="population"
+    rewards_GxN, eps: float = 1e-6, lengths_GxN=None, whitening="bessel"
 ) -> jax.Array:
   _group_size(rewards_GxN, "reinforce_plus_plus_baseline")
   return _token_whitened(_centered(rewards_GxN), lengths_GxN, eps, whitening)
 
 
-def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8, whitening="population") -> np.ndarray:
+def whiten_tokens(x_BxT, mask_BxT, eps: float = 1e-8, whitening="bessel") -> np.ndarray:
   """x whitened over the masked tokens (`whiten`), 0 off them (NumPy, float32)."""
   mask = np.asarray(mask_BxT) > 0
   if not mask.any():
@@ -157,7 +155,7 @@ def reinforce_pp_kl_advantages(
     kl_coef: float,
     eps: float = 1e-6,
     whiten_mask=None,
-    whitening="population",
+    whitening="bessel",
 ) -> np.ndarray:
   """REINFORCE++ with the KL in the reward: per-token advantages [B, T] (see the module
   docstring). logp are the policy's before the update, ref_logp the reference's; the KL is

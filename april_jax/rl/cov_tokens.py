@@ -8,13 +8,15 @@ covariance term is
 
   clip_cov  picks n = max(1, floor(cov_ratio * N)) tokens at random among those with
             clip_cov_lb < cov_t < clip_cov_ub (fewer if fewer qualify) whose term the
-            PPO clip does not already clip; their terms are detached.
+            PPO clip does not already clip (none, on the proximal logprobs a step's
+            selection uses); their terms are detached.
   kl_cov    picks the n tokens of largest cov_t; they get a |log r| penalty.
 
 verl selects per micro-batch on the current logprobs. Here the selection is made once an
-RL step, on the host, over the whole batch's trained tokens and the proximal logprobs
-(the old-logprob pass), so the rows' layout never changes it and a resumed run draws the
-same tokens; on the first update of an on-policy step the current logprobs are the
+RL step, on the host, over the whole batch's trained tokens and the ratio's anchor (the
+proximal logprobs of the old-logprob pass; the sampler's with ratio_anchor "behavior"),
+so the microbatching never changes it and a resumed run draws the same tokens. On the
+first update of an on-policy step, in one micro-batch, the current logprobs are the
 proximal ones and no token is clipped, so the two agree there (docs/algorithms.md).
 """
 

@@ -17,9 +17,9 @@ observation tokens are skipped: the environment wrote them, they are not actions
 With gamma = lambda = 1, A_k = r - V_k. The advantages the policy loss uses are whitened
 over the batch's trained tokens when train.gae_whiten: the drawn tokens, less the stale
 ones when train.mask_stale_tokens (a mask-mode importance weight drops its tokens later,
-as a rejection). train.whitening picks the scale (rl/advantages.py `whiten`): the
-population std with eps outside the root (OpenRLHF's, the default), or "bessel", verl's
-masked_whiten exactly.
+as a rejection). train.whitening picks the scale (rl/advantages.py `whiten`): "bessel",
+the unbiased variance with 1e-8 inside the root, as verl and slime (the default), or
+"population", the population std with eps outside it.
 
 Value loss, a token mean over the trained tokens (c = train.value_clip, 0 = no clip):
   0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)

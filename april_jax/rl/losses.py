@@ -78,7 +78,10 @@ class LossConfig:
   cov_ratio: float = 2e-4
   clip_cov_lb: float = 1.0
   clip_cov_ub: float = 5.0
-  kl_cov_coef: float = 1.0
+  kl_cov_coef: float = 0.1
+  # A step makes one optimizer update, from the proximal params (one minibatch, one
+  # epoch, ratio_anchor "proximal"): log r is 0 at its gradient but for float rounding.
+  one_update: bool = False
   # The importance weight pi_prox / pi_behav (rl/corrections.py): its upper bound (None:
   # no weight), level, what happens outside [is_low, tis_cap], and the ratio's anchor.
   tis_cap: float | None = None
@@ -123,6 +126,11 @@ class LossConfig:
         clip_cov_lb=train.clip_cov_lb,
         clip_cov_ub=train.clip_cov_ub,
         kl_cov_coef=train.kl_cov_coef,
+        one_update=(
+            int(train.ppo_epochs) == 1
+            and int(train.num_minibatches) == 1
+            and train.ratio_anchor == "proximal"
+        ),
         tis_cap=train.tis_cap or None,
         is_level=train.is_level,
         is_mode=train.is_mode,

@@ -16,7 +16,8 @@ r = exp(logp - old_logp) and A the advantage:
   clip_cov  ppo_clip, with the selected tokens' terms detached (value and gradient 0)
             (arXiv 2505.22617)
   kl_cov    -A r (no clip), plus kl_cov_coef |log r| on the selected tokens (same paper;
-            0 within float32 rounding of r = 1, where |x| has no gradient)
+            0 within float32 rounding of r = 1, where |x| has no gradient, and in a
+            step of one update, where r is 1 but for rounding)
   gmpo      per sequence -mean_t(A) exp(mean_t m_t), m_t the log-ratio clipped to
             [-eps, eps_high] on the side its advantage's sign makes pessimistic: the
             geometric mean of the token ratios (arXiv 2507.20673)
@@ -42,7 +43,8 @@ LOG_RATIO_CLAMP = 20.0  # |log r| of a token, before the exp
 GSPO_LOG_RATIO_MAX = 10.0  # GSPO's mean log r of a sequence, from above
 # kl_cov's |log r| counts as 0 (value and gradient) below this: the old-logprob pass's
 # float32 rounding. |x| has no gradient at 0; verl's on-policy step, whose anchor is the
-# current logprob detached, gives 0 there, where JAX's abs would give 1.
+# current logprob detached, gives 0 there, where JAX's abs would give 1. A step of one
+# update (cfg.one_update) drops the term whatever the rounding (bfloat16's is larger).
 KL_COV_DEAD_BAND = 1e-6
 
 
@@ -87,6 +89,12 @@ def _clipped_surrogate(cfg, ratio_BxT, adv_BxT):
   pg_BxT = -adv_BxT * ratio_BxT
   pg_clipped_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
   return jnp.maximum(pg_BxT, pg_clipped_BxT), pg_clipped_BxT > pg_BxT
+
+
+def _selection(name: str, selected_BxT) -> jax.Array:
+  if selected_BxT is None:
+    raise ValueError(f"{name} needs selected_BxT, the tokens rl/cov_tokens.py selects")
+  return jnp.asarray(selected_BxT, jnp.float32)
 
 
 def _no(x_BxT):
@@ -134,8 +142,8 @@ def gspo(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, *, segments_BxT=None
 def clip_cov(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, *, selected_BxT, **_) -> Term:
   """ppo_clip with the selected tokens (high covariance of advantage and logprob, picked
   at random in rl/cov_tokens.py) detached: their loss is 0 and carries no gradient."""
+  keep_BxT = 1.0 - jax.lax.stop_gradient(_selection("clip_cov", selected_BxT))
   term = ppo_clip(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT)
-  keep_BxT = 1.0 - jax.lax.stop_gradient(jnp.asarray(selected_BxT, jnp.float32))
   return term._replace(loss_BxT=term.loss_BxT * keep_BxT)
 
 
@@ -143,11 +151,13 @@ def clip_cov(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, *, selected_BxT,
 def kl_cov(cfg, logp_BxT, old_logp_BxT, advantages, mask_BxT, *, selected_BxT, **_) -> Term:
   """The unclipped surrogate -A r, plus kl_cov_coef |log r| on the selected tokens (the
   largest covariances of advantage and logprob, rl/cov_tokens.py)."""
+  selected_BxT = jax.lax.stop_gradient(_selection("kl_cov", selected_BxT))
   log_ratio_BxT, clamped_BxT = clamped_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
   ratio_BxT = jnp.exp(log_ratio_BxT)
-  selected_BxT = jax.lax.stop_gradient(jnp.asarray(selected_BxT, jnp.float32))
   distance_BxT = jnp.abs(log_ratio_BxT)
   distance_BxT = jnp.where(distance_BxT > KL_COV_DEAD_BAND, distance_BxT, 0.0)
+  if cfg.one_update:
+    distance_BxT = jnp.zeros_like(distance_BxT)
   loss_BxT = -per_token(advantages) * ratio_BxT + cfg.kl_cov_coef * selected_BxT * distance_BxT
   return Term(loss_BxT, _no(loss_BxT), ratio_BxT, clamped_BxT, _no(loss_BxT))
 

@@ -18,8 +18,9 @@ The cases (the rows of docs/algorithms.md's table):
   is/*      rollout correction weights (token, sequence; truncated at 2) and rejection
             masks (token_k1 and seq_sum_k1 with bounds 0.2 and 2)
   vf/*      compute_value_loss: loss, clip fraction, gradient in vpreds
-  clamp/*   the safety clamps: PPO's log-ratio +-20, GSPO's sequence log-ratio 10, the
-            rollout weights' log-ratio +-20
+  clamp/*   the safety clamps: PPO's and CISPO's log-ratio +-20, GSPO's sequence
+            log-ratio 10, the rollout weights' log-ratio +-20, k3's +-20 and +-10
+  pad/*     a batch with a row of padding only: GMPO, the sequence means
 """
 
 import numpy as np
@@ -251,6 +252,39 @@ def clamps():
   for level in ("token", "sequence"):
     weights, _ = corr.compute_rollout_correction_weights(log_ratio, mask, level, 1e12)
     keep(f"clamp/is_{level}", weights=weights)
+  cispo = config(clip_ratio_low=1.0, clip_ratio_high=0.2)
+  log_prob = (old + log_ratio).requires_grad_(True)
+  loss, _ = core.compute_policy_loss_cispo(
+      old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, config=cispo
+  )
+  loss.backward()
+  keep("clamp/cispo", loss=loss, grad=log_prob.grad)
+  for kind in ("k3", "low_var_kl"):  # ref - logp = -25, 25, 3 (the reviewer's 16.09), -3
+    logp = f64([[-1.0, -30.0, -5.0, -2.0]]).requires_grad_(True)
+    kl = core.kl_penalty(logp, f64([[-26.0, -5.0, -2.0, -5.0]]), kind)
+    kl.sum().backward()
+    keep(f"clamp/kl_{kind}", value=kl, grad=logp.grad)
+
+
+def padding():
+  """A batch with a row of padding only: verl's geo_mean counts it in its mean."""
+  rng = np.random.default_rng(7)
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+  old = -rng.uniform(0.1, 3.0, mask.shape).astype(np.float32)
+  logp = (old + rng.normal(0.0, 0.3, mask.shape)).astype(np.float32)
+  adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+  keep("pad", mask=mask, old=old, logp=logp, adv=adv)
+  log_prob = f64(logp).requires_grad_(True)
+  adv_BxT = f64(adv)[:, None] * f64(mask)
+  gmpo = config(clip_ratio_low=0.4, clip_ratio_high=0.4)
+  loss, _ = core.compute_policy_loss_geo_mean(
+      old_log_prob=f64(old), log_prob=log_prob, advantages=adv_BxT, response_mask=f64(mask),
+      config=gmpo,
+  )  # fmt: skip
+  loss.backward()
+  keep("pad/gmpo", loss=loss, grad=log_prob.grad)
+  for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    keep("pad", **{mode: core.agg_loss(f64(logp), f64(mask), mode)})
 
 
 def main():
@@ -262,6 +296,7 @@ def main():
   importance(x)
   value(x)
   clamps()
+  padding()
   np.savez_compressed("verl_reference.npz", **OUT)
   print(f"{len(OUT)} arrays, {int(x['mask'].sum())} tokens")
 
