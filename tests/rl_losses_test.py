@@ -72,6 +72,10 @@ def np_aggregate(x, mask, mode, total_tokens=None, total_seqs=None, norm_len=0):
     return sum(per_seq) / total_seqs
   if mode == "seq_mean_token_sum_norm":
     return masked_sum / (total_seqs * norm_len)
+  if mode == "seq_mean_token_sum":
+    return masked_sum / total_seqs
+  if mode == "token_sum_norm":
+    return masked_sum / norm_len
   raise ValueError(mode)
 
 
@@ -191,7 +195,13 @@ AGG_MASK = np.array(
     ],
     np.float32,
 )
-MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+MODES = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "token_sum_norm",
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -583,3 +593,47 @@ def test_kl_cov_penalty_has_no_gradient_at_r_1_and_coef_times_sign_past_it():
 def test_a_covariance_loss_without_its_selection_says_so(name):
   with pytest.raises(ValueError, match=f"{name} needs selected_BxT"):
     run_loss(LossConfig.for_loss(name))
+
+
+# ------------------------------------------------- GMPO, CISPO, clip-cov, kl-cov by hand
+
+
+def np_new_loss(name, logp, old, adv, mask, selected, eps, eps_high, coef=0.1):
+  """The papers' formulas, one token (GMPO: one sequence) at a time, in float64."""
+  B, T = logp.shape
+  per_seq, tokens = [], np.zeros((B, T))
+  for b in range(B):
+    a, live = float(adv[b]), [t for t in range(T) if mask[b, t]]
+    if name == "gmpo":  # -A exp(mean_t m_t), m_t clipped on the pessimistic side of A
+      m = []
+      for t in live:
+        lr = float(logp[b, t]) - float(old[b, t])
+        m.append(min(lr, eps_high) if a > 0 else max(lr, -eps) if a < 0 else 0.0)
+      per_seq.append(-a * np.exp(np.mean(m)))
+      continue
+    for t in live:
+      lr = float(logp[b, t]) - float(old[b, t])
+      r = np.exp(lr)
+      if name == "cispo":  # -sg(clip(r)) A logp
+        tokens[b, t] = -min(max(r, 1 - eps), 1 + eps_high) * a * float(logp[b, t])
+      elif name == "clip_cov":  # PPO-clip, detached where selected
+        value = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
+        tokens[b, t] = 0.0 if selected[b, t] else value
+      elif name == "kl_cov":  # -A r, + coef |log r| where selected
+        tokens[b, t] = -a * r + (coef * abs(lr) if selected[b, t] else 0.0)
+  if name == "gmpo":
+    return float(np.mean(per_seq))
+  return np_aggregate(tokens, mask, "token_mean")
+
+
+@pytest.mark.parametrize("name", ["gmpo", "cispo", "clip_cov", "kl_cov"])
+def test_new_policy_losses_match_their_papers_formulas_by_hand(name):
+  selected = np.zeros(MASK.shape, np.float32)
+  selected[[0, 1, 3], [2, 0, 2]] = 1.0  # clipped tokens (rows 0, 1), an unclipped one
+  cfg = LossConfig.for_loss(name)
+  kw = {"selected_BxT": jnp.asarray(selected)} if name.endswith("_cov") else {}
+  loss, _ = run_loss(cfg, **kw)
+  expected = np_new_loss(name, LOGP, OLD, ADV, MASK, selected, cfg.eps_clip, cfg.clip_high)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  # The new terms move the loss: none of them is PPO-clip's value.
+  assert abs(loss - run_loss(LossConfig())[0]) > 1e-4

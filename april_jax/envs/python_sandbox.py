@@ -624,7 +624,7 @@ def run(code: str, memory_mb: int, max_file_mb: int) -> int:
   # and the runner's globals are not reachable by name from the code.
   main_module = types.ModuleType("__main__")
   sys.modules["__main__"] = main_module
-  namespace = main_module.__dict__
+  namespace = vars(main_module)
   namespace["__builtins__"] = builtins
   linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
   try:
