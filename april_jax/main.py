@@ -164,7 +164,7 @@ def _train() -> bool:
       sys.exit(3)
     trainer.run()
   except BaseException:
-    if distributed.working_alone() and (trainer is None or trainer.async_rollout is None):
+    if distributed.working_alone() and trainer is None:  # (a Trainer's close tells it)
       try:  # its rollout's process waits for a start that never comes
         remote_rollout.abandon()
       except Exception:  # pylint: disable=broad-except  # the error being raised says more

@@ -1,17 +1,25 @@
 """The rollout's half of a run: the engine, reward and episode runners, the APRIL
 scheduler and the prompt stream (run_parts.make_rollout), and what the learner asks of
-them at a boundary: an evaluation, the state a checkpoint keeps, a restore.
+them at a boundary: an evaluation, the state a checkpoint keeps, a restore; and
+`make_rollout`, the run's Rollout (rollout/base.py) over it.
 
-The trainer holds one where it draws itself (colocated, or the rollout on its own
-devices in the same process); a split run's rollout process holds the only one
+The learner's process holds one where it draws itself (colocated, or the rollout on its
+own devices in the same process); a split run's rollout process holds the only one
 (rollout_server.py).
 """
 
 from __future__ import annotations
 
+from april_jax import distributed
 from april_jax import run_parts
 from april_jax.evaluation import evaluate
 from april_jax.rollout import in_flight
+from april_jax.rollout.base import Rollout
+from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
+from april_jax.rollout.colocated import ColocatedRollout
+from april_jax.rollout.remote_rollout import RemoteRollout
+from april_jax.rollout.remote_weights import WeightServer
+from april_jax.rollout.threaded import ThreadedRollout
 
 
 class RolloutSide:
@@ -59,3 +67,31 @@ class RolloutSide:
   def closers(self) -> list:
     """What to close at the run's end, in order."""
     return ([self.episodes.close] if self.episodes is not None else []) + [self.rewards.close]
+
+
+def make_rollout(config, model_cfg, paths, tokenizer, task, place, stop) -> Rollout:
+  """The run's Rollout, as its config places it: in another process (a split run across
+  processes: this is the learner's), on a thread beside the learner (split meshes in one
+  process), or colocated. stop: the run's SigtermStop."""
+  if distributed.working_alone():
+    return RemoteRollout(
+        Channel(send_on=TO_ROLLOUT, receive_on=TO_LEARNER),
+        lambda: WeightServer(
+            distributed.coordinator_host(), place.mesh.devices.flat, place.rollout_mesh.devices.size
+        ),
+        cut_now=stop.cut_now,
+    )
+  side = RolloutSide(config, model_cfg, paths, None, tokenizer, task, place)
+  if side.publisher is None:
+    # One process alone may stop waiting for rewards at a stop; several wait alike.
+    alone = distributed.process_count() == 1
+    give_up = (lambda: stop.requested) if alone else None
+    return ColocatedRollout(side, cut_now=stop.cut_now, give_up=give_up)
+  r = config.rollout
+  return ThreadedRollout(
+      side,
+      depth=0 if r.max_staleness == 0 else 1,
+      in_flight=r.in_flight_updates,
+      resume_mode=r.resume_mode,
+      cut_now=stop.cut_now,
+  )

@@ -1,13 +1,16 @@
 """One RL run: its parts built from a config (run_parts.py), then rollout -> learn -> log -> save.
 
   step k (policy version k = params after k updates):
-    rollout   scheduler.step(k) on the engine holding the learner's params, version k
+    rollout   batch k taken from the run's Rollout (rollout/base.py: colocated, on a
+              thread beside the learner, or in another process; the trainer never asks
+              which), drawn by version k (or, split, within the staleness bound)
     learn     the step's groups -> TrainBatch (rl/batch.py: rows, shaped rewards) ->
               rl/learn.py's learn: old and reference logprobs (and a critic's values),
               advantages, the policy's updates (and the critic's)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
-    eval      every eval_every steps: pass@1 / avg@k (evaluation.py), on the run's own
-              engine
+    publish   the new params to the rollout, with the requests due at its boundary: an
+              evaluation every eval_every steps (pass@1 / avg@k, evaluation.py), the
+              rollout's state for a checkpoint
     save      every checkpoint_every steps, at the end, and on SIGTERM (which cuts the
               step's rollout at once: what it drew stays in the partial buffer;
               sigterm_stop.py)
@@ -32,12 +35,12 @@ from april_jax import checkpoint as checkpoint_lib
 from april_jax import distributed
 from april_jax import lora_base
 from april_jax import resume
+from april_jax import rollout_side
 from april_jax import run_parts
 from april_jax import run_report
 from april_jax import user_output
 from april_jax.checkpoint import Checkpointer, abstract_like
 from april_jax.configs import resume_check
-from april_jax.rollout import run_episodes
 from april_jax.errors import DiskFull, InputError
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io
@@ -45,15 +48,9 @@ from april_jax.models import lora as lora_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import learn as learn_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
-from april_jax.rollout import in_flight
-from april_jax.rollout.buffer import PartialBuffer
-from april_jax.rollout import rollout_metrics
-from april_jax.rollout.async_rollout import AsyncRollout
-from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
-from april_jax.rollout.remote_rollout import RemoteRollout
-from april_jax.rollout.remote_weights import WeightServer
-from april_jax.rollout_side import RolloutSide
 from april_jax.rollout import failures as failures_lib
+from april_jax.rollout import rollout_metrics
+from april_jax.rollout import run_episodes
 from april_jax.sigterm_stop import SigtermStop
 from april_jax.task import make_task
 from april_jax.workdir_lock import WorkdirLock
@@ -71,6 +68,7 @@ class Trainer:
     if self._lock is not None:  # saves cut short by a kill: never read, and as big as one
       checkpoint_lib.remove_unfinished(workdir)
     self.user_output = self._relay_user_output()
+    self.stop = SigtermStop()
     self.place = run_parts.Placement.from_config(c)
     self.model_cfg, self.paths = run_parts.checked_model(c)
     self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
@@ -96,24 +94,15 @@ class Trainer:
       critic = run_parts.make_critic(c, self.model_cfg, params, self.lora, self.place)
     self.learners = learn_lib.Learners(learner, critic)
     del params  # the learner's masters are the params now
-    # The rollout's half: here, or (a split run across processes) in the rollout's own
-    # process (rollout_server.py), reached through async_rollout.
-    self.remote = distributed.working_alone()
-    self.side = None if self.remote else RolloutSide(
-        c, self.model_cfg, self.paths, learner.decode_params(), self.tokenizer, self.task,
-        self.place,
-    )  # fmt: skip
-    self.publisher = None if self.side is None else self.side.publisher
-    self.async_rollout: AsyncRollout | RemoteRollout | None = None  # split: started by run()
-    self._rollout_restore = None  # a remote rollout's state from the checkpoint resumed
-    self._waiting: list = []  # batches drawn before a checkpoint and not trained yet
-    self._async_totals: dict[str, float] = {}  # the split run's counts at the last step
+    # The rollout (rollout/base.py), as the config places it; started by run().
+    self.rollout = rollout_side.make_rollout(
+        c, self.model_cfg, self.paths, self.tokenizer, self.task, self.place, self.stop
+    )
     self.primary = distributed.is_primary()  # the one process that writes and prints
     self.writer = MetricsWriter(workdir, enabled=self.primary)
     self.next_step = 0
     self.resumed = resuming
     self._failures = failures_lib.FailureStreak(c.rollout.max_failed_steps)
-    self.stop = SigtermStop()
     if resuming:
       self._resume()
     else:
@@ -165,23 +154,13 @@ class Trainer:
           "directory shared by all hosts"
       )
 
-  def rollout_state(self) -> tuple[dict, dict]:
-    """What a checkpoint keeps of the rollout, taken where it stands still (between two
-    of its batches): the partial buffer with the batches drawn and not yet trained
-    (rollout/in_flight.py), and as JSON the scheduler's counters, the data position and
-    those batches' shape."""
-    waiting = self._waiting + (
-        [] if self.async_rollout is None else self.async_rollout.waiting_results()
-    )
-    return self.side.capture(waiting)
-
-  def save(self, step: int, metrics: dict[str, float] | None, rollout=None) -> float:
+  def save(self, step: int, metrics: dict[str, float] | None, rollout) -> float:
     """Checkpoints the state after `step` updates (the step's metrics line so far goes
     with it; None: a step cut short, whose line is written already); the seconds it
-    took. `rollout`: the rollout's state (rollout_state), taken where it stood still."""
+    took. `rollout`: the rollout's state (its "capture"), taken where it stood still."""
     start = time.perf_counter()
     arrays, learner = self.learners.checkpoint()
-    buffer, rollout_host = self.rollout_state() if rollout is None else rollout
+    buffer, rollout_host = rollout
     problem = self.checkpointer.room_problem(step, arrays, buffer)
     if distributed.any_process(problem is not None):  # all stop alike, or none does
       raise DiskFull(problem or f"another process found no room for checkpoint {step}")
@@ -208,31 +187,15 @@ class Trainer:
 
   def _restore(self, step: int, arrays, buffer, host) -> None:
     self.learners.restore(arrays, host["learner"])
-    if self.remote:  # the rollout's process takes its part when it starts
-      own, self._waiting = in_flight.from_state(buffer, host.get("waiting"))
-      kept = {k: host[k] for k in ("scheduler", "data")}
-      self._rollout_restore = own, kept
-      buffered = str(PartialBuffer.groups_in(own))
-    else:
-      self._set_policy(step)
-      self._waiting = self.side.restore(buffer, host)
-      buffered = str(len(self.side.scheduler.buffer))
+    buffered, drawn = self.rollout.restore(buffer, host)
     self.writer.truncate_after(step, host.get("metrics"))
     self.next_step = step  # the loop's index of step step + 1
     if self.primary:
-      drawn = f", {len(self._waiting)} drawn batches to train" if self._waiting else ""
+      to_train = f", {drawn} drawn batches to train" if drawn else ""
       print(
-          f"resumed from step {step} ({buffered} groups in the partial buffer{drawn})", flush=True
+          f"resumed from step {step} ({buffered} groups in the partial buffer{to_train})",
+          flush=True,
       )
-
-  def _set_policy(self, version: int) -> None:
-    """The engine decodes the learner's params from now on (before the rollout's thread
-    starts, or colocated)."""
-    params = self.learners.policy.decode_params()
-    if self.publisher is None:
-      self.side.engine.set_policy(params, version)
-    else:
-      self.publisher.swap(self.side.engine, params, version)
 
   def _report(self) -> None:
     """The end-of-run summary on stdout and the progress plot in the workdir."""
@@ -244,15 +207,9 @@ class Trainer:
       print(f"  warning          {run_episodes.NO_ISOLATION}", flush=True)
 
   # ---------------------------------------------------------------------------- eval
-  def evaluate(self) -> dict[str, float]:
-    """On the run's own engine (empty between steps) and its current params."""
-    return self.side.evaluate()
-
-  def _evaluate_before_training(self, metrics: dict[str, float] | None = None) -> None:
-    """The warm-started (or loaded) policy's score (`metrics`, where the rollout's
-    process gave it), as the line of step 0: step k's line holds the params after k
-    updates."""
-    metrics = self.evaluate() if metrics is None else metrics
+  def _evaluate_before_training(self, metrics: dict[str, float]) -> None:
+    """The warm-started (or loaded) policy's score, as the line of step 0: step k's
+    line holds the params after k updates."""
     self.writer.write(0, metrics)
     if self.primary:
       logging.info("evaluation before training: %s", metrics)
@@ -281,7 +238,7 @@ class Trainer:
     (nothing trained; what it drew is in the partial buffer)."""
     c = self.config
     version = step  # the params after `step` updates
-    result = self._draw(step)
+    result = self.rollout.take(step)
     if result is None or result.cut:  # None: the rollout's thread closed before a batch
       self.stop.cut_drew = result is not None and (
           result.stats.get("new_tokens", 0) > 0 or bool(result.rejected)
@@ -305,111 +262,31 @@ class Trainer:
     self.writer.write_rollouts(step + 1, result.groups)  # step k: the k-th update's data
     return metrics
 
-  def _draw(self, index: int):
-    """Batch `index` (trained by update index + 1): one kept by the checkpoint resumed
-    from, else drawn now (colocated) or taken from the rollout's thread (split)."""
-    if self._waiting:
-      return self._waiting.pop(0)
-    if self.async_rollout is not None:
-      return self.async_rollout.take(index)
-    assert self.side.engine.version == index, (self.side.engine.version, index)
-    one_process = distributed.process_count() == 1  # waits for rewards end at once only there
-    give_up = (lambda: self.stop.requested) if one_process else None
-    return self.side.scheduler.step(index, cut_now=self.stop.cut_now, give_up=give_up)
-
   def _publish(self, step: int, evaluate: bool, save: bool, stop: bool):
-    """The params after `step` updates to the engine; then, where the rollout holds them,
-    the evaluation and the capture of the rollout's state for a checkpoint, when due.
-    Returns (evaluation metrics or {}, rollout state or None). A split run that stops
-    publishes nothing: the rollout's thread is cut, and what it holds is captured where
-    it stands (the batches drawn ahead with it)."""
+    """The params after `step` updates to the rollout, with the requests due at its
+    boundary: (evaluation metrics or {}, the rollout's state for a checkpoint or None).
+    A run that stops publishes nothing: the rollout is cut, and what it holds is
+    captured where it stands (the batches drawn ahead with it)."""
     wanted = (["evaluate"] if evaluate else []) + (["capture"] if save else [])
-    if self.async_rollout is None:
-      self.side.engine.set_policy(self.learners.policy.decode_params(), step)
-      done = [self._service(name)() for name in wanted]
+    if stop:
+      self.rollout.cut()
+      done = [self.rollout.request("capture")] if save else []
     else:
-      if stop:
-        start = time.perf_counter()
-        if self.remote:  # in one process the rollout's thread sees the stop itself
-          self.async_rollout.cut()
-        done = [self._ask_rollout("capture")] if save else []
-      else:
-        params = self.learners.policy.decode_params()
-        start = time.perf_counter()
-        asked = wanted if self.remote else [self._service(name) for name in wanted]
-        done = [r.result() for r in self.async_rollout.publish(params, step, asked)]
-      # Waiting for the rollout's boundary (and its evaluation) is the learner waiting.
-      self.async_rollout.waits.learner_s += time.perf_counter() - start
+      done = self.rollout.publish(self.learners.policy.decode_params(), step, wanted)
     return (done.pop(0) if evaluate else {}), (done.pop(0) if save else None)
 
-  def _service(self, name: str):
-    """A request the learner makes of its own rollout, by name."""
-    return {"evaluate": self.evaluate, "capture": self.rollout_state}[name]
-
-  def _ask_rollout(self, name: str):
-    """A named request of the rollout's thread (here or in its process), answered."""
-    if self.remote:
-      return self.async_rollout.request(name)
-    return self.async_rollout.request(self._service(name))
-
-  def _async_metrics(self) -> dict[str, float]:
-    """Split meshes: each side's wait and the weights' copies since the last step."""
-    a = self.async_rollout
-    p = a.publish_stats
-    now = {
-        "async/rollout_wait_s": a.waits.rollout_s,
-        "async/learner_wait_s": a.waits.learner_s,
-        "async/publish_s": p.seconds,
-        "async/publish_bytes": float(p.bytes),
-        "async/weight_swaps": float(a.swaps),
-    }
-    last, self._async_totals = self._async_totals, now
-    return {k: v - last.get(k, 0.0) for k, v in now.items()}
-
-  def _start_rollout_thread(self) -> None:
-    """Split meshes: the rollout draws on its thread from here on (rollout/async_rollout.py)."""
+  def _start_rollout(self) -> None:
+    """The rollout starts from the learner's params (the sampler compiled first on a
+    fresh run), with the evaluation before training where it is due."""
     c = self.config
-    if self.remote:
-      self._start_remote_rollout()
-      return
-    if self.publisher is None:
-      return
-    self.async_rollout = AsyncRollout(
-        self.side.scheduler,
-        self.publisher,
-        depth=0 if c.rollout.max_staleness == 0 else 1,
-        in_flight=c.rollout.in_flight_updates,
-        resume_mode=c.rollout.resume_mode,
-        first_batch=self.next_step,
-        version=self.side.engine.version,
-        waiting=self._waiting,
-        cut_now=self.stop.cut_now,
-    )
-    self._waiting = []
-    self.async_rollout.start()
-
-  def _start_remote_rollout(self) -> None:
-    """A split run across processes: the rollout's process starts drawing with these
-    weights (and the checkpoint's rollout state); the batches the checkpoint holds drawn
-    stay here, trained first."""
-    c = self.config
-    self.async_rollout = RemoteRollout(
-        Channel(send_on=TO_ROLLOUT, receive_on=TO_LEARNER),
-        WeightServer(
-            distributed.coordinator_host(),
-            self.place.mesh.devices.flat,
-            self.place.rollout_mesh.devices.size,
-        ),
-        first_batch=self.next_step + len(self._waiting),
-        cut_now=self.stop.cut_now,
-    )
     evaluate_first = (
         self.next_step == 0 and bool(c.eval_every) and c.eval.before_training and not self.resumed
     )
-    metrics = self.async_rollout.start(
+    metrics = self.rollout.start(
         self.learners.policy.decode_params(),
         self.next_step,
-        rollout=self._rollout_restore,
+        self.next_step,
+        warm_up=self.next_step == 0,
         evaluate_first=evaluate_first,
     )
     if evaluate_first:
@@ -421,7 +298,6 @@ class Trainer:
     previous = signal.signal(signal.SIGTERM, self.stop.handle)
     try:
       self._compile()
-      self._start_rollout_thread()
       for index in range(self.next_step, self.config.num_steps):
         if self._one_step(index):
           break
@@ -438,8 +314,8 @@ class Trainer:
       self._say_how_it_stopped()
 
   def _compile(self) -> None:
-    """The sampler's and (with train.warm_up) the learner's programs for every bucket,
-    and the evaluation before training of a fresh run."""
+    """The sampler's programs for every bucket (with the rollout's start, the evaluation
+    before training of a fresh run too) and, with train.warm_up, the learner's."""
     c = self.config
     if self.primary:
       print(
@@ -447,10 +323,7 @@ class Trainer:
           "the compilation cache keeps them for the next)",
           flush=True,
       )
-    if self.next_step == 0 and not self.remote:  # the rollout's process compiles its own
-      self.side.engine.warm_up()
-      if c.eval_every and c.eval.before_training and not self.resumed:
-        self._evaluate_before_training()
+    self._start_rollout()
     if c.train.warm_up:
       self.learners.policy.warm_up(
           c.rollout.batch_size * c.rollout.n_samples_per_prompt,
@@ -466,22 +339,20 @@ class Trainer:
     metrics = self.train_step(index)
     if metrics is None:  # SIGTERM cut its rollout: keep what it drew, leave
       if self.stop.save_cut(index, self.checkpointer.latest_step()):
-        rollout = None if self.async_rollout is None else self._ask_rollout("capture")
-        self.save(index, None, rollout)
+        self.save(index, None, self.rollout.request("capture"))
       self.stop.stop_during(step)
       return True
     last = step == c.num_steps
     # Decided once per step, and by every process alike (SIGTERM may reach only one); a
     # stopping run skips evaluation to save within the scheduler's grace period.
-    stop = self.stop.agreed() or (self.remote and self.async_rollout.stopping)
+    stop = self.stop.agreed() or self.rollout.stopping
     evaluate = not stop and bool(c.eval_every) and (step % c.eval_every == 0 or last)
     save = stop or last or bool(c.checkpoint_every and step % c.checkpoint_every == 0)
     start_publish = time.perf_counter()
     evaluated, rollout = self._publish(step, evaluate, save, stop)
     metrics.update(evaluated)
     metrics["time/step_s"] = start_publish - start  # rollout (or the wait for it) + learn
-    if self.async_rollout is not None:
-      metrics.update(self._async_metrics())
+    metrics.update(self.rollout.step_metrics())
     if save:
       metrics["time/checkpoint_s"] = self.save(step, metrics, rollout)
     self.writer.write(step, metrics)
@@ -495,11 +366,12 @@ class Trainer:
     """Ends the workers, the checkpoint writer and the metric files; releases the lock.
     After an error, a failure to close is logged: the error that ended the run is the one
     to report (a full disk fails the closing writes too)."""
-    closes = [self.checkpointer.close, self.writer.close, user_output.stop]
-    if self.side is not None:
-      closes = self.side.closers() + closes
-    if self.async_rollout is not None:
-      closes.insert(0, lambda: self.async_rollout.close(failing=failing))
+    closes = [
+        lambda: self.rollout.close(failing=failing),
+        self.checkpointer.close,
+        self.writer.close,
+        user_output.stop,
+    ]
     for close in closes:
       try:
         close()

@@ -49,8 +49,9 @@ def _side(config, workdir: str, steps: int, rollout_devices: int) -> tuple[list[
     c.mesh.rollout_devices = rollout_devices
   trainer = Trainer(c, workdir)
   extra = {}
-  if trainer.publisher is not None:
-    extra["copy_bytes_per_s"] = trainer.publisher.copy_rate()
+  publisher = getattr(trainer.rollout, "publisher", None)  # split meshes: the weights' copier
+  if publisher is not None:
+    extra["copy_bytes_per_s"] = publisher.copy_rate()
   trainer.run()
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     lines = [json.loads(line) for line in f if line.strip()]

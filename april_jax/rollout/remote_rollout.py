@@ -1,6 +1,6 @@
 """The learner's handle on a rollout that runs in another process (a split run across
-processes, docs/async.md): what rollout/async_rollout.py's AsyncRollout is to the
-trainer in one process, over a Channel (rollout/channel.py) and a WeightServer
+processes, docs/async.md): rollout/base.py's interface, as rollout/threaded.py's is in one
+process, over a Channel (rollout/channel.py) and a WeightServer
 (rollout/remote_weights.py).
 
 The rollout process (rollout_server.py) runs the AsyncRollout itself and sends each
@@ -9,7 +9,9 @@ order they were sent. A capture (the rollout's state for a checkpoint) is comple
 here with the batches received and not yet trained at the moment it arrived: those are
 exactly the ones drawn before its boundary.
 
-Requests are named: "evaluate" (metrics) and "capture" (arrays, host JSON).
+Requests are named: "evaluate" (metrics) and "capture" (arrays, host JSON). The batches
+a checkpoint holds drawn and not yet trained stay here (`restore`), taken first; the
+rollout's process starts drawing after them.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from april_jax.errors import InputError
 from april_jax.rollout import in_flight
 from april_jax.rollout import wire
 from april_jax.rollout.async_rollout import Waits
+from april_jax.rollout.base import Rollout, check_requests
+from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
 from april_jax.rollout.publish import PublishStats
 from april_jax.rollout.remote_weights import WeightServer
 from april_jax.rollout.scheduler import RolloutResult
+from april_jax.rollout.step_counts import StepCounts
 
 POLL_S = 0.2  # how often a wait looks at a stop, and the receiving thread at a close
 
@@ -45,30 +50,20 @@ def abandon() -> None:
   Channel(send_on=TO_ROLLOUT, receive_on=TO_LEARNER).send({"kind": "close"})
 
 
-class _Pending:
-  """A request's answer, once it comes."""
-
-  def __init__(self, owner: "RemoteRollout", rid: int):
-    self._owner, self._rid = owner, rid
-
-  def result(self):
-    return self._owner._answer(self._rid)
-
-
-class RemoteRollout:
-  """take / publish / request / close, as AsyncRollout's, for a rollout in another
-  process."""
+class RemoteRollout(Rollout):
+  """The rollout in another process. make_weights: the WeightServer, made at start."""
 
   def __init__(
       self,
       channel: Channel,
-      weights: WeightServer,
+      make_weights: Callable[[], WeightServer],
       *,
-      first_batch: int,
       cut_now: Callable[[], bool] | None = None,
   ):
-    self._channel, self._weights = channel, weights
-    self._taken = int(first_batch)
+    self._channel, self._make_weights, self._weights = channel, make_weights, None
+    self._taken = 0
+    self._started = False
+    self._restored = None  # a checkpoint's rollout state, sent with the start
     self._cut_now = cut_now or (lambda: False)
     self._cond = threading.Condition()
     self._batches: collections.deque[RolloutResult] = collections.deque()
@@ -80,44 +75,79 @@ class RemoteRollout:
     self._sent_cut = False
     self._closing = False
     self.parked = False
-    self.stopping = False  # the rollout's process was asked to stop (its SIGTERM)
+    self._stopping = False  # the rollout's process was asked to stop (its SIGTERM)
     self.error: BaseException | None = None
     self.waits = Waits()
     self.swaps = 0
     self.publish_stats = PublishStats()
+    self._step_counts = StepCounts()
     self._thread = threading.Thread(target=self._receive, name="april-learner-rx", daemon=True)
 
   # ----------------------------------------------------------------------- learner side
-  def start(self, tree, version: int, *, rollout=None, evaluate_first: bool = False):
-    """Sends version `version`'s weights (and a checkpoint's rollout state, `rollout`:
-    (arrays, host JSON)) to the rollout, which starts drawing; the evaluation before
-    training when asked (its metrics), else None."""
+  def restore(self, arrays: dict, host: dict) -> tuple[int, int]:
+    """The rollout's process takes the buffer and counters when it starts; the batches
+    drawn and not yet trained stay here, taken first."""
+    own, waiting = in_flight.from_state(arrays, host.get("waiting"))
+    self._restored = own, {k: host[k] for k in ("scheduler", "data")}
+    self._batches.extend(waiting)
+    return PartialBuffer.groups_in(own), len(waiting)
+
+  def start(self, params, version, first_batch, *, warm_up, evaluate_first):
+    """Sends version `version`'s weights (and the restored rollout state) to the
+    rollout's process, which warms up its engine and starts drawing after the batches
+    held here; the evaluation before training when asked (its metrics), else None."""
+    del warm_up  # the rollout's process compiles its own programs
+    self._weights = self._make_weights()
+    self._taken = int(first_batch)
+    self._started = True
     self._thread.start()
-    offered = self._offer(tree, version)
+    offered = self._offer(params, version)
     rid = self._rid() if evaluate_first else None
-    arrays, host = rollout if rollout is not None else ({}, None)
-    header = {"kind": "start", "weights": offered.to_json(), "first_batch": self._taken}
+    arrays, host = self._restored if self._restored is not None else ({}, None)
+    header = {
+        "kind": "start",
+        "weights": offered.to_json(),
+        "first_batch": self._taken + len(self._batches),
+    }
     header.update(address=self._weights.address, rollout=host, evaluate_first=rid)
     self._channel.send(header, arrays)
     return None if rid is None else self._answer(rid)
 
-  def publish(self, tree, version: int, requests: list[str] = ()) -> list[_Pending]:
+  def publish(self, params, version: int, requests: Sequence[str] = ()) -> list[Any]:
     """Version `version`'s weights, and the named requests to run once the rollout holds
-    them. Waits until the rollout pulled the last version offered (or parked)."""
+    them; their answers. Waits until the rollout pulled the last version offered (or
+    parked): the learner's wait."""
+    check_requests(requests)
+    start = time.perf_counter()
     with self._cond:
       while self._pulled != self._offered and not self.parked and self.error is None:
         self._wait()
       self._raise()
-    offered = self._offer(tree, version)
+    offered = self._offer(params, version)
     named = [[self._rid(), name] for name in requests]
     self._channel.send({"kind": "publish", "weights": offered.to_json(), "requests": named})
-    return [_Pending(self, rid) for rid, _ in named]
+    answers = [self._answer(rid) for rid, _ in named]
+    self.waits.learner_s += time.perf_counter() - start
+    return answers
 
   def request(self, name: str) -> Any:
     """Runs a named request at the rollout's next boundary; its answer."""
+    check_requests([name])
+    start = time.perf_counter()
     rid = self._rid()
     self._channel.send({"kind": "request", "id": rid, "name": name})
-    return self._answer(rid)
+    answer = self._answer(rid)
+    self.waits.learner_s += time.perf_counter() - start
+    return answer
+
+  def step_metrics(self) -> dict[str, float]:
+    return self._step_counts.since_last(self.waits, self.swaps, self.publish_stats)
+
+  @property
+  def stopping(self) -> bool:
+    """Whether the rollout's process was asked to stop (its SIGTERM, told before its cut
+    batch): the learner stops at the end of its step."""
+    return self._stopping
 
   def take(self, index: int) -> RolloutResult | None:
     """Batch `index` once it came; the cut result when a stop cut the rollout (a stop here
@@ -145,7 +175,11 @@ class RemoteRollout:
 
   def close(self, failing: bool = False, timeout_s: float = 60.0) -> None:
     """Tells the rollout to close (`failing`: the learner's own error ends the run), and
-    waits (bounded) for it to say it has."""
+    waits (bounded) for it to say it has. Never started: the rollout's process waits for
+    a start, and is told to close instead (`abandon`)."""
+    if not self._started:
+      abandon()
+      return
     if self._thread.is_alive():
       try:
         self._channel.send({"kind": "close", "failed": bool(failing)})
@@ -218,7 +252,7 @@ class RemoteRollout:
         else:
           self._batches.append(result)
       elif kind == "stopping":
-        self.stopping = True
+        self._stopping = True
       elif kind == "pulled":
         self._pulled = int(header["version"])
       elif kind == "answer":
