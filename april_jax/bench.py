@@ -36,7 +36,7 @@ stdout line, one JSON object with every number.
 """
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
-  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+  from april_jax.runtime import interrupt  # pylint: disable=g-import-not-at-top
 
   interrupt.install("the benchmark stopped; its report was not written")
 
@@ -66,7 +66,7 @@ from april_jax.benchmarks import (
 )
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 
 _MODE = flags.DEFINE_enum(
     "mode",

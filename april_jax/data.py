@@ -29,7 +29,6 @@ import numpy as np
 from absl import logging
 
 from april_jax.errors import InputError
-from april_jax.rewards.longtail_task import LongTailTask
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 # A jsonl line longer than this many bytes per prompt token (plus LINE_SLACK_BYTES for the
@@ -455,46 +454,20 @@ class PromptIterator:
     self._order_epoch = -1
 
 
-class LongTailSource:
-  """The built-in synthetic task as a prompt source: item 0, 1, 2, ... of the stream."""
-
-  def __init__(self, task: LongTailTask, tokenizer: Any, seed: int = 0) -> None:
-    self.task, self.tokenizer, self.seed = task, tokenizer, int(seed)
-    self.index = 0
-
-  def __call__(self) -> PromptItem:
-    item = self.task.item(self.index, self.seed)
-    self.index += 1
-    tokens = np.asarray(self.tokenizer.encode(item["prompt"]), np.int32)
-    return PromptItem(prompt_id=item["id"], tokens=tokens, answer=item["answer"])
-
-  def state(self) -> dict[str, int]:
-    return {"index": self.index, "seed": self.seed}
-
-  def restore(self, state: dict[str, Any]) -> None:
-    self.index, self.seed = int(state["index"]), int(state["seed"])
-
-
-def make_prompt_source(
-    data_config: Any, tokenizer: Any, seed: int, task: LongTailTask | None = None
-) -> PromptIterator | LongTailSource:
-  """The prompt source the `data` config section asks for.
+def make_prompt_source(data_config: Any, tokenizer: Any, seed: int) -> PromptIterator:
+  """The prompt source of a data file the `data` config section names (the built-in
+  task's is tasks/longtail.py's LongTailSource).
 
   Args:
     data_config: The `data` section (source, prompt_key, answer_key, max_prompt_len,
       shuffle, system_prompt, enable_thinking); a ConfigDict or a dict.
-    tokenizer: Tokenizer for the prompts (the task's CharTokenizer for "longtail").
-    seed: Seed of the shuffle (or of the task's stream).
-    task: The built-in task; required when source is "longtail".
+    tokenizer: Tokenizer for the prompts.
+    seed: Seed of the shuffle.
 
   Returns:
-    A LongTailSource for "longtail", else a PromptIterator over the file's records.
+    A PromptIterator over the file's records.
   """
   c = dict(data_config)
-  if c["source"] == "longtail":
-    if task is None:
-      raise ValueError('data.source "longtail" needs the LongTailTask (task=...)')
-    return LongTailSource(task, tokenizer, seed)
   records, skipped = load_records(
       c["source"],
       c.get("prompt_key", ""),

@@ -9,7 +9,7 @@ folder (adapter_config.json + adapter_model.safetensors, float32 whatever --dtyp
 `peft.PeftModel.from_pretrained(base, folder)` loads onto the base model, which its
 base_model_name_or_path names. The base is read from the run's model.path, or from the
 copy a run of a random or warm-started base keeps in its workdir
-(april_jax/lora_base.py), and must be the one the adapters were trained over (its
+(april_jax/run/lora_base.py), and must be the one the adapters were trained over (its
 fingerprint in the checkpoint): unlike a full fine-tune's export, a merged one needs it.
 
 Reads the params alone of checkpoint `step` (the state after N updates; default: the
@@ -35,7 +35,7 @@ nothing is created at a mistyped --workdir.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax loads: Ctrl-C is one line and exit 130
-  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+  from april_jax.runtime import interrupt  # pylint: disable=g-import-not-at-top
 
   interrupt.install("--out is as it was; the next export to it tidies what this one left")
 
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from april_jax import lora_base
+from april_jax.run import lora_base
 from april_jax.checkpoint import Checkpointer
 from april_jax.errors import InputError
 from april_jax.models import hf_io, lora, peft_io, qwen3

@@ -20,7 +20,7 @@ fails the same way (its reward or environment) exits with status 2 (rollout/fail
 """
 
 if __name__ == "__main__":  # first of all, before jax loads: a Ctrl-C then is answered too
-  from april_jax import interrupt  # pylint: disable=g-import-not-at-top
+  from april_jax.runtime import interrupt  # pylint: disable=g-import-not-at-top
 
   interrupt.install()
 
@@ -37,14 +37,14 @@ from ml_collections import config_flags
 
 from april_jax import checkpoint
 from april_jax import cli
-from april_jax import distributed
-from april_jax import process_tree
+from april_jax.runtime import distributed
+from april_jax.runtime import process_tree
 from april_jax.models import hf_io
-from april_jax.configs.validate import ConfigError, validate, validate_for_devices
+from april_jax.settings.validate import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
 from april_jax.rollout import remote_rollout
-from april_jax.rollout_server import LearnerEnded, RolloutServer
-from april_jax.trainer import Trainer
+from april_jax.rollout.server import LearnerEnded, RolloutServer
+from april_jax.run.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py).", lock_config=True

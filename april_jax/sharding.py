@@ -28,6 +28,7 @@ program being traced (`activation_rules`), so XLA never guesses their layout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -188,3 +189,40 @@ def traced_under(fn, mesh: Mesh | None, rules=DEFAULT_RULES):
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a run's arrays live: the learner's mesh and axis rules, the rollout's mesh and
+  the sampler's rules. Colocated (mesh.rollout_devices = 0) the two meshes are one; split,
+  the rollout has the last rollout_devices devices (its shape mesh.rollout_shape) and
+  the learner the rest (its shape mesh.shape): process 0, which writes the run's files,
+  is a learner wherever the sides are on different processes."""
+
+  mesh: Any
+  rules: tuple
+  decode_rules: tuple
+  rollout_mesh: Any = None  # None: the learner's mesh
+
+  @property
+  def split(self) -> bool:
+    return self.rollout_mesh is not None
+
+  @property
+  def decode_mesh(self):
+    return self.mesh if self.rollout_mesh is None else self.rollout_mesh
+
+  @classmethod
+  def from_config(cls, config) -> "Placement":
+    k = int(config.mesh.rollout_devices)
+    devices = jax.devices()
+    rollout_mesh = None
+    if k:
+      rollout_mesh = make_mesh(tuple(config.mesh.rollout_shape), devices[-k:])
+      devices = devices[:-k]
+    return cls(
+        make_mesh(tuple(config.mesh.shape), devices),
+        tuple(tuple(r) for r in config.mesh.rules),
+        tuple(tuple(r) for r in config.mesh.decode_rules),
+        rollout_mesh,
+    )

@@ -10,8 +10,8 @@ shape, the precision and (LoRA) the adapters are set; the scheduler, resume and 
 modes draw their own prompts and lengths.
 """
 
-from april_jax.configs import base
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings import base
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 
 SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b")}
 SHAPES["qwen3_8b_lora"] = QWEN3_SHAPES["qwen3_8b"]

@@ -14,7 +14,7 @@ evaluated as code). The math reward scores the final answer after the thinking. 
 on one GPU.
 """
 
-from april_jax.configs import base
+from april_jax.settings import base
 
 SYSTEM_PROMPT = """You can use a calculator. To call it, write
 <tool_call>{"name": "calculator", "arguments": {"expression": "<arithmetic>"}}</tool_call>

@@ -15,7 +15,7 @@ nothing and says why); at the end of its turn the outputs (or tracebacks) come b
 chat template renders tool messages, and the model goes on in the same slot. A turn
 without a call is the final answer; the math reward scores the final answer after the
 thinking ("\\boxed{}" or DAPO's "Answer:"). Check an episode first with
-`python -m april_jax.envs.replay --config=configs/math_python_tool.py --transcript=...`.
+`python -m april_jax.replay --config=configs/math_python_tool.py --transcript=...`.
 
 The model's code runs in a separate, limited process, never in the trainer
 (envs/python_tool.py): a fresh `python -I` per call in a folder of its own, killed past
@@ -24,7 +24,7 @@ processes and no files written outside its folder. It is not a container: see th
 module's docstring for what it does not isolate. Otherwise configs/qwen3_4b.py on one GPU.
 """
 
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.envs.python_tool import SYSTEM_PROMPT
 
 

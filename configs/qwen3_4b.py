@@ -6,8 +6,8 @@
       --config.eval.path=/data/aime24.jsonl
 """
 
-from april_jax.configs import base
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings import base
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 
 
 def get_config(arg=None):

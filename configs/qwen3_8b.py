@@ -28,8 +28,8 @@ Variants, joined by '+' (`--config=configs/qwen3_8b.py:baseline`, `...:tis+overl
 configs/qwen3_4b.py takes the same variants with the 4B model.
 """
 
-from april_jax.configs import base
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings import base
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 
 
 def _baseline(c):

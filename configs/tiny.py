@@ -16,7 +16,7 @@ Variant `lora` (`--config=configs/tiny.py:lora`): the same run training rank-8 L
 adapters (alpha 32, every projection, lr 3e-3) over the warm-started model, frozen.
 """
 
-from april_jax.configs import base
+from april_jax.settings import base
 
 
 def get_config(arg=None):

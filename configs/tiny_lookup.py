@@ -10,7 +10,7 @@ tool and then, 9 times in 10, walks one symbol too far; RL teaches it to stop at
 target the tool named. Otherwise configs/tiny.py (docs/environments.md).
 """
 
-from april_jax.configs import base
+from april_jax.settings import base
 
 
 def get_config(arg=None):

@@ -14,7 +14,7 @@ a step costs about the same with 32 or 64 in flight); see BENCHMARKS.md for what
 with 32 on a CPU.
 """
 
-from april_jax.configs import base
+from april_jax.settings import base
 
 
 def get_config(arg=None):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from april_jax.configs import resume_check
-from april_jax.configs.validate import ConfigError, validate
+from april_jax.settings import resume_check
+from april_jax.settings.validate import ConfigError, validate
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl.losses import LossConfig
@@ -19,7 +19,7 @@ def test_tiny_configs_are_valid(name):
 
 
 def test_distributed_fields_are_checked():
-  from april_jax.distributed import parse_device_ids  # pylint: disable=g-import-not-at-top
+  from april_jax.runtime.distributed import parse_device_ids  # pylint: disable=g-import-not-at-top
 
   assert parse_device_ids("0,1, 2") == [0, 1, 2] and parse_device_ids("") is None
   config = load_config("tiny")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages

@@ -15,7 +15,7 @@ import pytest
 
 from april_jax.data import DataError, LongTailSource, PromptIterator, load_records
 from april_jax.data import line_budget, make_prompt_source
-from april_jax.rewards.longtail_task import LongTailTask, tokenizer as longtail_tokenizer
+from april_jax.tasks.longtail import LongTailTask, tokenizer as longtail_tokenizer
 from april_jax.tokenizer import CharTokenizer
 
 from conftest import MATH_DIR
@@ -384,7 +384,7 @@ def test_longtail_source_yields_the_task_items_and_restores():
 
 # ---------------------------------------------------------------------- config
 def test_make_prompt_source_from_the_data_config(tmp_path):
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   c = base.get_config()
   task = LongTailTask()
@@ -417,7 +417,7 @@ def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
 
 
 def test_no_prompt_that_fits_is_found_when_the_data_loads_with_the_shortest_length(tmp_path):
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   c = base.get_config()
   rows = [json.dumps({"question": "x" * n, "answer": "1"}) for n in (30, 12, 50)]
@@ -443,8 +443,8 @@ def test_records_keep_the_rows_columns_as_json_for_the_reward():
 def test_eval_prompts_are_the_first_that_fit_each_once(qwen3_tokenizer, tmp_path):
   """A file with fewer prompts that fit than eval.num_prompts wrapped around: a prompt was
   scored twice and the evaluation's mean weighted it double."""
-  from april_jax import task as task_lib  # pylint: disable=g-import-not-at-top
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.tasks import task as task_lib  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   path = tmp_path / "eval.jsonl"
   rows = [("a", "1"), ("b " * 400, "2"), ("c", "3"), ("d", "4")]

@@ -1,7 +1,7 @@
 """The documents hold together: every relative link in README.md, BENCHMARKS.md and docs/
 names a file of the repository (and a heading there, where it names one), every docs page
 is linked from another document, every file the documents cite exists, README.md stays a
-front page, docs/config.md is what configs/base.py says, and docs/metrics.md names every
+front page, docs/config.md is what settings/base.py says, and docs/metrics.md names every
 metric the code writes."""
 
 import re
@@ -49,9 +49,9 @@ def test_the_design_pages_tests_and_modules_exist():
 
 
 def test_the_config_reference_is_what_base_py_says():
-  """docs/config.md is written from configs/base.py (python -m april_jax.configs.reference):
+  """docs/config.md is written from settings/base.py (python -m april_jax.settings.reference):
   a field added or changed there must be written again here."""
-  from april_jax.configs import base, reference  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base, reference  # pylint: disable=g-import-not-at-top
 
   assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference.render()
   comments = reference.field_comments()
@@ -153,3 +153,19 @@ def test_every_private_name_a_comment_or_page_gives_a_class_of_ours_exists():
         line = text[: match.start()].count("\n") + 1
         gone.append(f"{path.relative_to(ROOT)}:{line} {cls}.{attr}")
   assert not gone, gone
+
+
+def test_the_layout_names_every_module():
+  """docs/layout.md names each module of april_jax/ (by its path in the package, or by
+  its file name in the row of its package)."""
+  page = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+  named = set(re.findall(r"`([\w/]+\.py)`", page))
+  package = ROOT / "april_jax"
+  missing = []
+  for path in sorted(package.rglob("*.py")):
+    rel = path.relative_to(package).as_posix()
+    if path.name == "__init__.py" or rel.startswith("benchmarks/"):
+      continue
+    if rel not in named and path.name not in named:
+      missing.append(rel)
+  assert not missing, f"docs/layout.md does not name {missing}"

@@ -13,7 +13,7 @@ import pytest
 
 from april_jax import sampler
 from april_jax.data import PromptItem
-from april_jax.configs.validate import ConfigError, validate
+from april_jax.settings.validate import ConfigError, validate
 from april_jax.envs import base, in_workers
 from april_jax.rollout import episodes
 from april_jax.models import qwen3

@@ -20,7 +20,7 @@ from april_jax.rollout import rollout_metrics
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 from april_jax.sampler.records import Status
-from april_jax.configs import validate
+from april_jax.settings import validate
 from conftest import QWEN3_TOKENIZER_DIR, load_config, sampler_qwen3, step_at
 from record_builders import teacher_forced_logprobs
 

@@ -6,7 +6,7 @@ import time
 import jax
 import numpy as np
 
-from april_jax.evaluation import evaluate
+from april_jax.rollout.evaluation import evaluate
 from april_jax.models import qwen3
 from april_jax.data import PromptItem
 from april_jax.rewards import loading

@@ -17,7 +17,7 @@ import pytest
 
 from april_jax import export as export_lib
 from april_jax.checkpoint import Checkpointer
-from april_jax.configs import base, resume_check
+from april_jax.settings import base, resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 import cli

@@ -7,23 +7,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "april_jax"
 
 # Lowest first. A component may import its own modules and those of lower layers only.
 LAYERS = [
-    {"errors", "interrupt", "process_tree", "user_output", "rendezvous", "cli"},
-    {"workers"},  # user code in killable processes
-    {"forkserver_guard"},  # imported by the workers' forkserver alone
-    {"registry", "distributed", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
-    {"run_report"},
-    {"workdir_lock", "sigterm_stop"},
-    {"rewards", "envs", "models"},
-    {"data", "sampler", "lora_base"},
-    {"rollout", "task"},
-    {"evaluation"},  # scores through the rollout's reward runner
+    {"errors", "cli"},
+    {"runtime"},  # processes: workers, interrupts, SIGTERM, the workdir lock, several hosts
+    {"registry", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
+    {"models"},
+    {"rewards", "data"},
+    {"tasks"},  # the built-in task, and a run's task from its config
+    {"envs"},
+    {"sampler"},
+    {"rollout"},  # the scheduler, the rollout behind one interface, its process
     {"rl"},
-    {"configs", "compile_check", "plan", "resume", "run_parts", "rollout_side", "trainer"},
-    {"rollout_server"},  # a split run's rollout process, beside the trainer
-    {"main", "bench", "benchmarks", "export", "envs.replay"},
+    {"settings"},  # the config: its defaults, checks and reference
+    {"planning"},  # what fits: memory, the split, every program compiled
+    {"run"},  # one run: the trainer, its parts, resume
+    {"main", "bench", "benchmarks", "export", "replay", "plan"},  # the commands
 ]
-# Commands that live beside what they drive, placed as components of their own.
-COMMANDS = {"april_jax.envs.replay": "envs.replay"}
+# Modules placed apart from their package's layer (none today).
+COMMANDS: dict[str, str] = {}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.models import qwen3
 from april_jax.rl import advantages, learn
 from april_jax.rl import critic as critic_lib

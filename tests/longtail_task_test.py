@@ -3,7 +3,7 @@
 import numpy as np
 
 from april_jax.rewards import get_reward
-from april_jax.rewards.longtail_task import RING, LongTailTask, ring, sft_batch, targets, tokenizer
+from april_jax.tasks.longtail import RING, LongTailTask, ring, sft_batch, targets, tokenizer
 
 
 def test_answer_lengths_have_a_long_tail():

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.errors import InputError
-from april_jax import lora_base
+from april_jax.run import lora_base
 from april_jax.models import lora, peft_io, qwen3
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.update import Learner

@@ -234,7 +234,7 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers(tmp_path):
 def test_the_persistent_compilation_cache_defaults_to_the_workdir(tmp_path, monkeypatch):
   import jax  # pylint: disable=g-import-not-at-top
   from april_jax import main as main_lib  # pylint: disable=g-import-not-at-top
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   before = (

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from april_jax.benchmarks import layout_bench
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.models import attention, qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib

@@ -321,7 +321,7 @@ def test_auto_picks_the_kernel_on_nvidia_gpus_only(
 
 
 def test_auto_is_the_default_and_runs_the_xla_path_on_a_cpu():
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
   from april_jax.sampler.engine_config import EngineConfig  # pylint: disable=g-import-not-at-top
 
   assert EngineConfig(num_slots=2, max_len=32).decode_attention == "auto"

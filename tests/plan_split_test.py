@@ -4,7 +4,8 @@ from two phase times (none beats colocated when the rollout scales with its devi
 
 import pytest
 
-from april_jax import plan
+from april_jax.planning import memory
+from april_jax.planning import split as split_lib
 from april_jax.models import hf_io
 import cli
 from conftest import load_config
@@ -17,8 +18,8 @@ def _async_8b():
 
 def test_the_8b_async_config_fits_each_mesh_of_8_x_80gb_with_what_it_holds():
   config, cfg = _async_8b()
-  p = plan.make_plan(config, cfg, 8, 80e9)
-  assert isinstance(p, plan.SplitPlan) and p.fits
+  p = memory.make_plan(config, cfg, 8, 80e9)
+  assert isinstance(p, memory.SplitPlan) and p.fits
   assert (p.rollout_devices, p.learner_devices) == (4, 4)
   assert config.rollout.num_slots >= 128
   assert set(p.rollout.resident) == {
@@ -37,7 +38,7 @@ def test_the_8b_async_config_fits_each_mesh_of_8_x_80gb_with_what_it_holds():
   assert p.learner.resident["master params (float32)"] == pytest.approx(
       2 * bf16_params / 4, rel=0.01
   )
-  colocated = plan.make_plan(load_config("qwen3_8b"), cfg, 8, 80e9)
+  colocated = memory.make_plan(load_config("qwen3_8b"), cfg, 8, 80e9)
   # The rollout mesh holds no learner: a pool larger than the colocated one fits there.
   assert config.rollout.kv_pages > load_config("qwen3_8b").rollout.kv_pages
   assert p.device_total <= 80e9 and colocated.fits
@@ -45,14 +46,14 @@ def test_the_8b_async_config_fits_each_mesh_of_8_x_80gb_with_what_it_holds():
 
 def test_no_split_beats_colocated_when_the_rollout_scales_with_its_devices():
   config, cfg = _async_8b()
-  chosen = plan.choose_split(config, cfg, 8, rollout_s=100.0, learn_s=40.0, device_bytes=80e9)
+  chosen = split_lib.choose_split(config, cfg, 8, rollout_s=100.0, learn_s=40.0, device_bytes=80e9)
   rows = {r["rollout_devices"]: r for r in chosen["splits"]}
   assert "refused" in rows[3] and "32 attention heads 3 ways" in rows[3]["refused"]
   assert "GB per device" in rows[1]["refused"]  # the whole pool on one device
   assert chosen["chosen"] == 4 and rows[4]["num_microbatches"] == 64
   assert rows[4]["seconds_per_batch"] == pytest.approx(max(100 * 2, 40 * 2))
   assert all(r["speedup"] < 1 for r in rows.values() if "speedup" in r)
-  slow = plan.choose_split(config, cfg, 8, 100.0, 40.0, 80e9, rollout_scaling=0.25)
+  slow = split_lib.choose_split(config, cfg, 8, 100.0, 40.0, 80e9, rollout_scaling=0.25)
   best = {r["rollout_devices"]: r for r in slow["splits"]}[slow["chosen"]]
   assert best["speedup"] == pytest.approx(140 / max(100 * 2**0.25, 80))
 

@@ -8,9 +8,11 @@ import json
 import jax
 import pytest
 
-from april_jax import compile_check, plan, sharding
-from april_jax.configs import validate
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.planning import memory
+from april_jax import sharding
+from april_jax.planning import compile_check
+from april_jax.settings import validate
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, lora, qwen3
 from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
@@ -46,7 +48,7 @@ def test_shipped_shapes_are_the_released_qwen3_configs():
 def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
   config = load_config("qwen3_8b")
   cfg = hf_io.model_config(config)
-  p = plan.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
+  p = memory.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
   masters = p.resident["master params (float32)"]
   # Every matrix divides by 8; the RMSNorm weights (L x (2D + 2H) + D) are replicated.
   norms = 36 * (2 * 4096 + 2 * 128) + 4096
@@ -67,22 +69,22 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
   config = load_config("qwen3_8b")
   config.rollout.kv_pages = 8 * 4352  # 165 GB of KV per device
-  too_big = plan.make_plan(config, hf_io.model_config(config), 8, 80e9)
+  too_big = memory.make_plan(config, hf_io.model_config(config), 8, 80e9)
   assert not too_big.fits
   with pytest.raises(MemoryError, match="needs .* GB per device but a device holds 80.0 GB"):
-    plan.check_fits(too_big)
+    memory.check_fits(too_big)
 
 
 def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
   config = load_config("qwen3_8b", "ppo")
   cfg = hf_io.model_config(config)
-  assert plan.make_plan(config, cfg, 8, 80e9).fits  # PPO with its critic fits 8 x 80 GB
-  pages = plan.pages_that_fit(config, cfg, 8, 70e9)
-  fits = lambda n: plan.make_plan(plan._with_pages(config, n), cfg, 8, 70e9).fits
+  assert memory.make_plan(config, cfg, 8, 80e9).fits  # PPO with its critic fits 8 x 80 GB
+  pages = memory.pages_that_fit(config, cfg, 8, 70e9)
+  fits = lambda n: memory.make_plan(memory._with_pages(config, n), cfg, 8, 70e9).fits
   assert 68 <= pages < 4352 and fits(pages) and not fits(pages + 1)
-  sentence = plan.what_fits(config, cfg, 8, 70e9)
+  sentence = memory.what_fits(config, cfg, 8, 70e9)
   assert f"it fits with rollout.kv_pages={pages}" in sentence
-  assert "not even one sequence" in plan.what_fits(config, cfg, 8, 20e9)
+  assert "not even one sequence" in memory.what_fits(config, cfg, 8, 20e9)
 
 
 @needs_8
@@ -93,7 +95,7 @@ def test_the_critics_programs_compile_within_15_percent_of_the_plan():
   arrays = {}
   mb = compile_check._longest_microbatch(config, mesh, with_ref=False)
   programs = compile_check._critic_programs(config, cfg, mesh, mb, arrays)
-  arithmetic = plan.make_plan(config, cfg, 8, 80e9, native_16bit=False)
+  arithmetic = memory.make_plan(config, cfg, 8, 80e9, native_16bit=False)
   for name, item in (("critic params (float32)", 1), ("critic optimizer state (float32)", 2)):
     assert compile_check.device_bytes(arrays[name]) == pytest.approx(
         arithmetic.resident["critic params (float32)"] * item, rel=1e-3
@@ -222,7 +224,7 @@ def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   shape = (1, rows, 17408)
   assert step_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
-  from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import validate  # pylint: disable=g-import-not-at-top
 
   validate.validate_for_devices(config, 8)
   config.train.num_microbatches = 64  # 4 rows cannot split over 8 devices
@@ -238,7 +240,7 @@ def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
 def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, variant, devices, gb):
   config, cfg, report = _compiled(name, devices, gb, variant)
   # The check compiles 16-bit programs as a GPU runs them (compile_check.GPU_LIKE).
-  arithmetic = plan.make_plan(config, cfg, devices, gb * 1e9, native_16bit=True)
+  arithmetic = memory.make_plan(config, cfg, devices, gb * 1e9, native_16bit=True)
   assert set(arithmetic.resident) == set(report.resident)
   assert sorted(p.name for p in report.programs) == sorted(arithmetic.programs)
   assert arithmetic.resident_total == pytest.approx(report.resident_bytes, rel=1e-6)
@@ -256,7 +258,7 @@ def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments(de
   if decode == "merged":
     config.rollout.kv_pages = 360  # the decode copy takes 16.4 GB of the pool
   cfg = hf_io.model_config(config)
-  p = plan.make_plan(config, cfg, num_devices=1, device_bytes=80e9)
+  p = memory.make_plan(config, cfg, num_devices=1, device_bytes=80e9)
   spec = lora.LoraSpec.from_config(config.train.lora)
   assert (spec.rank, spec.alpha, len(spec.targets)) == (32, 32.0, 7)
   adapters = lora.num_params(cfg, spec) * 4
@@ -296,13 +298,13 @@ def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
   cfg = hf_io.model_config(config)
   head = (cfg.hidden_size + 1) * 4
   adapters = lora.num_params(cfg, lora.LoraSpec.from_config(config.train.lora)) * 4
-  shared = plan.make_plan(config, cfg, 1, 80e9)
+  shared = memory.make_plan(config, cfg, 1, 80e9)
   assert shared.resident["critic adapters and head (float32)"] == adapters + head
   assert shared.resident["critic optimizer state (float32)"] == 2 * (adapters + head)
   assert "critic params (float32)" not in shared.resident
   assert config.rollout.kv_pages == 768 and shared.fits  # the critic takes 16 pages
   config.train.critic_path = "/critic"  # its own frozen base, in 16 bits
-  own = plan.make_plan(config, cfg, 1, 80e9)
+  own = memory.make_plan(config, cfg, 1, 80e9)
   assert own.resident["critic base params (frozen, bfloat16)"] == cfg.num_params() * 2
   assert not own.fits  # the pool sized for a shared base does not leave room for it
 
@@ -316,7 +318,7 @@ def test_the_lora_variants_are_one_80gb_gpu_with_64_slots(variants):
     assert c.rollout.max_response_len == 16384 and c.train.lora.rank == 32
     assert c.train.lora.decode == "unmerged"
     assert c.rollout.kv_pages == pages - (24 if name == "qwen3_4b" else 16) * critic
-    assert plan.make_plan(c, hf_io.model_config(c), 1, 80e9).fits
+    assert memory.make_plan(c, hf_io.model_config(c), 1, 80e9).fits
   with pytest.raises(ValueError, match="'lora' runs on one GPU"):
     load_config("qwen3_4b", "node+lora")
 
@@ -330,7 +332,7 @@ def test_lora_programs_compile_with_the_base_as_the_reference_and_the_critics():
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:1])
   report = compile_check.check(config, cfg, mesh)
-  arithmetic = plan.make_plan(config, cfg, 1, native_16bit=True)
+  arithmetic = memory.make_plan(config, cfg, 1, native_16bit=True)
   assert set(report.resident) == set(arithmetic.resident)
   for name, value in arithmetic.resident.items():  # the weights: exact (+ Adam's counters)
     if "params" in name or "adapters" in name or "optimizer" in name:

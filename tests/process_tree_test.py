@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from april_jax import process_tree
+from april_jax.runtime import process_tree
 
 # A child that starts two grandchildren (one in a session of its own), all deaf to SIGINT
 # and SIGTERM, prints their pids, then leaves: its grandchildren are orphans.

@@ -365,7 +365,7 @@ def _wait_until(predicate, seconds: float = 30.0) -> bool:
 
 CALLER = """
 import signal, sys, threading
-from april_jax import interrupt
+from april_jax.runtime import interrupt
 from april_jax.envs.python_tool import Limits, run_python
 interrupt.install("done")
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from april_jax.configs import validate
+from april_jax.settings import validate
 from april_jax.data import load_records
 from april_jax.envs import base, kernel_isolation, python_tool
 from april_jax.envs.base import EnvReset
@@ -411,7 +411,7 @@ def test_without_user_namespaces_a_command_stops_in_one_line(no_user_namespaces,
   proc = cli.run(
       f"--transcript={transcript}",
       config="math_python_tool.py",
-      module="april_jax.envs.replay",
+      module="april_jax.replay",
       devices=None,
       timeout=300,
   )  # its PATH (os.environ's, patched) finds the failing bwrap first

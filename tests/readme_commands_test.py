@@ -73,7 +73,7 @@ def _kind(words: list[str]) -> str:
     return "run"
   if words[:3] == ["python", "-m", "april_jax.plan"] and "--compile" not in words:
     return "quick"
-  if words[:3] == ["python", "-m", "april_jax.configs.reference"]:
+  if words[:3] == ["python", "-m", "april_jax.settings.reference"]:
     return "quick"
   return "unknown"
 
@@ -131,7 +131,7 @@ def test_a_readme_training_command_parses_and_its_config_validates(words, tmp_pa
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not workdir.exists()
 
-  from april_jax.configs import validate  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import validate  # pylint: disable=g-import-not-at-top
 
   config = _load_config([w for w in args if w.startswith("--config")])
   if config.model.path:  # a model of the user's: the checks that need no files
@@ -191,7 +191,7 @@ def _has_field(config, dotted: str) -> bool:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_the_commands_in_a_page_name_programs_and_flags_that_exist(page):
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   wrong = []
   for words in _page_commands(page):
@@ -225,7 +225,7 @@ def test_the_commands_in_a_page_name_programs_and_flags_that_exist(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_config_override_in_a_page_names_a_field(page):
-  from april_jax.configs import base  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   config = base.get_config()
   text = page.read_text(encoding="utf-8")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from april_jax.configs import base
-from april_jax.configs.validate import ConfigError, validate
+from april_jax.settings import base
+from april_jax.settings.validate import ConfigError, validate
 from april_jax.rewards import loading
 from april_jax.rewards.remote import RemoteReward, RemoteRewardError
 from april_jax.rollout import failures

@@ -10,7 +10,7 @@ import pytest
 
 import cli
 import hf_oracle
-from april_jax.envs import replay
+from april_jax import replay
 from april_jax.tokenizer import Tokenizer
 from conftest import MODEL_CONFIGS_DIR, QWEN3_TOKENIZER_DIR, TOOL_ISOLATION, load_config
 
@@ -117,7 +117,7 @@ def _replay_command(model_dir, transcript):
       f"--transcript={transcript}",
       f"--config.env.isolation={TOOL_ISOLATION}",
       config="math_python_tool.py",
-      module="april_jax.envs.replay",
+      module="april_jax.replay",
       devices=None,
       timeout=300,
   )

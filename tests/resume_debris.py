@@ -6,7 +6,7 @@ import asyncio
 import gc
 import threading
 
-from april_jax import trainer
+from april_jax.run import trainer
 
 _resume = trainer.Trainer._resume  # pylint: disable=protected-access
 

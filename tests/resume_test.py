@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from april_jax import resume
+from april_jax.run import resume
 from april_jax.checkpoint import Checkpointer
-from april_jax.configs import base, resume_check
+from april_jax.settings import base, resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from april_jax import sharding
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.models import qwen3
 from april_jax.rl import advantages, batch as batch_lib
 from april_jax.rl.update import Learner

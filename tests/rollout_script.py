@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from april_jax import main
-from april_jax import rollout_side
-from april_jax import run_parts
+from april_jax.rollout import side as rollout_side
+from april_jax.run import parts as run_parts
 from april_jax.models import qwen3
-from april_jax.sigterm_stop import SigtermStop
-from april_jax.task import make_task
+from april_jax.runtime.sigterm_stop import SigtermStop
+from april_jax.tasks.task import make_task
 
 MARK = "ROLLOUT_SCRIPT "
 
@@ -65,9 +65,9 @@ def _weights(config, model_cfg, place):
 def script() -> bool:
   """The script on this run's Rollout; False (not stopped), as main's _train returns."""
   c = main._CONFIG.value  # pylint: disable=protected-access
-  place = run_parts.Placement.from_config(c)
-  model_cfg, paths = run_parts.checked_model(c)
-  tokenizer = run_parts.load_tokenizer(c)
+  place = sharding.Placement.from_config(c)
+  model_cfg, paths = path_check.checked_model(c)
+  tokenizer = task_lib.load_tokenizer(c)
   task = make_task(c, tokenizer)
   rollout = rollout_side.make_rollout(c, model_cfg, paths, tokenizer, task, place, SigtermStop())
   v0, v1 = _weights(c, model_cfg, place)

@@ -3,7 +3,7 @@ PNG of every evaluation."""
 
 import numpy as np
 
-from april_jax import run_report
+from april_jax.run import report as run_report
 
 
 def _lines():

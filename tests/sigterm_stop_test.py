@@ -1,9 +1,9 @@
-"""How SIGTERM's stop is recorded and said (april_jax/sigterm_stop.py); the stops
+"""How SIGTERM's stop is recorded and said (april_jax/runtime/sigterm_stop.py); the stops
 themselves, end to end, are stops_test.py's."""
 
 import signal
 
-from april_jax.sigterm_stop import SigtermStop
+from april_jax.runtime.sigterm_stop import SigtermStop
 
 
 def test_the_handler_asks_for_a_stop_that_one_process_sees_at_once():

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from april_jax.models import lora, qwen3
-from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine, drafts, speculative
-from april_jax.sampler.draft_history import DraftHistory
+from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
+from april_jax.sampler.speculation import decode as speculative
+from april_jax.sampler.speculation import drafts
+from april_jax.sampler.speculation.history import DraftHistory
 from april_jax.sampler.records import Status
-from april_jax.sampler.speculation_choice import SpeculationChoice, live_bucket
+from april_jax.sampler.speculation.choice import SpeculationChoice, live_bucket
 from conftest import mesh_or_skip, sampler_qwen3
 
 CFG = sampler_qwen3()

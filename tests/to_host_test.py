@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 
 
 def test_host_copies_outlive_a_donation_of_their_buffers():

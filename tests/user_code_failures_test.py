@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from april_jax import workers
+from april_jax.runtime import workers
 from april_jax.rollout import episodes
 from april_jax.envs import in_workers
 from april_jax.rollout import failures

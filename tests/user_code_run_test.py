@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from april_jax import user_output
+from april_jax.runtime import user_output
 import cli
 
 USER_ENV = '''
@@ -60,7 +60,7 @@ class Oracle:
     print("oracle's stderr line " + "x" * 1000, file=sys.stderr)
     if turn.replace("<eos>", "") != ":":
       return EnvStep(None, True, state)
-    from april_jax.rewards.longtail_task import target_of
+    from april_jax.tasks.longtail import target_of
     return EnvStep(target_of(state["last"]) + "=", False, {{**state, "asked": state["asked"] + 1}})
 
 

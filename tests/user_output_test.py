@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from april_jax import user_output
-from april_jax import workers
+from april_jax.runtime import user_output
+from april_jax.runtime import workers
 
 
 def _drain(relay, role, data: bytes):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from april_jax.errors import InputError
-from april_jax.workdir_lock import WorkdirLock
+from april_jax.runtime.workdir_lock import WorkdirLock
 
 
 def test_a_second_run_on_a_workdir_is_refused_until_the_first_releases(tmp_path):
@@ -29,7 +29,7 @@ def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
       [
           sys.executable,
           "-c",
-          "import sys, time; from april_jax.workdir_lock import WorkdirLock; "
+          "import sys, time; from april_jax.runtime.workdir_lock import WorkdirLock; "
           f"WorkdirLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(600)",
       ],
       stdout=subprocess.PIPE,

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from april_jax import workers
+from april_jax.runtime import workers
 from process_tree import alive, parent
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,10 +30,10 @@ import tempfile
 import jax
 import numpy as np
 
-from april_jax import plan as plan_lib
+from april_jax.planning import split as split_lib
 from april_jax.benchmarks import common
 from april_jax.models import hf_io
-from april_jax.trainer import Trainer
+from april_jax.run.trainer import Trainer
 
 SCALINGS = (1.0, 0.5)  # the rollout's time on k of n devices: (n / k)^a
 
@@ -98,7 +98,7 @@ def project(config, rollout_s: float, learn_s: float, measured: int, node: int) 
   out = {}
   for a in SCALINGS:
     r, l = rollout_s * (measured / node) ** a, learn_s * measured / node
-    out[f"scaling_{a}"] = plan_lib.choose_split(config, cfg, node, r, l, rollout_scaling=a)
+    out[f"scaling_{a}"] = split_lib.choose_split(config, cfg, node, r, l, rollout_scaling=a)
   return out
 
 

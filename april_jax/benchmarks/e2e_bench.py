@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 
 from april_jax.benchmarks import common
-from april_jax.trainer import Trainer
+from april_jax.run.trainer import Trainer
 
 SIDES = ("april", "baseline")
 EXTRA_STEPS = 1.5  # APRIL's step allowance, so it can spend the baseline's wall time

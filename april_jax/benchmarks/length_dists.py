@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from april_jax.rewards.longtail_task import longtail_lengths
+from april_jax.tasks.longtail import longtail_lengths
 
 SHAPES = {"dapo_math": (0.18, 0.75), "deepscaler": (0.12, 0.70), "deepmath": (0.10, 0.95)}
 

@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from april_jax import compile_check
+from april_jax.planning import compile_check
 from april_jax.benchmarks import common
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import lora, qwen3
 
 # The timed model: Qwen3-0.6B's layer widths, 4 layers, an 8,192-token vocabulary.

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from april_jax import plan as plan_lib
+from april_jax.planning import memory as plan_lib
 from april_jax import sharding
 from april_jax.benchmarks import common, length_dists
 from april_jax.models import hf_io, paged_attention, paged_attention_kernel, qwen3

@@ -21,7 +21,7 @@ import numpy as np
 
 from april_jax import sampler
 from april_jax.benchmarks import attention_split, common, round_trip, static_sampler, tail_step
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
 # Decode steps per host round trip of the bench's engines. The first engine call of a

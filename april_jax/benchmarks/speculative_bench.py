@@ -35,7 +35,7 @@ import numpy as np
 
 from april_jax.benchmarks import common
 from april_jax.benchmarks.sampler_bench import BENCH_MODELS
-from april_jax.configs.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import qwen3
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from april_jax import workers
+from april_jax.runtime import workers
 from april_jax.envs import base
 from april_jax.envs.base import Env, EnvError, EnvReset, EnvStep
 from april_jax.rewards import loading

@@ -45,7 +45,9 @@ import sysconfig
 
 SCRATCH_DIR = "/tmp"  # the working folder inside: a tmpfs the child mounts
 NOBODY = "65534"
-RUNNER_PATH = Path(__file__).with_name("python_sandbox.py")
+RUNNER_PATHS = tuple(
+    Path(__file__).with_name(name) for name in ("sandbox_confine.py", "python_sandbox.py")
+)
 # System folders of shared libraries and the loader's configuration, bound read-only
 # where they exist (Python and its extension modules link against them).
 SYSTEM_LIBRARIES = (
@@ -213,8 +215,9 @@ _NO_BWRAP = (
 
 @functools.cache
 def runner_source() -> str:
-  """python_sandbox.py's source: the child a call runs (`python -I -c <source>`)."""
-  return RUNNER_PATH.read_text(encoding="utf-8")
+  """The child a call runs (`python -I -c <source>`): sandbox_confine.py's source, then
+  python_sandbox.py's, one program."""
+  return "\n\n".join(path.read_text(encoding="utf-8") for path in RUNNER_PATHS)
 
 
 def probe_command(scratch_mb: int = 1) -> list[str]:

@@ -9,7 +9,7 @@ the walk's length. State: the target and the calls made.
 from __future__ import annotations
 
 from april_jax.envs.base import EnvStep, register
-from april_jax.rewards.longtail_task import LOOKUP_CALL, target_of
+from april_jax.tasks.longtail import LOOKUP_CALL, target_of
 
 
 @register("lookup")

@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Any
 
-from april_jax import process_tree
+from april_jax.runtime import process_tree
 from april_jax.envs import kernel_isolation
 from april_jax.envs.base import EnvError, EnvReset, EnvStep, register
 from april_jax.envs.kernel_isolation import IsolationUnavailable

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from april_jax import sharding
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 from april_jax.errors import InputError, InputFileMissing
 from april_jax.models import qwen3
 

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from april_jax import distributed, sharding
+from april_jax import sharding
+from april_jax.runtime import distributed
 from april_jax.models import qwen3
 
 # Each target: how many of its dims (after the layer dim) are inputs; the rest are outputs.

@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import errors
+from april_jax.runtime import distributed
 from april_jax.models import attention
+from april_jax.models import hf_io
 from april_jax.models import paged_attention
 from april_jax.models import paged_attention_kernel
 from april_jax.models import qwen3
@@ -332,3 +334,13 @@ def announce(paths: Paths) -> None:
   if (line := paths.summary()) is not None:
     logging.info("%s", line)
     print(line, flush=True)
+
+
+def checked_model(config):
+  """(the model's config, the fast attention paths this device takes): each path is
+  held to the portable one first (path_check.py), and process 0 says which it took."""
+  model_cfg = hf_io.model_config(config)
+  paths = check(Settings.of(config, model_cfg), agree=distributed.any_process)
+  if distributed.is_primary():
+    announce(paths)
+  return paths.model_config(model_cfg), paths

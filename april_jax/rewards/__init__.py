@@ -8,5 +8,4 @@ from april_jax.rewards.registry import REWARDS, get_reward, register
 
 # Reward modules, imported only for their @register side effect. One line per module.
 from april_jax.rewards import math  # noqa: F401  pylint: disable=unused-import
-from april_jax.rewards import longtail_task  # noqa: F401  pylint: disable=unused-import
 from april_jax.rewards import dapo_strict  # noqa: F401  pylint: disable=unused-import

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sharding
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.models import lora as lora_lib

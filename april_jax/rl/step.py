@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from april_jax import sharding
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 from april_jax.rl import layout
 
 # ------------------------------------------------------------------------ optimizer

@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from april_jax import sharding
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import lora as lora_lib
 from april_jax.models import qwen3
@@ -149,7 +149,7 @@ class Programs(step.Programs):
   """The learner's jitted programs: the training step's (rl/step.py; `forward` gives the
   logprobs and entropy of microbatches' targets), and the casts of its weights. Built
   from shapes alone, so they can be compiled at real shapes with no weights
-  (april_jax/compile_check.py)."""
+  (april_jax/planning/compile_check.py)."""
 
   decode_sh: Any
   frozen_sh: Any  # the frozen base's shardings (LoRA; None without a mesh or LoRA)

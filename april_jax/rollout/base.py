@@ -8,11 +8,11 @@ A run's trainer holds one `Rollout` and never asks which it is:
                     process, drawing on a thread while the learner trains
                     (rollout/async_rollout.py)
   RemoteRollout     (rollout/remote_rollout.py) the same thread in the rollout's own
-                    process (rollout_server.py), reached through messages
+                    process (rollout/server.py), reached through messages
 
 Batch i is the one update i trains. The calls, in a run's order:
 
-  restore(arrays, host)      a checkpoint's rollout state (rollout_side.py `capture`), before
+  restore(arrays, host)      a checkpoint's rollout state (rollout/side.py `capture`), before
                              start: the partial buffer, the scheduler's counters, the data
                              position and the batches drawn and not yet trained; (groups
                              in the partial buffer, batches drawn to train)

@@ -11,7 +11,7 @@ from april_jax.rollout.base import Rollout, check_requests
 
 
 class ColocatedRollout(Rollout):
-  """side: the rollout's parts (rollout_side.RolloutSide). cut_now: whether a stop cuts
+  """side: the rollout's parts (rollout/side.py RolloutSide). cut_now: whether a stop cuts
   the batch being drawn; give_up: whether a wait for rewards ends at once (one process
   only: several must wait for the same rewards)."""
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from april_jax import errors
-from april_jax import workers
+from april_jax.runtime import workers
 from april_jax.envs.base import Env, EnvReset, EnvStep
 from april_jax.sampler.episode_state import Episode
 from april_jax.envs.observation_format import ObservationFormat, TextFormat

@@ -3,7 +3,7 @@ processes, docs/async.md): rollout/base.py's interface, as rollout/threaded.py's
 process, over a Channel (rollout/channel.py) and a WeightServer
 (rollout/remote_weights.py).
 
-The rollout process (rollout_server.py) runs the AsyncRollout itself and sends each
+The rollout process (rollout/server.py) runs the AsyncRollout itself and sends each
 batch as it is drawn; a thread here files them, and the answers to requests, in the
 order they were sent. A capture (the rollout's state for a checkpoint) is completed
 here with the batches received and not yet trained at the moment it arrived: those are

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from april_jax import errors
-from april_jax import workers
+from april_jax.runtime import workers
 from april_jax.rewards import loading
 from april_jax.rollout.group import Group
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 
-from april_jax import distributed
+from april_jax.runtime import distributed
 from april_jax.envs import in_workers
 from april_jax.envs import observation_format
 from april_jax.rollout.episodes import EpisodeRunner, EpisodeSettings

@@ -1,7 +1,7 @@
 """The rollout scheduler's settings (`RolloutSettings`) and their rules.
 
-The fields are the run config's `rollout.*` of the same names (configs/base.py); the
-rules are written once, here (`problems`), and configs/validate.py reports them for a
+The fields are the run config's `rollout.*` of the same names (settings/base.py); the
+rules are written once, here (`problems`), and settings/validate.py reports them for a
 run's config under those names.
 """
 

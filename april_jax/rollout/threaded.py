@@ -15,7 +15,7 @@ from april_jax.rollout.step_counts import StepCounts
 
 
 class ThreadedRollout(Rollout):
-  """side: the rollout's parts (rollout_side.RolloutSide, with a publisher); depth,
+  """side: the rollout's parts (rollout/side.py RolloutSide, with a publisher); depth,
   in_flight and resume_mode as AsyncRollout takes them; cut_now: whether a stop cuts the
   batch being drawn (the thread looks at it itself)."""
 

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from april_jax import distributed
+from april_jax.runtime import distributed
 from april_jax.sampler.records import SampleRecord, Status
-from april_jax.sampler.speculation_choice import SpeculationChoice
+from april_jax.sampler.speculation.choice import SpeculationChoice
 
 
 class Decoding:

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from april_jax.distributed import to_host
+from april_jax.runtime.distributed import to_host
 from april_jax.models import qwen3
-from april_jax.sampler import speculative
+from april_jax.sampler.speculation import decode as speculative
 from april_jax.sampler.contract import EngineCounters
-from april_jax.sampler.drafts import DraftInputs
+from april_jax.sampler.speculation.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.records import SampleRecord
 from april_jax.sampler.rows import kv_positions, readout, rows_from_records

@@ -46,7 +46,7 @@ from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.admission import Admission
 from april_jax.sampler.decoding import Decoding
 from april_jax.sampler.device_slots import DeviceSlots
-from april_jax.sampler.draft_history import DraftHistory
+from april_jax.sampler.speculation.history import DraftHistory
 from april_jax.sampler.engine_parts import EngineParts, Policy
 from april_jax.sampler.given_tokens import GivenTokens
 from april_jax.sampler.engine_config import EngineConfig

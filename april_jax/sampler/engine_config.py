@@ -5,8 +5,8 @@
 
 Slots, the KV page pool, the decode window between host round trips, the widths of the
 insert, snapshot and prefill calls, and how a sample out of its slot keeps its work. A
-field named as a run config's field (configs/base.py) means the same and is built from
-it (`from_run_config`); the checks here are the engine's rules, and configs/validate.py
+field named as a run config's field (settings/base.py) means the same and is built from
+it (`from_run_config`); the checks here are the engine's rules, and settings/validate.py
 reports them for a run's config. The pool's size is `usable_pages`.
 """
 
@@ -153,7 +153,7 @@ def run_config_fields(c, stop_ids=()) -> dict:
   )
 
 
-# Where a run's config sets each engine field (configs/base.py), for its messages.
+# Where a run's config sets each engine field (settings/base.py), for its messages.
 RUN_CONFIG_NAMES = {name: f"rollout.{name}" for name in _ROLLOUT_FIELDS}
 RUN_CONFIG_NAMES.update(
     max_len="data.max_prompt_len + rollout.max_response_len",

@@ -18,7 +18,7 @@ from april_jax import buckets
 from april_jax.models import qwen3
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.device_slots import DeviceSlots
-from april_jax.sampler.draft_history import DraftHistory
+from april_jax.sampler.speculation.history import DraftHistory
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler.engine_events import Events
 from april_jax.sampler.given_tokens import GivenTokens

@@ -46,7 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax import sharding
 from april_jax.models import paged_attention, paged_attention_kernel, qwen3
-from april_jax.sampler import chunk_ops, speculative
+from april_jax.sampler import chunk_ops
+from april_jax.sampler.speculation import decode as speculative
 from april_jax.sampler.engine_config import DeviceSettings
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.rows import READOUT, PackedRows, unpack

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from april_jax.models import qwen3
-from april_jax.sampler import feeding, speculative
+from april_jax.sampler import feeding
+from april_jax.sampler.speculation import decode as speculative
 
 
 def warm_up(parts, stop_ids, lengths: list[int]) -> int:

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 
-from april_jax import process_tree
+from april_jax.runtime import process_tree
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 

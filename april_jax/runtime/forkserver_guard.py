@@ -9,8 +9,8 @@ when the forkserver ends (workers._serve). Like the workers, it ignores Ctrl-C a
 SIGTERM sent to the whole process group.
 """
 
-from april_jax import interrupt
-from april_jax import workers
+from april_jax.runtime import interrupt
+from april_jax.runtime import workers
 
 workers.die_with_parent()
 interrupt.ignore_in_child()  # a SIGTERM to the run's process group is the run's to answer

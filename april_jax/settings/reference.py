@@ -1,7 +1,7 @@
-"""The config reference, docs/config.md, written from configs/base.py: every field, its
+"""The config reference, docs/config.md, written from settings/base.py: every field, its
 default and the comment beside it in the source, section by section.
 
-  python -m april_jax.configs.reference > docs/config.md
+  python -m april_jax.settings.reference > docs/config.md
 
 A test keeps docs/config.md equal to what this writes, so a field added to base.py with
 its comment is in the reference too.
@@ -14,7 +14,7 @@ import io
 from pathlib import Path
 import tokenize
 
-from april_jax.configs import base
+from april_jax.settings import base
 
 SOURCE = Path(base.__file__)
 _SECTIONS = {  # the page's words for each section, in base.py's order
@@ -133,11 +133,11 @@ def render() -> str:
   out = [
       "# Config reference",
       "",
-      "Every field of `april_jax/configs/base.py`, its default and what it does, as its",
-      "comment there says (this page is written from it: `python -m april_jax.configs.reference",
+      "Every field of `april_jax/settings/base.py`, its default and what it does, as its",
+      "comment there says (this page is written from it: `python -m april_jax.settings.reference",
       "> docs/config.md`). A config file changes what it needs; any field can be set on the",
       "command line, e.g. `--config.rollout.over_sampling_batch_size=64`. Checked once at",
-      "start-up by `april_jax/configs/validate.py`, which names the field at fault.",
+      "start-up by `april_jax/settings/validate.py`, which names the field at fault.",
   ]
   for section, words in _SECTIONS.items():
     names = [n for n in order if n in values and (n.split(".")[0] if "." in n else "") == section]

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from april_jax.models import qwen3
-from april_jax.sampler import chunk_ops, drafts
+from april_jax.sampler import chunk_ops
+from april_jax.sampler.speculation import drafts
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.state import SlotState
 

@@ -18,7 +18,7 @@ import shutil
 import jax
 from jax.experimental import multihost_utils
 
-from april_jax import distributed
+from april_jax.runtime import distributed
 from april_jax.errors import InputError
 from april_jax.models import hf_io, lora, peft_io
 

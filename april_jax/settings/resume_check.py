@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from april_jax.configs import base
+from april_jax.settings import base
 from april_jax.errors import InputError
 
 RESUMABLE = (

@@ -13,15 +13,15 @@ from typing import Callable
 import ml_collections
 
 from april_jax import sharding
-from april_jax.configs import base
-from april_jax.configs import validate_lora
-from april_jax.configs import validate_split
+from april_jax.settings import base
+from april_jax.settings import validate_lora
+from april_jax.settings import validate_split
 from april_jax.envs import base as env_base
 from april_jax.envs import python_tool
 from april_jax.errors import InputError
 from april_jax.models import attention
 from april_jax.rewards import loading as reward_loading
-from april_jax.rewards import longtail_task
+from april_jax.tasks import longtail as longtail_task
 from april_jax.rl import advantages, losses
 from april_jax.rl.policy_terms import COVARIANCE_TERMS
 from april_jax.rollout.settings import problems as settings_problems

@@ -1,6 +1,6 @@
 """Replay one episode of a config without a model: what a run would hold, token by token.
 
-  python -m april_jax.envs.replay --config=configs/math_python_tool.py \\
+  python -m april_jax.replay --config=configs/math_python_tool.py \\
       --config.model.path=/models/Qwen3-4B --transcript=episode.json
 
 FILE is JSON: {"row": {...a data row...}, "turns": ["the model's turn 1", ...]}. The
@@ -46,7 +46,7 @@ def _define_flags() -> None:
 
 def _tokenizer(config):
   """The run's tokenizer: the model's (or model.tokenizer_path), else the built-in task's."""
-  from april_jax.rewards import longtail_task  # pylint: disable=g-import-not-at-top
+  from april_jax.tasks import longtail as longtail_task  # pylint: disable=g-import-not-at-top
   from april_jax.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
   path = config.model.tokenizer_path or config.model.path
@@ -174,7 +174,7 @@ def main(argv):
     tokenizer = _tokenizer(config)
     result = replay(config, tokenizer, row, turns)
   except InputError as e:
-    cli.fail("april_jax.envs.replay", str(e))
+    cli.fail("april_jax.replay", str(e))
   print(render(result, lambda ids: tokenizer.decode(ids, skip_special_tokens=False)))
   keys = ("ids", "mask", "messages", "tools")
   print(json.dumps({k: result[k] for k in keys}, ensure_ascii=False), flush=True)
@@ -183,4 +183,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main, flags_parser=cli.flags_parser("april_jax.envs.replay", "april_jax.envs.replay"))
+  app.run(main, flags_parser=cli.flags_parser("april_jax.replay", "april_jax.replay"))

@@ -3,7 +3,7 @@
 Configs are Python (ml_collections): `configs/<name>.py` defines `get_config(arg)`,
 starting from `base.get_config()` and changing what it needs; any field can be
 overridden on the command line, e.g. `--config.rollout.over_sampling_batch_size=64`.
-`april_jax.configs.validate` checks the whole config once at start-up, before anything
+`april_jax.settings.validate` checks the whole config once at start-up, before anything
 compiles, and names the field at fault.
 """
 
@@ -99,7 +99,7 @@ def _mesh() -> ml_collections.ConfigDict:
 
 
 def _distributed() -> ml_collections.ConfigDict:
-  """One process per host (april_jax/distributed.py)."""
+  """One process per host (april_jax/runtime/distributed.py)."""
   d = ml_collections.ConfigDict()
   d.auto = False  # jax.distributed from the cluster env (SLURM, Open MPI)
   d.coordinator_address = ""  # host:port of process 0; "" = one process (unless auto)

@@ -22,7 +22,8 @@ import numpy as np
 from april_jax import data as data_lib
 from april_jax.data import PromptItem
 from april_jax.rewards import loading as reward_loading
-from april_jax.rewards import longtail_task
+from april_jax.tasks import longtail as longtail_task
+from april_jax.tokenizer import Tokenizer
 
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # tokens, targets, loss mask [B, T]
 
@@ -59,7 +60,7 @@ def _builtin_task(c, tokenizer) -> Task:
   )
 
   def eval_items():
-    held_out = data_lib.LongTailSource(task, tokenizer, seed=c.seed + 10_000)
+    held_out = longtail_task.LongTailSource(task, tokenizer, seed=c.seed + 10_000)
     return [held_out() for _ in range(c.eval.num_prompts)]
 
   def warm_start():
@@ -75,7 +76,7 @@ def _builtin_task(c, tokenizer) -> Task:
       )
 
   return Task(
-      prompts=data_lib.make_prompt_source(c.data, tokenizer, c.seed, task),
+      prompts=longtail_task.LongTailSource(task, tokenizer, c.seed),
       eval_items=eval_items if not c.eval.path else lambda: _file_items(c, tokenizer),
       reward=reward_loading.from_config(c.rollout),
       warm_start=warm_start,
@@ -116,3 +117,11 @@ def _file_items(c, tokenizer) -> list[PromptItem]:
         len(items),
     )
   return items
+
+
+def load_tokenizer(config) -> Tokenizer:
+  """The run's tokenizer alone (a split run's rollout process loads no weights)."""
+  c = config
+  if c.model.path:
+    return Tokenizer.from_pretrained(c.model.tokenizer_path or c.model.path)
+  return longtail_task.tokenizer(c.data.task.ring_size)

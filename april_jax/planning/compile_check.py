@@ -42,7 +42,7 @@ from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
 from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
-from april_jax.sampler.drafts import DraftInputs
+from april_jax.sampler.speculation.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler import rows as rows_lib
 from april_jax.sampler import slot_ops

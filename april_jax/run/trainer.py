@@ -1,4 +1,5 @@
-"""One RL run: its parts built from a config (run_parts.py), then rollout -> learn -> log -> save.
+"""One RL run: its parts built from a config (run/parts.py, rollout/side.py), then
+rollout -> learn -> log -> save.
 
   step k (policy version k = params after k updates):
     rollout   batch k taken from the run's Rollout (rollout/base.py: colocated, on a
@@ -9,14 +10,14 @@
               advantages, the policy's updates (and the critic's)
     log       metrics.jsonl, TensorBoard, rollouts.jsonl, a progress line
     publish   the new params to the rollout, with the requests due at its boundary: an
-              evaluation every eval_every steps (pass@1 / avg@k, evaluation.py), the
+              evaluation every eval_every steps (pass@1 / avg@k, rollout/evaluation.py), the
               rollout's state for a checkpoint
     save      every checkpoint_every steps, at the end, and on SIGTERM (which cuts the
               step's rollout at once: what it drew stays in the partial buffer;
-              sigterm_stop.py)
+              runtime/sigterm_stop.py)
 
 Resume: a workdir with checkpoints continues from the latest intact one (see
-resume.py), if the config matches the saved one (configs/resume_check.py); with a
+run/resume.py), if the config matches the saved one (settings/resume_check.py); with a
 fixed seed the continuation equals the uninterrupted run (timings aside).
 """
 
@@ -32,32 +33,34 @@ import jax
 import numpy as np
 
 from april_jax import checkpoint as checkpoint_lib
-from april_jax import distributed
-from april_jax import lora_base
-from april_jax import resume
-from april_jax import rollout_side
-from april_jax import run_parts
-from april_jax import run_report
-from april_jax import user_output
+from april_jax import sharding
 from april_jax.checkpoint import Checkpointer, abstract_like
-from april_jax.configs import resume_check
 from april_jax.errors import DiskFull, InputError
 from april_jax.metrics import MetricsWriter, log_progress
 from april_jax.models import hf_io
 from april_jax.models import lora as lora_lib
+from april_jax.models import path_check
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import learn as learn_lib
 from april_jax.rl.advantages import CRITIC_ADVANTAGES
 from april_jax.rollout import failures as failures_lib
 from april_jax.rollout import rollout_metrics
 from april_jax.rollout import run_episodes
-from april_jax.sigterm_stop import SigtermStop
-from april_jax.task import make_task
-from april_jax.workdir_lock import WorkdirLock
+from april_jax.rollout import side as rollout_side
+from april_jax.run import lora_base
+from april_jax.run import parts as run_parts
+from april_jax.run import report as run_report
+from april_jax.run import resume
+from april_jax.runtime import distributed
+from april_jax.runtime import user_output
+from april_jax.runtime.sigterm_stop import SigtermStop
+from april_jax.runtime.workdir_lock import WorkdirLock
+from april_jax.settings import resume_check
+from april_jax.tasks.task import make_task
 
 
 class Trainer:
-  """One run in a workdir: its parts built from the config (run_parts.py), resumed from
+  """One run in a workdir: its parts built from the config (run/parts.py), resumed from
   its newest intact checkpoint if it has one, then `run`: the loop of steps."""
 
   def __init__(self, config, workdir: str):
@@ -69,8 +72,8 @@ class Trainer:
       checkpoint_lib.remove_unfinished(workdir)
     self.user_output = self._relay_user_output()
     self.stop = SigtermStop()
-    self.place = run_parts.Placement.from_config(c)
-    self.model_cfg, self.paths = run_parts.checked_model(c)
+    self.place = sharding.Placement.from_config(c)
+    self.model_cfg, self.paths = path_check.checked_model(c)
     self.lora = lora_lib.LoraSpec.from_config(c.train.lora)  # None: every weight trains
     self.checkpointer = Checkpointer(workdir, alone=distributed.working_alone())
     resuming = self.checkpointer.latest_step() is not None

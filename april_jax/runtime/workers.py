@@ -44,8 +44,8 @@ import types
 from typing import Any, Callable
 
 from april_jax import errors
-from april_jax import interrupt
-from april_jax import user_output
+from april_jax.runtime import interrupt
+from april_jax.runtime import user_output
 
 START_TIMEOUT_S = 120.0  # a worker that does not start in this long has died
 _START_AGAIN = object()  # in the idle queue: a worker whose start failed, to start again
@@ -173,7 +173,7 @@ class WorkerPool:
 
   def __init__(self, make: Callable, num: int, preload: tuple[str, ...] = (), name: str = "worker"):
     self._ctx = multiprocessing.get_context("forkserver")
-    self._ctx.set_forkserver_preload(["april_jax.forkserver_guard", __name__, *preload])
+    self._ctx.set_forkserver_preload(["april_jax.runtime.forkserver_guard", __name__, *preload])
     self._make, self.name = make, name
     self._needs_main = b"__main__" in pickle.dumps(make)
     self._lock = threading.Lock()

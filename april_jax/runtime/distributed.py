@@ -39,7 +39,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from april_jax.rendezvous import PeersMissing, wait_for_peers
+from april_jax.runtime.rendezvous import PeersMissing, wait_for_peers
 
 PEER_FAILURE_EXIT = 4
 PEERS_MISSING_EXIT = 5  # not every process joined within initialization_timeout_s

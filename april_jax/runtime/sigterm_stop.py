@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import logging
 
-from april_jax import distributed
+from april_jax.runtime import distributed
 
 
 class SigtermStop:

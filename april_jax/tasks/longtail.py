@@ -30,6 +30,7 @@ import functools
 
 import numpy as np
 
+from april_jax.data import PromptItem
 from april_jax.rewards.registry import register
 from april_jax.tokenizer import CharTokenizer
 
@@ -153,3 +154,23 @@ def sft_batch(
     mask[b, given - 1 : given - 1 + len(observation)] = 0.0  # the observation is given
   targets = np.roll(tokens, -1, axis=1)
   return tokens, targets, mask
+
+
+class LongTailSource:
+  """The built-in synthetic task as a prompt source: item 0, 1, 2, ... of the stream."""
+
+  def __init__(self, task: LongTailTask, tokenizer, seed: int = 0) -> None:
+    self.task, self.tokenizer, self.seed = task, tokenizer, int(seed)
+    self.index = 0
+
+  def __call__(self) -> PromptItem:
+    item = self.task.item(self.index, self.seed)
+    self.index += 1
+    tokens = np.asarray(self.tokenizer.encode(item["prompt"]), np.int32)
+    return PromptItem(prompt_id=item["id"], tokens=tokens, answer=item["answer"])
+
+  def state(self) -> dict[str, int]:
+    return {"index": self.index, "seed": self.seed}
+
+  def restore(self, state: dict) -> None:
+    self.index, self.seed = int(state["index"]), int(state["seed"])

@@ -1,25 +1,25 @@
 """The rollout's half of a run: the engine, reward and episode runners, the APRIL
-scheduler and the prompt stream (run_parts.make_rollout), and what the learner asks of
-them at a boundary: an evaluation, the state a checkpoint keeps, a restore; and
-`make_rollout`, the run's Rollout (rollout/base.py) over it.
+scheduler and the prompt stream (rollout/parts.py), and what the learner asks of them at
+a boundary: an evaluation, the state a checkpoint keeps, a restore; and `make_rollout`,
+the run's Rollout (rollout/base.py) over it.
 
 The learner's process holds one where it draws itself (colocated, or the rollout on its
 own devices in the same process); a split run's rollout process holds the only one
-(rollout_server.py).
+(rollout/server.py).
 """
 
 from __future__ import annotations
 
-from april_jax import distributed
-from april_jax import run_parts
-from april_jax.evaluation import evaluate
 from april_jax.rollout import in_flight
+from april_jax.rollout import parts as rollout_parts
 from april_jax.rollout.base import Rollout
 from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
 from april_jax.rollout.colocated import ColocatedRollout
+from april_jax.rollout.evaluation import evaluate
 from april_jax.rollout.remote_rollout import RemoteRollout
 from april_jax.rollout.remote_weights import WeightServer
 from april_jax.rollout.threaded import ThreadedRollout
+from april_jax.runtime import distributed
 
 
 class RolloutSide:
@@ -27,7 +27,7 @@ class RolloutSide:
 
   def __init__(self, config, model_cfg, paths, params, tokenizer, task, place):
     self.config, self.task = config, task
-    parts = run_parts.make_rollout(config, model_cfg, paths, params, tokenizer, task, place)
+    parts = rollout_parts.make_parts(config, model_cfg, paths, params, tokenizer, task, place)
     self.engine, self.rewards, self.scheduler = parts.engine, parts.rewards, parts.scheduler
     self.episodes, self.decode, self.publisher = parts.episodes, parts.decode, parts.publisher
     self.source = task.prompts  # every process reads all of the data: one stream

@@ -1,7 +1,7 @@
 """The rollout's process of a split run across processes (mesh.rollout_devices > 0, the
 rollout's devices on processes of their own; docs/async.md).
 
-It builds the rollout's half of the run (rollout_side.py) on its devices, waits for the
+It builds the rollout's half of the run (rollout/side.py) on its devices, waits for the
 learner's start (the first weights, a checkpoint's rollout state), and runs the
 AsyncRollout (rollout/async_rollout.py) there: every batch, as it is drawn, goes to
 the learner; every published version is pulled between two decode calls; requests
@@ -24,16 +24,17 @@ import traceback
 from absl import logging
 import jax
 
-from april_jax import run_parts
-from april_jax import user_output
+from april_jax import sharding
+from april_jax.errors import InputError
+from april_jax.models import path_check
 from april_jax.rollout import wire
 from april_jax.rollout.async_rollout import AsyncRollout
 from april_jax.rollout.channel import TO_LEARNER, TO_ROLLOUT, Channel
 from april_jax.rollout.remote_weights import Offered
-from april_jax.errors import InputError
-from april_jax.rollout_side import RolloutSide
-from april_jax.sigterm_stop import SigtermStop
-from april_jax.task import make_task
+from april_jax.rollout.side import RolloutSide
+from april_jax.runtime import user_output
+from april_jax.runtime.sigterm_stop import SigtermStop
+from april_jax.tasks import task as task_lib
 
 POLL_S = 1.0
 
@@ -61,10 +62,11 @@ class RolloutServer:
     c = self.config
     os.makedirs(self.workdir, exist_ok=True)
     user_output.start(self.workdir, f"user_output.{jax.process_index()}.log")
-    place = run_parts.Placement.from_config(c)
-    model_cfg, paths = run_parts.checked_model(c)
-    tokenizer = run_parts.load_tokenizer(c)
-    self.side = RolloutSide(c, model_cfg, paths, None, tokenizer, make_task(c, tokenizer), place)
+    place = sharding.Placement.from_config(c)
+    model_cfg, paths = path_check.checked_model(c)
+    tokenizer = task_lib.load_tokenizer(c)
+    task = task_lib.make_task(c, tokenizer)
+    self.side = RolloutSide(c, model_cfg, paths, None, tokenizer, task, place)
 
   @property
   def stopped(self) -> bool:
