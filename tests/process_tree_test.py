@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 def test_the_subreaper_adopts_orphans_and_ends_every_descendant_whatever_its_session():
   script = (
       "import subprocess, sys, time\n"
-      "from april_jax import process_tree\n"
+      "from april_jax.runtime import process_tree\n"
       "assert process_tree.adopt_orphans()\n"
       f"out = subprocess.run([sys.executable, '-c', {ORPHANING!r}], capture_output=True, text=True).stdout\n"
       "pids = [int(p) for p in out.split()]\n"

@@ -90,7 +90,7 @@ def test_no_worker_outlives_a_process_killed_outright(tmp_path):
   forkserver (forkserver_guard.py), even with a worker holding the interpreter lock."""
   script = (
       "import sys, threading; sys.path.insert(0, 'tests')\n"
-      "import workers_test as t; from april_jax import workers\n"
+      "import workers_test as t; from april_jax.runtime import workers\n"
       "pool = workers.WorkerPool(t._make, 2, preload=('workers_test',))\n"
       "threading.Thread(target=pool.call, args=(('hold', 10), 600), daemon=True).start()\n"
       "print(' '.join(map(str, pool.pids())), flush=True)\n"
@@ -122,7 +122,7 @@ def test_a_worker_does_not_run_the_programs_main_module_again(tmp_path):
       f"open({str(log)!r}, 'a').write(__name__ + '\\n')\n"
       "if __name__ == '__main__':\n"
       f"  import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
-      "  import workers_test as t; from april_jax import workers\n"
+      "  import workers_test as t; from april_jax.runtime import workers\n"
       "  pool = workers.WorkerPool(t._make, 2, preload=('workers_test',))\n"
       "  assert pool.call(('echo', 5), 30)[0] == 5\n"
       "  pool.close()\n"
