@@ -468,6 +468,11 @@ def make_prompt_source(data_config: Any, tokenizer: Any, seed: int) -> PromptIte
     A PromptIterator over the file's records.
   """
   c = dict(data_config)
+  if c["source"] == "longtail":
+    raise ValueError(
+        'data.source "longtail" is the built-in task\'s prompt stream '
+        "(tasks/longtail.py LongTailSource, made by tasks/task.py), not a data file"
+    )
   records, skipped = load_records(
       c["source"],
       c.get("prompt_key", ""),

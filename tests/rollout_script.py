@@ -15,11 +15,12 @@ import jax
 import numpy as np
 
 from april_jax import main
-from april_jax.rollout import side as rollout_side
-from april_jax.run import parts as run_parts
+from april_jax import sharding
+from april_jax.models import path_check
 from april_jax.models import qwen3
+from april_jax.rollout import side as rollout_side
 from april_jax.runtime.sigterm_stop import SigtermStop
-from april_jax.tasks.task import make_task
+from april_jax.tasks import task as task_lib
 
 MARK = "ROLLOUT_SCRIPT "
 
@@ -68,7 +69,7 @@ def script() -> bool:
   place = sharding.Placement.from_config(c)
   model_cfg, paths = path_check.checked_model(c)
   tokenizer = task_lib.load_tokenizer(c)
-  task = make_task(c, tokenizer)
+  task = task_lib.make_task(c, tokenizer)
   rollout = rollout_side.make_rollout(c, model_cfg, paths, tokenizer, task, place, SigtermStop())
   v0, v1 = _weights(c, model_cfg, place)
   out = {"kind": type(rollout).__name__}

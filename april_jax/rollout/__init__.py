@@ -1,4 +1,5 @@
-"""APRIL rollouts: the scheduler, the partial buffer, reward threads, step metrics."""
+"""APRIL rollouts: the scheduler, the partial buffer, reward threads, step metrics, and the
+rollout as the learner holds it (base.py: colocated, threaded, in another process)."""
 
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
