@@ -67,6 +67,7 @@ from april_jax.benchmarks import (
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
 from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
+from april_jax.settings.run import RunSettings
 
 _MODE = flags.DEFINE_enum(
     "mode",
@@ -262,10 +263,9 @@ def main(argv):
   else:
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
-    config = _CONFIG.value
+    config = RunSettings.from_config(_CONFIG.value)
     if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout", "speculative"):
-      with config.unlocked():
-        config.rollout.max_response_len = _RESPONSE_LEN.value
+      config = config.overridden({"rollout.max_response_len": _RESPONSE_LEN.value})
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
     if _MODE.value == "roofline":
       result = roofline.run(config, shape=_DIST.value)

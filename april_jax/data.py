@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 
 from april_jax.errors import InputError
+from april_jax.settings.data import DataSettings
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 # A jsonl line longer than this many bytes per prompt token (plus LINE_SLACK_BYTES for the
@@ -454,46 +455,43 @@ class PromptIterator:
     self._order_epoch = -1
 
 
-def make_prompt_source(data_config: Any, tokenizer: Any, seed: int) -> PromptIterator:
+def make_prompt_source(data_config: DataSettings, tokenizer: Any, seed: int) -> PromptIterator:
   """The prompt source of a data file the `data` config section names (the built-in
   task's is tasks/longtail.py's LongTailSource).
 
   Args:
     data_config: The `data` section (source, prompt_key, answer_key, max_prompt_len,
-      shuffle, system_prompt, enable_thinking); a ConfigDict or a dict.
+      shuffle, system_prompt, enable_thinking).
     tokenizer: Tokenizer for the prompts.
     seed: Seed of the shuffle.
 
   Returns:
     A PromptIterator over the file's records.
   """
-  c = dict(data_config)
-  if c["source"] == "longtail":
+  c = data_config
+  if c.source == "longtail":
     raise ValueError(
         'data.source "longtail" is the built-in task\'s prompt stream '
         "(tasks/longtail.py LongTailSource, made by tasks/task.py), not a data file"
     )
   records, skipped = load_records(
-      c["source"],
-      c.get("prompt_key", ""),
-      c.get("answer_key", ""),
-      line_budget(c.get("max_prompt_len", 512)),
+      c.source, c.prompt_key, c.answer_key, line_budget(c.max_prompt_len)
   )
   logging.info(
       "loaded %d prompts from %s; skipped %d rows%s",
       len(records),
-      c["source"],
+      c.source,
       sum(skipped.values()),
       f" ({_describe(skipped)})" if skipped else "",
   )
   source = PromptIterator(
       records,
       tokenizer,
-      c.get("max_prompt_len", 512),
+      c.max_prompt_len,
       seed=seed,
-      shuffle=c.get("shuffle", True),
-      system_prompt=c.get("system_prompt", ""),
-      enable_thinking=c.get("enable_thinking", False),
+      shuffle=c.shuffle,
+      system_prompt=c.system_prompt,
+      enable_thinking=c.enable_thinking,
   )
-  source.check_one_fits(c["source"])
+  source.check_one_fits(c.source)
   return source

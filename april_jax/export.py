@@ -51,9 +51,9 @@ from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from april_jax.run import lora_base
+from april_jax.settings.run import RunSettings
 from april_jax.checkpoint import Checkpointer
 from april_jax.errors import InputError
 from april_jax.models import hf_io, lora, peft_io, qwen3
@@ -85,8 +85,8 @@ def _written_by_export(folder: str, name: str) -> bool:
 def _check_out(out: str, workdir: str, config, overwrite: bool) -> str:
   """`out`, resolved (symlinks too), once it is safe to write; else an InputError."""
   target = os.path.realpath(out)
-  sources = {f"model.{f}": config.model.get(f) for f in ("path", "tokenizer_path")}
-  sources.update({f"train.{f}": config.train.get(f) for f in ("lora_path", "critic_path")})
+  sources = {f"model.{f}": getattr(config.model, f) for f in ("path", "tokenizer_path")}
+  sources.update({f"train.{f}": getattr(config.train, f) for f in ("lora_path", "critic_path")})
   for field, source in sources.items():
     if not source:
       continue
@@ -233,7 +233,7 @@ def export(
     host = checkpointer.read_host(step)
     if host.get("config") is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
-    config = ml_collections.ConfigDict(host["config"])
+    config = RunSettings.from_saved(host["config"])
     _tidy_interrupted(os.path.realpath(out))
     target = _check_out(out, workdir, config, overwrite)
     # The model as trained, from the checkpoint; from model.path's folder for checkpoints

@@ -40,7 +40,8 @@ from april_jax import cli
 from april_jax.runtime import distributed
 from april_jax.runtime import process_tree
 from april_jax.models import hf_io
-from april_jax.settings.validate import ConfigError, validate, validate_for_devices
+from april_jax.settings.run import RunSettings
+from april_jax.validation.checks import ConfigError, validate, validate_for_devices
 from april_jax.errors import DiskFull, InputError, is_no_space
 from april_jax.rollout import remote_rollout
 from april_jax.rollout.server import LearnerEnded, RolloutServer
@@ -153,12 +154,12 @@ def _split_across_processes(config) -> bool:
   return jax.process_index() in rollout
 
 
-def _train() -> bool:
+def _train(settings: RunSettings) -> bool:
   """The run (a split run's learner); whether SIGTERM stopped it."""
   trainer = None
   try:
     try:
-      trainer = Trainer(_CONFIG.value, _WORKDIR.value)
+      trainer = Trainer(settings, _WORKDIR.value)
     except MemoryError as e:  # the start-up memory plan refused the config
       print(f"april_jax: {e}", file=sys.stderr)
       sys.exit(3)
@@ -173,9 +174,9 @@ def _train() -> bool:
   return trainer.stopped
 
 
-def _serve_rollout() -> bool:
+def _serve_rollout(settings: RunSettings) -> bool:
   """A split run's rollout process; whether a stop ended it early."""
-  server = RolloutServer(_CONFIG.value, _WORKDIR.value, host="0.0.0.0")
+  server = RolloutServer(settings, _WORKDIR.value, host="0.0.0.0")
   try:
     server.run()
   except LearnerEnded as e:
@@ -188,27 +189,27 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
-    validate(_CONFIG.value)
+    settings = validate(_CONFIG.value)  # the config file and its flags, read once
   except ConfigError as e:
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # progress lines go to stdout; libraries stay quiet
   try:
-    distributed.initialize(_CONFIG.value.distributed)  # before anything touches a device
+    distributed.initialize(settings.distributed)  # before anything touches a device
   except distributed.PeersMissing as e:
     print(f"april_jax: {e}", file=sys.stderr, flush=True)
     sys.exit(distributed.PEERS_MISSING_EXIT)
-  _use_compilation_cache(_CONFIG.value, _WORKDIR.value)
+  _use_compilation_cache(settings, _WORKDIR.value)
   try:
-    validate_for_devices(_CONFIG.value, jax.device_count(), _model_shape(_CONFIG.value))
+    validate_for_devices(settings, jax.device_count(), _model_shape(settings))
   except ConfigError as e:
     print(f"april_jax: {e}", file=sys.stderr)
     sys.exit(2)
-  logging.info("config:\n%s", _CONFIG.value)
-  serving = _split_across_processes(_CONFIG.value)
+  logging.info("settings: %s", settings)
+  serving = _split_across_processes(settings)
   try:
-    stopped = _serve_rollout() if serving else _train()
+    stopped = _serve_rollout(settings) if serving else _train(settings)
     if stopped:
       sys.exit(STOPPED_EXIT)
   except InputError as e:  # a file, field, flag or workdir the user can fix: one line

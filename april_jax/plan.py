@@ -22,48 +22,48 @@ from april_jax.models import hf_io
 from april_jax.planning import compile_check
 from april_jax.planning.memory import GB, compiled_pages_that_fit, make_plan, pool_sentence, what_fits
 from april_jax.planning.split import choose_split, describe_split
-from april_jax.settings.validate import PLAN_CHECKS, ConfigError, validate, validate_for_devices
+from april_jax.validation.checks import PLAN_CHECKS, ConfigError, validate, validate_for_devices
 
 
-def _compiled(f, cfg, devices: int, capacity: float) -> bool:
+def _compiled(settings, f, cfg, devices: int, capacity: float) -> bool:
   """--compile: every program compiled on fake CPU devices (each on its mesh when split);
   prints the report; whether it fits."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  k = f.config.mesh.rollout_devices
+  k = settings.mesh.rollout_devices
   if k:
     rollout_mesh = sharding.make_mesh(
-        tuple(f.config.mesh.rollout_shape), jax.devices()[devices - k : devices]
+        tuple(settings.mesh.rollout_shape), jax.devices()[devices - k : devices]
     )
-    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[: devices - k])
-    report = compile_check.check_split(f.config, cfg, rollout_mesh, mesh, capacity)
+    mesh = sharding.make_mesh(tuple(settings.mesh.shape), jax.devices()[: devices - k])
+    report = compile_check.check_split(settings, cfg, rollout_mesh, mesh, capacity)
     print(report.table())
   else:
-    mesh = sharding.make_mesh(tuple(f.config.mesh.shape), jax.devices()[:devices])
-    report = compile_check.check(f.config, cfg, mesh, capacity)
+    mesh = sharding.make_mesh(tuple(settings.mesh.shape), jax.devices()[:devices])
+    report = compile_check.check(settings, cfg, mesh, capacity)
     print(report.table())
     if not report.fits:  # the compiled peak, less the pages it exceeds by
       excess = report.peak_bytes - capacity
-      print(_pool_sentence(f.config, compiled_pages_that_fit(f.config, cfg, mesh, excess)))
+      print(pool_sentence(settings, compiled_pages_that_fit(settings, cfg, mesh, excess)))
   print(json.dumps(report.to_json(), sort_keys=True))
   return report.fits
 
 
-def _arithmetic(f, cfg, devices: int, capacity: float) -> bool:
+def _arithmetic(settings, f, cfg, devices: int, capacity: float) -> bool:
   """The arithmetic plan (and, given a colocated step's phase times, the split to
   choose); prints it; whether it fits."""
-  plan = make_plan(f.config, cfg, devices, capacity)
+  plan = make_plan(settings, cfg, devices, capacity)
   print(plan.table())
   if f.rollout_s > 0 and f.learn_s > 0:  # the split these phase costs call for
     chosen = choose_split(
-        f.config, cfg, devices, f.rollout_s, f.learn_s, capacity, f.rollout_scaling
+        settings, cfg, devices, f.rollout_s, f.learn_s, capacity, f.rollout_scaling
     )
     print(describe_split(chosen))
     print(json.dumps({"split": chosen}, sort_keys=True))
   if capacity <= 0:
     print("not checked against a device: give --device_memory_gb (and --devices)")
   else:
-    print("fits" if plan.fits else "DOES NOT FIT: " + what_fits(f.config, cfg, devices, capacity))
+    print("fits" if plan.fits else "DOES NOT FIT: " + what_fits(settings, cfg, devices, capacity))
   print(json.dumps(plan.to_json(), sort_keys=True))
   return plan.fits
 
@@ -83,22 +83,22 @@ def main(argv):
 
   devices = f.devices or len(jax.devices())
   try:
-    validate(f.config, PLAN_CHECKS)  # what main would refuse of the shapes, in its words
-    cfg = hf_io.model_config(f.config, f.model_config)
-    validate_for_devices(f.config, devices, cfg)
+    settings = validate(f.config, PLAN_CHECKS)  # what main refuses of the shapes, its words
+    cfg = hf_io.model_config(settings, f.model_config)
+    validate_for_devices(settings, devices, cfg)
   except ConfigError as e:  # as main words it: every problem, one a line
     print(f"april_jax.plan: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   except (ValueError, OSError) as e:
     cli.fail("april_jax.plan", str(e))
   capacity = f.device_memory_gb * GB
-  k = f.config.mesh.rollout_devices
-  learner_shape = sharding.resolve_mesh_shape(tuple(f.config.mesh.shape), devices - k)
+  k = settings.mesh.rollout_devices
+  learner_shape = sharding.resolve_mesh_shape(tuple(settings.mesh.shape), devices - k)
   print(f"{cfg.num_params() / 1e9:.2f}B params on {devices} devices, mesh {learner_shape}")
   if k:
-    rollout_shape = sharding.resolve_mesh_shape(tuple(f.config.mesh.rollout_shape), k)
+    rollout_shape = sharding.resolve_mesh_shape(tuple(settings.mesh.rollout_shape), k)
     print(f"  split: the rollout on {k} devices, mesh {rollout_shape}; the learner on the rest")
-  fits = (_compiled if f.compile else _arithmetic)(f, cfg, devices, capacity)
+  fits = (_compiled if f.compile else _arithmetic)(settings, f, cfg, devices, capacity)
   if not fits:
     raise SystemExit(3)
 

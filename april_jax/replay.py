@@ -32,6 +32,7 @@ from april_jax.rollout import run_episodes
 from april_jax.envs.base import EnvReset
 from april_jax.errors import InputError
 from april_jax.sampler.records import SampleRecord
+from april_jax.validation.checks import settings_of
 
 
 def _define_flags() -> None:
@@ -168,8 +169,8 @@ def render(result: dict, decode) -> str:
 
 def main(argv):
   del argv
-  config = flags.FLAGS.config
   try:
+    config = settings_of(flags.FLAGS.config)
     row, turns = read_transcript(flags.FLAGS.transcript)
     tokenizer = _tokenizer(config)
     result = replay(config, tokenizer, row, turns)

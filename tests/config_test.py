@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from april_jax.settings import resume_check
-from april_jax.settings.validate import ConfigError, validate
+from april_jax.validation import resume as resume_check
+from april_jax.validation.checks import ConfigError, validate
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl.losses import LossConfig

@@ -109,6 +109,14 @@ def load_config(name: str, arg=None):
   return module.get_config(arg)
 
 
+def load_settings(name: str, arg=None, changes: dict | None = None):
+  """load_config's config as RunSettings, with `changes` ({"rollout.kv_pages": 64})."""
+  from april_jax.settings.run import RunSettings  # pylint: disable=g-import-not-at-top
+
+  settings = RunSettings.from_config(load_config(name, arg))
+  return settings.overridden(changes) if changes else settings
+
+
 def tiny_qwen3(**overrides):
   """A 2-layer Qwen3 of 48 tokens for learner tests (the model package's own config)."""
   from april_jax.models import qwen3  # pylint: disable=g-import-not-at-top

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.settings import base
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 from april_jax.rl import advantages
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.update import Learner
+from april_jax.settings.train import TrainSettings
 from conftest import TINY_HF_CONFIGS, mesh_or_skip, save_random_hf_qwen3, tiny_qwen3
 from learner_batches import critic_update, gae
 
@@ -74,9 +74,8 @@ def test_whitened_advantages_have_zero_mean_unit_std_on_the_trained_tokens():
 
 
 def _train(**overrides):
-  t = base.get_config().train
-  t.update(dict(critic_lr=3e-3, logprob_chunk=16, value_clip=0.0, advantage="gae"), **overrides)
-  return t
+  t = dict(critic_lr=3e-3, logprob_chunk=16, value_clip=0.0, advantage="gae")
+  return dataclasses.replace(TrainSettings(), **{**t, **overrides})
 
 
 def test_the_critic_starts_from_the_policy_backbone_at_value_zero():

@@ -6,6 +6,7 @@ use small in-memory records and the CharTokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 import tracemalloc
@@ -17,6 +18,8 @@ from april_jax.data import DataError, PromptIterator, load_records
 from april_jax.tasks.longtail import LongTailSource
 from april_jax.data import line_budget, make_prompt_source
 from april_jax.tasks.longtail import LongTailTask, tokenizer as longtail_tokenizer
+from april_jax.settings.data import DataSettings
+from april_jax.settings.run import RunSettings
 from april_jax.tokenizer import CharTokenizer
 
 from conftest import MATH_DIR
@@ -385,20 +388,13 @@ def test_longtail_source_yields_the_task_items_and_restores():
 
 # ---------------------------------------------------------------------- config
 def test_make_prompt_source_from_the_data_config(tmp_path):
-  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
-
-  c = base.get_config()  # data.source "longtail": the built-in task's stream, no file
+  data = DataSettings()  # data.source "longtail": the built-in task's stream, no file
   with pytest.raises(ValueError, match="longtail"):
-    make_prompt_source(c.data, longtail_tokenizer(), 0)
+    make_prompt_source(data, longtail_tokenizer(), 0)
 
-  c.data.source = str(
-      _write_jsonl(
-          tmp_path / "d.jsonl",
-          [json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)] + ["{"],
-      )
-  )
-  c.data.shuffle = False
-  source = make_prompt_source(c.data, _char_tokenizer(), 0)
+  rows = [json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(4)] + ["{"]
+  data = DataSettings(source=str(_write_jsonl(tmp_path / "d.jsonl", rows)), shuffle=False)
+  source = make_prompt_source(data, _char_tokenizer(), 0)
   assert isinstance(source, PromptIterator)
   assert [source().answer for _ in range(5)] == ["0", "1", "2", "3", "0"]
 
@@ -416,20 +412,16 @@ def test_a_utf8_bom_is_not_part_of_the_first_row(tmp_path):
 
 
 def test_no_prompt_that_fits_is_found_when_the_data_loads_with_the_shortest_length(tmp_path):
-  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
-
-  c = base.get_config()
   rows = [json.dumps({"question": "x" * n, "answer": "1"}) for n in (30, 12, 50)]
-  c.data.source = str(_write_jsonl(tmp_path / "long.jsonl", rows))
-  c.data.max_prompt_len = 8
+  data = DataSettings(source=str(_write_jsonl(tmp_path / "long.jsonl", rows)), max_prompt_len=8)
   tok, shortest = _char_tokenizer(), 12  # CharTokenizer: one token per character
   with pytest.raises(DataError) as error:
-    make_prompt_source(c.data, tok, 0)
+    make_prompt_source(data, tok, 0)
   message = str(error.value)
-  assert f"no prompt of the 3 records in {c.data.source} fits data.max_prompt_len=8" in message
+  assert f"no prompt of the 3 records in {data.source} fits data.max_prompt_len=8" in message
   assert f"the shortest is {shortest} tokens" in message
-  c.data.max_prompt_len = shortest
-  assert make_prompt_source(c.data, tok, 0)().tokens.size == shortest
+  data = dataclasses.replace(data, max_prompt_len=shortest)
+  assert make_prompt_source(data, tok, 0)().tokens.size == shortest
 
 
 def test_records_keep_the_rows_columns_as_json_for_the_reward():
@@ -443,15 +435,13 @@ def test_eval_prompts_are_the_first_that_fit_each_once(qwen3_tokenizer, tmp_path
   """A file with fewer prompts that fit than eval.num_prompts wrapped around: a prompt was
   scored twice and the evaluation's mean weighted it double."""
   from april_jax.tasks import task as task_lib  # pylint: disable=g-import-not-at-top
-  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
 
   path = tmp_path / "eval.jsonl"
   rows = [("a", "1"), ("b " * 400, "2"), ("c", "3"), ("d", "4")]
   path.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
-  config = base.get_config()
-  config.eval.path, config.data.max_prompt_len = str(path), 64
+  config = RunSettings().overridden({"eval.path": str(path), "data.max_prompt_len": 64})
   for num_prompts, answers in ((2, ["1", "3"]), (3, ["1", "3", "4"]), (10, ["1", "3", "4"])):
-    config.eval.num_prompts = num_prompts
+    config = config.overridden({"eval.num_prompts": num_prompts})
     items = task_lib._file_items(config, qwen3_tokenizer)  # pylint: disable=protected-access
     assert [item.answer for item in items] == answers
 
@@ -473,6 +463,6 @@ def test_a_line_too_long_for_any_prompt_is_skipped_unread(tmp_path):
   assert [r["answer"] for r in records] == ["4", "5"] and skipped == {"line_too_long": 1}
   assert peak < 8 << 20, peak  # the line's 24 MB never were in memory at once
   source = make_prompt_source(
-      {"source": str(path), "max_prompt_len": 64, "shuffle": False}, _char_tokenizer(), 0
+      DataSettings(source=str(path), max_prompt_len=64, shuffle=False), _char_tokenizer(), 0
   )
   assert [r["answer"] for r in source.records] == ["4", "5"]

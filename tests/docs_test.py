@@ -48,9 +48,9 @@ def test_the_design_pages_tests_and_modules_exist():
   assert not missing, missing
 
 
-def test_the_config_reference_is_what_base_py_says():
-  """docs/config.md is written from settings/base.py (python -m april_jax.settings.reference):
-  a field added or changed there must be written again here."""
+def test_the_config_reference_is_what_the_settings_say():
+  """docs/config.md is written from the settings' sections (python -m
+  april_jax.settings.reference): a field added or changed there must be written again here."""
   from april_jax.settings import base, reference  # pylint: disable=g-import-not-at-top
 
   assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference.render()

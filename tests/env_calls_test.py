@@ -11,15 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from april_jax import sampler
 from april_jax.data import PromptItem
-from april_jax.settings.validate import ConfigError, validate
+from april_jax.validation.checks import ConfigError, validate
 from april_jax.envs import base, in_workers
 from april_jax.rollout import episodes
 from april_jax.models import qwen3
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.rollout.failures import FailureStreak, StepFailures
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.settings.env import EnvSettings
 from conftest import load_config, sampler_qwen3, step_at
 
 CFG = sampler_qwen3()
@@ -84,7 +84,7 @@ def _scheduler(
       env,
       encode,
       decode,
-      episodes.EpisodeSettings(overlap=overlap, workers=workers, timeout_s=timeout_s),
+      EnvSettings(overlap=overlap, workers=workers, timeout_s=timeout_s),
       render=lambda messages: encode(" ".join(m["content"] for m in messages)),
       agree=agree,
       leader=leader,

@@ -20,7 +20,8 @@ from april_jax.rollout import rollout_metrics
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SampleRecord, SlotEngine
 from april_jax.sampler.records import Status
-from april_jax.settings import validate
+from april_jax.validation import checks as validate
+from april_jax.settings.env import EnvSettings
 from conftest import QWEN3_TOKENIZER_DIR, load_config, sampler_qwen3, step_at
 from record_builders import teacher_forced_logprobs
 
@@ -56,7 +57,7 @@ class ScriptedEnv:
 
 
 def _runner(**settings):
-  return episodes.EpisodeRunner(ScriptedEnv(), encode, decode, episodes.EpisodeSettings(**settings))
+  return episodes.EpisodeRunner(ScriptedEnv(), encode, decode, EnvSettings(**settings))
 
 
 def _engine(num_slots=2, sync_every=3):
@@ -263,11 +264,7 @@ def test_an_environment_that_fails_or_overruns_ends_or_cuts_the_episode_counted(
 ):
   template = settings.pop("observation_template", "{observation}")
   runner = episodes.EpisodeRunner(
-      env,
-      encode,
-      decode,
-      episodes.EpisodeSettings(**settings),
-      observations=TextFormat(encode, template),
+      env, encode, decode, EnvSettings(**settings), observations=TextFormat(encode, template)
   )
   record = _to_the_end(runner)
   assert record.finished and runner.counts[count] >= 1
@@ -296,7 +293,7 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized():
     longest.append(len(text))
     return encode(text)
 
-  settings = episodes.EpisodeSettings(max_observation_tokens=10)
+  settings = EnvSettings(max_observation_tokens=10)
   runner = episodes.EpisodeRunner(
       _Floods(),
       spying_encode,

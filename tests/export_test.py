@@ -17,7 +17,8 @@ import pytest
 
 from april_jax import export as export_lib
 from april_jax.checkpoint import Checkpointer
-from april_jax.settings import base, resume_check
+from april_jax.settings import base
+from april_jax.validation import resume as resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 import cli

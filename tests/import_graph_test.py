@@ -10,6 +10,7 @@ LAYERS = [
     {"errors", "cli"},
     {"runtime"},  # processes: workers, interrupts, SIGTERM, the workdir lock, several hosts
     {"registry", "sharding", "metrics", "checkpoint", "tokenizer", "buckets"},
+    {"settings"},  # every setting, typed, with its default; the ConfigDict made from them
     {"models"},
     {"rewards", "data"},
     {"tasks"},  # the built-in task, and a run's task from its config
@@ -17,7 +18,7 @@ LAYERS = [
     {"sampler"},
     {"rollout"},  # the scheduler, the rollout behind one interface, its process
     {"rl"},
-    {"settings"},  # the config: its defaults, checks and reference
+    {"validation"},  # a run's settings checked at start-up
     {"planning"},  # what fits: memory, the split, every program compiled
     {"run"},  # one run: the trainer, its parts, resume
     {"main", "bench", "benchmarks", "export", "replay", "plan"},  # the commands

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.settings import base
 from april_jax.models import qwen3
 from april_jax.rl import advantages, learn
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.batch import TrainBatch
 from april_jax.rl.update import Learner
 from april_jax.rollout.group import Group
+from april_jax.settings.train import TrainSettings
 from conftest import tiny_qwen3
 import learner_batches
 
@@ -25,10 +25,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "april_jax"
 
 
 def _train(**overrides):
-  t = base.get_config().train
-  t.update(lr=1e-3, logprob_chunk=16)
-  t.update(overrides)
-  return t
+  return dataclasses.replace(TrainSettings(), **{"lr": 1e-3, "logprob_chunk": 16, **overrides})
 
 
 def _groups(rewards_GxN, response_lens):

@@ -3,18 +3,19 @@ model exactly; an update moves the adapters and leaves every base weight bit for
 the sampler's merged params draw the greedy tokens the learner's unmerged passes give;
 a checkpoint of another base is refused; the critic trains adapters over the shared base."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from april_jax.settings import base
 from april_jax.errors import InputError
 from april_jax.run import lora_base
 from april_jax.models import lora, peft_io, qwen3
 from april_jax.rl import critic as critic_lib
 from april_jax.rl.update import Learner
 from april_jax.sampler import generate
+from april_jax.settings.train import LoraSettings, TrainSettings
 from conftest import mesh_or_skip, tiny_qwen3
 import learner_batches
 
@@ -24,11 +25,9 @@ SPEC = lora.LoraSpec(rank=4, alpha=8.0)
 
 
 def _train(**overrides):
-  t = base.get_config().train
-  t.lr, t.logprob_chunk = 1e-3, 16
-  t.lora.rank, t.lora.alpha, t.lora.lr = SPEC.rank, SPEC.alpha, 1e-2
-  t.update(overrides)
-  return t
+  lora_settings = LoraSettings(rank=SPEC.rank, alpha=SPEC.alpha, lr=1e-2)
+  t = dict(lr=1e-3, logprob_chunk=16, lora=lora_settings)
+  return dataclasses.replace(TrainSettings(), **{**t, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from april_jax.run import lora_base
-from april_jax.settings import validate
+from april_jax.validation import checks as validate
 from april_jax.models import hf_io, lora, peft_io, qwen3
 from conftest import load_config
 import cli
@@ -111,7 +111,8 @@ def test_a_fresh_start_over_model_path_forgets_an_earlier_saved_base(tmp_path):
 def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path):
   # A full fine-tune's checkpoint (the export tests' fixture shape, in a few lines).
   from april_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-  from april_jax.settings import base, resume_check  # pylint: disable=g-import-not-at-top
+  from april_jax.settings import base  # pylint: disable=g-import-not-at-top
+  from april_jax.validation import resume as resume_check  # pylint: disable=g-import-not-at-top
 
   cfg = qwen3.Qwen3Config(
       vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

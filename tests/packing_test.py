@@ -2,6 +2,7 @@
 and the same losses, gradients and updates as a row per sample, for every aggregation and
 advantage estimator, PPO's critic included."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 
 from april_jax.benchmarks import layout_bench
-from april_jax.settings import base
 from april_jax.models import attention, qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
@@ -20,6 +20,7 @@ from april_jax.rl import critic as critic_lib
 from april_jax.rl import layout
 from april_jax.rl import update as update_lib
 from april_jax.rl.update import Learner
+from april_jax.settings.train import TrainSettings
 from conftest import tiny_qwen3
 from learner_batches import critic_update, gae, learn_once, train_batch
 
@@ -135,10 +136,8 @@ def _batch(seed: int, per_token: bool = False) -> dict[str, np.ndarray]:
 
 
 def _train(packing: bool, **overrides):
-  t = base.get_config().train
-  t.update(lr=1e-3, logprob_chunk=16, num_microbatches=4, packing=packing, pack_len=T)
-  t.update(**overrides)
-  return t
+  t = dict(lr=1e-3, logprob_chunk=16, num_microbatches=4, packing=packing, pack_len=T)
+  return dataclasses.replace(TrainSettings(), **{**t, **overrides})
 
 
 def _gradients(learner: Learner, batch: dict[str, np.ndarray]):

@@ -8,11 +8,11 @@ from april_jax.planning import memory
 from april_jax.planning import split as split_lib
 from april_jax.models import hf_io
 import cli
-from conftest import load_config
+from conftest import load_settings
 
 
 def _async_8b():
-  config = load_config("qwen3_8b", "async")
+  config = load_settings("qwen3_8b", "async")
   return config, hf_io.model_config(config)
 
 
@@ -38,9 +38,9 @@ def test_the_8b_async_config_fits_each_mesh_of_8_x_80gb_with_what_it_holds():
   assert p.learner.resident["master params (float32)"] == pytest.approx(
       2 * bf16_params / 4, rel=0.01
   )
-  colocated = memory.make_plan(load_config("qwen3_8b"), cfg, 8, 80e9)
+  colocated = memory.make_plan(load_settings("qwen3_8b"), cfg, 8, 80e9)
   # The rollout mesh holds no learner: a pool larger than the colocated one fits there.
-  assert config.rollout.kv_pages > load_config("qwen3_8b").rollout.kv_pages
+  assert config.rollout.kv_pages > load_settings("qwen3_8b").rollout.kv_pages
   assert p.device_total <= 80e9 and colocated.fits
 
 

@@ -11,14 +11,14 @@ import pytest
 from april_jax.planning import memory
 from april_jax import sharding
 from april_jax.planning import compile_check
-from april_jax.settings import validate
+from april_jax.validation import checks as validate
 from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, lora, qwen3
 from april_jax.rl import step as step_lib
 from april_jax.rl import update as update_lib
 from april_jax.sampler import EngineConfig
 import cli
-from conftest import MODEL_CONFIGS_DIR, load_config
+from conftest import MODEL_CONFIGS_DIR, load_settings
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 
@@ -30,7 +30,7 @@ def _compiled(name, devices, gb, variant=None):
   """The compile check of configs/<name>.py[:variant] (compiled once per test session)."""
   key = (name, variant)
   if key not in _REPORTS:
-    config = load_config(name, variant)
+    config = load_settings(name, variant)
     cfg = hf_io.model_config(config)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:devices])
     _REPORTS[key] = (config, cfg, compile_check.check(config, cfg, mesh, gb * 1e9))
@@ -41,12 +41,12 @@ def test_shipped_shapes_are_the_released_qwen3_configs():
   for name in ("qwen3_4b", "qwen3_8b"):
     path = MODEL_CONFIGS_DIR / f"{name.replace('_', '-')}.config.json"
     from_hf = hf_io.config_from_hf(json.loads(path.read_text()))
-    assert hf_io.model_config(load_config(name)) == dataclasses.replace(from_hf, attention="auto")
+    assert hf_io.model_config(load_settings(name)) == dataclasses.replace(from_hf, attention="auto")
     assert QWEN3_SHAPES[name]["hidden_size"] == from_hf.hidden_size
 
 
 def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
-  config = load_config("qwen3_8b")
+  config = load_settings("qwen3_8b")
   cfg = hf_io.model_config(config)
   p = memory.make_plan(config, cfg, num_devices=8, device_bytes=80e9)
   masters = p.resident["master params (float32)"]
@@ -67,8 +67,7 @@ def test_resident_bytes_are_exact_float32_masters_and_moments_sharded_8_ways():
 
 
 def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
-  config = load_config("qwen3_8b")
-  config.rollout.kv_pages = 8 * 4352  # 165 GB of KV per device
+  config = load_settings("qwen3_8b", changes={"rollout.kv_pages": 8 * 4352})  # 165 GB a device
   too_big = memory.make_plan(config, hf_io.model_config(config), 8, 80e9)
   assert not too_big.fits
   with pytest.raises(MemoryError, match="needs .* GB per device but a device holds 80.0 GB"):
@@ -76,7 +75,7 @@ def test_a_config_that_cannot_fit_is_refused_with_the_numbers():
 
 
 def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
-  config = load_config("qwen3_8b", "ppo")
+  config = load_settings("qwen3_8b", "ppo")
   cfg = hf_io.model_config(config)
   assert memory.make_plan(config, cfg, 8, 80e9).fits  # PPO with its critic fits 8 x 80 GB
   pages = memory.pages_that_fit(config, cfg, 8, 70e9)
@@ -89,7 +88,7 @@ def test_a_config_that_does_not_fit_is_told_the_kv_pool_that_does():
 
 @needs_8
 def test_the_critics_programs_compile_within_15_percent_of_the_plan():
-  config = load_config("qwen3_8b", "ppo")
+  config = load_settings("qwen3_8b", "ppo")
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:8])
   arrays = {}
@@ -197,7 +196,7 @@ def test_no_program_gathers_the_kv_cache_and_the_sampler_moves_activations_only(
 
 @needs_8
 def test_optimizer_state_is_sharded_like_the_params():
-  config = load_config("qwen3_8b")
+  config = load_settings("qwen3_8b")
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   t = config.train
@@ -218,16 +217,16 @@ def test_optimizer_state_is_sharded_like_the_params():
 
 @needs_8
 def test_a_microbatch_is_split_over_the_data_x_fsdp_devices():
-  config = load_config("qwen3_8b")
+  config = load_settings("qwen3_8b")
   r, t = config.rollout, config.train
   rows = r.batch_size * r.n_samples_per_prompt // (t.num_minibatches * t.num_microbatches)
   mesh = sharding.make_mesh(tuple(config.mesh.shape))
   shape = (1, rows, 17408)
   assert step_lib.microbatch_sharding(shape, mesh).shard_shape(shape) == (1, rows // 8, 17408)
-  from april_jax.settings import validate  # pylint: disable=g-import-not-at-top
+  from april_jax.validation import checks as validate  # pylint: disable=g-import-not-at-top
 
   validate.validate_for_devices(config, 8)
-  config.train.num_microbatches = 64  # 4 rows cannot split over 8 devices
+  config = config.overridden({"train.num_microbatches": 64})  # 4 rows cannot split over 8
   with pytest.raises(validate.ConfigError, match="4 rows .* multiple of the 8 devices"):
     validate.validate_for_devices(config, 8)
 
@@ -252,11 +251,10 @@ def test_arithmetic_plan_is_within_15_percent_of_every_compiled_program(name, va
 
 @pytest.mark.parametrize("decode", ["unmerged", "merged"])
 def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments(decode):
-  config = load_config("qwen3_8b", "lora")
-  config.train.kl_coef = 0.001  # the reference policy is the base: no copy
-  config.train.lora.decode = decode
+  changes = {"train.kl_coef": 0.001, "train.lora.decode": decode}  # the reference is the base
   if decode == "merged":
-    config.rollout.kv_pages = 360  # the decode copy takes 16.4 GB of the pool
+    changes["rollout.kv_pages"] = 360  # the decode copy takes 16.4 GB of the pool
+  config = load_settings("qwen3_8b", "lora", changes)
   cfg = hf_io.model_config(config)
   p = memory.make_plan(config, cfg, num_devices=1, device_bytes=80e9)
   spec = lora.LoraSpec.from_config(config.train.lora)
@@ -284,17 +282,16 @@ def test_lora_holds_the_base_once_in_16_bits_and_float32_adapters_and_moments(de
 
 
 def test_unmerged_decoding_is_refused_on_several_devices():
-  config = load_config("qwen3_8b", "lora")
+  config = load_settings("qwen3_8b", "lora")
   validate.validate_for_devices(config, 1)
-  config.mesh.shape, config.train.num_microbatches = (1, -1, 1), 32
+  config = config.overridden({"mesh.shape": (1, -1, 1), "train.num_microbatches": 32})
   with pytest.raises(validate.ConfigError, match="train.lora.decode='unmerged' decodes"):
     validate.validate_for_devices(config, 8)
-  config.train.lora.decode = "merged"
-  validate.validate_for_devices(config, 8)
+  validate.validate_for_devices(config.overridden({"train.lora.decode": "merged"}), 8)
 
 
 def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
-  config = load_config("qwen3_8b", "lora+ppo")
+  config = load_settings("qwen3_8b", "lora+ppo")
   cfg = hf_io.model_config(config)
   head = (cfg.hidden_size + 1) * 4
   adapters = lora.num_params(cfg, lora.LoraSpec.from_config(config.train.lora)) * 4
@@ -303,7 +300,7 @@ def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
   assert shared.resident["critic optimizer state (float32)"] == 2 * (adapters + head)
   assert "critic params (float32)" not in shared.resident
   assert config.rollout.kv_pages == 768 and shared.fits  # the critic takes 16 pages
-  config.train.critic_path = "/critic"  # its own frozen base, in 16 bits
+  config = config.overridden({"train.critic_path": "/critic"})  # its own base, in 16 bits
   own = memory.make_plan(config, cfg, 1, 80e9)
   assert own.resident["critic base params (frozen, bfloat16)"] == cfg.num_params() * 2
   assert not own.fits  # the pool sized for a shared base does not leave room for it
@@ -312,7 +309,7 @@ def test_a_lora_critic_shares_the_base_unless_it_has_its_own():
 @pytest.mark.parametrize("variants", ["lora", "lora+ppo", "ppo+lora", "lora+tis+overlong"])
 def test_the_lora_variants_are_one_80gb_gpu_with_64_slots(variants):
   for name, pages in (("qwen3_8b", 784), ("qwen3_4b", 1080)):
-    c = load_config(name, variants)
+    c = load_settings(name, variants)
     critic = "ppo" in variants
     assert tuple(c.mesh.shape) == (1, 1, 1) and c.rollout.num_slots >= 64 and c.model.remat
     assert c.rollout.max_response_len == 16384 and c.train.lora.rank == 32
@@ -320,15 +317,14 @@ def test_the_lora_variants_are_one_80gb_gpu_with_64_slots(variants):
     assert c.rollout.kv_pages == pages - (24 if name == "qwen3_4b" else 16) * critic
     assert memory.make_plan(c, hf_io.model_config(c), 1, 80e9).fits
   with pytest.raises(ValueError, match="'lora' runs on one GPU"):
-    load_config("qwen3_4b", "node+lora")
+    load_settings("qwen3_4b", "node+lora")
 
 
 def test_lora_programs_compile_with_the_base_as_the_reference_and_the_critics():
   """Every LoRA program at a tiny shape, a KL term and PPO's critic included: the
   reference logprobs read the frozen base alone, and the critic shares it."""
-  config = load_config("tiny")
-  config.train.lora.rank, config.train.kl_coef, config.train.advantage = 4, 0.01, "gae"
-  config.model.dtype = "bfloat16"
+  changes = {"train.lora.rank": 4, "train.kl_coef": 0.01, "train.advantage": "gae"}
+  config = load_settings("tiny", changes=changes | {"model.dtype": "bfloat16"})
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:1])
   report = compile_check.check(config, cfg, mesh)
@@ -358,3 +354,24 @@ def test_hlo_collectives_are_parsed_with_their_bytes():
       ("all-reduce", 4096 * 4 + 16 * 4),
       ("reduce-scatter", 64),
   ]
+
+
+def test_a_compiled_plan_that_does_not_fit_names_the_pool_that_would():
+  """plan --compile of a config past the device's memory: exit 3, its table, and the
+  sentence naming the KV pool the compiled programs fit with (or that none does)."""
+  out = cli.run(
+      "--compile",
+      "--devices=2",
+      "--device_memory_gb=0.001",
+      config="tiny.py",
+      module="april_jax.plan",
+      devices=None,
+      timeout=300,
+  )
+  assert out.returncode == 3, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert (
+      "not even one sequence's KV pages fit" in out.stdout
+      or "it fits with rollout.kv_pages=" in out.stdout
+  )
+  assert json.loads(out.stdout.strip().splitlines()[-1])["fits"] is False

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from april_jax.settings import validate
+from april_jax.validation import checks as validate
 from april_jax.data import load_records
 from april_jax.envs import base, kernel_isolation, python_tool
 from april_jax.envs.base import EnvReset

@@ -131,7 +131,7 @@ def test_a_readme_training_command_parses_and_its_config_validates(words, tmp_pa
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not workdir.exists()
 
-  from april_jax.settings import validate  # pylint: disable=g-import-not-at-top
+  from april_jax.validation import checks as validate  # pylint: disable=g-import-not-at-top
 
   config = _load_config([w for w in args if w.startswith("--config")])
   if config.model.path:  # a model of the user's: the checks that need no files

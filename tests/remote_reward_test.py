@@ -10,7 +10,7 @@ import time
 import pytest
 
 from april_jax.settings import base
-from april_jax.settings.validate import ConfigError, validate
+from april_jax.validation.checks import ConfigError, validate
 from april_jax.rewards import loading
 from april_jax.rewards.remote import RemoteReward, RemoteRewardError
 from april_jax.rollout import failures

@@ -10,7 +10,8 @@ import pytest
 
 from april_jax.run import resume
 from april_jax.checkpoint import Checkpointer
-from april_jax.settings import base, resume_check
+from april_jax.settings import base
+from april_jax.validation import resume as resume_check
 from april_jax.errors import InputError
 from april_jax.models import hf_io, qwen3
 

@@ -3,20 +3,20 @@ length-sorted microbatches change nothing, a non-finite step is skipped, no refe
 without KL. Batches are built from hand-made samples (learner_batches.py), but for the one
 test of a real scheduler step's batch."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from april_jax import sharding
-from april_jax.settings import base
 from april_jax.models import qwen3
 from april_jax.rl import advantages, batch as batch_lib
 from april_jax.rl.update import Learner
 from april_jax.data import PromptItem
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.settings.train import TrainSettings
 from conftest import mesh_or_skip, tiny_qwen3
 import learner_batches
 
@@ -24,12 +24,8 @@ CFG = tiny_qwen3()
 TEMPERATURE = 0.8
 
 
-def _train_config(**overrides) -> ml_collections.ConfigDict:
-  t = base.get_config().train
-  t.lr = 1e-3
-  t.logprob_chunk = 16
-  t.update(overrides)
-  return t
+def _train_config(**overrides) -> TrainSettings:
+  return dataclasses.replace(TrainSettings(), **{"lr": 1e-3, "logprob_chunk": 16, **overrides})
 
 
 def _rollout_batch(params, seed=0):

@@ -63,9 +63,9 @@ def _weights(config, model_cfg, place):
   return v0, jax.tree.map(lambda x: (x * 1.01).astype(x.dtype), v0)
 
 
-def script() -> bool:
-  """The script on this run's Rollout; False (not stopped), as main's _train returns."""
-  c = main._CONFIG.value  # pylint: disable=protected-access
+def script(c) -> bool:
+  """The script on this run's Rollout (`c`: its checked settings, as main's _train is
+  given them); False (not stopped), as _train returns."""
   place = sharding.Placement.from_config(c)
   model_cfg, paths = path_check.checked_model(c)
   tokenizer = task_lib.load_tokenizer(c)

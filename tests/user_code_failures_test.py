@@ -18,6 +18,7 @@ from april_jax.rollout import failures
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
 from april_jax.sampler import SampleRecord
+from april_jax.settings.env import EnvSettings
 import cli
 
 
@@ -223,9 +224,7 @@ def test_a_users_environment_holding_the_interpreter_lock_is_killed_at_its_limit
   )
   env = in_workers.load(f"{tmp_path / 'slow_env.py'}:Env", timeout_s=0.5)
   assert isinstance(env, in_workers.ProcessEnv)
-  runner = episodes.EpisodeRunner(
-      env, lambda t: [1] * len(t), str, episodes.EpisodeSettings(timeout_s=0.5)
-  )
+  runner = episodes.EpisodeRunner(env, lambda t: [1] * len(t), str, EnvSettings(timeout_s=0.5))
   try:
     first = env.pids()
     records = [_after_first_turn(), _after_first_turn()]

@@ -34,19 +34,22 @@ from april_jax.planning import split as split_lib
 from april_jax.benchmarks import common
 from april_jax.models import hf_io
 from april_jax.run.trainer import Trainer
+from april_jax.settings.run import RunSettings
 
 SCALINGS = (1.0, 0.5)  # the rollout's time on k of n devices: (n / k)^a
 
 
 def _side(config, workdir: str, steps: int, rollout_devices: int) -> tuple[list[dict], dict]:
   """(metrics lines of steps 1.., what the run's own objects say: the copy rate)."""
-  c = config.copy_and_resolve_references()
-  with c.unlocked():
-    c.num_steps = steps
-    c.checkpoint_every = 0
-    c.eval_every = steps
-    c.train.warm_up = True  # the learner compiled before the first step
-    c.mesh.rollout_devices = rollout_devices
+  c = RunSettings.from_config(config).overridden(
+      {
+          "num_steps": steps,
+          "checkpoint_every": 0,
+          "eval_every": steps,
+          "train.warm_up": True,  # the learner compiled before the first step
+          "mesh.rollout_devices": rollout_devices,
+      }
+  )
   trainer = Trainer(c, workdir)
   extra = {}
   publisher = getattr(trainer.rollout, "publisher", None)  # split meshes: the weights' copier
@@ -94,6 +97,7 @@ def project(config, rollout_s: float, learn_s: float, measured: int, node: int) 
   `measured` devices: each phase scaled to the node's devices (the learner in proportion,
   the rollout as (measured / node)^a), then split as plan.choose_split does (no memory
   check here: the shapes are the config's)."""
+  config = RunSettings.from_config(config)
   cfg = hf_io.model_config(config)
   out = {}
   for a in SCALINGS:

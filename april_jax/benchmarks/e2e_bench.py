@@ -32,6 +32,7 @@ import numpy as np
 
 from april_jax.benchmarks import common
 from april_jax.run.trainer import Trainer
+from april_jax.settings.run import RunSettings
 
 SIDES = ("april", "baseline")
 EXTRA_STEPS = 1.5  # APRIL's step allowance, so it can spend the baseline's wall time
@@ -42,16 +43,14 @@ EVAL_EVERY = 10  # steps between held-out evaluations (excluded from the wall cl
 def _run_side(
     config, side: str, seed: int, workdir: str, num_steps: int, eval_every: int
 ) -> list[dict]:
-  c = config.copy_and_resolve_references()
-  with c.unlocked():
-    c.seed = seed
-    c.checkpoint_every = 0
-    c.eval_every = eval_every
-    c.num_steps = num_steps
-    c.train.warm_up = True  # compile before timing: the wall axis is steady-state steps
-    if side == "baseline":
-      c.rollout.partial_rollout = False
-      c.rollout.over_sampling_batch_size = c.rollout.batch_size
+  c = RunSettings.from_config(config)
+  changes = {"seed": seed, "checkpoint_every": 0, "eval_every": eval_every}
+  changes.update(num_steps=num_steps)
+  changes["train.warm_up"] = True  # compile before timing: the wall axis is steady-state steps
+  if side == "baseline":
+    changes["rollout.partial_rollout"] = False
+    changes["rollout.over_sampling_batch_size"] = c.rollout.batch_size
+  c = c.overridden(changes)
   Trainer(c, workdir).run()
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     lines = [json.loads(line) for line in f if line.strip()]

@@ -14,11 +14,14 @@ come from the learner's own plan (rl/update.py), with a call's rows split over `
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from april_jax.benchmarks import common, length_dists
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout
+from april_jax.settings.run import RunSettings
 
 PROMPT_MIN, PROMPT_MAX = 100, 400
 
@@ -39,10 +42,9 @@ def sample_mask(config, shape: str, seed: int) -> np.ndarray:
 
 
 def run(config, shape: str = "dapo_math", seeds=(0, 1, 2, 3, 4), devices: int = 1) -> dict:
-  packed_train = layout.train_section(config)
-  packed_train.packing = True
-  unpacked_train = packed_train.copy_and_resolve_references()
-  unpacked_train.update(packing=False, microbatch_by_length=True)
+  config = RunSettings.from_config(config)
+  packed_train = layout.train_section(config.overridden({"train.packing": True}))
+  unpacked_train = dataclasses.replace(packed_train, packing=False, microbatch_by_length=True)
   rows = []
   for seed in seeds:
     mask = sample_mask(config, shape, seed)

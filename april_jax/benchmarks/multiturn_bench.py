@@ -45,6 +45,7 @@ from april_jax.envs.base import EnvStep
 from april_jax.models import qwen3
 from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.settings.env import EnvSettings
 
 # A small model whose decode step takes about 8 ms on a 2-core CPU: 4 layers of width 512,
 # where the weights, not the KV, are most of what a step reads (as in a real model).
@@ -143,7 +144,7 @@ def _scheduler(cfg, params, shape: Shape, budgets, side: str, num_stops: int, de
         Tool(shape, num_stops, cfg.vocab_size),
         encode,
         decode,
-        episodes.EpisodeSettings(
+        EnvSettings(
             max_turns=shape.turns,
             max_observation_tokens=shape.obs_tokens,
             timeout_s=30.0,

@@ -76,6 +76,7 @@ from april_jax.rl import batch as batch_lib
 from april_jax.rl import layout as layout_lib
 from april_jax.rl import learn as learn_lib
 from april_jax.rl import update as update_lib
+from april_jax.settings.run import RunSettings
 
 PROMPT_LEN = scheduler_bench.PROMPT_LEN
 # Each side's phases, seconds a step; "rollout_other" is the rollout less decode and prefill.
@@ -148,9 +149,7 @@ class Bench:
 def _bench_config(config):
   """The config with the benchmark's prompt length as data.max_prompt_len (the longest
   row a batch can have, as the learner's train section reads it)."""
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.data.max_prompt_len = PROMPT_LEN
+  config = RunSettings.from_config(config).overridden({"data.max_prompt_len": PROMPT_LEN})
   if config.train.advantage in advantages_lib.CRITIC_ADVANTAGES:
     raise ValueError(
         f"--mode=step times a policy update without a critic: train.advantage="
@@ -159,14 +158,15 @@ def _bench_config(config):
   return config
 
 
-def _take_checked_paths(config) -> path_check.Paths:
+def _take_checked_paths(config):
   """The fast paths a run of `config` would take here, checked as the trainer checks them
-  (its lines printed); `config` (the benchmark's copy) set to take what the check took."""
+  (its lines printed), and `config` set to take what the check took."""
   paths = path_check.check(path_check.Settings.of(config, hf_io.model_config(config)))
   path_check.announce(paths)
-  config.model.attention = paths.attention
-  config.rollout.decode_attention = paths.decode_attention
-  return paths
+  taken = config.overridden(
+      {"model.attention": paths.attention, "rollout.decode_attention": paths.decode_attention}
+  )
+  return taken, paths
 
 
 def _build(config, shape: str, ratio: float, seed: int, steps: int, directory: str, log) -> Bench:
@@ -387,7 +387,7 @@ def run(
   directory = tempfile.mkdtemp(prefix="april_step_bench_") if own else directory
   try:
     log("fast attention paths against the portable ones")
-    paths = _take_checked_paths(config)
+    config, paths = _take_checked_paths(config)
     log("packed attention against each sample alone")
     check = packed_check.run(hf_io.model_config(config), config.model.dtype, seed)
     _print_check(check)

@@ -134,7 +134,7 @@ def from_config(
     env_config, tokenizer: Any, enable_thinking: bool, end_of_turn_ids
 ) -> ObservationFormat:
   """The run's observation format (env.observation_format)."""
-  if env_config.get("observation_format", "text") == "chat_template":
+  if env_config.observation_format == "chat_template":
     return ChatToolFormat(tokenizer, enable_thinking, tuple(end_of_turn_ids))
   return TextFormat(
       tokenizer.encode,

@@ -44,6 +44,8 @@ from april_jax.models import hf_io
 from april_jax.models import paged_attention
 from april_jax.models import paged_attention_kernel
 from april_jax.models import qwen3
+from april_jax.settings.model import ModelSettings
+from april_jax.settings.rollout import RolloutSettings
 
 # The largest |fast - portable| allowed, over the largest |portable| it compares, by the
 # dtype compared: a few roundings of 16 bits; float32 on GPUs may multiply in TF32.
@@ -80,15 +82,15 @@ FALLBACK = {"model.attention": "blockwise", "rollout.decode_attention": "xla"}
 class Settings:
   """What decides the paths a run takes, and the shapes its probes are made at."""
 
-  attention: str = "auto"  # model.attention
-  decode_attention: str = "auto"  # rollout.decode_attention
+  attention: str = ModelSettings.attention
+  decode_attention: str = RolloutSettings.decode_attention
   dtype: str = "bfloat16"  # model.dtype: whole-sequence attention's
   kv_dtype: str = "bfloat16"  # model.kv_dtype: decode attention's
   packed: bool = True  # train.packing: the learner's rows are packed
   num_heads: int = 4
   num_kv_heads: int = 2
   head_dim: int = 16
-  page_size: int = 16
+  page_size: int = RolloutSettings.page_size
 
   @classmethod
   def of(cls, config, model_cfg) -> "Settings":

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from april_jax import sharding
 from april_jax.models import attention as attention_lib
+from april_jax.settings.model import InitSettings, ModelSettings
 
 Params = dict[str, Any]
 
@@ -54,12 +55,14 @@ class Qwen3Config:
   num_heads: int
   num_kv_heads: int
   head_dim: int
-  rope_theta: float = 1_000_000.0
-  rms_norm_eps: float = 1e-6
+  rope_theta: float = InitSettings.rope_theta
+  rms_norm_eps: float = InitSettings.rms_norm_eps
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 40960
-  attention: str = "auto"  # whole-sequence attention: auto | dense | blockwise | cudnn
-  attention_chunk: int = 512  # keys per block for blockwise attention
+  # Whole-sequence attention (auto | dense | blockwise | cudnn) and keys per block of
+  # blockwise attention: model.attention and model.attention_chunk.
+  attention: str = ModelSettings.attention
+  attention_chunk: int = ModelSettings.attention_chunk
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:

@@ -523,9 +523,7 @@ def pages_that_fit(config, cfg, num_devices: int, capacity: float, native_16bit=
 
 
 def _with_pages(config, pages: int):
-  c = config.copy_and_resolve_references()
-  c.rollout.kv_pages = pages
-  return c
+  return config.overridden({"rollout.kv_pages": pages})
 
 
 def what_fits(config, cfg, num_devices: int, capacity: float, native_16bit=True) -> str:

@@ -15,8 +15,10 @@ splits whose meshes fit (planning/memory.py) and shard the model.
 
 from __future__ import annotations
 
+import dataclasses
+
 from april_jax.planning.memory import GB, make_split_plan
-from april_jax.settings import validate_split
+from april_jax.validation import split as validate_split
 
 
 def choose_split(
@@ -34,16 +36,17 @@ def choose_split(
   n, R, L = num_devices, float(rollout_s), float(learn_s)
   rows = []
   for k in range(1, n):
-    c = config.copy_and_resolve_references()
-    c.mesh.rollout_devices = k
-    c.mesh.rollout_shape = _any_size(tuple(config.mesh.rollout_shape))
+    mesh = dataclasses.replace(
+        config.mesh, rollout_devices=k, rollout_shape=_any_size(tuple(config.mesh.rollout_shape))
+    )
+    c = config.replace(mesh=mesh)
     # Each learner device keeps the rows per call the config gives it: more microbatches
     # on fewer learner devices.
     samples = config.rollout.batch_size * config.rollout.n_samples_per_prompt
     learners = n - int(config.mesh.rollout_devices)  # the config's own learner devices
     micro = max(1, config.train.num_microbatches * learners // (n - k))
     if samples % (micro * config.train.num_minibatches) == 0:
-      c.train.num_microbatches = micro
+      c = c.replace(train=dataclasses.replace(c.train, num_microbatches=micro))
     problems = validate_split.device_problems(c, n, cfg)
     row = {"rollout_devices": k, "num_microbatches": c.train.num_microbatches}
     if problems:

@@ -147,7 +147,7 @@ def resolve(spec: str) -> Callable:
 def from_config(r) -> Callable:
   """The run's reward from the `rollout` section: the server at reward_url if one is
   given, else what `reward` names."""
-  if r.get("reward_url"):
+  if r.reward_url:
     return remote.RemoteReward(
         r.reward_url, timeout_s=r.reward_url_timeout_s, retries=r.reward_url_retries
     )

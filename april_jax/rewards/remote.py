@@ -26,6 +26,8 @@ import time
 import urllib.error
 import urllib.request
 
+from april_jax.settings.rollout import RolloutSettings
+
 MAX_REPLY_BYTES = 1 << 20
 
 
@@ -46,8 +48,8 @@ _OPENER = urllib.request.build_opener(_NoRedirects)
 @dataclasses.dataclass(frozen=True)
 class RemoteReward:
   url: str
-  timeout_s: float = 10.0
-  retries: int = 2
+  timeout_s: float = RolloutSettings.reward_url_timeout_s
+  retries: int = RolloutSettings.reward_url_retries
   backoff_s: float = 0.25
   takes_context = True  # the runner passes the prompt and its id
 

@@ -208,9 +208,7 @@ def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
 
 def critic_train(train):
   """The train section the critic's optimizer reads: the policy's, at train.critic_lr."""
-  t = train.copy_and_resolve_references()
-  t.lr = float(train.critic_lr)
-  return t
+  return dataclasses.replace(train, lr=float(train.critic_lr))
 
 
 def build_programs(

@@ -191,7 +191,7 @@ def token_counts(pieces: list[Piece], lengths: np.ndarray) -> dict[str, float]:
 def pack_len(train, T: int) -> int | None:
   """The packed rows' token budget for a batch of padded length T: train.pack_len, or
   T when it is 0 (a run sets it: `train_section`); None when train.packing is off."""
-  if not train.get("packing", False):
+  if not train.packing:
     return None
   return int(train.pack_len) or int(T)
 
@@ -200,10 +200,10 @@ def train_section(config):
   """The train section the learner and critic read: config.train with pack_len 0
   resolved to the run's longest row (data.max_prompt_len + rollout.max_response_len,
   rounded up as rl/batch.py pads), so every step packs into rows of one length."""
-  t = config.train.copy_and_resolve_references()
+  t = config.train
   if t.packing and not t.pack_len:
     max_len = config.data.max_prompt_len + config.rollout.max_response_len
-    t.pack_len = batch_lib.bucket_len(max_len, max_len=max_len)
+    t = dataclasses.replace(t, pack_len=batch_lib.bucket_len(max_len, max_len=max_len))
   return t
 
 

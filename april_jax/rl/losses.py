@@ -32,6 +32,7 @@ from april_jax.rl import corrections
 from april_jax.rl.aggregation import AGGREGATIONS, NEED_NORM_LEN, aggregate, seq_sums
 from april_jax.rl.kl import KL_PENALTIES, kl_penalty
 from april_jax.rl.policy_terms import COVARIANCE_TERMS, POLICY_TERMS, get_policy_term
+from april_jax.settings.train import TrainSettings
 
 GSPO_EPS_CLIP = 3e-4
 GSPO_EPS_CLIP_HIGH = 4e-4
@@ -53,6 +54,9 @@ SEQUENCE_TERMS = ("gspo", "gmpo")
 DUAL_CLIP_TERMS = ("ppo_clip", "clip_cov")
 
 
+_TRAIN = TrainSettings  # the class: its fields' defaults
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """The objective. Clips are ratio offsets: the ratio is clipped to
@@ -64,32 +68,34 @@ class LossConfig:
   overridden.
   """
 
-  policy_loss: str = "ppo_clip"  # see rl/policy_terms.py
+  # The fields a train section names the same mean the same and take its defaults
+  # (settings/train.py); eps_clip and aggregation are resolved (PPO's here).
+  policy_loss: str = _TRAIN.policy_loss  # see rl/policy_terms.py
   eps_clip: float = 0.2
-  eps_clip_high: float | None = None
-  dual_clip_c: float | None = None  # e.g. 3.0: caps the loss at -A*c for A < 0
+  eps_clip_high: float | None = _TRAIN.eps_clip_high
+  dual_clip_c: float | None = _TRAIN.dual_clip_c  # e.g. 3.0: caps the loss at -A*c for A < 0
   aggregation: str = "token_mean"  # see rl/aggregation.py
-  norm_len: int | None = None  # the constant of seq_mean_token_sum_norm and token_sum_norm
-  kl_coef: float = 0.0
-  kl_type: str = "low_var_kl"  # see rl/kl.py
-  entropy_coef: float = 0.0
+  norm_len: int | None = _TRAIN.norm_len  # seq_mean_token_sum_norm's and token_sum_norm's
+  kl_coef: float = _TRAIN.kl_coef
+  kl_type: str = _TRAIN.kl_type  # see rl/kl.py
+  entropy_coef: float = _TRAIN.entropy_coef
   # clip_cov / kl_cov (rl/cov_tokens.py): the fraction of tokens selected, clip_cov's
   # window of covariances to select from, kl_cov's coefficient of |log r|.
-  cov_ratio: float = 2e-4
-  clip_cov_lb: float = 1.0
-  clip_cov_ub: float = 5.0
-  kl_cov_coef: float = 0.1
+  cov_ratio: float = _TRAIN.cov_ratio
+  clip_cov_lb: float = _TRAIN.clip_cov_lb
+  clip_cov_ub: float = _TRAIN.clip_cov_ub
+  kl_cov_coef: float = _TRAIN.kl_cov_coef
   # A step makes one optimizer update, from the proximal params (one minibatch, one
   # epoch, ratio_anchor "proximal"): log r is 0 at its gradient but for float rounding.
   one_update: bool = False
   # The importance weight pi_prox / pi_behav (rl/corrections.py): its upper bound (None:
   # no weight), level, what happens outside [is_low, tis_cap], and the ratio's anchor.
   tis_cap: float | None = None
-  is_level: str = "token"  # token | sequence | geometric
-  is_mode: str = "truncate"  # truncate | mask
-  is_low: float = 0.0  # mask mode's lower bound
-  ratio_anchor: str = "proximal"  # proximal | behavior
-  mask_stale_tokens: bool = False
+  is_level: str = _TRAIN.is_level  # token | sequence | geometric
+  is_mode: str = _TRAIN.is_mode  # truncate | mask
+  is_low: float = _TRAIN.is_low  # mask mode's lower bound
+  ratio_anchor: str = _TRAIN.ratio_anchor  # proximal | behavior
+  mask_stale_tokens: bool = _TRAIN.mask_stale_tokens
 
   @property
   def clip_high(self) -> float:
@@ -114,7 +120,9 @@ class LossConfig:
     Unset (None) optional knobs are off; tis_cap is off at 0 too (the command line cannot
     set None, and TIS is on by default)."""
     chosen = {
-        k: train[k] for k in ("eps_clip", "eps_clip_high", "aggregation") if train[k] is not None
+        k: getattr(train, k)
+        for k in ("eps_clip", "eps_clip_high", "aggregation")
+        if getattr(train, k) is not None
     }
     rest = dict(
         dual_clip_c=train.dual_clip_c,

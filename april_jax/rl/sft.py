@@ -11,6 +11,7 @@ optimizer is plain Adam at `train.sft_lr` (no clipping, no weight decay, no KL).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import numpy as np
@@ -50,8 +51,9 @@ def warm_start(
 ):
   """One update per batch (tokens, targets, mask [B, T]); returns (float32 params, the
   cross-entropy of the first batch before and of the last batch after)."""
-  sft_train = train.copy_and_resolve_references()
-  sft_train.update(**SFT_LOSS, **SFT_OPTIMIZER, **SFT_BATCHING, lr=train.sft_lr)
+  sft_train = dataclasses.replace(
+      train, **SFT_LOSS, **SFT_OPTIMIZER, **SFT_BATCHING, lr=train.sft_lr
+  )
   batches = list(batches)
   learner = Learner(
       model_cfg,

@@ -309,9 +309,7 @@ def _dummy_batch(
 
 def lora_train(train):
   """The train section the adapters' optimizer reads: the policy's, at train.lora.lr."""
-  t = train.copy_and_resolve_references()
-  t.lr = float(train.lora.lr)
-  return t
+  return dataclasses.replace(train, lr=float(train.lora.lr))
 
 
 def _in_dtype(params, dtype) -> bool:

@@ -47,26 +47,11 @@ from april_jax.sampler.episode_state import Episode
 from april_jax.envs.observation_format import ObservationFormat, TextFormat
 from april_jax.sampler.contract import Engine
 from april_jax.sampler.records import SampleRecord
+from april_jax.settings.env import EnvSettings
 
 # Characters of an observation tokenized at most per token it may keep: text averages
 # about 4 characters a token, so a text cut here still holds every token that is kept.
 MAX_CHARS_PER_TOKEN = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class EpisodeSettings:
-  max_turns: int = 8
-  max_observation_tokens: int = 256
-  timeout_s: float = 10.0  # per environment call
-  workers: int = 4  # environment calls made at once
-  # Calls run while the other slots decode; False: each is waited for right after the
-  # decode call that ended its turn (reproducible whatever the calls' timing).
-  overlap: bool = True
-
-  @classmethod
-  def from_config(cls, env_config) -> "EpisodeSettings":
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(env_config).items() if k in names})
 
 
 class EpisodeRunner:
@@ -81,7 +66,7 @@ class EpisodeRunner:
       env: Env,
       encode: Callable[[str], list[int]],
       decode: Callable[[list[int]], str],
-      settings: EpisodeSettings = EpisodeSettings(),
+      settings: EnvSettings = EnvSettings(),
       end_of_turn_ids: tuple[int, ...] = (),
       agree: Callable[[Any], Any] | None = None,
       leader: bool = True,

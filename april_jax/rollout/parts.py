@@ -11,7 +11,7 @@ from typing import Callable
 from absl import logging
 
 from april_jax.models import paged_attention_kernel
-from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings, run_episodes
+from april_jax.rollout import AprilScheduler, RewardRunner, run_episodes
 from april_jax.rollout.episodes import EpisodeRunner
 from april_jax.rollout.publish import WeightPublisher
 from april_jax.runtime import distributed
@@ -68,7 +68,5 @@ def make_parts(config, model_cfg, paths, decode_params, tokenizer, task, place) 
       # strings, scored on threads (no worker start-up).
       processes=r.reward != "longtail",
   )
-  scheduler = AprilScheduler(
-      engine, RolloutSettings.from_config(r), task.prompts, rewards, seed=c.seed, episodes=episodes
-  )
+  scheduler = AprilScheduler(engine, r, task.prompts, rewards, seed=c.seed, episodes=episodes)
   return RolloutParts(engine, rewards, episodes, scheduler, decode, publisher)

@@ -10,7 +10,7 @@ from typing import Any
 from april_jax.runtime import distributed
 from april_jax.envs import in_workers
 from april_jax.envs import observation_format
-from april_jax.rollout.episodes import EpisodeRunner, EpisodeSettings
+from april_jax.rollout.episodes import EpisodeRunner
 from april_jax.errors import InputError
 from april_jax.tokenizer import TokenizerError
 
@@ -51,7 +51,7 @@ def runner_for(config, tokenizer: Any) -> tuple[EpisodeRunner | None, tuple[int,
       env,
       tok.encode,
       lambda ids: tok.decode(ids, skip_special_tokens=False),
-      EpisodeSettings.from_config(e),
+      e,
       end_of_turn_ids=tok.stop_ids,
       # Every process runs the same episodes: process 0's environment answers for all.
       agree=distributed.agree_json if distributed.process_count() > 1 else None,

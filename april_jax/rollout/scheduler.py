@@ -71,7 +71,7 @@ from april_jax.rollout.turns import EpisodeTurns, SingleTurn
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.rollout.reward_runner import RewardRunner
-from april_jax.rollout.settings import RolloutSettings
+from april_jax.settings.rollout import RolloutSettings
 from april_jax.sampler import PromptError, SampleRecord, sample_keys
 from april_jax.sampler.contract import Engine
 
@@ -96,6 +96,8 @@ class AprilScheduler:
       seed: int = 0,
       episodes: EpisodeRunner | None = None,
   ):
+    if found := settings.problems():
+      raise ValueError("; ".join(found))
     if engine.config.hold_stopped != (episodes is not None):
       raise ValueError("an environment's episodes need an engine with hold_stopped, and only they")
     self.engine, self.settings, self.rewards = engine, settings, rewards

@@ -35,6 +35,7 @@ from april_jax.rollout.side import RolloutSide
 from april_jax.runtime import user_output
 from april_jax.runtime.sigterm_stop import SigtermStop
 from april_jax.tasks import task as task_lib
+from april_jax.settings.run import RunSettings
 
 POLL_S = 1.0
 
@@ -47,7 +48,8 @@ class RolloutServer:
   """One split run's rollout, driven by its learner's messages."""
 
   def __init__(self, config, workdir: str, host: str):
-    self.config, self.workdir = config, workdir
+    """config: RunSettings, or a config file's ConfigDict (turned into them here)."""
+    self.config, self.workdir = RunSettings.from_config(config), workdir
     self.host = host  # this process's address for the weights' transfers
     self.channel = Channel(send_on=TO_LEARNER, receive_on=TO_ROLLOUT)
     self.stop = SigtermStop()

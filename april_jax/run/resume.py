@@ -4,7 +4,7 @@
 
 Newest first, each checkpoint is judged: its host JSON must read; its config may differ
 only in what a resume may change, and its model must have the run's architecture (both
-refused in one line, nothing moved: settings/resume_check.py); then its arrays are read
+refused in one line, nothing moved: validation/resume.py); then its arrays are read
 into `target`'s shardings. A checkpoint whose files cannot be read is damaged: it is
 moved to `<workdir>/damaged_checkpoints/<step>` (by the primary process, once every
 process came through its read) with a one-line warning naming what could not be read,
@@ -29,7 +29,7 @@ from absl import logging
 from april_jax.runtime import distributed
 from april_jax import errors
 from april_jax.checkpoint import Checkpointer
-from april_jax.settings import resume_check
+from april_jax.validation import resume as resume_check
 from april_jax.errors import InputError, is_out_of_memory, is_out_of_resources
 
 

@@ -17,7 +17,7 @@ rollout -> learn -> log -> save.
               runtime/sigterm_stop.py)
 
 Resume: a workdir with checkpoints continues from the latest intact one (see
-run/resume.py), if the config matches the saved one (settings/resume_check.py); with a
+run/resume.py), if the config matches the saved one (validation/resume.py); with a
 fixed seed the continuation equals the uninterrupted run (timings aside).
 """
 
@@ -55,7 +55,8 @@ from april_jax.runtime import distributed
 from april_jax.runtime import user_output
 from april_jax.runtime.sigterm_stop import SigtermStop
 from april_jax.runtime.workdir_lock import WorkdirLock
-from april_jax.settings import resume_check
+from april_jax.validation import resume as resume_check
+from april_jax.validation.checks import settings_of
 from april_jax.tasks.task import make_task
 
 
@@ -64,8 +65,9 @@ class Trainer:
   its newest intact checkpoint if it has one, then `run`: the loop of steps."""
 
   def __init__(self, config, workdir: str):
-    self.config, self.workdir = config, workdir
-    c = config
+    """config: RunSettings, or a config file's ConfigDict (turned into them here)."""
+    c = settings_of(config)
+    self.config, self.workdir = c, workdir
     # One run per workdir (the primary holds the lock; the hosts of a run share the workdir).
     self._lock = WorkdirLock(workdir) if distributed.is_primary() else None
     if self._lock is not None:  # saves cut short by a kill: never read, and as big as one

@@ -6,8 +6,9 @@
 Slots, the KV page pool, the decode window between host round trips, the widths of the
 insert, snapshot and prefill calls, and how a sample out of its slot keeps its work. A
 field named as a run config's field (settings/base.py) means the same and is built from
-it (`from_run_config`); the checks here are the engine's rules, and settings/validate.py
-reports them for a run's config. The pool's size is `usable_pages`.
+it (`from_run_config`) and takes its default from there; the checks here are the engine's
+rules, and validation/checks.py reports them for a run's config. The pool's size is
+`usable_pages`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import dataclasses
 
 from april_jax import buckets
 from april_jax.sampler import pages
+from april_jax.settings.model import ModelSettings
+from april_jax.settings.rollout import RolloutSettings
 
 RESUME_MODES = ("kv", "recompute")
 FEED_GIVEN = ("prefill", "decode")
@@ -29,25 +32,26 @@ MAX_SPECULATIVE_HISTORY = 16  # rows of max_len a slot sends with each change
 class EngineConfig:
   num_slots: int
   max_len: int  # tokens a slot holds: prompt + response
-  sync_every: int = 16  # decode steps per host round trip (at most)
+  sync_every: int = RolloutSettings.sync_every  # decode steps per host round trip (at most)
   min_bucket: int = 16
   stop_ids: tuple[int, ...] = ()
-  kv_dtype: str = "float32"
+  kv_dtype: str = ModelSettings.kv_dtype
   insert_width: int = 8  # slots filled per insert call (fixed: one compile)
   snapshot_width: int = 4  # slots whose KV is copied out per device call
-  decode_block: int = 1024  # pooled positions read per chunk of decode attention
-  # How a decode step reads the pool: "xla" (chunks of gathered pages, any backend),
-  # "pallas" (one kernel that reads each page in place; GPUs, via Triton; interpreted,
-  # slowly, on a CPU), or "auto" (the kernel on NVIDIA GPUs, else xla). They compute the
-  # same attention.
-  decode_attention: str = "auto"
-  page_size: int = 16  # positions per KV page (a power of two)
-  kv_pages: int | None = None  # usable pool pages; None: max_len for every slot
+  # The KV pool and how decode attention reads it (rollout.* of the same names): pooled
+  # positions per chunk, the implementation, positions per page (a power of two), usable
+  # pages (None: max_len for every slot).
+  decode_block: int = RolloutSettings.decode_block
+  decode_attention: str = RolloutSettings.decode_attention
+  page_size: int = RolloutSettings.page_size
+  kv_pages: int | None = RolloutSettings.kv_pages
   # How a sample out of its slot keeps its work (a preempted one, and admit's default):
   # its KV ("kv") or its tokens, recomputed by a prefill ("recompute").
-  resume_mode: str = "kv"
-  refill_batch: int = 1  # with refill on, decoding returns once this many slots finish
-  prefill_width: int = 4  # prompts of one length bucket prefilled per call (admit)
+  resume_mode: str = RolloutSettings.resume_mode
+  # With refill on, decoding returns once this many slots finish.
+  refill_batch: int = RolloutSettings.refill_batch
+  # Prompts of one length bucket prefilled per call (admit).
+  prefill_width: int = RolloutSettings.prefill_width
   prompt_len: int | None = None  # the longest prompt (batched prefills up to its bucket)
   # A slot that draws a stop token is held with its KV; the caller extends or releases it
   # before the next step (multi-turn episodes: rollout/episodes.py).
@@ -59,15 +63,13 @@ class EngineConfig:
   # Given tokens one feed call writes per slot at most (longer ones go in several calls):
   # its length bucket caps the feed programs a run compiles and the memory each takes.
   feed_len: int = 512
-  # Speculative decoding (sampler/speculative.py): up to this many tokens guessed per
-  # live slot and checked in one pass, the tokens drawn being plain decoding's; 0: off.
-  speculative_tokens: int = 0
-  speculative_ngram: int = 3  # the longest suffix a guess matches (drafts.py)
-  # Each call speculates or decodes plainly, whichever has drawn more tokens per second
-  # at about as many live slots (speculation_choice.py); needs speculative_tokens > 0.
-  speculative_auto: bool = False
-  # Past samples of a prompt kept to draft from (draft_history.py; 0: none).
-  speculative_history: int = 0
+  # Speculative decoding (sampler/speculation/, rollout.speculative_*): tokens guessed
+  # per live slot and checked in one pass (0: off), the longest suffix a guess matches,
+  # a choice per call between speculating and not, past samples kept to draft from.
+  speculative_tokens: int = RolloutSettings.speculative_tokens
+  speculative_ngram: int = RolloutSettings.speculative_ngram
+  speculative_auto: bool = RolloutSettings.speculative_auto
+  speculative_history: int = RolloutSettings.speculative_history
 
   def __post_init__(self):
     found = problems(dataclasses.asdict(self))
@@ -127,8 +129,8 @@ class DeviceSettings:
   page_size: int
   usable_pages: int
   decode_attention: str
-  speculative_tokens: int = 0
-  speculative_ngram: int = 3
+  speculative_tokens: int = RolloutSettings.speculative_tokens
+  speculative_ngram: int = RolloutSettings.speculative_ngram
 
 
 # EngineConfig fields that a run's config sets under the same name in `rollout`.
@@ -144,16 +146,16 @@ def run_config_fields(c, stop_ids=()) -> dict:
   (the tokenizer's) and hold_stopped (with an environment)."""
   r = c.rollout
   return dict(
-      {name: r[name] for name in _ROLLOUT_FIELDS},
+      {name: getattr(r, name) for name in _ROLLOUT_FIELDS},
       max_len=c.data.max_prompt_len + r.max_response_len,
       prompt_len=c.data.max_prompt_len,
       kv_dtype=c.model.kv_dtype,
       stop_ids=tuple(int(i) for i in stop_ids),
-      hold_stopped=bool(c.get("env") and c.env.name),
+      hold_stopped=bool(c.env.name),
   )
 
 
-# Where a run's config sets each engine field (settings/base.py), for its messages.
+# Where a run's config sets each engine field (settings/rollout.py), for its messages.
 RUN_CONFIG_NAMES = {name: f"rollout.{name}" for name in _ROLLOUT_FIELDS}
 RUN_CONFIG_NAMES.update(
     max_len="data.max_prompt_len + rollout.max_response_len",

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from april_jax.sampler.episode_state import Episode
+from april_jax.settings.rollout import RolloutSettings
 
 
 class PromptError(ValueError):
@@ -105,9 +106,9 @@ class SampleRecord:
   prompt: np.ndarray  # int32 [P]
   max_new_tokens: int  # the response budget, shared by all segments
   rng: np.ndarray  # uint32 [2], the sample's own key
-  temperature: float = 1.0  # 0 = greedy
-  top_k: int = 0  # 0 = off
-  top_p: float = 1.0  # 1 = off
+  temperature: float = RolloutSettings.temperature  # 0 = greedy
+  top_k: int = RolloutSettings.top_k  # 0 = off
+  top_p: float = RolloutSettings.top_p  # 1 = off
   response: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))
   logprobs: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.float32))
   versions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int32))

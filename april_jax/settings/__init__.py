@@ -1,2 +1,4 @@
-"""The run config: every field with its default (`base.get_config`), its start-up checks
-(`validate`), its reference page (`reference`) and what a resume may change (`resume_check`)."""
+"""A run's settings: one typed, frozen dataclass per config section (`run.RunSettings` and
+the sections it holds), each field's default and comment written once; the ConfigDict
+config files and flags change (`base.get_config`), made from them and turned back into them
+at start-up; and the reference page written from them (`reference`)."""

@@ -33,6 +33,7 @@ import numpy as np
 from april_jax.data import PromptItem
 from april_jax.rewards.registry import register
 from april_jax.tokenizer import CharTokenizer
+from april_jax.settings.data import TaskSettings
 
 RING = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
 MAX_RING_SIZE = 1024
@@ -69,10 +70,10 @@ def longtail_lengths(
 @dataclasses.dataclass(frozen=True)
 class LongTailTask:
   max_answer_len: int = 64
-  median: float = 8.0
-  sigma: float = 0.9
+  median: float = TaskSettings.median
+  sigma: float = TaskSettings.sigma
   ring_size: int = len(RING)
-  hide_target: bool = False  # multi-turn: only the lookup tool tells the target
+  hide_target: bool = TaskSettings.hide_target  # multi-turn: only the lookup tool tells it
 
   def __post_init__(self):
     ring(self.ring_size)  # validates the size

@@ -56,7 +56,7 @@ def _builtin_task(c, tokenizer) -> Task:
       median=t.median,
       sigma=t.sigma,
       ring_size=t.ring_size,
-      hide_target=t.get("hide_target", False),
+      hide_target=t.hide_target,
   )
 
   def eval_items():

@@ -1,5 +1,5 @@
 """The rules of a LoRA run's config (train.lora, train.lora_path), each problem naming its
-field: settings/validate.py reports them with the rest."""
+field: validation/checks.py reports them with the rest."""
 
 from __future__ import annotations
 

@@ -6,16 +6,17 @@ Every problem found is reported at once, each naming its field:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Callable
 
-import ml_collections
-
 from april_jax import sharding
-from april_jax.settings import base
-from april_jax.settings import validate_lora
-from april_jax.settings import validate_split
+from april_jax.settings.convert import SettingsError
+from april_jax.settings.run import RunSettings
+from april_jax.settings.train import TrainSettings
+from april_jax.validation import lora as validate_lora
+from april_jax.validation import split as validate_split
 from april_jax.envs import base as env_base
 from april_jax.envs import python_tool
 from april_jax.errors import InputError
@@ -24,7 +25,6 @@ from april_jax.rewards import loading as reward_loading
 from april_jax.tasks import longtail as longtail_task
 from april_jax.rl import advantages, losses
 from april_jax.rl.policy_terms import COVARIANCE_TERMS
-from april_jax.rollout.settings import problems as settings_problems
 from april_jax.sampler import engine_config
 
 DTYPES = ("float32", "bfloat16")
@@ -40,15 +40,15 @@ def _checks_engine(c, err: Callable[[str], None]) -> None:
   fields = engine_config.run_config_fields(c)
   for problem in engine_config.problems(fields, engine_config.RUN_CONFIG_NAMES):
     err(problem)
-  for problem in settings_problems(dict(c.rollout), "rollout."):
+  for problem in c.rollout.problems("rollout."):
     err(problem)
 
 
 def _checks_rollout(c, err: Callable[[str], None]) -> None:
   r = c.rollout
   for name in ("batch_size", "n_samples_per_prompt", "max_response_len", "reward_workers"):
-    if int(r[name]) < 1:
-      err(f"rollout.{name} must be >= 1, got {r[name]}")
+    if int(getattr(r, name)) < 1:
+      err(f"rollout.{name} must be >= 1, got {getattr(r, name)}")
   _checks_engine(c, err)
   if r.max_dropped_groups < 0:
     err(f"rollout.max_dropped_groups must be >= 0, got {r.max_dropped_groups}")
@@ -103,8 +103,11 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
         "num_kv_heads",
         "head_dim",
     ):
-      if int(m.init[name]) < 1:
-        err(f"model.init.{name} must be >= 1 when model.path is empty, got {m.init[name]}")
+      if int(getattr(m.init, name)) < 1:
+        err(
+            f"model.init.{name} must be >= 1 when model.path is empty, got "
+            f"{getattr(m.init, name)}"
+        )
     if c.data.source != "longtail":
       err(
           f"data.source {c.data.source!r} needs a pretrained model and its tokenizer: set "
@@ -132,8 +135,8 @@ def _checks_mesh(c, err: Callable[[str], None]) -> None:
 
 def _checks_top(c, err: Callable[[str], None]) -> None:
   for name in ("num_steps", "checkpoint_every", "eval_every"):
-    if int(c[name]) < 0:
-      err(f"{name} must be >= 0, got {c[name]}")
+    if int(getattr(c, name)) < 0:
+      err(f"{name} must be >= 0, got {getattr(c, name)}")
   if not 0 <= int(c.seed) < 2**32:  # numpy's and JAX's seeds are unsigned 32-bit words
     err(f"seed must be in [0, 2**32), got {c.seed}")
   if c.data.max_prompt_len < 1:
@@ -195,8 +198,8 @@ def _checks_distributed(c, err: Callable[[str], None]) -> None:
         f"'0,1,2,3', got {d.local_device_ids!r}"
     )
   for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
-    if d[name] < 1:
-      err(f"distributed.{name} must be >= 1, got {d[name]}")
+    if getattr(d, name) < 1:
+      err(f"distributed.{name} must be >= 1, got {getattr(d, name)}")
 
 
 def _checks_train(c, err: Callable[[str], None]) -> None:
@@ -206,7 +209,7 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
     err(f"train.advantage {t.advantage!r} is not one of {known}")
   elif t.advantage in advantages.CRITIC_ADVANTAGES:
     _checks_critic(c, err)
-  elif critic_knobs := [k for k in CRITIC_KNOBS if t[k] != _DEFAULT_TRAIN[k]]:
+  elif critic_knobs := [k for k in CRITIC_KNOBS if _changed(t, k)]:
     err(
         f"train.{', train.'.join(critic_knobs)} set but train.advantage is {t.advantage!r}: "
         "a critic is trained only for advantage 'gae' (PPO with a critic); leave them at "
@@ -218,7 +221,7 @@ def _checks_train(c, err: Callable[[str], None]) -> None:
         f"rollout.n_samples_per_prompt must be >= 2, got {r.n_samples_per_prompt}"
     )
   if t.policy_loss not in COVARIANCE_TERMS and (
-      cov_knobs := [k for k in COVARIANCE_KNOBS if t[k] != _DEFAULT_TRAIN[k]]
+      cov_knobs := [k for k in COVARIANCE_KNOBS if _changed(t, k)]
   ):
     err(
         f"train.{', train.'.join(cov_knobs)} set but train.policy_loss is {t.policy_loss!r}: "
@@ -258,8 +261,8 @@ def _checks_batch_split(c, err: Callable[[str], None]) -> None:
   if t.lr_schedule not in ("constant", "cosine"):
     err(f"train.lr_schedule must be 'constant' or 'cosine', got {t.lr_schedule!r}")
   for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "logprob_chunk"):
-    if int(t[name]) < 1:
-      err(f"train.{name} must be >= 1, got {t[name]}")
+    if int(getattr(t, name)) < 1:
+      err(f"train.{name} must be >= 1, got {getattr(t, name)}")
   max_len = c.data.max_prompt_len + r.max_response_len
   if t.pack_len < 0:
     err(f"train.pack_len must be >= 0 (0 = max_len), got {t.pack_len}")
@@ -281,7 +284,11 @@ def _checks_batch_split(c, err: Callable[[str], None]) -> None:
 # The critic's settings: set away from their defaults they mean advantage 'gae'.
 COVARIANCE_KNOBS = ("cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_coef")
 CRITIC_KNOBS = ("critic_path", "critic_lr", "value_clip", "gae_gamma", "gae_lambda", "gae_whiten")
-_DEFAULT_TRAIN = base.get_config().train
+_DEFAULT_TRAIN = TrainSettings()
+
+
+def _changed(train: TrainSettings, name: str) -> bool:
+  return getattr(train, name) != getattr(_DEFAULT_TRAIN, name)
 
 
 def _checks_critic(c, err: Callable[[str], None]) -> None:
@@ -307,20 +314,21 @@ def _checks_critic(c, err: Callable[[str], None]) -> None:
 def _checks_finite(c, err: Callable[[str], None], prefix: str = "") -> None:
   """Every number in the config is finite: a NaN passes every range check (all its
   comparisons are false) and an infinity passes most, then poisons sampling or the loss."""
-  for key, value in c.items():
-    if isinstance(value, ml_collections.ConfigDict):
+  for field in dataclasses.fields(c):
+    key, value = field.name, getattr(c, field.name)
+    if dataclasses.is_dataclass(value):
       _checks_finite(value, err, f"{prefix}{key}.")
     elif isinstance(value, float) and not math.isfinite(value):
       err(f"{prefix}{key} must be a finite number, got {value}")
 
 
 def _checks_env(c, err: Callable[[str], None]) -> None:
-  e = c.get("env")
-  if e is None or not e.name:
+  e = c.env
+  if not e.name:
     return
   for name in ("max_turns", "max_observation_tokens", "workers"):
-    if e[name] < 1:
-      err(f"env.{name} must be >= 1, got {e[name]}")
+    if getattr(e, name) < 1:
+      err(f"env.{name} must be >= 1, got {getattr(e, name)}")
   if e.timeout_s <= 0:
     err(f"env.timeout_s must be > 0, got {e.timeout_s}")
   if e.observation_format not in ("text", "chat_template"):
@@ -366,6 +374,7 @@ def validate_for_devices(config, num_devices: int, model_cfg=None) -> None:
   """The checks that need the device count: the mesh (both of a split run's, against
   the model's heads where `model_cfg` is given), and microbatches that split evenly over
   the devices holding the batch (else each would hold every row)."""
+  config = settings_of(config)
   problems = validate_split.device_problems(config, num_devices, model_cfg)
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -393,14 +402,25 @@ def validate_for_devices(config, num_devices: int, model_cfg=None) -> None:
 PLAN_CHECKS: list[Callable] = [_checks_finite, _checks_mesh, _checks_rollout, _checks_train]
 
 
-def validate(config, checks=None) -> None:
-  """Raises ConfigError listing every problem; returns None for a config that can run.
+def settings_of(config) -> RunSettings:
+  """A config (its ConfigDict, or RunSettings) as RunSettings; ConfigError for a field
+  the settings do not have or a value of the wrong type."""
+  try:
+    return RunSettings.from_config(config)
+  except SettingsError as e:
+    raise ConfigError(f"invalid config:\n  {e}") from None
+
+
+def validate(config, checks=None) -> RunSettings:
+  """The config's settings; ConfigError listing every problem for one that cannot run.
   `checks`: a subset (PLAN_CHECKS), by default every check."""
+  settings = settings_of(config)
   problems: list[str] = []
   for check in CHECKS if checks is None else checks:
     try:
-      check(config, problems.append)
+      check(settings, problems.append)
     except (KeyError, AttributeError, TypeError) as e:
       problems.append(f"malformed config: {e}")
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+  return settings

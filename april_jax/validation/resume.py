@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from april_jax.settings import base
+from april_jax.settings.run import RunSettings
 from april_jax.errors import InputError
 
 RESUMABLE = (
@@ -44,9 +44,11 @@ RESUMABLE = (
 )
 
 
-def as_json(config) -> dict[str, Any]:
-  """The config as the JSON a checkpoint keeps (tuples become lists)."""
-  return json.loads(config.to_json_best_effort(sort_keys=True))
+def as_json(settings) -> dict[str, Any]:
+  """The settings (or a config's ConfigDict) as the JSON a checkpoint keeps (tuples
+  become lists)."""
+  settings = RunSettings.from_config(settings)
+  return json.loads(json.dumps(dataclasses.asdict(settings), sort_keys=True))
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -62,7 +64,7 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 def differences(saved: dict[str, Any], config) -> list[str]:
   """`field: saved -> now` for every field that differs and may not change on resume."""
   before, now = _flat(saved), _flat(as_json(config))
-  defaults = _flat(as_json(base.get_config()))
+  defaults = _flat(as_json(RunSettings()))
   changed = []
   for key in sorted(set(before) | set(now)):
     if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE):
