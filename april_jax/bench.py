@@ -67,7 +67,7 @@ from april_jax.benchmarks import (
 from april_jax.benchmarks.length_dists import SHAPES
 from april_jax.benchmarks.report import Report
 from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
-from april_jax.settings.run import RunSettings
+from april_jax.validation.checks import ConfigError, settings_of
 
 _MODE = flags.DEFINE_enum(
     "mode",
@@ -263,7 +263,10 @@ def main(argv):
   else:
     if _CONFIG.value is None:
       raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
-    config = RunSettings.from_config(_CONFIG.value)
+    try:
+      config = settings_of(_CONFIG.value)
+    except ConfigError as e:  # a field the settings do not have, a value of the wrong type
+      raise app.UsageError(str(e)) from None
     if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout", "speculative"):
       config = config.overridden({"rollout.max_response_len": _RESPONSE_LEN.value})
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)

@@ -39,8 +39,8 @@ def flags_parser(program: str, module: str) -> Callable[[list[str]], list[str]]:
       die(f"--config: cannot load the config file: {reason}")
     except (KeyError, AttributeError) as e:  # --config.<field> names no field
       die(
-          f"a --config.* override names a field the config does not have: {e} (the fields "
-          "and their defaults: april_jax/settings/base.py)"
+          f"a --config.* override names a field the config does not have: {e} (every field "
+          "and its default: docs/config.md)"
       )
     except Exception as e:  # pylint: disable=broad-except  # e.g. an error inside the config file
       die(f"--config: the config file failed: {type(e).__name__}: {e}")

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from april_jax.run import lora_base
+from april_jax.settings.convert import SettingsError
 from april_jax.settings.run import RunSettings
 from april_jax.checkpoint import Checkpointer
 from april_jax.errors import InputError
@@ -233,7 +234,10 @@ def export(
     host = checkpointer.read_host(step)
     if host.get("config") is None:
       raise InputError(f"checkpoint {step} in {workdir} has no saved config to export with")
-    config = RunSettings.from_saved(host["config"])
+    try:
+      config = RunSettings.from_saved(host["config"])
+    except SettingsError as e:  # a saved value this version's settings cannot hold
+      raise InputError(f"checkpoint {step} in {workdir}: its saved config: {e}") from None
     _tidy_interrupted(os.path.realpath(out))
     target = _check_out(out, workdir, config, overwrite)
     # The model as trained, from the checkpoint; from model.path's folder for checkpoints

@@ -404,3 +404,19 @@ def test_speculative_bench_draws_the_same_tokens_and_maps_acceptance_to_tokens_p
   assert right["acceptance"] == 1.0 and right["tokens_per_pass"] > 2.5
   assert wrong["acceptance"] == 0.0 and wrong["tokens_per_pass"] == 1.0
   assert right["mismatches"] == wrong["mismatches"] == 0
+
+
+def test_a_config_with_a_field_the_settings_do_not_have_is_refused_by_name(tmp_path):
+  path = tmp_path / "extra_field.py"
+  path.write_text(
+      "from april_jax.settings import base\n"
+      "def get_config():\n"
+      "  c = base.get_config()\n"
+      "  with c.unlocked():\n"
+      "    c.train.lora_rank = 8\n"
+      "  return c\n"
+  )
+  proc = cli.run("--mode=step", f"--config={path}", module="april_jax.bench", timeout=300)
+  assert proc.returncode != 0
+  assert "train.lora_rank: no such config field" in proc.stderr
+  assert "Traceback" not in proc.stderr

@@ -213,6 +213,22 @@ def test_a_failed_export_leaves_out_as_it_was(run, tmp_path, monkeypatch):
   assert os.path.isfile(tmp_path / "a_file")
 
 
+def test_a_saved_config_this_version_cannot_hold_is_refused_naming_the_field(tmp_path):
+  """A field an older version saved and this one dropped is left out; a value of the wrong
+  type is an InputError naming it, and nothing is written."""
+  saved = resume_check.as_json(base.get_config())
+  saved["train"]["an_old_field"] = 1
+  saved["train"]["lr"] = "fast"
+  checkpointer = Checkpointer(str(tmp_path / "workdir"))
+  host = {"step": 1, "config": saved, "model": hf_io.architecture(CFG)}
+  params = {"params": qwen3.init_params(CFG, jax.random.key(7))}
+  checkpointer.save(1, params, {"ids": np.arange(3)}, host)
+  checkpointer.close()
+  with pytest.raises(InputError, match=r"checkpoint 1 .*train\.lr must be a float, got 'fast'"):
+    export_lib.export(str(tmp_path / "workdir"), str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+
+
 def test_a_run_whose_model_folder_moved_exports_from_the_checkpoint_alone(tmp_path, capsys):
   """The checkpoint keeps the model's architecture: export needs no model folder."""
   config = base.get_config()

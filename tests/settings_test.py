@@ -120,6 +120,26 @@ def test_an_unknown_field_or_a_value_of_the_wrong_type_is_named():
   assert RunSettings.from_config({"train": {"lr": 1}}).train.lr == 1.0  # an int is a float
 
 
+def test_every_field_at_fault_is_named_not_the_first_alone():
+  with pytest.raises(SettingsError) as e:
+    RunSettings.from_config({"train": {"lr": "fast", "lora": 3}, "rollout": {"batch_size": 1.5}})
+  message = str(e.value)
+  assert "\n" not in message
+  for name in ("train.lr must be a float", "train.lora is a section", "rollout.batch_size"):
+    assert name in message, message
+
+
+def test_a_section_changed_whole_is_checked_as_its_fields_are():
+  s = RunSettings()
+  t = s.overridden({"train.lora": {"rank": 8}})
+  assert t.train.lora == dataclasses.replace(s.train.lora, rank=8)
+  assert s.overridden({"train.lora": t.train.lora}).train.lora.rank == 8
+  with pytest.raises(SettingsError, match=r"train\.lora\.rank must be an int"):
+    s.overridden({"train.lora": {"rank": "eight"}})
+  with pytest.raises(SettingsError, match=r"train\.lora is a section"):
+    s.overridden({"train.lora": 8})
+
+
 def test_an_unset_optional_field_stays_optional_in_the_config_dict():
   config = base.get_config()
   assert config.train.eps_clip is None

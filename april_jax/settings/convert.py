@@ -53,6 +53,9 @@ def _tupled(value):
   return value
 
 
+_KINDS = {int: "an int", float: "a float", bool: "a bool", str: "a string"}
+
+
 def _coerced(value, hint, path: str):
   inner = _optional_of(hint)
   if value is None:
@@ -66,8 +69,8 @@ def _coerced(value, hint, path: str):
     return _tupled(value)
   if target is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
-  if target in (int, float, bool, str) and not isinstance(value, target):
-    raise SettingsError(f"{path} must be a {target.__name__}, got {value!r}")
+  if target in _KINDS and not isinstance(value, target):
+    raise SettingsError(f"{path} must be {_KINDS[target]}, got {value!r}")
   if target is int and isinstance(value, bool):
     raise SettingsError(f"{path} must be an int, got {value!r}")
   return value
@@ -84,16 +87,28 @@ def from_mapping(cls, mapping, prefix: str = "", known_only: bool = False):
   if unknown:
     names = ", ".join(prefix + k for k in unknown)
     raise SettingsError(f"{names}: no such config field")
-  hints, values = _hints(cls), {}
+  hints, values, problems = _hints(cls), {}, []
   for name in fields:
     if name not in keys:
       continue
-    value, hint = mapping[name], hints[name]
-    if dataclasses.is_dataclass(hint):
-      values[name] = from_mapping(hint, value, f"{prefix}{name}.", known_only)
-    else:
-      values[name] = _coerced(value, hint, prefix + name)
+    try:
+      values[name] = _field_value(mapping[name], hints[name], f"{prefix}{name}", known_only)
+    except SettingsError as e:  # every field at fault named, not the first alone
+      problems.append(str(e))
+  if problems:
+    raise SettingsError("; ".join(problems))
   return cls(**values)
+
+
+def _field_value(value, hint, path: str, known_only: bool = False):
+  """A field's value checked against its type; a section from its mapping (or as it is)."""
+  if not dataclasses.is_dataclass(hint):
+    return _coerced(value, hint, path)
+  if isinstance(value, hint):
+    return value
+  if not hasattr(value, "keys"):
+    raise SettingsError(f"{path} is a section: give its fields, got {value!r}")
+  return from_mapping(hint, value, f"{path}.", known_only)
 
 
 def overridden(settings, changes: dict[str, Any], prefix: str = ""):
@@ -108,7 +123,7 @@ def overridden(settings, changes: dict[str, Any], prefix: str = ""):
     if rest:
       inner.setdefault(head, {})[rest] = value
     else:
-      own[head] = _coerced(value, hints[head], prefix + head)
+      own[head] = _field_value(value, hints[head], prefix + head)
   for head, sub in inner.items():
     section = getattr(settings, head)
     if not dataclasses.is_dataclass(section):
