@@ -20,6 +20,8 @@ stdout line, one JSON object with every number.
              reach math-verify
   python_tool  the Python tool's calls per second, in the kernel's sandbox vs under the
              audit hook alone
+  moe_layer  the mixture-of-experts layer (each grouping) vs a dense feed-forward of the
+             same active width at equal tokens: timed small, compiled at 30B-A3B's widths
   async      rollout and learner on their own devices, overlapped, vs colocated: time
              per trained batch, busy fractions, publish vs its floor, token lag; and the
              split a node would gain, projected from these devices' phase times
@@ -30,6 +32,7 @@ stdout line, one JSON object with every number.
   python -m april_jax.bench --mode=multiturn
   python -m april_jax.bench --mode=rewards [--corpus=tests/data/dapo_corpus.jsonl]
   python -m april_jax.bench --mode=python_tool [--repeats=3]
+  python -m april_jax.bench --mode=moe_layer
   python -m april_jax.bench --mode=speculative --config=configs/tiny.py [--spec_tokens=4]
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       python -m april_jax.bench --mode=async --config=configs/tiny.py --steps=12
@@ -54,6 +57,7 @@ from april_jax.benchmarks import (
     e2e_bench,
     layout_bench,
     lora_decode,
+    moe_layer,
     multiturn_bench,
     resume_bench,
     reward_bench,
@@ -86,6 +90,7 @@ _MODE = flags.DEFINE_enum(
         "rewards",
         "python_tool",
         "speculative",
+        "moe_layer",
     ],
     "What to measure.",
 )
@@ -256,6 +261,8 @@ def main(argv):
     result = reward_bench.run(_CORPUS.value, repeats=_REPEATS.value)
   elif _MODE.value == "python_tool":
     result = tool_bench.run(repeats=_REPEATS.value)
+  elif _MODE.value == "moe_layer":
+    result = moe_layer.run(repeats=_REPEATS.value)
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

@@ -9,6 +9,8 @@ line on its stdin, writing the request's arrays to an .npz file it names:
   logits(model_dir, tokens, adapter_dir=None, disable_adapter=False) -> float32 [B, T, V]
   generate(model_dir, prompts, max_new_tokens, eos) -> one list of new tokens per prompt
   save_random(path, **kwargs)                        (conftest.save_random_hf_qwen3)
+  moe_block(x, router, gate, up, down, top_k, norm)  -> (Qwen3-MoE's sparse block on x
+                                                        [T, D], its load-balancing loss)
   encode(tokenizer_dir, texts)                       -> one list of ids per text
   chat(tokenizer_dir, cases)                         -> (text, ids) per (messages,
                                                         add_generation_prompt,
@@ -134,6 +136,15 @@ def chat(tokenizer_dir, cases: list) -> list[tuple[str, list[int]]]:
   return [(text, ids) for text, ids in json.loads(str(out["json"]))]
 
 
+def moe_block(x, router, gate, up, down, top_k: int, norm: bool):
+  """transformers' Qwen3MoeSparseMoeBlock and load_balancing_loss_func on tokens x [T, D],
+  with the router [D, E] and the experts' gate and up [E, D, F] and down [E, F, D]."""
+  arrays = dict(x=x, router=router, gate=gate, up=up, down=down)
+  request = {k: np.asarray(v, np.float32).tolist() for k, v in arrays.items()}
+  out = _run(dict(op="moe_block", top_k=int(top_k), norm=bool(norm), **request))
+  return out["out"], float(out["aux"])
+
+
 def save_random(path, **kwargs) -> Path:
   _run(dict(op="save_random", path=str(path), kwargs=kwargs))
   return Path(path)
@@ -201,6 +212,33 @@ def _save_random(r: dict) -> dict:
   return {}
 
 
+def _moe_block(r: dict) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers import Qwen3MoeConfig  # pylint: disable=g-import-not-at-top
+  from transformers.models.qwen3_moe import modeling_qwen3_moe as hf  # pylint: disable=g-import-not-at-top
+
+  a = {k: np.asarray(r[k], np.float32) for k in ("x", "router", "gate", "up", "down")}
+  (num_experts, hidden, width), top_k = a["gate"].shape, r["top_k"]
+  config = Qwen3MoeConfig(
+      hidden_size=hidden,
+      moe_intermediate_size=width,
+      num_experts=num_experts,
+      num_experts_per_tok=top_k,
+      norm_topk_prob=r["norm"],
+  )
+  block = hf.Qwen3MoeSparseMoeBlock(config).float()
+  gate_up = np.concatenate([np.swapaxes(a["gate"], 1, 2), np.swapaxes(a["up"], 1, 2)], axis=1)
+  with torch.no_grad():
+    block.gate.weight.copy_(torch.tensor(a["router"].T))
+    block.experts.gate_up_proj.copy_(torch.tensor(gate_up))
+    block.experts.down_proj.copy_(torch.tensor(np.swapaxes(a["down"], 1, 2)))
+    x = torch.tensor(a["x"])
+    out = block(x[None])[0].numpy()
+    logits = torch.nn.functional.linear(x, block.gate.weight)
+    aux = hf.load_balancing_loss_func((logits,), num_experts=num_experts, top_k=top_k)
+  return {"out": out, "aux": np.float32(aux)}
+
+
 def _tokenizer(r: dict):
   import transformers  # pylint: disable=g-import-not-at-top
 
@@ -232,7 +270,7 @@ def _serve() -> None:
   answers = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)
   ops = {"logits": _logits, "generate": _generate, "save_random": _save_random}
-  ops.update(encode=_encode, chat=_chat)
+  ops.update(encode=_encode, chat=_chat, moe_block=_moe_block)
   for line in sys.stdin:
     asked = json.loads(line)
     try:
