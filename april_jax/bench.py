@@ -246,6 +246,16 @@ def _sampler(report) -> dict:
   )
 
 
+def _settings():
+  """--config's settings, for the modes that take one; a usage error naming what is wrong."""
+  if _CONFIG.value is None:
+    raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
+  try:
+    return settings_of(_CONFIG.value)
+  except ConfigError as e:  # a field the settings do not have, a value of the wrong type
+    raise app.UsageError(str(e)) from None
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -268,12 +278,7 @@ def main(argv):
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report
     )
   else:
-    if _CONFIG.value is None:
-      raise app.UsageError(f"--mode={_MODE.value} needs --config (e.g. configs/tiny.py)")
-    try:
-      config = settings_of(_CONFIG.value)
-    except ConfigError as e:  # a field the settings do not have, a value of the wrong type
-      raise app.UsageError(str(e)) from None
+    config = _settings()
     if _RESPONSE_LEN.value and _MODE.value not in ("e2e", "roofline", "layout", "speculative"):
       config = config.overridden({"rollout.max_response_len": _RESPONSE_LEN.value})
     common_args = dict(shape=_DIST.value, steps=_STEPS.value, seed=_SEED.value, report=report)
