@@ -135,8 +135,16 @@ _RESPONSE_LEN = flags.DEFINE_integer(
 )
 _MODELS = flags.DEFINE_list("models", ["tiny", "small"], "sampler: model sizes to run.")
 _HF = flags.DEFINE_bool("hf", True, "sampler: also time transformers' generate (CPU torch).")
+_MOE_TOKENS = flags.DEFINE_integer("moe_tokens", 1024, "moe_layer: tokens through the layer.")
+_MOE_WIDTHS = flags.DEFINE_enum(
+    "moe_widths", "scaled", ["scaled", "real"],
+    "moe_layer: time at a quarter of Qwen3-30B-A3B's widths (a CPU) or at its own (a GPU).",
+)  # fmt: skip
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "sampler, speculative (controlled part): params."
+    "dtype",
+    "float32",
+    ["float32", "bfloat16"],
+    "sampler, speculative (controlled part), moe_layer: params.",
 )
 _HBM = flags.DEFINE_float(
     "hbm_gbps",
@@ -272,7 +280,9 @@ def main(argv):
   elif _MODE.value == "python_tool":
     result = tool_bench.run(repeats=_REPEATS.value)
   elif _MODE.value == "moe_layer":
-    result = moe_layer.run(repeats=_REPEATS.value)
+    result = moe_layer.run(
+        _MOE_TOKENS.value, repeats=_REPEATS.value, timed_at=_MOE_WIDTHS.value, dtype=_DTYPE.value
+    )
   elif _MODE.value == "lora_decode":
     result = lora_decode.run(
         _LORA_SHAPE.value, _LORA_ROWS.value, repeats=_REPEATS.value, report=report

@@ -242,7 +242,9 @@ def export(
     target = _check_out(out, workdir, config, overwrite)
     # The model as trained, from the checkpoint; from model.path's folder for checkpoints
     # saved before they held it (that folder must then still be there).
-    cfg = qwen3.Qwen3Config(**host["model"]) if host.get("model") else hf_io.model_config(config)
+    cfg = (
+        hf_io.from_architecture(host["model"]) if host.get("model") else hf_io.model_config(config)
+    )
     spec = _lora_spec(host, format)
     if spec is None:
       shapes = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), jnp.float32))

@@ -48,6 +48,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("experts", None),
     ("layers", None),
     ("head_dim", None),
     ("norm", None),
@@ -63,6 +64,7 @@ DECODE_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", ("fsdp", "tensor")),
     ("kv_heads", ("fsdp", "tensor")),
     ("mlp", ("fsdp", "tensor")),
+    ("experts", None),
     ("embed", None),
     ("layers", None),
     ("head_dim", None),
@@ -176,6 +178,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   mesh, rules = active
   spec = logical_to_spec(logical_axes, x.shape, mesh, rules)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def active_shards(logical: str) -> int:
+  """How many ways the active rules split a logical axis (1 outside activation_rules)."""
+  active = getattr(_active, "value", None)
+  return 1 if active is None else shards(logical, *active)
 
 
 def traced_under(fn, mesh: Mesh | None, rules=DEFAULT_RULES):

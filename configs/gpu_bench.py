@@ -4,8 +4,9 @@
   python -m april_jax.bench --mode=step --config=configs/gpu_bench.py:qwen3_1_7b
   bash launch/bench_gpu.sh                      # every mode, each part at most 5 minutes
 
-Variants: qwen3_0_6b (default), qwen3_1_7b, qwen3_4b, and qwen3_8b_lora (LoRA over the
-frozen 8B shape, for the step mode on one 80 GB GPU). Only the model shape, the rollout
+Variants: qwen3_0_6b (default), qwen3_1_7b, qwen3_4b, qwen3_8b_lora (LoRA over the
+frozen 8B shape, for the step mode on one 80 GB GPU), and qwen3_30b_a3b_4l (Qwen3-30B-A3B's
+widths and experts with 4 of its 48 layers: a mixture of experts on one GPU). Only the model shape, the rollout
 shape, the precision and (LoRA) the adapters are set; the scheduler, resume and step
 modes draw their own prompts and lengths.
 """
@@ -15,6 +16,7 @@ from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 
 SHAPES = {name: QWEN3_SHAPES[name] for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b")}
 SHAPES["qwen3_8b_lora"] = QWEN3_SHAPES["qwen3_8b"]
+SHAPES["qwen3_30b_a3b_4l"] = dict(QWEN3_SHAPES["qwen3_30b_a3b"], num_layers=4)
 
 
 def get_config(arg=None):

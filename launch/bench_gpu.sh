@@ -31,6 +31,11 @@
 #               long-tailed tiny task by default, ASYNC_STEPS steps): on a node both sides
 #               on its GPUs; on one GPU the colocated side alone; either way the split a
 #               node of ASYNC_NODE GPUs would gain, projected from the phase times measured
+#   moe         the mixture-of-experts layer at Qwen3-30B-A3B's widths in bfloat16 (each
+#               grouping against a dense feed-forward of the same active width, MOE_TOKENS
+#               tokens), decode at its widths with 2 layers (bytes a step reads, of the
+#               experts its tokens touch, over the copy bandwidth), and whole RL steps at
+#               its shape with 4 layers (configs/gpu_bench.py:qwen3_30b_a3b_4l)
 #   speculative speculative decoding vs plain decoding, the same keys (0 token mismatches
 #               expected in float32): on the tiny task (SPEC_CONFIG), then at the Qwen3-1.7B
 #               shape in bfloat16 with drafts from the true continuation wrong at a set rate,
@@ -77,7 +82,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen3_0_6b}
 OUT=${OUT:-bench_out/gpu_${MODEL}}
 REPORTS=${REPORTS:-$OUT}
-PARTS=${PARTS:-step speculative step_lora scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
+PARTS=${PARTS:-step moe speculative step_lora scheduler roofline tail_kernel sampler_kernel tail sampler resume sampler_4b}
 mkdir -p "$OUT" "$REPORTS"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
@@ -134,6 +139,13 @@ for part in $PARTS; do
     # Overlapped rollout and learner (several GPUs), and the projection to a node.
     async) run async --mode=async --config="${ASYNC_CONFIG:-configs/tiny_tail.py}" \
         --steps="${ASYNC_STEPS:-12}" --node_devices="${ASYNC_NODE:-8}" ;;
+    moe) run moe --mode=moe_layer --moe_widths=real --dtype=bfloat16 \
+        --moe_tokens="${MOE_TOKENS:-16384}" --repeats=3
+      run moe_sampler --mode=sampler --models=qwen3_30b_a3b_2l --hf=false --dtype=bfloat16 \
+        --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model=
+      # shellcheck disable=SC2086
+      run moe_step --mode=step --config=configs/gpu_bench.py:qwen3_30b_a3b_4l --dist=dapo_math \
+        --steps="$STEP_STEPS" --max_response_len="$STEP_MAX_RESPONSE_LEN" ${MOE_STEP_FLAGS:-} ;;
     speculative) run speculative --mode=speculative --config="${SPEC_CONFIG:-configs/tiny.py}" \
         --spec_model="${SPEC_MODEL:-qwen3_1_7b}" --spec_live="${SPEC_LIVE:-1,8,32}" \
         --spec_tokens="${SPEC_TOKENS:-4}" --dtype=bfloat16 \
@@ -143,7 +155,7 @@ for part in $PARTS; do
     resume) run resume --mode=resume --config="$CONFIG" --dist=deepmath --steps=3 \
         --max_response_len=$((MAX_RESPONSE_LEN / 2)) ;;
     *) echo "bench_gpu.sh: unknown part '$part' in PARTS (step step_lora roofline sampler" \
-         "sampler_kernel tail tail_kernel scheduler resume sampler_4b async speculative)" >&2
+         "sampler_kernel tail tail_kernel scheduler resume sampler_4b async speculative moe)" >&2
        exit 2 ;;
   esac
 done
@@ -159,9 +171,12 @@ def load(name):
     print(f"{name}: did not finish (see its log)")
     return None
 r = {name: res for name in parts.split() if (res := load(name)) is not None}
+if "moe" in parts.split():  # the moe part's decode and step runs have logs of their own
+  r.update({n: res for n in ("moe_sampler", "moe_step") if (res := load(n)) is not None})
 kinds = [v["machine"]["device_kind"] for v in r.values() if "machine" in v]
 print(f"\non {kinds[0] if kinds else r.get('roofline', {}).get('backend', '?')}")
-for part, step_cfg in (("step", step_config), ("step_lora", step_lora_config)):
+for part, step_cfg in (("step", step_config), ("step_lora", step_lora_config),
+                       ("moe_step", "configs/gpu_bench.py:qwen3_30b_a3b_4l")):
   if part not in r:
     continue
   st = r[part]
@@ -215,9 +230,15 @@ if "roofline" in r:
           f"{roof['chunk_gather_time_ratio']:.2f}x and {roof['chunk_reduced_time_ratio']:.2f}x "
           f"the side-by-side time; gathered, {roof['chunk_gathered_copy_frac']:.0%} of the copy "
           f"bandwidth")
+if "moe" in r:
+  m = r["moe"]
+  print(f"mixture-of-experts layer at Qwen3-30B-A3B's widths, {m['tokens']} tokens "
+        f"({m['dtype']}): " + ", ".join(
+            f"experts ({impl}) {m[impl + '_ms']:.2f} ms = {m[impl + '_over_dense']:.2f}x"
+            for impl in ("blocks", "ragged")) + f" a dense layer's {m['dense_ms']:.2f} ms")
 for part, models in (
     ("sampler", sampler_models), ("sampler_kernel", ["qwen3_0_6b"]), ("sampler_4b", ["qwen3_4b"]),
-    ("tail", []), ("tail_kernel", [])):
+    ("moe_sampler", ["qwen3_30b_a3b_2l"]), ("tail", []), ("tail_kernel", [])):
   if part not in r:
     continue
   s = r[part]

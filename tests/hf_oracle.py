@@ -155,7 +155,8 @@ def _model(model_dir: str, adapter_dir: str | None):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  model = model.eval()
   if adapter_dir:
     import peft  # pylint: disable=g-import-not-at-top
 
@@ -191,15 +192,20 @@ def _generate(r: dict) -> dict:
 
 
 def _save_random(r: dict) -> dict:
-  """A random Qwen3ForCausalLM saved by transformers, weights at realistic magnitudes
-  (conftest.save_random_hf_qwen3 gives the arguments)."""
+  """A random Qwen3ForCausalLM (Qwen3MoeForCausalLM given num_experts) saved by
+  transformers, weights at realistic magnitudes (conftest.save_random_hf_qwen3 gives the
+  arguments)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
   kwargs = dict(r["kwargs"])
   seed = kwargs.pop("seed")
   torch.manual_seed(seed)
-  model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).to(torch.float32)
+  if "num_experts" in kwargs:
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kwargs))
+  else:
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
+  model = model.to(torch.float32)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if p.ndim == 1:
@@ -207,7 +213,7 @@ def _save_random(r: dict) -> dict:
       elif "embed_tokens" in name:
         p.normal_(0.0, 1.0)
       else:
-        p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+        p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)  # [out, in] and experts' [E, out, in]
   model.save_pretrained(r["path"], safe_serialization=True)
   return {}
 

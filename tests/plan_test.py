@@ -92,7 +92,7 @@ def test_the_critics_programs_compile_within_15_percent_of_the_plan():
   cfg = hf_io.model_config(config)
   mesh = sharding.make_mesh(tuple(config.mesh.shape), jax.devices()[:8])
   arrays = {}
-  mb = compile_check._longest_microbatch(config, mesh, with_ref=False)
+  mb = compile_check._longest_microbatch(config, cfg, mesh, with_ref=False)
   programs = compile_check._critic_programs(config, cfg, mesh, mb, arrays)
   arithmetic = memory.make_plan(config, cfg, 8, 80e9, native_16bit=False)
   for name, item in (("critic params (float32)", 1), ("critic optimizer state (float32)", 2)):

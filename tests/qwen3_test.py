@@ -51,7 +51,10 @@ def test_prefill_then_16_decode_steps_match_full_forward(hf_model_dir, block):
 
   pad = cache_len - kv.k.shape[2]
   cache = qwen3.KVCache(
-      *(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 1, 3, 2, 4) for a in kv)
+      *(
+          jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 1, 3, 2, 4)
+          for a in (kv.k, kv.v)
+      )
   )  # slot layout [L,B,K,S,H]
   step = jax.jit(qwen3.decode_step, static_argnums=(0, 6))
   positions = lengths.copy()

@@ -361,14 +361,21 @@ def test_no_compilation_after_warm_up(sampler_params, compiles):
   assert len(compiles) == before, compiles[before:]
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
-def test_warm_up_compiles_everything_a_run_needs(sampler_params, mesh_shape, compiles):
+@pytest.mark.parametrize("mesh_shape,experts", [(None, 0), ((2, 2, 2), 0), (None, 4)])
+def test_warm_up_compiles_everything_a_run_needs(sampler_params, mesh_shape, experts, compiles):
+  """...for a dense model, on a mesh, and for a mixture of experts (its routes read back)."""
   mesh = mesh_or_skip(mesh_shape)
+  cfg = CFG
+  if experts:
+    cfg = dataclasses.replace(
+        CFG, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    sampler_params = qwen3.init_params(cfg, jax.random.key(0), std=0.35)
   if mesh is not None:
-    sampler_params = jax.device_put(sampler_params, qwen3.param_shardings(CFG, mesh))
+    sampler_params = jax.device_put(sampler_params, qwen3.param_shardings(cfg, mesh))
   # A slot shape no other test uses, so nothing is cached before warm_up.
   engine = SlotEngine(
-      CFG, sampler_params, EngineConfig(num_slots=5, max_len=80, sync_every=5), mesh=mesh
+      cfg, sampler_params, EngineConfig(num_slots=5, max_len=80, sync_every=5), mesh=mesh
   )
   assert engine.warm_up() == len(buckets.all_buckets(16, 80))
   before, sizes = len(compiles), engine.fns.cache_sizes()

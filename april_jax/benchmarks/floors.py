@@ -11,7 +11,8 @@ Ceilings (measured in the run that uses them):
 Work:
   FLOPs of a forward pass over sequences of lengths n:
     2 x body params x tokens            the matmuls of every layer (body params: all
-                                        but the embedding and the logits head; the norms,
+                                        but the embedding and the logits head, of a
+                                        mixture of experts a token's own k; the norms,
                                         a rounding error, are counted in)
     + 2 x layers x heads x head_dim x n(n+1) for each sequence
                                         causal attention, QK^T and PV: query i reads i+1
@@ -22,6 +23,8 @@ Work:
   each PPO epoch's gradients are 3 forwards (forward + backward), plus one more forward of
   the body and attention when layers are rematerialised; 2 with LoRA's frozen base.
   KV bytes a position holds: 2 (keys and values) x layers x KV heads x head_dim x bytes.
+  A decode step reads the weights once (of a mixture of experts, the experts its tokens
+  touch: decode_params_read) and each live sequence's KV.
 """
 
 from __future__ import annotations
@@ -91,9 +94,22 @@ def measure_ceilings(directory: str, dtype: str) -> dict[str, float]:
 
 
 def body_params(cfg: qwen3.Qwen3Config) -> int:
-  """Params every token's matmuls use: all but the embedding and the logits head."""
+  """Params every token's matmuls use: all but the embedding and the logits head (of a
+  mixture-of-experts model's experts, a token's own k)."""
   vocab_d = cfg.vocab_size * cfg.hidden_size
-  return cfg.num_params() - vocab_d * (1 if cfg.tie_word_embeddings else 2)
+  return cfg.num_params(active=True) - vocab_d * (1 if cfg.tie_word_embeddings else 2)
+
+
+def decode_params_read(cfg: qwen3.Qwen3Config, batch: int) -> float:
+  """Params one decode step of `batch` tokens reads: all of a dense model's; of a
+  mixture-of-experts model's experts, those its tokens touch, E (1 - (1 - k/E)^batch) a
+  sparse layer in expectation when tokens route uniformly."""
+  if not cfg.num_experts:
+    return float(cfg.num_params())
+  E, k = cfg.num_experts, cfg.num_experts_per_tok
+  touched = E * (1.0 - (1.0 - k / E) ** batch)
+  one_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+  return cfg.num_params() - cfg.sparse_layers * (E - touched) * one_expert
 
 
 def head_flops(cfg: qwen3.Qwen3Config, tokens: float) -> float:

@@ -52,12 +52,12 @@ def _compiled(shape: dict, tokens: int, dtype) -> dict:
   return out
 
 
-def _timed(shape: dict, tokens: int, repeats: int) -> dict:
+def _timed(shape: dict, tokens: int, repeats: int, dtype="float32") -> dict:
   D, E, K, F = (shape[k] for k in "DEKF")
   ks = jax.random.split(jax.random.key(0), 8)
-  x = jax.random.normal(ks[0], (tokens, D), jnp.float32)
+  x = jax.random.normal(ks[0], (tokens, D), dtype)
   router = jax.random.normal(ks[1], (D, E), jnp.float32)
-  w = lambda k, *shape: jax.random.normal(k, shape, jnp.float32) / shape[-2] ** 0.5
+  w = lambda k, *shape: (jax.random.normal(k, shape, jnp.float32) / shape[-2] ** 0.5).astype(dtype)
   expert_args = (x, router, w(ks[2], E, D, F), w(ks[3], E, D, F), w(ks[4], E, F, D))
   dense_args = (x, w(ks[5], D, K * F), w(ks[6], D, K * F), w(ks[7], K * F, D))
   sides = [
@@ -74,12 +74,16 @@ def _timed(shape: dict, tokens: int, repeats: int) -> dict:
   return out
 
 
-def run(tokens: int = 1024, repeats: int = 5) -> dict:
-  timed = _timed(SCALED, tokens, repeats)
+def run(tokens: int = 1024, repeats: int = 5, timed_at: str = "scaled", dtype="float32") -> dict:
+  """The layer timed at `timed_at`'s widths ("scaled": a quarter of 30B-A3B's, for a CPU;
+  "real": 30B-A3B's, for a GPU) in `dtype`, and compiled at the real widths."""
+  shape = {"scaled": SCALED, "real": REAL}[timed_at]
+  timed = _timed(shape, tokens, repeats, dtype)
   compiled = _compiled(REAL, tokens, jnp.bfloat16)
   print(
       f"expert layer vs dense of the same active width, {tokens} tokens, timed at "
-      f"D={SCALED['D']} E={SCALED['E']} K={SCALED['K']} F={SCALED['F']} ({jax.devices()[0].platform}):"
+      f"D={shape['D']} E={shape['E']} K={shape['K']} F={shape['F']} in {dtype} "
+      f"({jax.devices()[0].platform}):"
   )
   for impl in moe.IMPLS:
     print(
@@ -92,6 +96,8 @@ def run(tokens: int = 1024, repeats: int = 5) -> dict:
   return {
       "mode": "moe_layer",
       "tokens": tokens,
+      "timed_at": timed_at,
+      "dtype": str(dtype),
       "scaled": SCALED,
       "real": REAL,
       **timed,

@@ -20,13 +20,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from april_jax import sampler
-from april_jax.benchmarks import attention_split, common, round_trip, static_sampler, tail_step
+from april_jax.benchmarks import attention_split, common, floors, round_trip, static_sampler, tail_step
 from april_jax.settings.qwen3_shapes import QWEN3_SHAPES
 from april_jax.models import hf_io, qwen3
 
 # Decode steps per host round trip of the bench's engines. The first engine call of a
 # run is not timed, so a run needs more new tokens than this for a steady-state step.
 SYNC_EVERY = 32
+
+_SMALL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    tie_word_embeddings=True,
+)
 
 BENCH_MODELS = {
     # The size of the CPU RL default: per-step framework overhead dominates.
@@ -41,22 +52,20 @@ BENCH_MODELS = {
         tie_word_embeddings=True,
     ),
     # 4M params (16 MB in float32): reading the weights bounds a decode step on a CPU.
-    "small": qwen3.Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=32,
-        tie_word_embeddings=True,
-    ),
+    "small": qwen3.Qwen3Config(**_SMALL),
     # Qwen3-0.6B's widths and vocabulary with 2 layers: the output head and the sampling
     # over 151,936 tokens weigh as in the real model, and it still runs on a CPU.
     "wide": qwen3.Qwen3Config(**dict(QWEN3_SHAPES["qwen3_0_6b"], num_layers=2)),
+    # "small" with each feed-forward 16 experts of width 192, 4 a token (its active
+    # width): a mixture of experts whose decode reads only the experts its tokens touch.
+    "small_moe": qwen3.Qwen3Config(
+        **_SMALL, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=192
+    ),
     # Real shapes, for accelerators (launch/bench_gpu.sh).
     "qwen3_0_6b": qwen3.Qwen3Config(**QWEN3_SHAPES["qwen3_0_6b"]),
     "qwen3_4b": qwen3.Qwen3Config(**QWEN3_SHAPES["qwen3_4b"]),
+    # Qwen3-30B-A3B's widths with 2 of its 48 layers: fits one GPU beside its KV.
+    "qwen3_30b_a3b_2l": qwen3.Qwen3Config(**dict(QWEN3_SHAPES["qwen3_30b_a3b"], num_layers=2)),
 }
 
 
@@ -68,10 +77,12 @@ def decode_bound_tokens_per_s(
     kv_bytes: int,
     hbm_gbps: float,
 ) -> float:
-  """Memory-bandwidth bound on decode: every step reads all params once and each live
-  sequence's KV (mean_len tokens); tokens/s = batch x bandwidth / bytes per step."""
+  """Memory-bandwidth bound on decode: every step reads the params once (of a mixture of
+  experts, those its tokens touch: floors.decode_params_read) and each live sequence's
+  KV (mean_len tokens); tokens/s = batch x bandwidth / bytes per step."""
   kv_read = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-  return batch * hbm_gbps * 1e9 / (cfg.num_params() * param_bytes + kv_read)
+  weights = floors.decode_params_read(cfg, batch) * param_bytes
+  return batch * hbm_gbps * 1e9 / (weights + kv_read)
 
 
 def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[np.ndarray]:
@@ -298,7 +309,7 @@ def _copy_bandwidth_numbers(
   nbytes, kv_nbytes = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
   mean_len = prompt_len + new_tokens / 2
   kv = 2 * cfg.num_layers * batch * mean_len * cfg.num_kv_heads * cfg.head_dim * kv_nbytes
-  step_bytes = cfg.num_params() * nbytes + kv
+  step_bytes = floors.decode_params_read(cfg, batch) * nbytes + kv
   return dict(
       step_bytes=step_bytes,
       copy_gbps=copy_gbps,

@@ -26,7 +26,7 @@ def greedy(cfg: qwen3.Qwen3Config, params, prompts_BxP: jax.Array, new_tokens: i
   cache = qwen3.KVCache(
       *(
           qwen3.kv_store(jnp.pad(x, pad).transpose(0, 1, 3, 2, 4), qwen3.kv_storage_dtype(x.dtype))
-          for x in kv
+          for x in (kv.k, kv.v)
       )
   )
   first = jnp.argmax(logits, axis=-1).astype(jnp.int32)

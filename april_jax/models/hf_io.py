@@ -5,7 +5,8 @@ or shards listed in `model.safetensors.index.json`), converts each to the layout
 `qwen3.py` and puts it straight into its sharding, so host memory peaks near one
 (layer-stacked) tensor rather than at a copy of the model. `save_pretrained` writes
 config.json and size-capped safetensors shards that transformers loads as
-`Qwen3ForCausalLM`. Weights are never read from pickles.
+`Qwen3ForCausalLM` (or `Qwen3MoeForCausalLM`: experts under their per-expert names, as
+the released checkpoints have them). Weights are never read from pickles.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from safetensors.numpy import save_file
 from april_jax import sharding
 from april_jax.runtime.distributed import to_host
 from april_jax.errors import InputError, InputFileMissing
+from april_jax.models import layer_runs
 from april_jax.models import qwen3
 
 CONFIG_NAME = "config.json"
@@ -49,17 +51,15 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
   if not isinstance(hf, dict):
     raise ValueError(f"{source}: a JSON object was expected, got {type(hf).__name__}")
   model_type = hf.get("model_type")
-  if model_type == "qwen3_moe" or "num_experts" in hf:
-    raise ValueError(
-        f"{source}: Qwen3-MoE (model_type {model_type!r}) is not supported; "
-        "april_jax runs dense Qwen3 models (model_type 'qwen3')"
-    )
-  if model_type != "qwen3":
+  if model_type not in ("qwen3", "qwen3_moe"):
     raise ValueError(
         f"{source}: unsupported model_type {model_type!r}; "
-        "april_jax runs dense Qwen3 models (model_type 'qwen3')"
+        "april_jax runs Qwen3 models (model_type 'qwen3' or 'qwen3_moe')"
     )
-  missing = [k for k in _REQUIRED_KEYS if k not in hf]
+  if "num_experts" not in hf and "num_local_experts" in hf:  # transformers 5's name for it
+    hf = {**hf, "num_experts": hf["num_local_experts"]}
+  required = _REQUIRED_KEYS + (_MOE_REQUIRED if model_type == "qwen3_moe" else ())
+  missing = [k for k in required if k not in hf]
   if missing:
     raise ValueError(f"{source}: missing required field(s) {missing}")
   if hf.get("hidden_act", "silu") != "silu":
@@ -76,7 +76,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
       raise ValueError(
           f"{source}: {name} type {rope_type!r} is not supported " "(only default RoPE)"
       )
-  for key in _REQUIRED_KEYS + ("num_key_value_heads", "head_dim"):
+  for key in required + ("num_key_value_heads", "head_dim", "decoder_sparse_step"):
     value = hf.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
@@ -94,6 +94,30 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> qwen3.Qwe
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+      **(_moe_fields(hf, source) if model_type == "qwen3_moe" else {}),
+  )
+
+
+_MOE_REQUIRED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  """Qwen3Config's mixture-of-experts fields from a qwen3_moe config.json (transformers'
+  defaults where a field is absent)."""
+  only = hf.get("mlp_only_layers") or []
+  if not isinstance(only, list) or not all(
+      isinstance(i, int) and 0 <= i < hf["num_hidden_layers"] for i in only
+  ):
+    raise ValueError(f"{source}: mlp_only_layers must list layer indices, got {only!r}")
+  if hf.get("shared_expert_intermediate_size"):
+    raise ValueError(f"{source}: shared experts (Qwen2-MoE's) are not supported by Qwen3-MoE")
+  return dict(
+      num_experts=hf["num_experts"],
+      num_experts_per_tok=hf["num_experts_per_tok"],
+      moe_intermediate_size=hf["moe_intermediate_size"],
+      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+      decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+      mlp_only_layers=tuple(only),
   )
 
 
@@ -122,6 +146,19 @@ def config_to_hf(
       "use_sliding_window": False,
       "torch_dtype": dtype,
   }
+  if cfg.num_experts:
+    hf.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=list(cfg.mlp_only_layers),
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    )
   hf.update(extra or {})
   return hf
 
@@ -144,20 +181,31 @@ def load_config(path: str | os.PathLike) -> qwen3.Qwen3Config:
     raise ModelError(said if said.startswith(str(config_path)) else f"{config_path}: {e}") from None
 
 
-RUN_CHOICES = ("attention", "attention_chunk")  # how the run computes, not the model
+RUN_CHOICES = ("attention", "attention_chunk", "experts_impl")  # how the run computes
 
 
 # What a second model (a critic, a LoRA base) must share with the policy to stand in for
 # its backbone: everything but the output head (tied or not) and the run's attention choice.
 SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+    "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )  # fmt: skip
 
 
 def architecture(cfg: qwen3.Qwen3Config) -> dict[str, Any]:
-  """The model's own fields (shapes, rope, norm), as JSON: what a checkpoint was trained as."""
-  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CHOICES}
+  """The model's own fields (shapes, rope, norm, experts), as JSON: what a checkpoint was
+  trained as."""
+  fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_CHOICES}
+  return {**fields, "mlp_only_layers": list(cfg.mlp_only_layers)}
+
+
+def from_architecture(fields: dict[str, Any]) -> qwen3.Qwen3Config:
+  """The model an `architecture` record describes (a checkpoint's)."""
+  return qwen3.Qwen3Config(
+      **{**fields, "mlp_only_layers": tuple(fields.get("mlp_only_layers", ()))}
+  )
 
 
 def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
@@ -177,16 +225,21 @@ def model_config(config, hf_config_json: str = "") -> qwen3.Qwen3Config:
       )
     cfg = qwen3.Qwen3Config.from_init(init)
   return dataclasses.replace(
-      cfg, attention=config.model.attention, attention_chunk=config.model.attention_chunk
+      cfg,
+      attention=config.model.attention,
+      attention_chunk=config.model.attention_chunk,
+      experts_impl=config.model.experts_impl,
   )
 
 
 # ------------------------------------------------------------------------- name mapping
 
 
-# Our layer param -> (HF name template, HF shape fn, HF->ours fn, ours->HF fn).
+# Our layer param -> (HF name template, HF shape, HF->ours fn, ours->HF fn). Attention and
+# norms are in every layer; the dense feed-forward in dense layers; the router and the
+# experts ("{e}" in the name: one tensor an expert) in sparse layers.
 def _layer_table(cfg: qwen3.Qwen3Config):
-  D, F, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  D, H = cfg.hidden_size, cfg.head_dim
   N, K = cfg.num_heads, cfg.num_kv_heads
   p = "model.layers.{i}."
   ident = lambda w: w
@@ -206,10 +259,40 @@ def _layer_table(cfg: qwen3.Qwen3Config):
       "q_norm": (p + "self_attn.q_norm.weight", (H,), ident, ident),
       "k_norm": (p + "self_attn.k_norm.weight", (H,), ident, ident),
       "mlp_norm": (p + "post_attention_layernorm.weight", (D,), ident, ident),
-      "gate": (p + "mlp.gate_proj.weight", (F, D), np.transpose, np.transpose),
-      "up": (p + "mlp.up_proj.weight", (F, D), np.transpose, np.transpose),
-      "down": (p + "mlp.down_proj.weight", (D, F), np.transpose, np.transpose),
   }
+
+
+def _mlp_table(cfg: qwen3.Qwen3Config, sparse: bool):
+  D, F, E, Fe = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.moe_intermediate_size
+  p = "model.layers.{i}.mlp."
+  t = np.transpose
+  if not sparse:
+    return {
+        "gate": (p + "gate_proj.weight", (F, D), t, t),
+        "up": (p + "up_proj.weight", (F, D), t, t),
+        "down": (p + "down_proj.weight", (D, F), t, t),
+    }
+  return {
+      "router": (p + "gate.weight", (E, D), t, t),
+      "experts_gate": (p + "experts.{e}.gate_proj.weight", (Fe, D), t, t),
+      "experts_up": (p + "experts.{e}.up_proj.weight", (Fe, D), t, t),
+      "experts_down": (p + "experts.{e}.down_proj.weight", (D, Fe), t, t),
+  }
+
+
+def _stacks(cfg: qwen3.Qwen3Config):
+  """(our name, (template, shape, to ours, to HF), the layers it is stacked over)."""
+  every = list(range(cfg.num_layers))
+  sparse = [i for i in every if layer_runs.is_sparse(cfg, i)]
+  dense = [i for i in every if i not in sparse]
+  for layers, table in (
+      (every, _layer_table(cfg)),
+      (dense, _mlp_table(cfg, False)),
+      (sparse, _mlp_table(cfg, True)),
+  ):
+    if layers:
+      for ours, entry in table.items():
+        yield ours, entry, layers
 
 
 def _top_table(cfg: qwen3.Qwen3Config):
@@ -315,13 +398,17 @@ def load_pretrained(
   params: dict[str, Any] = {"layers": {}}
   for ours, (name, shape, to_ours, _) in _top_table(cfg).items():
     params[ours] = place(to_ours(reader.get(name, shape)).astype(np_dtype), shardings[ours])
-  for ours, (template, shape, to_ours, _) in _layer_table(cfg).items():
+  for ours, (template, shape, to_ours, _), layers in _stacks(cfg):
+    experts = range(cfg.num_experts) if "{e}" in template else [None]
     stacked = None
-    for i in range(cfg.num_layers):
-      layer = to_ours(reader.get(template.format(i=i), shape)).astype(np_dtype)
-      if stacked is None:
-        stacked = np.empty((cfg.num_layers,) + layer.shape, np_dtype)
-      stacked[i] = layer
+    for j, i in enumerate(layers):
+      for e in experts:
+        one = to_ours(reader.get(template.format(i=i, e=e), shape)).astype(np_dtype)
+        if stacked is None:
+          stacked = np.empty(
+              (len(layers),) + ((len(experts),) if e is not None else ()) + one.shape, np_dtype
+          )
+        stacked[j if e is None else (j, e)] = one
     params["layers"][ours] = place(stacked, shardings["layers"][ours])
     del stacked
   return cfg, params
@@ -336,10 +423,14 @@ def _hf_tensors(cfg: qwen3.Qwen3Config, params: qwen3.Params):
     if ours == "final_norm":
       continue
     yield name, np.ascontiguousarray(to_hf(to_host(params[ours])))
-  for i in range(cfg.num_layers):
-    for ours, (template, _, _, to_hf) in _layer_table(cfg).items():
-      layer = to_host(params["layers"][ours][i])
-      yield template.format(i=i), np.ascontiguousarray(to_hf(layer))
+  for ours, (template, _, _, to_hf), layers in _stacks(cfg):
+    for j, i in enumerate(layers):
+      layer = to_host(params["layers"][ours][j])
+      if "{e}" not in template:
+        yield template.format(i=i), np.ascontiguousarray(to_hf(layer))
+        continue
+      for e in range(cfg.num_experts):
+        yield template.format(i=i, e=e), np.ascontiguousarray(to_hf(layer[e]))
   yield "model.norm.weight", to_host(params["final_norm"])
 
 

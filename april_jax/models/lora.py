@@ -78,6 +78,12 @@ def problems(cfg: qwen3.Qwen3Config, spec: LoraSpec, prefix: str = "") -> list[s
   twice = sorted({t for t in spec.targets if spec.targets.count(t) > 1})
   if twice:
     return [f"{prefix}targets lists {twice} more than once"]
+  feed_forward = [t for t in spec.targets if t in ("gate", "up", "down")]
+  if cfg.num_experts and feed_forward:
+    return [
+        f"{prefix}targets has {feed_forward}, but LoRA on a mixture-of-experts model "
+        "adapts attention only: use q,k,v,o"
+    ]
   narrowest = min(
       min(math.prod(i), math.prod(o)) for i, o in map(lambda t: weight_dims(cfg, t), spec.targets)
   )

@@ -15,6 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# A recorded route's value for "not recorded" (routes are uint8: up to 255 experts). The
+# learner's replay computes its own router's choice there.
+UNRECORDED = 255
+
 
 def router_logits(x_TxD: jax.Array, router_DxE: jax.Array) -> jax.Array:
   """The router's logits in float32, whatever the compute dtype."""
@@ -33,6 +37,14 @@ def route(logits_TxE: jax.Array, top_k: int, norm_topk_prob: bool):
   probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
   top_probs, experts = jax.lax.top_k(probs, top_k)
   return _gates(top_probs, norm_topk_prob), experts.astype(jnp.int32)
+
+
+def replayed(own_TxK: jax.Array, recorded_TxK: jax.Array) -> jax.Array:
+  """The experts to compute: the recorded ones, a token's own top k where its route was
+  not recorded (UNRECORDED in any of its k)."""
+  recorded_TxK = recorded_TxK.astype(jnp.int32)
+  missing = jnp.any(recorded_TxK == UNRECORDED, axis=-1, keepdims=True)
+  return jnp.where(missing, own_TxK, recorded_TxK)
 
 
 def replayed_gates(logits_TxE: jax.Array, experts_TxK: jax.Array, norm_topk_prob: bool):
@@ -116,11 +128,10 @@ def experts_ffn(
 IMPLS = ("blocks", "ragged")
 
 
-def load_balancing_loss(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T=None) -> jax.Array:
-  """Switch Transformer's auxiliary loss as transformers' Qwen3-MoE computes it for one
-  layer: E · Σ_e f_e · P_e, f_e the fraction of tokens that chose e (summed over the k
-  choices), P_e its mean router probability, over the tokens the mask keeps (all by
-  default). K when balanced."""
+def balance_stats(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T=None):
+  """One layer's terms of the load-balancing loss over the tokens the mask keeps (all by
+  default): (f_E, P_E), f_e the fraction of tokens that chose e (summed over the k
+  choices), P_e its mean router probability."""
   E = logits_TxE.shape[-1]
   probs = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
   mask = jnp.ones(probs.shape[0], jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
@@ -128,4 +139,18 @@ def load_balancing_loss(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T=No
   chosen = jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32).sum(axis=1)  # TxE, K per row
   fraction = jnp.sum(chosen * mask[:, None], axis=0) / n
   mean_prob = jnp.sum(probs * mask[:, None], axis=0) / n
-  return E * jnp.sum(fraction * mean_prob)
+  return fraction, mean_prob
+
+
+def balance_loss(fraction_LxE: jax.Array, mean_prob_LxE: jax.Array) -> jax.Array:
+  """Switch Transformer's auxiliary loss over L layers as transformers' Qwen3-MoE
+  computes it (every layer's tokens pooled): E · Σ_e mean_l f_le · mean_l P_le. K when
+  balanced."""
+  E = fraction_LxE.shape[-1]
+  return E * jnp.sum(jnp.mean(fraction_LxE, axis=0) * jnp.mean(mean_prob_LxE, axis=0))
+
+
+def load_balancing_loss(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T=None) -> jax.Array:
+  """The auxiliary loss of one layer (`balance_loss` of its `balance_stats`)."""
+  fraction, mean_prob = balance_stats(logits_TxE, experts_TxK, mask_T)
+  return balance_loss(fraction[None], mean_prob[None])

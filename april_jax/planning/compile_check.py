@@ -46,6 +46,7 @@ from april_jax.sampler.speculation.drafts import DraftInputs
 from april_jax.sampler.engine_config import EngineConfig
 from april_jax.sampler import rows as rows_lib
 from april_jax.sampler import slot_ops
+from april_jax.planning.memory import optimizer_state_name
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
@@ -255,8 +256,15 @@ def _insert_programs(cfg: qwen3.Qwen3Config, econf, fns, state, mesh, B, prompt)
   L, K, H, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, econf.max_len
   kv_dtype = jnp.dtype(econf.kv_dtype)
   rep = functools.partial(_replicated, mesh)
+  routes = lambda r, t: (
+      rep((r, t) + cfg.route_shape, jnp.uint8) if cfg.num_experts else None
+  )  # a Qwen3-MoE model's KV carries each position's experts
   kv = lambda r, t: qwen3.KVCache(
-      *(jax.ShapeDtypeStruct((L, r, t, K, H), kv_dtype, sharding=fns.kv_sharding) for _ in range(2))
+      *(
+          jax.ShapeDtypeStruct((L, r, t, K, H), kv_dtype, sharding=fns.kv_sharding)
+          for _ in range(2)
+      ),
+      routes(r, t),
   )
   rows = lambda w: jax.tree.map(
       lambda x: rep(x.shape, x.dtype), rows_lib.rows_from_records([], w, T, [])
@@ -322,7 +330,7 @@ def _sampler_programs(config, cfg: qwen3.Qwen3Config, mesh, decode_params) -> tu
   # The KV of the prefill call that held the last prompt, kept for the rest of its group
   # (sampler/prefill_cache.py).
   kept = jax.eval_shape(fns.prefill_kv, decode_params, _replicated(mesh, (B, prompt), jnp.int32))
-  kv_sh = qwen3.KVCache(fns.kv_sharding, fns.kv_sharding)
+  kv_sh = slot_ops.kv_shardings(cfg, fns.kv_sharding)
   return programs, device_bytes(state), device_bytes(_abstract(kept, kv_sh))
 
 
@@ -358,7 +366,9 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
   rules = tuple(tuple(x) for x in config.mesh.rules)
   decode_rules = tuple(tuple(x) for x in config.mesh.decode_rules)
   spec = lora_spec(config)
-  static = update_lib.make_static(cfg, t, r.temperature, m.remat, m.dtype, lora=spec)
+  static = update_lib.make_static(
+      cfg, t, r.temperature, m.remat, m.dtype, lora=spec, routing_replay=m.routing_replay
+  )
   optimizer, schedule = step_lib.make_optimizer(
       t if spec is None else update_lib.lora_train(t), max(config.num_steps, 1) * t.num_minibatches
   )
@@ -373,7 +383,7 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
   opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), progs.opt_sh)
   if spec is None:
     frozen = None
-    arrays = {"master params (float32)": params, "optimizer state (float32)": opt_state}
+    arrays = {"master params (float32)": params, optimizer_state_name(config): opt_state}
   else:
     frozen = _frozen_base(config, cfg, progs.frozen_sh)
     arrays = {
@@ -392,7 +402,7 @@ def _learner_arrays(config, cfg: qwen3.Qwen3Config, mesh):
   return progs, arrays, params, frozen
 
 
-def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
+def _longest_microbatch(config, cfg: qwen3.Qwen3Config, mesh, with_ref: bool) -> dict:
   """One gradient call's arrays [M, rows, T] at the longest training row, as placed:
   packed (train.packing), one call of rows x pack_len with its positions, segments and
   per-token advantages; else rows at the longest bucket (all microbatches in one call
@@ -421,6 +431,8 @@ def _longest_microbatch(config, mesh, with_ref: bool) -> dict:
     mb.update(positions=mb["tokens"], segments=mb["tokens"])
   if update_lib.selects_tokens(config.train):
     mb.update(selected=mb["mask"])
+  if cfg.num_experts:  # the rollout's recorded routes
+    mb.update(routes=place(jnp.uint8, M, rows, T, *cfg.route_shape))
   return dict(mb, ref_logp=mb["mask"]) if with_ref else mb
 
 
@@ -433,9 +445,9 @@ def _forward_inputs(mb: dict, keys) -> dict:
 def _learner_programs(config, cfg: qwen3.Qwen3Config, mesh):
   progs, arrays, params, frozen = _learner_arrays(config, cfg, mesh)
   lora = frozen is not None
-  opt_state = arrays["adapter optimizer state (float32)" if lora else "optimizer state (float32)"]
+  opt_state = arrays["adapter optimizer state (float32)" if lora else optimizer_state_name(config)]
   with_ref = update_lib.needs_reference(config.train)
-  mb = _longest_microbatch(config, mesh, with_ref=with_ref)
+  mb = _longest_microbatch(config, cfg, mesh, with_ref=with_ref)
   inputs = _forward_inputs(mb, update_lib.FORWARD_KEYS)
   if unmerged(config):
     decode = compile_program("decode_adapters (cast)", progs.decode_adapters, (params,), (True,))

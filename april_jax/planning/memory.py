@@ -198,8 +198,9 @@ def plan_part(
   if part == "rollout":  # the learner casts; the rollout takes a weight at a time
     for k in cast:
       del programs[k]
+    layer_weights = tuple(qwen3.param_logical_axes(cfg)["layers"])  # the experts too
     programs["publish (one weight arriving)"] = largest_target_bytes(
-        cfg, lora_lib.TARGETS, x.mesh, x.decode_rules, x.cb
+        cfg, layer_weights, x.mesh, x.decode_rules, x.cb
     )
   if part == "learner":  # cast here, then held until the rollout takes it (two at most)
     programs.update(
@@ -352,6 +353,8 @@ def _sampler_resident(x: PlanInputs) -> dict[str, float]:
   _, per_shard = pool_pages(x.config, x.mesh, x.decode_rules)
   pool = 2 * cfg.num_layers * per_shard * kv_heads * r.page_size * cfg.head_dim
   rows = slots * x.max_len * 12 + slots * -(-x.max_len // r.page_size) * 4  # + page table
+  if cfg.num_experts:  # each position's recorded experts, a byte each
+    rows += slots * x.max_len * math.prod(cfg.route_shape)
   return {
       "decode params": _decode_bytes(x),
       "slot state (KV cache)": pool * dtype_bytes(m.kv_dtype) + rows,
@@ -384,12 +387,19 @@ def _decode_bytes(x: PlanInputs) -> float:
   return params_bytes(x.cfg, x.mesh, x.decode_rules, x.cb)
 
 
+def optimizer_state_name(config) -> str:
+  """The plan's line for the AdamW moments of the full model (train.moments_dtype)."""
+  return f"optimizer state ({config.train.moments_dtype})"
+
+
 def _trained(x: PlanInputs) -> dict[str, float]:
-  """The learner's weights: float32 masters and AdamW moments, or with LoRA the frozen
-  base in the compute dtype, the float32 adapters and their moments."""
+  """The learner's weights: float32 masters and AdamW moments (of train.moments_dtype),
+  or with LoRA the frozen base in the compute dtype, the float32 adapters and their
+  moments."""
   if x.lora is None:
     masters = params_bytes(x.cfg, x.mesh, x.rules, 4)
-    return {"master params (float32)": masters, "optimizer state (float32)": 2 * masters}
+    moments = 2 * masters * dtype_bytes(x.config.train.moments_dtype) / 4
+    return {"master params (float32)": masters, optimizer_state_name(x.config): moments}
   adapters = lora_bytes(x.cfg, x.lora, x.mesh, x.rules)
   return {
       f"base params (frozen, {x.config.model.dtype})": params_bytes(x.cfg, x.mesh, x.rules, x.cb),
@@ -483,6 +493,9 @@ def _learner_programs(x: PlanInputs) -> dict[str, float]:
     rows *= t.num_microbatches  # one fused call over every microbatch
   chunk = min(m.attention_chunk, x.max_len)
   heads, mlp = split(cfg.num_heads, "heads"), split(cfg.intermediate_size, "mlp")
+  if cfg.num_experts:  # each token's k experts, padded to whole blocks, and k copies of it
+    k = cfg.num_experts_per_tok
+    mlp = 1.5 * k * split(cfg.moe_intermediate_size, "mlp") + k * D
   layer_act = rows * T * 4 * (4 * D + 3 * mlp + 3 * heads * chunk)
   logits_chunk = 3 * rows * min(t.logprob_chunk, T) * split(cfg.vocab_size, "vocab") * 4
   saved = (L if m.remat else 3 * L) * rows * T * D * x.cb

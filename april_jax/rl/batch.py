@@ -10,6 +10,9 @@ token t+1; a row's response occupies t in [P-1, P+R-2]:
                     environment's observation)
   behavior_BxT      the sampler's recorded logprob of that token (temperature-scaled)
   stale_BxT         True where the token was drawn by a policy older than the current one
+  routes            a Qwen3-MoE rollout's experts at position t in every sparse layer,
+                    [B, T, Ls, k] uint8 (moe.UNRECORDED where not recorded): routing
+                    replay's input
   advantages_B      per sample (or [B, T] per token), derived by the learner
 
 `TrainBatch` holds a step's rows with its rewards, built once and read-only.
@@ -23,6 +26,7 @@ import sys
 import numpy as np
 
 from april_jax import buckets
+from april_jax.models import moe
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rollout.group import Group
 
@@ -102,6 +106,17 @@ def _rows(groups: list[Group], version: int, pad_id: int, min_bucket: int, max_l
   return {"tokens": tokens, "targets": targets, "mask": mask, "behavior": behavior, "stale": stale}
 
 
+def _routes(samples, T: int, route_shape: tuple[int, int]) -> np.ndarray:
+  """The samples' recorded routes as rows [B, T, Ls, k], UNRECORDED where a sample has
+  none (positions past its record, or a record from before routes were kept)."""
+  routes = np.full((len(samples), T) + tuple(route_shape), moe.UNRECORDED, np.uint8)
+  for b, s in enumerate(samples):
+    if s.routes is not None:
+      n = min(len(s.routes), T)
+      routes[b, :n] = s.routes[:n]
+  return routes
+
+
 ROW_KEYS = ("tokens", "targets", "mask", "behavior", "stale")
 
 
@@ -115,6 +130,7 @@ class TrainBatch:
   rewards    [G, n] float32, DAPO's overlong penalty added where the config asks
   lengths    [G, n] float32, each sample's drawn (trained) response tokens
   version    the policy version this batch trains (tokens drawn before it are stale)
+  routes     [B, T, Ls, k] uint8 of a Qwen3-MoE model's rollout, else None
   """
 
   tokens: np.ndarray
@@ -125,12 +141,19 @@ class TrainBatch:
   rewards: np.ndarray
   lengths: np.ndarray
   version: int
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     B, T = self.tokens.shape
     for name in ROW_KEYS:
       if getattr(self, name).shape != (B, T):
         raise ValueError(f"TrainBatch.{name} is {getattr(self, name).shape}, not [B, T] = {(B, T)}")
+    if self.routes is not None:
+      if self.routes.shape[:2] != (B, T) or self.routes.ndim != 4:
+        raise ValueError(f"TrainBatch.routes is {self.routes.shape}, not [B, T, Ls, k]")
+      routes = np.array(self.routes, np.uint8)
+      routes.flags.writeable = False
+      object.__setattr__(self, "routes", routes)
     for name in ("rewards", "lengths"):
       x = getattr(self, name)
       if x.ndim != 2 or x.size != B:
@@ -151,31 +174,42 @@ class TrainBatch:
       max_len: int | None = None,
       train=None,
       max_response_len: int = 0,
+      route_shape: tuple[int, int] | None = None,
   ) -> "TrainBatch":
     """The batch of a step's groups, trained at `version`; T is bucketed (<= max_len, the
     longest prompt + response). With `train` (the config's train section), rewards carry
-    its overlong penalty over max_response_len."""
+    its overlong penalty over max_response_len. route_shape: a Qwen3-MoE model's
+    (Qwen3Config.route_shape): the samples' recorded routes become `routes`."""
     unscored = [g.group_id for g in groups if not g.scored]
     if unscored:
       raise ValueError(
           f"a TrainBatch is built from scored groups; groups {unscored} have no rewards"
       )
     lengths = [[s.drawn_mask.sum() for s in g.samples] for g in groups]
+    rows = _rows(groups, version, pad_id, min_bucket, max_len)
+    routes = None
+    if route_shape is not None:
+      samples = [s for g in groups for s in g.samples]
+      routes = _routes(samples, rows["tokens"].shape[1], route_shape)
     return cls(
-        **_rows(groups, version, pad_id, min_bucket, max_len),
+        **rows,
         rewards=shaped_rewards(groups, train, max_response_len),
         lengths=np.array(lengths, np.float32),
         version=int(version),
+        routes=routes,
     )
 
   @property
   def nbytes(self) -> int:
     """The bytes of its arrays."""
-    return sum(int(getattr(self, k).nbytes) for k in ROW_KEYS + ("rewards", "lengths"))
+    routes = 0 if self.routes is None else int(self.routes.nbytes)
+    return routes + sum(int(getattr(self, k).nbytes) for k in ROW_KEYS + ("rewards", "lengths"))
 
   def rows(self) -> dict[str, np.ndarray]:
-    """The [B, T] arrays by name, as the layout and the learner's passes read them."""
-    return {k: getattr(self, k) for k in ROW_KEYS}
+    """The [B, T] arrays by name (and routes [B, T, Ls, k] where recorded), as the
+    layout and the learner's passes read them."""
+    rows = {k: getattr(self, k) for k in ROW_KEYS}
+    return rows if self.routes is None else dict(rows, routes=self.routes)
 
   def with_advantages(self, advantages) -> dict[str, np.ndarray]:
     """The rows with per-sample [B] (or per-token [B, T]) advantages: what

@@ -72,13 +72,14 @@ class Piece:
     return [int(n) for n in runs]
 
   def gather(self, v: np.ndarray) -> np.ndarray:
-    """v [B, T0] (or [B]) in this piece's layout: [M, b, T] (unpacked [B] -> [M, b]).
-    Padding is 0 (False)."""
+    """v [B, T0, ...] (or [B]) in this piece's layout: [M, b, T, ...] (unpacked [B] ->
+    [M, b]). Padding is 0 (False)."""
     if not self.packed:
-      return v[self.rows][..., : self.T] if v.ndim == 2 else v[self.rows]
+      return v[self.rows][:, :, : self.T] if v.ndim >= 2 else v[self.rows]
     live = self.sample >= 0
     s, p = np.where(live, self.sample, 0), self.pos
-    out = v[s, p] if v.ndim == 2 else v[s]
+    out = v[s, p] if v.ndim >= 2 else v[s]
+    live = live.reshape(live.shape + (1,) * (out.ndim - live.ndim))
     return np.where(live, out, np.zeros((), v.dtype))
 
   def scatter(self, out_BxT: np.ndarray, x: np.ndarray) -> None:

@@ -53,7 +53,7 @@ from april_jax import sharding
 from april_jax.runtime.distributed import to_host
 from april_jax.errors import InputError
 from april_jax.models import lora as lora_lib
-from april_jax.models import qwen3
+from april_jax.models import moe, qwen3
 from april_jax.rl import advantages as advantages_lib
 from april_jax.rl import batch as batch_lib
 from april_jax.rl import corrections
@@ -73,15 +73,21 @@ class _Static:
   remat: bool
   compute_dtype: str = "float32"
   lora: lora_lib.LoraSpec | None = None
+  router_aux_coef: float = 0.0  # a mixture-of-experts model's load-balancing loss weight
+  replay: bool = True  # replay a batch's recorded routes (model.routing_replay)
 
 
-def _token_logprobs(static: _Static, params, frozen, micro: dict[str, Any], remat: bool = False):
+def _token_logprobs(
+    static: _Static, params, frozen, micro: dict[str, Any], remat: bool = False, moe_out=False
+):
   """Logprobs and entropy [b, T] of one microbatch's targets (packed rows: with their
-  positions and segments). Cast layer by layer inside the model, so a gradient flows
-  back to the float32 masters. With LoRA, params are the adapters (None: the base
-  model alone, the reference policy) over the frozen base."""
+  positions and segments; a Qwen3-MoE model's recorded routes replayed where the
+  microbatch has them). Cast layer by layer inside the model, so a gradient flows back
+  to the float32 masters. With LoRA, params are the adapters (None: the base model
+  alone, the reference policy) over the frozen base. moe_out: the sparse layers'
+  MoeOut too."""
   model, adapters = (params, None) if static.lora is None else (frozen, params)
-  return qwen3.token_logprobs(
+  out = qwen3.token_logprobs(
       static.model,
       model,
       micro["tokens"],
@@ -94,16 +100,21 @@ def _token_logprobs(static: _Static, params, frozen, micro: dict[str, Any], rema
       segments_BxT=micro.get("segments"),
       adapters=adapters,
       adapter_scale=1.0 if static.lora is None else static.lora.scale,
+      routes=micro.get("routes") if static.replay else None,
+      token_mask_BxT=micro.get("mask"),
+      moe_out=moe_out,
   )
+  return out if moe_out else out[:2]
 
 
 def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
   """One microbatch's policy loss and metrics; totals: the whole minibatch's
   (total_tokens, total_seqs) (losses.batch_totals), so sums over microbatches, and over
-  several calls, equal one big batch's values."""
-  logp, entropy = _token_logprobs(static, params, frozen, micro, static.remat)
+  several calls, equal one big batch's values. A mixture-of-experts model adds its
+  router's terms (_router_terms)."""
+  logp, entropy, seen = _token_logprobs(static, params, frozen, micro, static.remat, True)
   total_tokens, total_seqs = totals
-  return losses.policy_loss(
+  loss, metrics = losses.policy_loss(
       static.loss,
       logp,
       micro["old_logp"],
@@ -118,6 +129,29 @@ def _micro_loss(static: _Static, params, frozen, micro: dict[str, Any], totals):
       segments_BxT=micro.get("segments"),
       selected_BxT=micro.get("selected"),
   )
+  if seen is None:
+    return loss, metrics
+  aux, agreement = _router_terms(static, seen, micro, total_tokens)
+  return loss + aux, dict(metrics, router_aux_loss=aux, router_agreement=agreement)
+
+
+def _router_terms(static: _Static, seen: qwen3.MoeOut, micro: dict[str, Any], total_tokens):
+  """A mixture-of-experts microbatch's (weighted load-balancing loss, router agreement),
+  each its share of the minibatch's (sums over microbatches are the minibatch's values),
+  over the tokens its mask trains. Agreement: the fraction of token-layers whose own
+  top-k set equals the rollout's recorded one (a layer not recorded counts as equal)."""
+  mask = (micro["mask"] > 0).astype(jnp.float32)
+  share = jnp.sum(mask) / jnp.maximum(total_tokens, 1.0)
+  aux = static.router_aux_coef * moe.balance_loss(seen.fraction, seen.mean_prob) * share
+  recorded = micro.get("routes")
+  if recorded is None:
+    return aux, share
+  own = jnp.sort(seen.experts, axis=-1)
+  theirs = jnp.sort(recorded.astype(jnp.int32), axis=-1)
+  missing = jnp.any(recorded == moe.UNRECORDED, axis=-1)
+  same = jnp.where(missing, True, jnp.all(own == theirs, axis=-1))  # [b, T, Ls]
+  per_token = jnp.mean(same.astype(jnp.float32), axis=-1)
+  return aux, jnp.sum(per_token * mask) / jnp.maximum(total_tokens, 1.0)
 
 
 def trained_mask(train, mask_BxT: np.ndarray, stale_BxT=None) -> np.ndarray:
@@ -238,6 +272,7 @@ def make_static(
     remat: bool,
     compute_dtype: str,
     lora: lora_lib.LoraSpec | None = None,
+    routing_replay: bool = True,
 ) -> _Static:
   return _Static(
       model_cfg,
@@ -247,6 +282,8 @@ def make_static(
       bool(remat),
       str(compute_dtype),
       lora,
+      float(train.router_aux_loss_coef),
+      bool(routing_replay),
   )
 
 
@@ -271,10 +308,11 @@ def token_advantages(train) -> bool:
 
 # The arrays the logprob pass reads, and those a gradient call reads (advantages [B], or
 # [B, T] from a critic's GAE).
-FORWARD_KEYS = ("tokens", "targets")
+FORWARD_KEYS = ("tokens", "targets", "routes")  # routes: a Qwen3-MoE batch's, replayed
 UPDATE_KEYS = (
     "tokens",
     "targets",
+    "routes",
     "mask",
     "is_weight",
     "old_logp",
@@ -286,7 +324,12 @@ UPDATE_KEYS = (
 
 
 def _dummy_batch(
-    B: int, T: int, with_ref: bool, token_advantages: bool, with_selected: bool = False
+    B: int,
+    T: int,
+    with_ref: bool,
+    token_advantages: bool,
+    with_selected: bool = False,
+    route_shape: tuple[int, int] | None = None,
 ) -> dict[str, np.ndarray]:
   """A batch [B, T] of the update's arrays whose rows are all full length, so every
   microbatch is cut at T."""
@@ -304,6 +347,8 @@ def _dummy_batch(
   }
   if with_selected:
     batch["selected"] = mask
+  if route_shape is not None:  # a Qwen3-MoE batch's recorded routes
+    batch["routes"] = np.zeros((B, T) + tuple(route_shape), np.uint8)
   return dict(batch, ref_logp=mask) if with_ref else batch
 
 
@@ -373,8 +418,11 @@ class Learner(step.TrainedModel):
       adapters=None,
       seed: int = 0,
       lora_decode: str = "merged",
+      routing_replay: bool = True,
   ):
-    self.static = make_static(model_cfg, train, temperature, remat, compute_dtype, lora)
+    self.static = make_static(
+        model_cfg, train, temperature, remat, compute_dtype, lora, routing_replay
+    )
     self.loss_cfg, self.lora, self.lora_decode = self.static.loss, lora, lora_decode
     self.optimizer, self.schedule = step.make_optimizer(
         train if lora is None else lora_train(train), total_updates
@@ -450,10 +498,11 @@ class Learner(step.TrainedModel):
     if budget is not None:  # packed rows: one budget, its few row lengths
       lengths = [max(budget, max(lengths))]
     for T in lengths:
+      routes = self.static.model.route_shape if self.static.model.num_experts else None
       batch = _dummy_batch(
-          batch_size, T, self.has_reference, self.token_advantages, self.selects_tokens
+          batch_size, T, self.has_reference, self.token_advantages, self.selects_tokens, routes
       )
-      inputs = {k: batch[k] for k in FORWARD_KEYS}
+      inputs = {k: batch[k] for k in FORWARD_KEYS if k in batch}
       for pieces in layout.every_shape_plan(batch["mask"], self.train, self.min_rows):
         acc = None
         for piece in pieces:
@@ -474,7 +523,7 @@ class Learner(step.TrainedModel):
     tokens no sample needs). Needs the batch's tokens, targets and mask (the mask decides
     the layout), or a plan from `plan`."""
     pieces = [p for mb in (plan or self.plan(batch)) for p in mb]
-    inputs = {k: batch[k] for k in FORWARD_KEYS}
+    inputs = {k: batch[k] for k in FORWARD_KEYS if k in batch}
     return self.forward_pass(params, inputs, pieces, pick=lambda out: out[0])
 
   def passes(self, state: step.ModelState, batch: dict[str, np.ndarray], plan) -> Passes:
@@ -520,6 +569,8 @@ class Learner(step.TrainedModel):
         "stale": batch["stale"],
         "advantages": np.asarray(advantages, np.float32),
     }
+    if "routes" in batch:
+      arrays["routes"] = batch["routes"]
     if passes.ref_logp is not None:
       arrays["ref_logp"] = passes.ref_logp
     selection = {}
@@ -540,11 +591,21 @@ class Learner(step.TrainedModel):
         "train/grad_norm": mean("grad_norm"),
         "train/lr": mean("lr"),
         "train/ratio_mean": mean("ratio_mean"),
+        **self._router_metrics(metrics, mean),
         **passes.metrics,
         **selection,
         "train/padded_per_real": counts["padded_per_real"],  # positions computed / tokens
         "train/skipped_updates": float(skipped),
         "train/updates": float(state.attempted - int(skipped)),
+    }
+
+  def _router_metrics(self, metrics, mean) -> dict[str, float]:
+    """A mixture-of-experts model's train/router_agreement and train/router_aux_loss."""
+    if not self.static.model.num_experts:
+      return {}
+    return {
+        "train/router_agreement": mean("router_agreement"),
+        "train/router_aux_loss": mean("router_aux_loss"),
     }
 
   def _selected(self, state: step.ModelState, arrays: dict[str, np.ndarray]):

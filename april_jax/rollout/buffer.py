@@ -1,8 +1,8 @@
 """The partial buffer: every group admitted but not yet trained or rejected.
 
 FIFO by first admission, whole groups: finished siblings with their rewards, partial
-samples (tokens, logprobs, versions, rng, and in mode kv the used KV), never-started
-samples, and surplus complete groups. The scheduler drains it before fresh prompts.
+samples (tokens, logprobs, versions, rng, a Qwen3-MoE rollout's routes, and in mode kv
+the used KV), never-started samples, and surplus complete groups. The scheduler drains it before fresh prompts.
 
 `to_state()` turns it into flat numpy arrays plus one JSON string (ragged fields are
 concatenated with offsets), which a checkpoint stores as is; `from_state()` rebuilds it
@@ -92,6 +92,10 @@ class PartialBuffer:
     if kv_samples:
       state["kv_k"] = np.concatenate([s.kv_k for s in kv_samples], axis=1)
       state["kv_v"] = np.concatenate([s.kv_v for s in kv_samples], axis=1)
+    routed = [s.routes for s in samples if s.routes is not None]
+    if routed:  # [positions, Ls, k] each, concatenated
+      state["route_offsets"] = offsets(routed)
+      state["routes"] = np.concatenate(routed).astype(np.uint8)
     return state
 
   @classmethod
@@ -99,7 +103,7 @@ class PartialBuffer:
     meta = json.loads(np.asarray(state["meta_json"], np.uint8).tobytes().decode())
     buffer = cls()
     po, ro, ko = state["prompt_offsets"], state["response_offsets"], state["kv_offsets"]
-    sample_i = kv_i = 0
+    sample_i = kv_i = route_i = 0
     for gi, gm in enumerate(meta):
       prompt = np.asarray(state["prompts"][po[gi] : po[gi + 1]], np.int32)
       samples = []
@@ -118,6 +122,10 @@ class PartialBuffer:
           kv_k, kv_v = np.asarray(state["kv_k"][:, kv]), np.asarray(state["kv_v"][:, kv])
           record.set_kv(kv_k, kv_v, sm.get("kv_version"))
           kv_i += 1
+        if sm.get("has_routes"):
+          at = state["route_offsets"]
+          record.add_routes(np.asarray(state["routes"][at[route_i] : at[route_i + 1]]))
+          route_i += 1
         samples.append(record)
         sample_i += 1
       buffer.add(

@@ -118,6 +118,7 @@ def make_learner(config, model_cfg, params, lora, adapters, place: Placement) ->
       adapters=adapters,
       seed=c.seed,
       lora_decode=t.lora.decode,
+      routing_replay=c.model.routing_replay,
   )
 
 

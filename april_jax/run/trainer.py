@@ -258,6 +258,7 @@ class Trainer:
         max_len=c.data.max_prompt_len + c.rollout.max_response_len,
         train=c.train,
         max_response_len=c.rollout.max_response_len,
+        route_shape=self.model_cfg.route_shape if self.model_cfg.num_experts else None,
     )
     metrics = rollout_metrics(result, version)
     state, learned = learn_lib.learn(self.learners.state(), batch, self.learners)

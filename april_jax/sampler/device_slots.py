@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax.runtime.distributed import to_host
-from april_jax.models import qwen3
+from april_jax.models import moe, qwen3
+from april_jax.sampler import slot_ops
 from april_jax.sampler.speculation import decode as speculative
 from april_jax.sampler.contract import EngineCounters
 from april_jax.sampler.speculation.drafts import DraftInputs
@@ -156,8 +157,12 @@ class DeviceSlots:
   def on_device(self, kv: qwen3.KVCache) -> qwen3.KVCache:
     """Host KV as device arrays (in the KV's sharding on a mesh): what a prefill's KV is,
     so an insert of either hits the same compiled program (a numpy argument would trace
-    one of its own)."""
-    return jax.device_put(kv, self.fns.kv_sharding)
+    one of its own). A Qwen3-MoE model's carries routes as a prefill's does, all
+    unrecorded: the records hold those positions' own."""
+    if self.cfg.num_experts and kv.routes is None:
+      _, R, T = kv.k.shape[:3]
+      kv = kv._replace(routes=np.full((R, T) + self.cfg.route_shape, moe.UNRECORDED, np.uint8))
+    return jax.device_put(kv, slot_ops.kv_shardings(self.cfg, self.fns.kv_sharding))
 
   def host_kv(self, records: list[SampleRecord], kv_len: int) -> qwen3.KVCache:
     """Records' host KV as rows [L, R, kv_len, K, H] (R = snapshot_width), zero-padded,
@@ -194,6 +199,17 @@ class DeviceSlots:
         out.append((tokens[j, P:end], logprobs[j, P:end], versions[j, P:end], row["kv_version"][j]))
     return out
 
+  def read_routes(self, used: list[tuple[int, int]], bucket) -> list[np.ndarray]:
+    """The routes [n, Ls, k] each (slot, n) recorded at positions < n, in `used`'s order:
+    slots grouped by length bucket, insert_width per transfer (a Qwen3-MoE model's)."""
+    out = [None] * len(used)
+    for length, chunk in _bucketed(used, bucket, self.config.insert_width):
+      slots = _padded([used[c][0] for c in chunk], self.config.insert_width)
+      routes = to_host(self.fns.extract_routes(self.state, slots, length))
+      for j, c in enumerate(chunk):
+        out[c] = routes[j, : used[c][1]].copy()
+    return out
+
   def read_kv(self, slots: np.ndarray, kv_len: int, table) -> tuple[np.ndarray, np.ndarray]:
     """Host (k, v) [L, W, kv_len, K, H] of page-table rows `slots` (-1: none)."""
     self.counters.kv_reads += 1
@@ -203,16 +219,22 @@ class DeviceSlots:
     """(k, v) [L, n, K, H] of each (slot, its n written positions), in `used`'s order:
     slots grouped by length bucket, snapshot_width per transfer."""
     W = self.config.snapshot_width
-    by_bucket: dict[int, list[int]] = {}
-    for i, (_, n) in enumerate(used):
-      by_bucket.setdefault(bucket(max(n, 1)), []).append(i)
     out = [None] * len(used)
-    for kv_len, indices in by_bucket.items():
-      for i in range(0, len(indices), W):
-        chunk = indices[i : i + W]
-        k, v = self.read_kv(_padded([used[c][0] for c in chunk], W), kv_len, table)
-        for j, c in enumerate(chunk):
-          n = used[c][1]
-          out[c] = (k[:, j, :n].copy(), v[:, j, :n].copy())
-          self.counters.kv_bytes_to_host += out[c][0].nbytes + out[c][1].nbytes
+    for kv_len, chunk in _bucketed(used, bucket, W):
+      k, v = self.read_kv(_padded([used[c][0] for c in chunk], W), kv_len, table)
+      for j, c in enumerate(chunk):
+        n = used[c][1]
+        out[c] = (k[:, j, :n].copy(), v[:, j, :n].copy())
+        self.counters.kv_bytes_to_host += out[c][0].nbytes + out[c][1].nbytes
     return out
+
+
+def _bucketed(used: list[tuple[int, int]], bucket, width: int):
+  """(length bucket, indices into `used` of up to `width` slots whose n it holds): one
+  transfer each."""
+  by_bucket: dict[int, list[int]] = {}
+  for i, (_, n) in enumerate(used):
+    by_bucket.setdefault(bucket(max(n, 1)), []).append(i)
+  for length, indices in by_bucket.items():
+    for i in range(0, len(indices), width):
+      yield length, indices[i : i + width]

@@ -70,15 +70,19 @@ class EngineParts:
 
   def read_back(self, items: list[tuple[int, SampleRecord]], with_kv: bool) -> None:
     """The slots' responses (and KV of the positions written: all but the pending token
-    and any given tokens not yet fed) into their records (DeviceSlots' transfers)."""
+    and any given tokens not yet fed; a Qwen3-MoE model's routes there) into their
+    records (DeviceSlots' transfers)."""
     read = self.device.read_rows([slot for slot, _ in items])
     for (slot, record), (tokens, logprobs, versions, kv_version) in zip(items, read):
       record.read_back(tokens, logprobs, versions)  # given tokens not fed yet included
       self.slots.kv_versions[slot] = int(kv_version)
       if with_kv:
         record.set_kv_version(int(kv_version))
+    used = [(slot, int(self.slots.lengths[slot]) - 1) for slot, _ in items]
+    if self.cfg.num_experts:  # the experts the slots' forward passes chose (routing replay)
+      for (_, record), routes in zip(items, self.device.read_routes(used, self.bucket)):
+        record.add_routes(routes)
     if with_kv:
-      used = [(slot, int(self.slots.lengths[slot]) - 1) for slot, _ in items]
       for (_, record), (k, v) in zip(
           items, self.device.read_kvs(used, self.bucket, self.kv.table())
       ):

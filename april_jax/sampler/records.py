@@ -115,6 +115,9 @@ class SampleRecord:
   kv_k: np.ndarray | None = None  # [L, <= P+R-1, K, H] when snapshotted with KV
   kv_v: np.ndarray | None = None
   kv_version: int | None = None  # the oldest policy version in kv_k / kv_v
+  # A Qwen3-MoE model's experts at positions 0 .. n-1 (n <= P+R-1: those whose forward
+  # pass ran), uint8 [n, Ls, k], moe.UNRECORDED where not known: routing replay's input.
+  routes: np.ndarray | None = None
   finish_reason: str | None = None  # "stop", "length", or None while unfinished
   # The caller's fields (JSON in checkpoints):
   group_id: int | None = None  # the prompt group it belongs to (rollout/group.py)
@@ -257,6 +260,18 @@ class SampleRecord:
     """The oldest policy version among its KV entries, as its slot holds them."""
     self._set(kv_version=int(kv_version))
 
+  def add_routes(self, routes: np.ndarray) -> None:
+    """Routes a slot recorded for positions 0 .. len(routes)-1 (slot_ops.extract_routes):
+    the ones it lacks join it; the ones it has stay (recorded when their tokens were
+    drawn, before any recompute)."""
+    routes = np.asarray(routes, np.uint8)
+    have = 0 if self.routes is None else len(self.routes)
+    if have >= len(routes):
+      return
+    kept = routes if self.routes is None else np.concatenate([self.routes, routes[have:]])
+    kept.flags.writeable = False
+    self._set(routes=kept)
+
   def drop_kv(self) -> None:
     self._set(kv_k=None, kv_v=None, kv_version=None)
 
@@ -281,12 +296,12 @@ class SampleRecord:
 
   def host_bytes(self) -> int:
     arrays = [self.prompt, self.rng, self.response, self.logprobs, self.versions]
-    arrays += [a for a in (self.kv_k, self.kv_v) if a is not None]
+    arrays += [a for a in (self.kv_k, self.kv_v, self.routes) if a is not None]
     return sum(a.nbytes for a in arrays)
 
   def to_json(self) -> dict:
-    """Every field but the arrays (prompt, rng, response, logprobs, versions, KV), as
-    JSON; `has_kv` says whether KV goes with it."""
+    """Every field but the arrays (prompt, rng, response, logprobs, versions, KV,
+    routes), as JSON; `has_kv` and `has_routes` say whether KV and routes go with it."""
     return {
         "max_new_tokens": self.max_new_tokens,
         "temperature": self.temperature,
@@ -294,6 +309,7 @@ class SampleRecord:
         "top_p": self.top_p,
         "finish_reason": self.finish_reason,
         "has_kv": self.has_kv,
+        "has_routes": self.routes is not None,
         "kv_version": self.kv_version,
         **{name: getattr(self, name) for name in _CALLER_FIELDS},
         "episode": None if self.episode is None else self.episode.to_json(),
@@ -321,7 +337,7 @@ _CALLER_FIELDS = ("group_id", "index", "cuts", "restarts", "home_shard", "error"
 # What `to_json` writes (and "meta", where earlier versions kept the caller's fields).
 _SAVED_NAMES = frozenset({
     "max_new_tokens", "temperature", "top_k", "top_p", "finish_reason", "has_kv",
-    "kv_version", "episode", "meta", *_CALLER_FIELDS,
+    "has_routes", "kv_version", "episode", "meta", *_CALLER_FIELDS,
 })  # fmt: skip
 
 

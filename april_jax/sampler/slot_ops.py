@@ -11,6 +11,8 @@
                                             -> state advanced by up to `sync_every` tokens
   extract_rows(state, slots[W])             -> the rows of several slots, one transfer
   extract_kv(state, slots[W], T, table)     -> several slots' KV up to T, one transfer
+  extract_routes(state, slots[W], T)        -> several slots' recorded experts up to T
+                                               (a Qwen3-MoE model's; state.py)
   write_rows(state, rows, slots[W])         -> state with W slots' rows rewritten and
                                                decoding again, their KV untouched (an
                                                observation appended in place)
@@ -51,13 +53,17 @@ from april_jax.sampler.speculation import decode as speculative
 from april_jax.sampler.engine_config import DeviceSettings
 from april_jax.sampler.sampling import sample_tokens
 from april_jax.sampler.rows import READOUT, PackedRows, unpack
+from april_jax.sampler import state as state_lib
 from april_jax.sampler.state import SlotState, init_state, state_logical_axes
 
 
 def prefill_kv(cfg: qwen3.Qwen3Config, params, tokens_BxT: jax.Array) -> qwen3.KVCache:
-  """The KV of B (right-padded) sequences: k, v [L, B, T, K, H]."""
-  _, kv = qwen3.hidden_states(cfg, params, tokens_BxT, return_kv=True)
-  return kv
+  """The KV of B (right-padded) sequences: k, v [L, B, T, K, H]; with a Qwen3-MoE model
+  also each position's experts (routes [B, T, Ls, k] uint8), which insert records."""
+  _, kv, seen = qwen3.hidden_states(cfg, params, tokens_BxT, return_kv=True, moe_out=True)
+  if seen is None:
+    return kv
+  return kv._replace(routes=seen.experts.astype(jnp.uint8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +240,9 @@ def insert(
   fields = {
       f.name: put(getattr(state, f.name), getattr(rows, f.name)) for f in dataclasses.fields(rows)
   }
+  if kv_LxRxTxKxH.routes is not None:  # a Qwen3-MoE model's, where the KV was written
+    T = kv_LxRxTxKxH.k.shape[2]  # (host KV's are unrecorded: its record holds them)
+    fields["routes"] = state.routes.at[at, :T].set(kv_LxRxTxKxH.routes[kv_rows_W], mode="drop")
   return state.replace(
       kv=_write_kv(layout, state, kv_LxRxTxKxH, slots_W, kv_rows_W),
       done=put(state.done, False),
@@ -310,7 +319,9 @@ def _decode_one(layout, cfg, chunk_pages, decode_attention, params, state, versi
   past = jnp.where(live, pos, 0)
   attend = _paged_attend(layout, state, past, chunk_pages, decode_attention)
   write = lambda cache, nk, nv, p: _write_positions(layout, state, nk, nv, p, live)
-  logits, kv = qwen3.decode_step(cfg, params, last, pos, state.kv, live, 0, write, attend)
+  logits, kv, experts = qwen3.decode_step(
+      cfg, params, last, pos, state.kv, live, 0, write, attend, return_experts=True
+  )
   keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.length)
   new_tok, new_lp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
   at = jnp.minimum(state.length, M - 1)
@@ -327,6 +338,7 @@ def _decode_one(layout, cfg, chunk_pages, decode_attention, params, state, versi
       kv=kv,
       length=length,
       done=state.done | finished,
+      routes=state_lib.record_routes(state.routes, experts[:, None], pos[:, None], live[:, None]),
   )
   return state, drawn, finished
 
@@ -358,10 +370,11 @@ def feed(
   tokens = jnp.take_along_axis(state.tokens[row], jnp.minimum(positions, M - 1), axis=1)
   live = ok[:, None] & (jnp.arange(T)[None, :] < count[:, None])  # [W, T]
   attend = chunk_ops.chunk_attend(layout, state, slots_W, start, block_pages)
-  k, v = qwen3.chunk_kv(cfg, params, tokens, positions, attend)
+  (k, v, _), experts = qwen3.chunk_kv(cfg, params, tokens, positions, attend, return_experts=True)
   kv = chunk_ops.write_chunks(layout, state, k, v, slots_W, positions, live)
   at = jnp.where(ok, slots_W, S)
-  return state.replace(kv=kv, length=state.length.at[at].set(ends_W, mode="drop"))
+  routes = state_lib.record_routes(state.routes, experts, positions, live, row)
+  return state.replace(kv=kv, length=state.length.at[at].set(ends_W, mode="drop"), routes=routes)
 
 
 def extract_rows(state: SlotState, slots_W: jax.Array):
@@ -414,6 +427,12 @@ def extract_kv(
   return fn(state.kv.k, state.kv.v, table_SxJ, slots_W)
 
 
+def extract_routes(state: SlotState, slots_W: jax.Array, length: int) -> jax.Array:
+  """W slots' recorded routes at positions < length (entries < 0 are padding): uint8
+  [W, length, Ls, k], one transfer."""
+  return state.routes[jnp.maximum(slots_W, 0), :length]
+
+
 def mark_done(state: SlotState, mask_S: jax.Array) -> SlotState:
   return state.replace(done=state.done | mask_S)
 
@@ -428,6 +447,7 @@ class DeviceFns:
   decode: Any
   extract_rows: Any
   extract_kv: Any
+  extract_routes: Any
   write_rows: Any
   mark_done: Any
   feed: Any
@@ -479,6 +499,15 @@ def _placement(init, mesh, rules):
   return _CacheLayout(mesh, slot_axes, head_axes), state_sh, kv_sh
 
 
+def kv_shardings(cfg: qwen3.Qwen3Config, kv_sh) -> qwen3.KVCache:
+  """Where sequences' KV lie before insert: k, v in kv_sh, a Qwen3-MoE model's routes
+  replicated (None without a mesh)."""
+  if kv_sh is None:
+    return None
+  routes = NamedSharding(kv_sh.mesh, PartitionSpec()) if cfg.num_experts else None
+  return qwen3.KVCache(kv_sh, kv_sh, routes)
+
+
 @functools.lru_cache(maxsize=32)
 def device_fns(
     cfg: qwen3.Qwen3Config, settings: DeviceSettings, mesh=None, rules=sharding.DECODE_RULES
@@ -509,7 +538,7 @@ def device_fns(
   layout, state_sh, kv_sh = _placement(init, mesh, rules)
   pin = {} if state_sh is None else {"out_shardings": state_sh}
   pin_first = {} if state_sh is None else {"out_shardings": (state_sh, None, None)}
-  pin_kv = {} if kv_sh is None else {"out_shardings": qwen3.KVCache(kv_sh, kv_sh)}
+  pin_kv = {} if kv_sh is None else {"out_shardings": kv_shardings(cfg, kv_sh)}
   return DeviceFns(
       speculate=_speculate(cfg, s, layout, state_sh, feed_pages, traced),
       shards=shards,
@@ -528,6 +557,7 @@ def device_fns(
       ),
       extract_rows=jax.jit(extract_rows),
       extract_kv=jax.jit(functools.partial(extract_kv, layout), static_argnums=2),
+      extract_routes=jax.jit(extract_routes, static_argnums=2),
       write_rows=jax.jit(write_rows, donate_argnums=0, **pin),
       mark_done=jax.jit(mark_done, donate_argnums=0, **pin),
       feed=jax.jit(

@@ -35,6 +35,11 @@ S slots, each able to hold M tokens (prompt + response). A slot holding a sample
   group[s]                       the prompt group of the sample it holds or held last
                                  (-1: none): a speculative decode call drafts from its
                                  group's rows (drafts.py)
+  routes[s, t]                   a Qwen3-MoE model's experts at position t in every
+                                 sparse layer, [Ls, k] uint8, as the forward pass that
+                                 wrote t's KV chose them (the prefill's, a decode step's,
+                                 a feed's): the host reads back those it lacks (routing
+                                 replay, docs/moe.md). [S, M, 0, 1] for a dense model.
 Slots and pool pages are sharded over the batch axes of the sampler's rules
 (sharding.DECODE_RULES: `data`), KV heads over its tensor-parallel axes, so each device
 holds the KV of its own heads for its own slots, in its own pages.
@@ -68,6 +73,7 @@ class SlotState:
   # arrays cost nothing to rebuild on the host after each device call)
   done: jax.Array  # bool [S]
   group: jax.Array  # int32 [S]; -1 = no group
+  routes: jax.Array  # uint8 [S, M, Ls, k]
 
 
 @flax.struct.dataclass
@@ -122,6 +128,7 @@ def init_state(
       rng=jnp.zeros((S, 2), jnp.uint32),
       done=jnp.ones((S,), bool),
       group=jnp.full((S,), -1, jnp.int32),
+      routes=jnp.zeros((S, M) + cfg.route_shape, jnp.uint8),
   )
 
 
@@ -146,4 +153,19 @@ def state_logical_axes() -> SlotState:
       rng=("batch", None),
       done=vec,
       group=vec,
+      routes=("batch", "seq", None, None),
   )
+
+
+def record_routes(routes_SxMxLsxK, experts_BxTxLsxK, positions_BxT, live_BxT, slots_B=None):
+  """routes with each live (row, t)'s experts written at its slot's position (rows are
+  the slots themselves, or slots_B[b]; other entries unchanged). A dense model's routes
+  are empty: nothing to write."""
+  if routes_SxMxLsxK.shape[2] == 0:
+    return routes_SxMxLsxK
+  S, M = routes_SxMxLsxK.shape[:2]
+  B = positions_BxT.shape[0]
+  slots = jnp.arange(B) if slots_B is None else slots_B
+  rows = jnp.where(live_BxT, slots[:, None], S)  # out of range: dropped
+  at = jnp.minimum(positions_BxT, M - 1)
+  return routes_SxMxLsxK.at[rows, at].set(experts_BxTxLsxK.astype(jnp.uint8), mode="drop")

@@ -51,6 +51,8 @@ def _warm_bucket(parts, b: int) -> None:
     device.insert(kv, W, [], [], [], [], [], table)
   no_rows = np.full(Wr, -1, np.int32)
   jax.block_until_ready(device.fns.extract_kv(device.state, no_rows, b, table))
+  if cfg.num_experts:  # the routes read back with a slot's tokens
+    jax.block_until_ready(device.fns.extract_routes(device.state, np.full(W, -1, np.int32), b))
   zeros = np.zeros((cfg.num_layers, Wr, b, cfg.num_kv_heads, cfg.head_dim), config.kv_dtype)
   device.insert(device.on_device(qwen3.KVCache(zeros, zeros)), Wr, [], [], [], [], [], table)
   feeds = config.hold_stopped and config.feed_given == "prefill"

@@ -1,4 +1,5 @@
-"""The shapes of released Qwen3 dense models (their HF config.json), by name.
+"""The shapes of released Qwen3 models, dense and mixture-of-experts (their HF
+config.json), by name.
 
 Configs for real models set `model.init` from here, so that the planner and the compile
 check know the shape without weights; a run still loads `model.path`, whose config.json
@@ -45,5 +46,33 @@ QWEN3_SHAPES = {
         num_kv_heads=8,
         head_dim=128,
         tie_word_embeddings=False,
+    ),
+    "qwen3_30b_a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "qwen3_235b_a22b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
     ),
 }

@@ -89,6 +89,12 @@ class TrainSettings:
   weight_decay: float = 0.0  # AdamW's
   b1: float = 0.9  # AdamW's
   b2: float = 0.999  # AdamW's
+  # AdamW's two moments are kept in float32 | bfloat16 (computed in float32 either way):
+  # bfloat16 halves the learner's largest arrays (rl/step.py, docs/moe.md).
+  moments_dtype: str = "float32"
+  # A mixture-of-experts model's load-balancing loss (Switch's, as transformers' Qwen3-MoE
+  # computes it) added to the policy loss with this weight: 0 = off, as RL recipes set it.
+  router_aux_loss_coef: float = 0.0
   max_grad_norm: float = 1.0  # gradients clipped to this global norm
   num_minibatches: int = 1  # optimizer updates per RL step (per epoch)
   num_microbatches: int = 1  # gradient accumulation per update

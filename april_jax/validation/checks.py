@@ -20,7 +20,7 @@ from april_jax.validation import split as validate_split
 from april_jax.envs import base as env_base
 from april_jax.envs import python_tool
 from april_jax.errors import InputError
-from april_jax.models import attention
+from april_jax.models import attention, moe, qwen3
 from april_jax.rewards import loading as reward_loading
 from april_jax.tasks import longtail as longtail_task
 from april_jax.rl import advantages, losses
@@ -90,6 +90,13 @@ def _checks_model(c, err: Callable[[str], None]) -> None:
     err(f"model.attention must be one of {attention.IMPLEMENTATIONS}, got {m.attention!r}")
   if m.attention_chunk < 1:
     err(f"model.attention_chunk must be >= 1, got {m.attention_chunk}")
+  if m.experts_impl not in moe.IMPLS:
+    err(f"model.experts_impl must be one of {moe.IMPLS}, got {m.experts_impl!r}")
+  if not m.path and m.init.num_experts:
+    try:
+      qwen3.Qwen3Config.from_init(m.init)
+    except ValueError as e:
+      err(f"model.init: {e}")
   if m.path:
     if not (Path(m.path) / "config.json").is_file():
       err(f"model.path {m.path!r} is not a model folder (no config.json there)")
@@ -260,6 +267,10 @@ def _checks_batch_split(c, err: Callable[[str], None]) -> None:
     err(f"train.lr must be > 0, got {t.lr}")
   if t.lr_schedule not in ("constant", "cosine"):
     err(f"train.lr_schedule must be 'constant' or 'cosine', got {t.lr_schedule!r}")
+  if t.moments_dtype not in DTYPES:
+    err(f"train.moments_dtype must be one of {DTYPES}, got {t.moments_dtype!r}")
+  if t.router_aux_loss_coef < 0:
+    err(f"train.router_aux_loss_coef must be >= 0, got {t.router_aux_loss_coef}")
   for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "logprob_chunk"):
     if int(getattr(t, name)) < 1:
       err(f"train.{name} must be >= 1, got {getattr(t, name)}")

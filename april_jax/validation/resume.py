@@ -95,7 +95,7 @@ def check_same_model(saved: dict[str, Any] | None, cfg, step: int, directory: st
   one checkpoint `step` was trained as (`saved`: hf_io.architecture of that model)."""
   if saved is None:
     return  # a checkpoint from before the model was saved with it
-  now = dataclasses.asdict(cfg)
+  now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as the checkpoint keeps it
   changed = [
       f"{k}: {v!r} -> {now.get(k, '<unset>')!r}" for k, v in saved.items() if now.get(k) != v
   ]

@@ -49,6 +49,7 @@ from april_jax.models import qwen3
 from april_jax.sampler import chunk_ops
 from april_jax.sampler.speculation import drafts
 from april_jax.sampler.sampling import sample_tokens
+from april_jax.sampler import state as state_lib
 from april_jax.sampler.state import SlotState
 
 
@@ -118,8 +119,11 @@ def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E
   positions = pos0[:, None] + j  # the chunk's positions: pending token, then drafts
   named = jnp.where(live, slots_W, -1)  # a slot that cannot move reads and writes nothing
   attend = chunk_ops.chunk_attend(layout, state, named, jnp.where(live, pos0, 0), block_pages)
-  logits, kv = qwen3.chunk_kv(cfg, params, chunk, positions, attend, logits=True)
-  kv = chunk_ops.write_chunks(layout, state, kv.k, kv.v, named, positions, j <= n[:, None])
+  logits, kv, experts = qwen3.chunk_kv(
+      cfg, params, chunk, positions, attend, logits=True, return_experts=True
+  )
+  written = j <= n[:, None]
+  kv = chunk_ops.write_chunks(layout, state, kv.k, kv.v, named, positions, written)
   drawn, logprobs = _draws(logits, state, at, positions + 1)
   stop = jnp.isin(drawn, stop_ids_E)
   e = drafts.accepted(draft_tokens, drawn, n, stop)
@@ -139,6 +143,7 @@ def _pass(layout, cfg, K, ngram, block_pages, params, state, version, stop_ids_E
       kv=kv,
       length=state.length.at[back[:, 0]].set(length, mode="drop"),
       done=state.done.at[back[:, 0]].set(finished, mode="drop"),
+      routes=state_lib.record_routes(state.routes, experts, positions, live[:, None] & written, at),
   )
   last = jnp.minimum(e, K - 1)
   right = e + ((e < n) & (drawn[rows, last] == draft_tokens[rows, last]))
