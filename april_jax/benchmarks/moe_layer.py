@@ -1,6 +1,7 @@
 """The expert layer against a dense feed-forward of the same active width (K experts of
 width F against one MLP of width K·F) at equal tokens: timed here at Qwen3-30B-A3B's
-ratios scaled down, and compiled at its real widths for the FLOPs and bytes XLA counts.
+ratios scaled down, and at its real widths the FLOPs the program's matmuls ask for
+(benchmarks/jaxpr_flops.py) beside the FLOPs and bytes XLA's compiled count gives.
 Both sides carry the router's matmul out of the comparison: the expert side is routing
 (softmax, top-k, sort) plus the grouped matmuls, in each of `moe.IMPLS`, the dense side
 three matmuls."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from april_jax.benchmarks import common
+from april_jax.benchmarks import common, jaxpr_flops
 from april_jax.models import moe
 
 # (D, E, K, F) of Qwen3-30B-A3B (shared/model config) and the same at a quarter width.
@@ -41,12 +42,18 @@ def _compiled(shape: dict, tokens: int, dtype) -> dict:
       (impl, jax.jit(_expert_side, static_argnums=(5, 6)), (*expert, shape["K"], impl))
       for impl in moe.IMPLS
   ]
+  arrays = lambda args: [a for a in args if isinstance(a, jax.ShapeDtypeStruct)]
   out = {}
   for name, fn, args in [*sides, ("dense", jax.jit(_dense_side), dense)]:
     cost = fn.lower(*args).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    static = args[len(arrays(args)) :]
+    asked = jaxpr_flops.matmul_flops(
+        lambda *a, fn=fn, static=static: fn(*a, *static), *arrays(args)
+    )
     out[name] = {
-        "gflops": cost.get("flops", 0.0) / 1e9,
+        "gflops": asked / 1e9,
+        "xla_gflops": cost.get("flops", 0.0) / 1e9,
         "mb": cost.get("bytes accessed", 0.0) / 1e6,
     }
   return out
@@ -90,9 +97,13 @@ def run(tokens: int = 1024, repeats: int = 5, timed_at: str = "scaled", dtype="f
         f"  experts ({impl}) {timed[f'{impl}_ms']:.2f} ms, dense {timed['dense_ms']:.2f} ms: "
         f"{timed[f'{impl}_over_dense']:.2f}x"
     )
-  print(f"compiled at Qwen3-30B-A3B's widths (bfloat16), {tokens} tokens:")
+  print(
+      f"at Qwen3-30B-A3B's widths (bfloat16), {tokens} tokens: GFLOP the program's matmuls "
+      "ask for (each loop's body times its trips); XLA's compiled count (a loop's body once) "
+      "and the MB it counts moved"
+  )
   for name, c in compiled.items():
-    print(f"  {name}: {c['gflops']:.1f} GFLOP, {c['mb']:.0f} MB")
+    print(f"  {name}: {c['gflops']:.1f} GFLOP; XLA {c['xla_gflops']:.1f} GFLOP, {c['mb']:.0f} MB")
   return {
       "mode": "moe_layer",
       "tokens": tokens,

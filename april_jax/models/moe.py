@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # A recorded route's value for "not recorded" (routes are uint8: up to 255 experts). The
 # learner's replay computes its own router's choice there.
@@ -69,7 +70,8 @@ def block_rows(pairs: int, num_experts: int) -> int:
 def _grouped_blocks(x_RxD, w_ExDxF, sizes_E, block: int):
   """x's rows (sorted by expert, `sizes_E` a group) through their expert's matrix: the
   groups padded to whole blocks of `block` rows, each block one matmul with its expert's
-  matrix. Computes at most R + E·(block - 1) rows, never every expert on every row."""
+  matrix (grouped_matmul). Computes at most R + E·(block - 1) rows, never every expert on
+  every row."""
   R, D = x_RxD.shape
   E = w_ExDxF.shape[0]
   padded = (sizes_E + block - 1) // block * block
@@ -83,8 +85,63 @@ def _grouped_blocks(x_RxD, w_ExDxF, sizes_E, block: int):
   expert_of_block = jnp.minimum(
       jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), E - 1
   )
-  out = jnp.einsum("nbd,ndf->nbf", x_blocks.reshape(blocks, block, D), w_ExDxF[expert_of_block])
+  out = grouped_matmul(x_blocks.reshape(blocks, block, D), w_ExDxF, expert_of_block)
   return out.reshape(blocks * block, -1)[row]
+
+
+# Blocks a grouped_matmul step multiplies at once: their expert matrices are gathered (a
+# copy), so this bounds the copy at GROUP matrices, whatever the tokens.
+GROUP = 32
+
+
+def _groups(n: int) -> tuple[int, int]:
+  """(blocks a step, steps) for n blocks."""
+  size = min(n, GROUP)
+  return size, -(-n // size)
+
+
+def _by_group(a, size: int, steps: int):
+  """a [n, ...] padded to steps x size and split into steps of size."""
+  pad = steps * size - a.shape[0]
+  a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+  return a.reshape((steps, size) + a.shape[1:])
+
+
+@jax.custom_vjp
+def grouped_matmul(x_NxBxD: jax.Array, w_ExDxF: jax.Array, expert_N: jax.Array) -> jax.Array:
+  """y[n] = x[n] @ w[expert[n]] for N blocks of B rows, [N, B, F], a scan over steps of
+  GROUP blocks: each step gathers its blocks' matrices and runs one batched matmul, so
+  no more than GROUP expert matrices are ever copied. Its gradient (_grouped_bwd) adds
+  each step's weight gradient into its experts' slots in place: no gradient of a gathered
+  copy exists either."""
+  size, steps = _groups(x_NxBxD.shape[0])
+  step = lambda xs: jnp.einsum("gbd,gdf->gbf", xs[0], w_ExDxF[xs[1]])
+  y = jax.lax.map(step, (_by_group(x_NxBxD, size, steps), _by_group(expert_N, size, steps)))
+  return y.reshape((-1,) + y.shape[2:])[: x_NxBxD.shape[0]]
+
+
+def _grouped_fwd(x_NxBxD, w_ExDxF, expert_N):
+  return grouped_matmul(x_NxBxD, w_ExDxF, expert_N), (x_NxBxD, w_ExDxF, expert_N)
+
+
+def _grouped_bwd(residuals, dy_NxBxF):
+  x, w, expert = residuals
+  N = x.shape[0]
+  size, steps = _groups(N)
+  xs = (_by_group(x, size, steps), _by_group(dy_NxBxF, size, steps), _by_group(expert, size, steps))
+
+  def step(dw, args):
+    x_g, dy_g, e_g = args
+    dx_g = jnp.einsum("gbf,gdf->gbd", dy_g, w[e_g])
+    dw = dw.at[e_g].add(jnp.einsum("gbd,gbf->gdf", x_g, dy_g, preferred_element_type=jnp.float32))
+    return dw, dx_g
+
+  dw, dx = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), xs)
+  dx = dx.reshape((-1,) + dx.shape[2:])[:N].astype(x.dtype)
+  return dx, dw.astype(w.dtype), np.zeros(expert.shape, jax.dtypes.float0)
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def experts_ffn(
