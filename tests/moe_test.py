@@ -73,7 +73,7 @@ def test_experts_without_tokens_and_one_expert_with_all_of_them(impl):
 
 def test_the_blocks_pad_each_expert_to_whole_blocks_and_no_more():
   assert moe.block_rows(24 * 2, 8) == 8  # a few rows an expert: the smallest block
-  assert moe.block_rows(8192 * 8, 128) == 256  # 512 rows an expert on average
+  assert moe.block_rows(8192 * 8, 128) == 128  # 512 rows an expert on average: a quarter
   assert moe.block_rows(10**7, 8) == 512
   with pytest.raises(ValueError, match="impl 'dense' is not one of"):
     moe.experts_ffn(
@@ -132,13 +132,13 @@ def test_the_balancing_loss_is_k_when_balanced_and_ignores_masked_tokens():
 
 def test_the_blocks_compile_to_the_flops_of_the_routed_tokens_not_of_every_expert():
   """At Qwen3-30B-A3B's widths (128 experts, 8 a token), 1,024 tokens: the blocks path's
-  matmul FLOPs (its jaxpr's, every scanned step counted) stay within 1.6x a dense
+  matmul FLOPs (its jaxpr's, every scanned step counted) stay within 1.3x a dense
   feed-forward of the same active width (the padding of the last block of each expert),
   not the 16x of every expert on every row."""
   from april_jax.benchmarks import moe_layer  # pylint: disable=g-import-not-at-top
 
   compiled = moe_layer._compiled(moe_layer.REAL, 1024, jnp.bfloat16)  # pylint: disable=protected-access
-  assert compiled["blocks"]["gflops"] <= 1.6 * compiled["dense"]["gflops"], compiled
+  assert compiled["blocks"]["gflops"] <= 1.3 * compiled["dense"]["gflops"], compiled
 
 
 def test_the_grouped_matmul_never_copies_more_than_a_step_of_expert_matrices():

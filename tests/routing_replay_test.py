@@ -19,6 +19,7 @@ from april_jax.rollout import AprilScheduler, RewardRunner, RolloutSettings
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.group import Group
 from april_jax.sampler import EngineConfig, SlotEngine
+from april_jax.sampler.records import Status
 from april_jax.settings.train import TrainSettings
 from conftest import mesh_or_skip, tiny_qwen3
 from record_builders import random_prompts
@@ -68,6 +69,15 @@ def test_preempted_samples_keep_the_routes_of_every_position(params, mode):
   assert _same_routes(params, records) > 0.995  # float32 decode against a forward pass
 
 
+def test_speculative_verify_passes_record_the_routes_of_the_tokens_they_keep(params):
+  """Drafts checked K = 4 at a time: a pass writes routes at every drafted position, and
+  the rejected ones lie past the new length, rewritten by the next pass."""
+  prompts = [p.tolist() for p in random_prompts(5, [5, 9, 3, 12])]
+  kw = dict(max_new_tokens=30, num_slots=4, max_len=48, temperature=0.7, seed=2)
+  records = sampler.generate(CFG, params, prompts, speculative_tokens=4, return_records=True, **kw)
+  assert _same_routes(params, records) > 0.995
+
+
 def _scheduler(params, seed=0):
   config = EngineConfig(num_slots=6, max_len=48, sync_every=4, stop_ids=tuple(range(3, 9)))
   engine = SlotEngine(CFG, params, config)
@@ -90,7 +100,7 @@ def _scheduler(params, seed=0):
 def test_routes_survive_apriles_buffer_and_a_checkpoints_arrays(params):
   scheduler = _scheduler(params)
   carried = []
-  for step in range(4):
+  for step in range(3):
     result = scheduler.step(step)
     trained = [s for g in result.groups for s in g.samples]
     carried += [s for s in trained if s.cuts > 0]
@@ -172,3 +182,38 @@ def test_a_sharded_sampler_draws_and_records_what_one_device_does(params):
   for a, b in zip(ours, plain):
     np.testing.assert_array_equal(a.response, b.response)
     np.testing.assert_array_equal(a.routes, b.routes)
+
+
+def test_observations_fed_between_turns_have_their_routes(params):
+  """Two-turn episodes: a sample stops at a stop token and is held; an observation is
+  given and fed into its pages in one chunked prefill; the finished record's routes cover
+  the observation's positions as a forward pass over the whole episode chooses them."""
+  stops = tuple(range(3, 12))
+  config = EngineConfig(
+      num_slots=3, max_len=96, sync_every=4, stop_ids=stops, hold_stopped=True, feed_given="prefill"
+  )
+  engine = SlotEngine(CFG, params, config)
+  prompts = np.random.default_rng(1).integers(12, CFG.vocab_size, (4, 6))
+  queue = [
+      sampler.SampleRecord(prompt=p, max_new_tokens=60, rng=k, temperature=0.0, index=i)
+      for i, (p, k) in enumerate(zip(prompts, sampler.sample_keys(0, len(prompts))))
+  ]
+  turns, done, given = {}, [], 0
+  while queue or engine.num_live:
+    if queue and engine.num_free:
+      engine.admit(queue[: engine.num_free])
+      queue = [r for r in queue if not engine.holds(r)]
+    for r in engine.step():
+      if r.status is not Status.HELD:
+        done.append(r)
+        continue
+      turns[r.index] = turns.get(r.index, 0) + 1
+      obs = np.random.default_rng(r.index).integers(12, CFG.vocab_size, 7)
+      if turns[r.index] >= 2 or r.budget_left < len(obs) + 1:
+        engine.release(r)
+        done.append(r)
+      else:
+        engine.extend(r, obs)
+        given += len(obs)
+  assert len(done) == 4 and given > 0 and engine.counters.feeds > 0
+  assert _same_routes(params, done) > 0.995

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A recorded route's value for "not recorded" (routes are uint8: up to 255 experts). The
-# learner's replay computes its own router's choice there.
+# A recorded route's value for "not recorded" (routes are uint8, so a model has at most 255
+# experts: Qwen3-MoE's have 128). The learner's replay computes its own router's choice
+# there.
 UNRECORDED = 255
 
 
@@ -57,12 +58,12 @@ def replayed_gates(logits_TxE: jax.Array, experts_TxK: jax.Array, norm_topk_prob
 
 
 def block_rows(pairs: int, num_experts: int) -> int:
-  """The rows of a block in the `blocks` path: a power of two near half the mean rows an
-  expert gets, so the padding (at most an expert's last block) adds at most about half the
-  pairs, between 8 and 512."""
+  """The rows of a block in the `blocks` path: a power of two near a quarter of the mean
+  rows an expert gets, between 8 and 512. The blocks are shaped for the worst case, every
+  expert's last block nearly empty, which then adds at most a quarter of the pairs."""
   mean = pairs / max(num_experts, 1)
   size = 8
-  while size * 2 <= mean / 2 and size < 512:
+  while size * 2 <= mean / 4 and size < 512:
     size *= 2
   return size
 

@@ -105,13 +105,15 @@ class Qwen3Config:
   def _check_experts(self):
     if self.num_experts == 0:
       return
-    if not 1 <= self.num_experts_per_tok <= min(self.num_experts, 256):
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
       raise ValueError(
           f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
           f"{self.num_experts_per_tok}"
       )
-    if self.num_experts > 256:
-      raise ValueError(f"num_experts above 256 is not supported, got {self.num_experts}")
+    if self.num_experts > moe.UNRECORDED:  # recorded routes are uint8, 255 "not recorded"
+      raise ValueError(
+          f"num_experts above {moe.UNRECORDED} is not supported, got {self.num_experts}"
+      )
     if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
       raise ValueError(
           "moe_intermediate_size and decoder_sparse_step must be >= 1, got "

@@ -29,6 +29,7 @@ import dataclasses
 
 import numpy as np
 
+from april_jax.models import moe
 from april_jax.models.attention import MAX_SEGMENTS
 from april_jax.rl import batch as batch_lib
 
@@ -71,16 +72,16 @@ class Piece:
     runs = np.diff(np.append(np.flatnonzero(starts.reshape(-1)), segments.size))
     return [int(n) for n in runs]
 
-  def gather(self, v: np.ndarray) -> np.ndarray:
+  def gather(self, v: np.ndarray, fill=0) -> np.ndarray:
     """v [B, T0, ...] (or [B]) in this piece's layout: [M, b, T, ...] (unpacked [B] ->
-    [M, b]). Padding is 0 (False)."""
+    [M, b]). Packed rows' padding is `fill` (0, False)."""
     if not self.packed:
       return v[self.rows][:, :, : self.T] if v.ndim >= 2 else v[self.rows]
     live = self.sample >= 0
     s, p = np.where(live, self.sample, 0), self.pos
     out = v[s, p] if v.ndim >= 2 else v[s]
     live = live.reshape(live.shape + (1,) * (out.ndim - live.ndim))
-    return np.where(live, out, np.zeros((), v.dtype))
+    return np.where(live, out, np.asarray(fill, v.dtype))
 
   def scatter(self, out_BxT: np.ndarray, x: np.ndarray) -> None:
     """Writes x [M, b, T] (this piece's values) back into the batch layout out [B, T0]."""
@@ -97,7 +98,8 @@ class Piece:
 
   def device_arrays(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The piece's arrays of `batch`; packed, with its segments and positions."""
-    out = {k: self.gather(v) for k, v in batch.items()}
+    # Routes' padding is "not recorded" (padding's own experts are then its router's).
+    out = {k: self.gather(v, moe.UNRECORDED if k == "routes" else 0) for k, v in batch.items()}
     if self.packed:
       out["segments"] = self.segments()
       out["positions"] = np.where(self.sample >= 0, self.pos, 0).astype(np.int32)

@@ -288,7 +288,7 @@ class SampleRecord:
     """Its prompt, before it starts (an environment's reset rendered it)."""
     if self.started:
       raise TransitionError("set_prompt: the sample has started; its prompt is fixed")
-    self._set(prompt=_tokens(prompt, np.int32))
+    self._set(prompt=_tokens(prompt, np.int32), routes=None)  # the old prompt's routes go
 
   def set_episode(self, episode: Episode | None) -> None:
     """Its episode as its environment left it (episode_state.py)."""
