@@ -14,9 +14,9 @@ auxiliary loss stays off, as the peers' RL recipes for this model set it.
 
 It does not fit 8 x 80 GB yet. Compiled at its shapes on 8 fake devices (python -m
 april_jax.plan --config=configs/qwen3_30b_a3b.py --compile --devices=8
---device_memory_gb=80) the peak is 145.0 GB a device, in the gradients program: the
-experts' grouped matmuls copy each block's expert weights, and their gradients, and the
-KV pool of 4 KV heads is whole on each of the 8 devices. docs/moe.md says what is left.
+--device_memory_gb=80) the peak is 123.3 GB a device, in the gradients program (its
+activations at 17,408 tokens a call), and the KV pool of 4 KV heads is whole on each of
+the 8 devices. docs/moe.md says what is left.
 AdamW's moments are kept in bfloat16 (train.moments_dtype): 15.3 GB a device less.
 
 Variants, joined by '+', as configs/qwen3_8b.py's (baseline, tis, overlong, stale4), and
