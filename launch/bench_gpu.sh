@@ -57,6 +57,9 @@
 #       bash launch/bench_gpu.sh                                       # the step part, on a CPU
 #   PARTS=step_lora STEP_LORA_CONFIG=configs/tiny.py STEP_LORA_FLAGS=--config.train.lora.rank=4 \
 #       STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 bash launch/bench_gpu.sh   # LoRA's, on a CPU
+#   PARTS=moe MOE_WIDTHS=scaled MOE_TOKENS=256 MOE_SAMPLER_MODEL=small_moe NEW_TOKENS=64 \
+#       MOE_STEP_CONFIG=configs/tiny_moe.py STEP_MAX_RESPONSE_LEN=32 STEP_STEPS=1 \
+#       LIMIT_moe_sampler=900 bash launch/bench_gpu.sh                 # the moe part, on a CPU
 #
 # The step part: STEP_STEPS timed steps a side (default 3) at STEP_MAX_RESPONSE_LEN
 # (default 1,024: the 1.7B config's pools, two engines and the learner fit an 80 GB GPU),
@@ -97,6 +100,8 @@ STEP_MAX_RESPONSE_LEN=${STEP_MAX_RESPONSE_LEN:-1024}
 LIMIT_step=${LIMIT_step:-480}  # the step part compiles the learner too
 STEP_LORA_CONFIG=${STEP_LORA_CONFIG:-configs/gpu_bench.py:qwen3_8b_lora}
 LIMIT_step_lora=${LIMIT_step_lora:-480}
+MOE_SAMPLER_MODEL=${MOE_SAMPLER_MODEL:-qwen3_30b_a3b_2l}
+MOE_STEP_CONFIG=${MOE_STEP_CONFIG:-configs/gpu_bench.py:qwen3_30b_a3b_4l}
 
 run() {  # part name, then flags; the log's last line is the JSON result (if it finished)
   local name=$1; shift
@@ -139,12 +144,12 @@ for part in $PARTS; do
     # Overlapped rollout and learner (several GPUs), and the projection to a node.
     async) run async --mode=async --config="${ASYNC_CONFIG:-configs/tiny_tail.py}" \
         --steps="${ASYNC_STEPS:-12}" --node_devices="${ASYNC_NODE:-8}" ;;
-    moe) run moe --mode=moe_layer --moe_widths=real --dtype=bfloat16 \
+    moe) run moe --mode=moe_layer --moe_widths="${MOE_WIDTHS:-real}" --dtype=bfloat16 \
         --moe_tokens="${MOE_TOKENS:-16384}" --repeats=3
-      run moe_sampler --mode=sampler --models=qwen3_30b_a3b_2l --hf=false --dtype=bfloat16 \
+      run moe_sampler --mode=sampler --models="$MOE_SAMPLER_MODEL" --hf=false --dtype=bfloat16 \
         --batch=64 --prompt_len=256 --new_tokens="$NEW_TOKENS" --repeats=1 --tail_model=
       # shellcheck disable=SC2086
-      run moe_step --mode=step --config=configs/gpu_bench.py:qwen3_30b_a3b_4l --dist=dapo_math \
+      run moe_step --mode=step --config="$MOE_STEP_CONFIG" --dist=dapo_math \
         --steps="$STEP_STEPS" --max_response_len="$STEP_MAX_RESPONSE_LEN" ${MOE_STEP_FLAGS:-} ;;
     speculative) run speculative --mode=speculative --config="${SPEC_CONFIG:-configs/tiny.py}" \
         --spec_model="${SPEC_MODEL:-qwen3_1_7b}" --spec_live="${SPEC_LIVE:-1,8,32}" \
@@ -160,10 +165,12 @@ for part in $PARTS; do
   esac
 done
 
-python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" "$STEP_CONFIG" "$STEP_LORA_CONFIG" <<'PY'
+python - "$OUT" "$CONFIG" "$SAMPLER_MODELS" "$PARTS" "$STEP_CONFIG" "$STEP_LORA_CONFIG" \
+    "$MOE_SAMPLER_MODEL" "$MOE_STEP_CONFIG" <<'PY'
 import json, sys
 out, model, sampler_models, parts = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
 step_config, step_lora_config = sys.argv[5], sys.argv[6]
+moe_sampler_model, moe_step_config = sys.argv[7], sys.argv[8]
 def load(name):
   try:
     return json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
@@ -176,7 +183,7 @@ if "moe" in parts.split():  # the moe part's decode and step runs have logs of t
 kinds = [v["machine"]["device_kind"] for v in r.values() if "machine" in v]
 print(f"\non {kinds[0] if kinds else r.get('roofline', {}).get('backend', '?')}")
 for part, step_cfg in (("step", step_config), ("step_lora", step_lora_config),
-                       ("moe_step", "configs/gpu_bench.py:qwen3_30b_a3b_4l")):
+                       ("moe_step", moe_step_config)):
   if part not in r:
     continue
   st = r[part]
@@ -232,13 +239,14 @@ if "roofline" in r:
           f"bandwidth")
 if "moe" in r:
   m = r["moe"]
-  print(f"mixture-of-experts layer at Qwen3-30B-A3B's widths, {m['tokens']} tokens "
+  widths = "" if m["timed_at"] == "real" else "a quarter of "
+  print(f"mixture-of-experts layer at {widths}Qwen3-30B-A3B's widths, {m['tokens']} tokens "
         f"({m['dtype']}): " + ", ".join(
             f"experts ({impl}) {m[impl + '_ms']:.2f} ms = {m[impl + '_over_dense']:.2f}x"
             for impl in ("blocks", "ragged")) + f" a dense layer's {m['dense_ms']:.2f} ms")
 for part, models in (
     ("sampler", sampler_models), ("sampler_kernel", ["qwen3_0_6b"]), ("sampler_4b", ["qwen3_4b"]),
-    ("moe_sampler", ["qwen3_30b_a3b_2l"]), ("tail", []), ("tail_kernel", [])):
+    ("moe_sampler", [moe_sampler_model]), ("tail", []), ("tail_kernel", [])):
   if part not in r:
     continue
   s = r[part]
