@@ -435,7 +435,9 @@ def _over_layers(cfg: Qwen3Config, step, x, params: Params, adapters, routes=Non
     kvs.append(kv)
     if run.sparse:
       seen.append(run_seen)
-  joined = lambda parts: jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+  joined = lambda parts: (
+      parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+  )  # one run (dense, or every layer sparse): its own arrays, no copy
   return x, joined(kvs), (joined(seen) if seen else None)
 
 
